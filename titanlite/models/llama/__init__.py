@@ -1,0 +1,39 @@
+"""Llama 2/3: the model, its flavors and its tensor-parallel plan, as one registry entry."""
+
+from titanlite.models.llama.model import Llama, LlamaArgs
+from titanlite.models.llama.parallelize import apply_tp, tp_problems
+from titanlite.models.spec import ModelSpec, transformer_flops_per_token
+
+# Llama 3.1 long-context RoPE scaling: factor, low/high frequency factors, original context.
+_LLAMA31_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
+
+llama3_flavors: dict[str, LlamaArgs] = {
+    # CPU-sized: trains on 2 cores in minutes with the bundled 4k-vocab tokenizer.
+    "debugmodel": LlamaArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, rope_theta=500000.0, max_seq_len=2048),
+    # The published Llama 3.1 hyperparameters (vocab 128256 with Meta's tokenizer).
+    "8B": LlamaArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE_SCALING, max_seq_len=131072,
+    ),
+    "70B": LlamaArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE_SCALING, max_seq_len=131072,
+    ),
+    "405B": LlamaArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+        rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE_SCALING, max_seq_len=131072,
+    ),
+}
+
+llama3_spec = ModelSpec(
+    name="llama3",
+    model_class=Llama,
+    flavors=llama3_flavors,
+    apply_tp=apply_tp,
+    tp_problems=tp_problems,
+    flops_per_token=lambda args, n_params, seq_len: transformer_flops_per_token(
+        n_params - args.vocab_size * args.dim, args.n_layers, args.n_heads * args.head_dim, seq_len
+    ),
+)
+
+__all__ = ["Llama", "LlamaArgs", "llama3_flavors", "llama3_spec"]

@@ -1,0 +1,26 @@
+"""The model registry: `model.name` in the config -> flavors, builder, parallel plan.
+
+Adding a model is one folder under `models/` and one line here (see docs/adding_a_model.md).
+"""
+
+from __future__ import annotations
+
+from titanlite.errors import TitanliteError
+from titanlite.models.spec import ModelSpec
+
+
+def _registry() -> dict[str, ModelSpec]:
+    from titanlite.models.llama import llama3_spec
+
+    return {spec.name: spec for spec in (llama3_spec,)}
+
+
+def get_model_spec(name: str, flavor: str | None = None) -> ModelSpec:
+    """The spec for `model.name`, checking `model.flavor` when given."""
+    registry = _registry()
+    if name not in registry:
+        raise TitanliteError(f"model.name: unknown model {name!r}; registered: {', '.join(sorted(registry))}")
+    spec = registry[name]
+    if flavor is not None and flavor not in spec.flavors:
+        raise TitanliteError(f"model.flavor: {name} has no flavor {flavor!r}; choose one of {', '.join(spec.flavors)}")
+    return spec

@@ -1,0 +1,75 @@
+"""FSDP2: `fully_shard` each block, then the root, on the data-parallel mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from titanlite.errors import TitanliteError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shard_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    """The modules to shard one by one: the model's blocks, or every module of the named classes."""
+    if not class_names:
+        return list(model.layers.values())
+    units = [m for m in model.modules() if type(m).__name__ in class_names and m is not model]
+    found = {type(m).__name__ for m in units}
+    missing = [name for name in class_names if name not in found]
+    if missing:
+        raise TitanliteError(f"parallelism.fsdp_shard_modules: no module of class {', '.join(missing)} in the model")
+    return units
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: str,
+    cpu_offload: bool,
+    prefetch_depth: int,
+    shard_module_classes: list[str],
+) -> None:
+    """Shard parameters over `dp_mesh` (2D replicate x shard means HSDP).
+
+    reshard_after_forward: "always" frees every unit's gathered weights after forward (least
+    memory), "never" keeps them to backward (no re-gather), "default" reshards all but the
+    last unit, whose weights backward needs first anyway.
+    """
+    config = {
+        "mesh": dp_mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]),
+    }
+    if cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy()
+    units = shard_units(model, shard_module_classes)
+    for index, unit in enumerate(units):
+        last = index == len(units) - 1
+        reshard = {"always": True, "never": False, "default": not last}[reshard_after_forward]
+        fully_shard(unit, reshard_after_forward=reshard, **config)
+    fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **config)
+    if prefetch_depth > 0:
+        set_explicit_prefetch(units, prefetch_depth)
+
+
+def set_explicit_prefetch(units: list[nn.Module], depth: int) -> None:
+    """All-gather the next `depth` units' weights while the current one computes, in both
+    directions, instead of relying on FSDP2's implicit one-ahead prefetch."""
+    for index, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + depth])
+        unit.set_modules_to_backward_prefetch(units[max(0, index - depth) : index][::-1])
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip (False) or do (True) the reduce-scatter / all-reduce at the end of backward.
+
+    Gradient accumulation turns it off for every microbatch but the last, so gradients
+    accumulate unsharded locally and are reduced once per step.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

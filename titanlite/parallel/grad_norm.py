@@ -1,0 +1,56 @@
+"""Total gradient norm over every mesh dimension with one all-reduce, and clipping.
+
+`clip_grad_norm_` on DTensors reduces once per mesh dimension and fails when parameters
+live on different meshes. Here each rank sums the squares of its local gradient shards,
+dividing replicated shards by their replication count so each element counts once, and a
+single all-reduce over the world gives the global sum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _replication(grad: torch.Tensor) -> int:
+    """How many ranks hold identical copies of this gradient shard."""
+    if not isinstance(grad, DTensor):
+        return 1
+    mesh = grad.device_mesh
+    return math.prod(mesh.size(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Replicate))
+
+
+def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool) -> torch.Tensor:
+    """The L2 norm of all gradients, as a float32 scalar on the gradients' device.
+
+    world: the gradients are spread over every rank of the default process group.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    device = grads[0].device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_replication: dict[int, list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        by_replication.setdefault(_replication(g), []).append(local)
+    for copies, locals_ in by_replication.items():
+        norms = torch._foreach_norm(locals_, 2.0)
+        total += torch.stack([n.float() for n in norms]).pow(2).sum() / copies
+    if world and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def clip_gradients_(parameters: list[torch.nn.Parameter], max_norm: float, world: bool) -> torch.Tensor:
+    """Scale gradients so their total norm is at most max_norm (0 = measure only); returns the norm."""
+    norm = total_grad_norm(parameters, world)
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+        torch._foreach_mul_(locals_, scale.to(locals_[0].device))
+    return norm
+

@@ -1,0 +1,280 @@
+"""The trainer: `python -m titanlite.train --config debug_model.toml [--section.key value ...]`.
+
+Read top to bottom: `main` validates everything it can before touching a device, then
+`Trainer` builds the pieces in DESIGN.md's order (dist -> mesh -> data -> model ->
+parallelize -> optimizer -> checkpoint) and `train` runs a short loop of named steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from titanlite.checkpoint.train_state import TrainState
+from titanlite.config import JobConfig, load_config, to_dict
+from titanlite.data import Tokenizer, build_dataloader
+from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
+from titanlite.logging import init_logger, logger
+from titanlite.metrics import MetricsLogger, peak_flops
+from titanlite.models import get_model_spec
+from titanlite.models.spec import ModelSpec
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallel.activation_checkpoint import apply_ac
+from titanlite.parallel.compile import apply_compile
+from titanlite.parallel.distributed import init_distributed, set_collective_timeout, shutdown, world_from_env
+from titanlite.parallel.fsdp import DTYPES, apply_fsdp, set_gradient_sync
+from titanlite.parallel.grad_norm import clip_gradients_
+from titanlite.parallel.mesh import ParallelDims
+from titanlite.profiling import maybe_profile
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything derived from the config and the world size, checked before any device use."""
+
+    cfg: JobConfig
+    spec: ModelSpec
+    model_args: Any
+    tokenizer: Tokenizer
+    dims: ParallelDims
+    grad_accum_steps: int
+
+
+def plan_run(cfg: JobConfig, world_size: int) -> Plan:
+    """Resolve the model, mesh degrees and batch split; every user error surfaces here."""
+    spec = get_model_spec(cfg.model.name, cfg.model.flavor)
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
+    max_seq_len = getattr(args, "max_seq_len", None)
+    if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
+        raise TitanliteError(f"training.seq_len: {cfg.training.seq_len} exceeds the {cfg.model.flavor} flavor's max_seq_len {max_seq_len}")
+    per_microstep = cfg.training.local_batch_size * dims.dp
+    global_batch = cfg.training.global_batch_size
+    if global_batch == -1:
+        global_batch = per_microstep
+    if global_batch % per_microstep:
+        raise TitanliteError(
+            f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size "
+            f"{cfg.training.local_batch_size} x data-parallel degree {dims.dp}"
+        )
+    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
+    return Plan(cfg, spec, args, tokenizer, dims, global_batch // per_microstep)
+
+
+def parallelize(model: torch.nn.Module, plan: Plan, mesh) -> None:
+    """Apply the parallelisms in their fixed order: TP -> AC -> compile -> FSDP."""
+    cfg, dims = plan.cfg, plan.dims
+    if dims.tp_enabled:
+        plan.spec.apply_tp(model, ParallelDims.tp_mesh(mesh), cfg.parallelism.enable_loss_parallel)
+    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    if cfg.compile.enable:
+        apply_compile(model)
+    if dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            ParallelDims.fsdp_mesh(mesh),
+            param_dtype=cfg.training.mixed_precision_param,
+            reduce_dtype=cfg.training.mixed_precision_reduce,
+            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+            cpu_offload=cfg.training.enable_cpu_offload,
+            prefetch_depth=cfg.parallelism.fsdp_prefetch_depth,
+            shard_module_classes=cfg.parallelism.fsdp_shard_modules,
+        )
+
+
+class Trainer:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        cfg = self.cfg = plan.cfg
+        self.dist = init_distributed(cfg.comm.init_timeout_seconds)
+        self.device = self.dist.device
+        init_logger(self.dist.rank, log_all_ranks=not cfg.metrics.rank_0_only)
+        if cfg.job.print_config:
+            logger.info(f"config: {to_dict(cfg)}")
+        self._seed(cfg.training.seed, cfg.training.deterministic)
+
+        self.mesh = plan.dims.build_mesh(self.device.type)
+        dp_mesh = ParallelDims.dp_mesh(self.mesh)
+        self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+        dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        self.data = build_dataloader(cfg.training, plan.tokenizer, dp_rank, plan.dims.dp)
+        self.data_iter = iter(self.data)
+
+        self.model = self._build_model()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.state = TrainState()
+        self.checkpoint = self._build_checkpoint()
+
+        compute_dtype = DTYPES[cfg.training.mixed_precision_param]
+        peak = peak_flops(self.device, compute_dtype, cfg.metrics.peak_flops)
+        tb_dir = None
+        if cfg.metrics.enable_tensorboard and (self.dist.rank == 0 or not cfg.metrics.rank_0_only):
+            run_name = time.strftime("%Y%m%d-%H%M%S") + ("" if self.dist.rank == 0 else f"-rank{self.dist.rank}")
+            tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, run_name)
+        self.metrics = MetricsLogger(self.device, self.flops_per_token, peak, plan.dims.tp, tb_dir)
+        logger.info(
+            f"model {cfg.model.name} {cfg.model.flavor}: {self.n_params:,} parameters, "
+            f"{self.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.mesh}; "
+            f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
+        )
+
+    @staticmethod
+    def _seed(seed: int, deterministic: bool) -> None:
+        torch.manual_seed(seed)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+
+    def _build_model(self) -> torch.nn.Module:
+        """Build on meta (no memory), parallelize, then materialize this rank's shards."""
+        plan = self.plan
+        with torch.device("meta"):
+            model = plan.spec.model_class(plan.model_args)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.flops_per_token = plan.spec.flops_per_token(plan.model_args, self.n_params, self.cfg.training.seq_len)
+        parallelize(model, plan, self.mesh)
+        offload = plan.dims.fsdp_enabled and self.cfg.training.enable_cpu_offload
+        model.to_empty(device="cpu" if offload else self.device)
+        model.init_weights(seed=self.cfg.training.seed)
+        model.train()
+        return model
+
+    def _build_checkpoint(self):
+        if not (self.cfg.checkpoint.enable_checkpoint or self.cfg.checkpoint.create_seed_checkpoint or self.cfg.checkpoint.initial_load_path):
+            return None
+        from titanlite.checkpoint.manager import CheckpointManager
+
+        return CheckpointManager(
+            self.cfg.checkpoint,
+            dump_folder=self.cfg.job.dump_folder,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.data,
+            train_state=self.state,
+            model_fingerprint={"name": self.cfg.model.name, "flavor": self.cfg.model.flavor, "args": repr(self.plan.model_args)},
+            spec=self.plan.spec,
+            model_args=self.plan.model_args,
+        )
+
+    def _compute_context(self) -> contextlib.ExitStack:
+        """Loss parallel when the logits are vocab-sharded; autocast when FSDP (which owns
+        mixed precision otherwise) is not applied."""
+        stack = contextlib.ExitStack()
+        if self.plan.dims.tp_enabled and self.cfg.parallelism.enable_loss_parallel:
+            stack.enter_context(loss_parallel())
+        param_dtype = DTYPES[self.cfg.training.mixed_precision_param]
+        if not self.plan.dims.fsdp_enabled and param_dtype != torch.float32:
+            stack.enter_context(torch.autocast(self.device.type, dtype=param_dtype))
+        return stack
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over the microbatches, clip, step. Returns (local loss, grad norm)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for index, (inputs, labels) in enumerate(microbatches):
+            set_gradient_sync(self.model, index == len(microbatches) - 1)
+            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            with self._compute_context():
+                logits = self.model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / len(microbatches)
+                loss.backward()
+            loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        return loss_sum, grad_norm
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        """Average over data-parallel ranks (gloo has no AVG, so SUM / size)."""
+        if self.dp_group is not None:
+            value = value.clone()
+            dist.all_reduce(value, group=self.dp_group)
+            value /= dist.get_world_size(self.dp_group)
+        return value.item()
+
+    def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
+        return self.metrics.log(step, self._global_mean(loss), grad_norm.item(), self.lr_scheduler.get_last_lr()[0])
+
+    def train(self) -> list[dict[str, float]]:
+        """Run to `training.steps` (resuming from a checkpoint if there is one); returns the
+        logged scalars of each log step, for tests and benchmarks."""
+        cfg = self.cfg
+        if self.checkpoint is not None:
+            if cfg.checkpoint.create_seed_checkpoint:
+                self.checkpoint.save_seed()
+                return []
+            self.checkpoint.load()
+            if self.state.step:
+                logger.info(f"resumed at step {self.state.step}")
+        set_collective_timeout(cfg.comm.train_timeout_seconds)
+        history = []
+        tokens_per_microbatch = cfg.training.local_batch_size * cfg.training.seq_len
+        with maybe_profile(cfg, self.dist.rank) as profiler:
+            while self.state.step < cfg.training.steps:
+                self.state.step += 1
+                step = self.state.step
+                microbatches = [next(self.data_iter) for _ in range(self.plan.grad_accum_steps)]
+                loss, grad_norm = self.train_step(microbatches)
+                self.state.tokens_seen += tokens_per_microbatch * len(microbatches) * self.plan.dims.dp
+                self.metrics.add_tokens(tokens_per_microbatch * len(microbatches))
+                last = step == cfg.training.steps
+                if step == 1 or step % cfg.metrics.log_freq == 0 or last:
+                    history.append({"step": step, **self.log(step, loss, grad_norm)})
+                if self.checkpoint is not None:
+                    self.checkpoint.save(step, last=last)
+                profiler.step()
+        return history
+
+    def close(self) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+        self.metrics.close()
+
+
+def report_user_error(error: TitanliteError) -> int:
+    """One line on rank 0, nothing from the others; the exit code says it was the input."""
+    rank, _ = world_from_env()
+    if rank == 0:
+        print(f"titanlite: error: {error}", file=sys.stderr, flush=True)
+    return USER_ERROR_EXIT_CODE
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(sys.argv[1:] if argv is None else argv)
+        plan = plan_run(cfg, world_from_env()[1])
+    except TitanliteError as error:
+        return report_user_error(error)
+    trainer = None
+    try:
+        trainer = Trainer(plan)
+        trainer.train()
+        return 0
+    except TitanliteError as error:
+        return report_user_error(error)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
