@@ -46,7 +46,8 @@ def apply_fsdp(
         "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]),
     }
     if cpu_offload:
-        config["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory speeds host<->GPU copies; there is nothing to pin for without one.
+        config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     units = shard_units(model, shard_module_classes)
     for index, unit in enumerate(units):
         last = index == len(units) - 1

@@ -23,11 +23,22 @@ def _replication(grad: torch.Tensor) -> int:
     return math.prod(mesh.size(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Replicate))
 
 
+def reduce_partial_grads_(parameters: list[torch.nn.Parameter]) -> None:
+    """Finish pending reductions: a replicated weight used on sequence shards (norms under
+    sequence parallel, without FSDP to reduce it) gets a Partial gradient; sum it now, once,
+    so the norm, the clipping and the optimizer all see the true gradient."""
+    for p in parameters:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+
 def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool) -> torch.Tensor:
     """The L2 norm of all gradients, as a float32 scalar on the gradients' device.
 
     world: the gradients are spread over every rank of the default process group.
     """
+    reduce_partial_grads_(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
