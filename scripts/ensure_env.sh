@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sourced by run_train.sh and run_tests.sh: pick a Python that has titanlite's dependencies,
+# or make one. Sets $PYTHON.
+#
+# 1. $PYTHON (or python3) already importing torch, sentencepiece and tensorboard is used as
+#    it is (a GPU machine with its own torch build), with the repo on PYTHONPATH.
+# 2. Otherwise a virtual environment in .venv gets them: the CPU build torch==2.13.0 when
+#    no NVIDIA GPU is present (a bare "torch" could pull a multi-GB CUDA build), then the
+#    project itself with its test extra.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}"
+
+has_deps() { "$1" -c "import torch, sentencepiece, tensorboard" >/dev/null 2>&1; }
+
+if [ -x "$repo_root/.venv/bin/python" ] && has_deps "$repo_root/.venv/bin/python"; then
+    PYTHON="$repo_root/.venv/bin/python"
+elif has_deps "${PYTHON:-python3}"; then
+    PYTHON="${PYTHON:-python3}"
+else
+    echo "titanlite: setting up $repo_root/.venv (one time)" >&2
+    python3 -m venv "$repo_root/.venv"
+    PYTHON="$repo_root/.venv/bin/python"
+    "$PYTHON" -m pip install -q --upgrade pip >/dev/null
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        "$PYTHON" -m pip install -q "torch==2.13.0"
+    fi
+    "$PYTHON" -m pip install -q -e "$repo_root[test]"
+fi
+export PYTHON
