@@ -1,0 +1,44 @@
+"""Helpers that start real multi-process gloo runs with a hard timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("trainer_worker.py")
+
+
+def run_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def torchrun(nproc: int, module_or_script: list[str], args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`python -m titanlite.launch --standalone --nproc-per-node N ...`; a hang fails the test."""
+    cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}", *module_or_script, *args]
+    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_trainer_worker(nproc: int, args: list[str], out: Path, timeout: float = 240) -> dict:
+    """Train with `args` on `nproc` processes; returns the worker's JSON (history, per-rank bytes)."""
+    result = torchrun(nproc, [str(WORKER), str(out)], args, timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return json.loads(out.read_text())
+
+
+def read_tensorboard(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag in the (single) run under `folder`, as (step, value) lists."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = sorted(p.parent for p in folder.rglob("events.out.tfevents.*"))
+    assert runs, f"no TensorBoard event files under {folder}"
+    accumulator = EventAccumulator(str(runs[-1]))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
