@@ -1,0 +1,335 @@
+"""Document sources: endless, resumable streams of text documents.
+
+A source never reads a whole corpus into memory. `documents(cursor)` yields
+`(text, next_cursor)` pairs: the document and the cursor at which the *following*
+document starts, so whoever consumes the stream can record exactly where to resume.
+Passing that cursor back to `documents` continues with the following document; the
+stream from a cursor is always the same, whether it was started there or reached there.
+
+Every source is endless: after its last document it starts again at the first, with
+`epoch` one higher. It logs nothing; a source that turns out to hold no document at all
+raises `TitanliteError` instead of spinning.
+
+A cursor is a small dict of ints with the same keys for every source, so it goes into a
+checkpoint's state_dict as it is (and loads into a template of another source kind):
+
+    {"epoch": passes completed, "item": ..., "line": ..., "offset": ...}
+
+    builtin   item = document index (pydoc topics first, then stdlib files)
+    files     item = file index in the sorted listing; line = lines (rows, for parquet)
+              of that file already read; offset = byte offset of the next line (0 for parquet)
+    hf        item = documents consumed in this epoch (resume skips that many: streaming
+              datasets cannot seek, so the skip reads and drops them)
+
+File indices refer to the listing taken when the source is built: adding or removing
+files between a save and a resume shifts what the cursor points at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from titanlite.errors import TitanliteError
+
+Cursor = dict[str, int]
+
+# Text files: one document per blank-line-separated paragraph; a paragraph longer than
+# this many characters is cut at a line boundary and continues as the next document, so
+# a file without blank lines never has to fit in memory at once.
+MAX_PARAGRAPH_CHARS = 1 << 20
+
+FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+BUILTIN_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
+
+
+def make_cursor(epoch: int = 0, item: int = 0, line: int = 0, offset: int = 0) -> Cursor:
+    return {"epoch": epoch, "item": item, "line": line, "offset": offset}
+
+
+def start_cursor() -> Cursor:
+    """The first document of the first epoch, for any source."""
+    return make_cursor()
+
+
+class Source:
+    """An endless, resumable document stream. Subclasses implement `_epoch`."""
+
+    name: str  # identifies the data in a saved state: "builtin", "files:<path>", "hf:<name>"
+
+    def documents(self, cursor: Cursor | None = None) -> Iterator[tuple[str, Cursor]]:
+        """Yield `(text, cursor of the next document)` from `cursor` on, forever."""
+        c = dict(start_cursor() if cursor is None else cursor)
+        epoch, item, line, offset = c["epoch"], c["item"], c["line"], c["offset"]
+        while True:
+            empty = True
+            for text, (item, line, offset) in self._epoch(item, line, offset):
+                empty = False
+                yield text, make_cursor(epoch, item, line, offset)
+            if empty and (item, line, offset) == (0, 0, 0):
+                raise TitanliteError(self._empty_message())
+            epoch, item, line, offset = epoch + 1, 0, 0, 0
+
+    def _epoch(self, item: int, line: int, offset: int) -> Iterator[tuple[str, tuple[int, int, int]]]:
+        """One pass from (item, line, offset) to the end: `(text, (item, line, offset) of
+        the next document)`. Empty documents are not yielded."""
+        raise NotImplementedError
+
+    def _empty_message(self) -> str:
+        return f"training.dataset_path: no documents in {self.name}"
+
+
+# --------------------------------------------------------------------------- builtin
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files, in a fixed order (sorted walk, tests and
+    third-party packages left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in BUILTIN_SKIP_DIRS)
+        found.extend(Path(folder) / f for f in sorted(files) if f.endswith(".py"))
+    return found
+
+
+class BuiltinSource(Source):
+    """Real text that ships with Python: every `pydoc_data.topics` entry (sorted by topic),
+    then every standard-library `.py` file (sorted walk, skipping site-packages and the
+    test/tests/idlelib/lib2to3 folders), one document each. Files that are not valid
+    UTF-8 are skipped. Deterministic for a given Python installation (another Python
+    version ships other text). Stdlib files are small, so each is read whole."""
+
+    name = "builtin"
+
+    def __init__(self) -> None:
+        from pydoc_data.topics import topics
+
+        self._topics = [topics[k] for k in sorted(topics)]
+        self._files = stdlib_files()
+
+    def __len__(self) -> int:
+        """Documents per epoch, counting files that later turn out undecodable."""
+        return len(self._topics) + len(self._files)
+
+    def document(self, index: int) -> str | None:
+        if index < len(self._topics):
+            return self._topics[index]
+        try:
+            return self._files[index - len(self._topics)].read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            return None
+
+    def _epoch(self, item, line, offset):
+        for index in range(item, len(self)):
+            text = self.document(index)
+            if text:
+                yield text, (index + 1, 0, 0)
+
+    def _empty_message(self) -> str:
+        return "training.dataset: the builtin corpus is empty (no pydoc topics or stdlib sources found)"
+
+
+# --------------------------------------------------------------------------- files
+
+
+def list_data_files(path: str) -> list[Path]:
+    """The .txt/.jsonl/.parquet files at `path` (a file, or a folder searched recursively,
+    sorted by relative path, hidden entries skipped)."""
+    if not path:
+        raise TitanliteError("training.dataset_path: dataset 'files' needs a path (got '')")
+    p = Path(path)
+    if not p.exists():
+        raise TitanliteError(f"training.dataset_path: not found: {path}")
+    if p.is_file():
+        if p.suffix not in FILE_SUFFIXES:
+            raise TitanliteError(f"training.dataset_path: unsupported file type {p.suffix or '(none)'}: {path} (expected {'/'.join(FILE_SUFFIXES)})")
+        return [p]
+    found = []
+    for folder, dirs, files in os.walk(p):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found.extend(Path(folder) / f for f in files if Path(f).suffix in FILE_SUFFIXES and not f.startswith("."))
+    if not found:
+        raise TitanliteError(f"training.dataset_path: no {'/'.join(FILE_SUFFIXES)} files in {path}")
+    return sorted(found, key=lambda f: f.relative_to(p).parts)
+
+
+class FilesSource(Source):
+    """Local files, streamed line by line (row group by row group for parquet):
+
+    - `.txt`: one document per paragraph (lines up to a blank line; like `datasets`'
+      text builder with `sample_by="paragraph"`); a paragraph over 1 MiB of text is cut at
+      a line boundary. Lines keep their newlines; the paragraph's last newline is dropped.
+    - `.jsonl`: one document per line, its "text" field (blank lines skipped).
+    - `.parquet`: one document per row of the "text" column (needs pyarrow); null rows skipped.
+
+    Bytes that are not valid UTF-8 are replaced (U+FFFD) rather than stopping a run.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.name = f"files:{path}"
+        self.files = list_data_files(path)
+        if any(f.suffix == ".parquet" for f in self.files):
+            _import_pyarrow(self.files)
+
+    def _epoch(self, item, line, offset):
+        for index in range(item, len(self.files)):
+            f = self.files[index]
+            read = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[f.suffix]
+            for text, line, offset in read(f, line, offset):
+                yield text, (index, line, offset)
+            line, offset = 0, 0
+
+    def _empty_message(self) -> str:
+        return f"training.dataset_path: no documents in {self.path} (all {len(self.files)} data files are empty)"
+
+
+def _lines(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
+    """Decoded lines from byte `offset` on, each with the (line, offset) just after it."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for raw in f:
+            line += 1
+            offset += len(raw)
+            yield raw.decode("utf-8", errors="replace"), line, offset
+
+
+def _read_txt(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
+    parts: list[str] = []
+    size = 0
+    end = (line, offset)
+    for text, line_after, offset_after in _lines(path, line, offset):
+        if not text.strip():
+            if parts:
+                yield "".join(parts).rstrip("\r\n"), *end
+                parts, size = [], 0
+            continue
+        parts.append(text)
+        size += len(text)
+        end = (line_after, offset_after)
+        if size >= MAX_PARAGRAPH_CHARS:
+            yield "".join(parts).rstrip("\r\n"), *end
+            parts, size = [], 0
+    if parts:
+        yield "".join(parts).rstrip("\r\n"), *end
+
+
+def _read_jsonl(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
+    for raw, line_after, offset_after in _lines(path, line, offset):
+        if not raw.strip():
+            continue
+        where = f"{path}:{line_after}"
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise TitanliteError(f"training.dataset_path: {where}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or "text" not in record:
+            raise TitanliteError(f"training.dataset_path: {where}: line has no \"text\" field")
+        text = record["text"]
+        if not isinstance(text, str):
+            raise TitanliteError(f"training.dataset_path: {where}: \"text\" is {type(text).__name__}, expected a string")
+        if text:
+            yield text, line_after, offset_after
+
+
+def _import_pyarrow(files: list[Path]) -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        first = next(f for f in files if f.suffix == ".parquet")
+        raise TitanliteError(f"training.dataset_path: reading {first} needs pyarrow (pip install pyarrow)") from None
+    return pq
+
+
+def _read_parquet(path: Path, row: int, _offset: int) -> Iterator[tuple[str, int, int]]:
+    import pyarrow as pa
+
+    pq = _import_pyarrow([path])
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise TitanliteError(f"training.dataset_path: {path}: not a readable parquet file ({e})") from None
+    schema = pf.schema_arrow
+    if "text" not in schema.names:
+        raise TitanliteError(f"training.dataset_path: {path}: no \"text\" column (columns: {', '.join(schema.names)})")
+    kind = schema.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+        raise TitanliteError(f"training.dataset_path: {path}: column \"text\" is {kind}, expected strings")
+    first = 0
+    for group in range(pf.num_row_groups):
+        rows = pf.metadata.row_group(group).num_rows
+        if row < first + rows:
+            texts = pf.read_row_group(group, columns=["text"]).column(0).to_pylist()
+            for i in range(row - first, rows):
+                if texts[i]:
+                    yield texts[i], first + i + 1, 0
+            row = first + rows
+        first += rows
+
+
+# --------------------------------------------------------------------------- hf
+
+
+class HFSource(Source):
+    """A Hugging Face `datasets` stream (`pip install titanlite[hf]`), split "train",
+    `streaming=True`, field "text". `path` is a hub name (optionally `name:config`, e.g.
+    `allenai/c4:en`), a local folder (datasets infers the builder from its files) or one
+    local .txt/.json/.jsonl/.parquet/.csv file (read with the matching builder).
+
+    The cursor counts documents consumed; a streaming dataset cannot seek, so resuming
+    reads and drops that many documents again (slow for a position deep into a large
+    dataset, but exact). Every rank streams the whole dataset.
+    """
+
+    BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+    def __init__(self, path: str) -> None:
+        if not path:
+            raise TitanliteError("training.dataset_path: dataset 'hf' needs a hub name or local path (got '')")
+        try:
+            import datasets
+        except ImportError:
+            raise TitanliteError("training.dataset: 'hf' needs the datasets package: pip install titanlite[hf]") from None
+        self.path = path
+        self.name = f"hf:{path}"
+        p = Path(path)
+        try:
+            if p.is_file():
+                if p.suffix not in self.BUILDERS:
+                    raise TitanliteError(f"training.dataset_path: unsupported file type {p.suffix or '(none)'}: {path}")
+                self.dataset = datasets.load_dataset(self.BUILDERS[p.suffix], data_files=str(p), split="train", streaming=True)
+            elif p.is_dir():
+                self.dataset = datasets.load_dataset(str(p), split="train", streaming=True)
+            else:
+                name, _, config = path.partition(":")
+                self.dataset = datasets.load_dataset(name, config or None, split="train", streaming=True)
+        except TitanliteError:
+            raise
+        except Exception as e:  # datasets raises many types (hub, network, builder errors)
+            first = next((s for s in str(e).splitlines() if s.strip()), "")
+            raise TitanliteError(f"training.dataset_path: cannot open Hugging Face dataset {path!r}: {type(e).__name__}: {first}") from None
+
+    def _epoch(self, item, line, offset):
+        stream = self.dataset.skip(item) if item else self.dataset
+        for index, example in enumerate(stream, start=item + 1):
+            if "text" not in example:
+                raise TitanliteError(f"training.dataset_path: Hugging Face dataset {self.path!r} has no \"text\" field (fields: {', '.join(example)})")
+            text = example["text"]
+            if text:
+                yield text, (index, 0, 0)
+
+
+def build_source(dataset: str, dataset_path: str = "") -> Source:
+    """The source named by `training.dataset` ("builtin", "files" or "hf")."""
+    if dataset == "builtin":
+        return BuiltinSource()
+    if dataset == "files":
+        return FilesSource(dataset_path)
+    if dataset == "hf":
+        return HFSource(dataset_path)
+    raise TitanliteError(f"training.dataset: unknown dataset {dataset!r} (expected builtin, files or hf)")
