@@ -1,0 +1,116 @@
+"""Convert between our checkpoints and Hugging Face Llama weights (one process, no GPU).
+
+    # ours -> HF: model.safetensors + config.json, loadable by LlamaForCausalLM.from_pretrained
+    python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_out/ [--dtype bfloat16]
+    python scripts/convert_hf.py to-hf model.pt hf_out/ --model llama3 --flavor 8B --vocab-size 128256
+
+    # HF -> ours: a DCP folder usable as checkpoint.initial_load_path (format dcp), or a .pt file
+    python scripts/convert_hf.py from-hf hf_model/ seed_ckpt/ [--model llama3] [--flavor 8B]
+
+Our checkpoints say which model they hold (commit.json); a bare .pt file does not, so
+to-hf then needs --model/--flavor/--vocab-size. from-hf reads the hyperparameters from
+config.json; --flavor only names the result (it must match config.json). Loading HF weights
+straight into training needs no conversion: checkpoint.initial_load_format = "hf".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from titanlite.checkpoint import export, policy
+from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
+from titanlite.models import get_model_spec
+from titanlite.parallel.fsdp import DTYPES
+
+
+def _adapter(spec):
+    if spec.hf_adapter is not None:
+        return spec.hf_adapter
+    if spec.name == "llama3":  # until the registry entry carries its adapter
+        from titanlite.checkpoint import hf_llama
+
+        return hf_llama
+    raise TitanliteError(f"--model: {spec.name} has no Hugging Face mapping")
+
+
+def to_hf(args: argparse.Namespace) -> str:
+    source = Path(args.source)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if source.suffix == ".pt":
+        if not (args.flavor and args.vocab_size):
+            raise TitanliteError(f"{source}: a .pt file does not say which model it holds: pass --flavor and --vocab-size")
+        spec = get_model_spec(args.model, args.flavor)
+        model_args = spec.args_for(args.flavor, args.vocab_size)
+        state = torch.load(source, map_location="cpu", weights_only=True)
+    else:
+        folder, record = policy.resolve_initial_load(source, "source")
+        if record is None:
+            raise TitanliteError(f"{folder}: no commit.json, so the model is unknown; export it to .pt first and pass --flavor")
+        spec, model_args = export.args_from_record(record)
+        state = export.read_dcp_model(folder)
+    out = export.save_hf(state, model_args, _adapter(spec), args.out, dtype)
+    return f"wrote {out / export.HF_WEIGHTS_FILE} and {export.HF_CONFIG_FILE} ({len(state)} tensors, {spec.name} {model_args.dim}d x {model_args.n_layers})"
+
+
+def from_hf(args: argparse.Namespace) -> str:
+    spec = get_model_spec(args.model, args.flavor)
+    adapter = _adapter(spec)
+    config = export.read_hf_config(args.source)
+    try:
+        base = spec.flavors[args.flavor] if args.flavor else None
+        model_args = adapter.args_from_hf_config(config, base)
+    except (KeyError, ValueError) as error:
+        raise TitanliteError(f"{Path(args.source) / export.HF_CONFIG_FILE}: {error}") from None
+    if args.flavor:
+        expected = spec.args_for(args.flavor, model_args.vocab_size)
+        if adapter.hf_config(expected) != adapter.hf_config(model_args):
+            raise TitanliteError(f"--flavor: {args.flavor} does not match {Path(args.source) / export.HF_CONFIG_FILE}")
+        model_args = expected
+    state = export.load_hf(args.source, adapter, model_args)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    state = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in state.items()}
+    out = Path(args.out)
+    if out.suffix == ".pt":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, out)
+        return f"wrote {out} ({len(state)} tensors)"
+    with export.single_process():
+        dcp.save({"model": state}, checkpoint_id=out, no_dist=True)
+    fingerprint = {"name": spec.name, "flavor": args.flavor or "hf", "args": repr(model_args)}
+    record = policy.CommitRecord(step=0, fingerprint=fingerprint, contents=["model"], model_weights_only=True,
+                                 export_dtype=args.dtype, model_args=dataclasses.asdict(model_args))
+    policy.write_commit(out, record)
+    return f"wrote DCP checkpoint {out} ({len(state)} tensors); use it as checkpoint.initial_load_path"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    out = sub.add_parser("to-hf", help="our DCP step folder (or .pt export) -> Hugging Face folder")
+    out.add_argument("source")
+    out.add_argument("out")
+    back = sub.add_parser("from-hf", help="Hugging Face folder -> our DCP folder (or .pt file)")
+    back.add_argument("source")
+    back.add_argument("out")
+    for p in (out, back):
+        p.add_argument("--model", default="llama3", help="registered model name (default llama3)")
+        p.add_argument("--flavor", default=None)
+        p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights")
+    out.add_argument("--vocab-size", type=int, default=None, help="with a .pt source")
+    args = parser.parse_args(argv)
+    try:
+        print(to_hf(args) if args.command == "to-hf" else from_hf(args))
+    except TitanliteError as error:
+        print(f"titanlite: error: {error}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Export a DCP checkpoint's model weights as one `torch.save` file (one process, no GPU).
+
+    python scripts/export_checkpoint.py outputs/checkpoint/step-1000 model.pt [--dtype bfloat16]
+
+The input is one step folder (or a checkpoint root: its newest complete step). Only the
+model's tensors are read, at their full (unsharded) shapes, whatever mesh saved them; the
+file is a plain state dict that loads into an unparallelized model:
+
+    model = Llama(args); model.init_weights(); model.load_state_dict(torch.load("model.pt"))
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from titanlite.checkpoint import export, policy
+from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
+from titanlite.parallel.fsdp import DTYPES
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a DCP step folder, or a checkpoint root (its newest complete step)")
+    parser.add_argument("out", help="output .pt file")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights (default: as saved)")
+    args = parser.parse_args(argv)
+    try:
+        folder, record = policy.resolve_initial_load(Path(args.checkpoint), "checkpoint")
+        n = export.dcp_to_full_file(folder, args.out, DTYPES[args.dtype] if args.dtype else None)
+    except TitanliteError as error:
+        print(f"titanlite: error: {error}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    size = Path(args.out).stat().st_size
+    what = f"step {record.step}" if record else "checkpoint"
+    print(f"wrote {args.out}: {n} tensors of {what} from {folder} ({size / 2**20:,.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

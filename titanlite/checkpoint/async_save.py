@@ -1,0 +1,161 @@
+"""How a checkpoint's bytes reach the disk: one small strategy per `checkpoint.async_mode`.
+
+Each strategy turns (state_dict, folder) into a Future that resolves, on this rank, when
+DCP's whole save has finished, `.metadata` included. That is the property the commit
+protocol relies on: DCP's coordinator (rank 0) writes `.metadata` only after it gathered
+every rank's write results, so on rank 0 "my future resolved" means "every rank's shards
+and the index are on disk", with no barrier needed.
+
+- "disabled": `dcp.save` in the caller; the loop waits for the full write.
+- "async": `dcp.async_save` with DCP's thread executor. The storage writer stages the state
+  into fresh CPU tensors (the loop pays that copy), a thread writes them. Its collectives run
+  on a dedicated gloo group so they never interleave with training collectives.
+- "async_with_pinned_mem": DCP's process executor: `DefaultStager` copies into cached
+  shared-memory CPU buffers (pinned, with non-blocking copies, when CUDA exists; reused by
+  every later save), then a separate daemon process (spawned once, its own gloo group)
+  serializes and writes, so the trainer's Python thread and GIL never do the write.
+  Staging is synchronous on purpose: the trainer steps the optimizer right after `save`
+  returns, so the copy must be finished by then.
+
+The test hook `TITANLITE_TEST_SLOW_WRITE_S` makes every rank's writer pause after writing
+its shards and before reporting back, which holds a save in flight long enough for a test
+to kill a rank mid-save. Nothing else reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from titanlite.logging import logger
+
+SLOW_WRITE_ENV = "TITANLITE_TEST_SLOW_WRITE_S"
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+
+
+class SlowFileSystemWriter(FileSystemWriter):
+    """Test-only writer: writes its shards, then sleeps before reporting them written, so
+    the checkpoint stays without `.metadata` and commit marker for `delay_s` seconds.
+    Module-level so the async process executor can pickle it."""
+
+    def __init__(self, path: str | os.PathLike, delay_s: float, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.delay_s = delay_s
+
+    def write_data(self, plan, planner):  # type: ignore[override]
+        future = super().write_data(plan, planner)
+        time.sleep(self.delay_s)
+        return future
+
+
+def make_storage_writer(path: str | os.PathLike) -> FileSystemWriter:
+    """DCP's file-system writer (one file per rank, fsync'd), or the slow test writer."""
+    delay = os.environ.get(SLOW_WRITE_ENV)
+    if delay:
+        return SlowFileSystemWriter(path, float(delay))
+    return FileSystemWriter(path)
+
+
+class Saver:
+    """Blocking saves ("disabled"); the base of the async strategies."""
+
+    mode = "disabled"
+
+    def __init__(self, process_group: dist.ProcessGroup | None):
+        self.process_group = process_group
+
+    def save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> Future:
+        dcp.save(state_dict, storage_writer=make_storage_writer(path), process_group=self.process_group)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def blocking_save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> None:
+        """A save the caller waits for (seed, last step), whatever the mode."""
+        Saver.save(self, state_dict, path)
+
+    def close(self) -> None:
+        """Release what the strategy holds; the manager waits for in-flight saves first."""
+
+
+class ThreadSaver(Saver):
+    mode = "async"
+
+    def save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> Future:
+        # FileSystemWriter is also DCP's blocking stager: async_save copies the state into
+        # new CPU tensors before returning, so training may modify the originals at once.
+        return dcp.async_save(state_dict, storage_writer=make_storage_writer(path), process_group=self.process_group)
+
+
+class ProcessSaver(Saver):
+    mode = "async_with_pinned_mem"
+
+    def __init__(self, process_group: dist.ProcessGroup | None):
+        super().__init__(process_group)
+        self.stager = self._new_stager()
+
+    @staticmethod
+    def _new_stager() -> DefaultStager:
+        cuda = torch.cuda.is_available()
+        # Pinning and non-blocking copies need CUDA; shared memory lets the writer process
+        # read the staged tensors without another copy.
+        return DefaultStager(
+            StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=cuda)
+        )
+
+    def _usable_stager(self) -> DefaultStager:
+        """torch 2.11's DefaultStager empties its copier after every stage (a fix for a
+        reference cycle; 2.13 moved that to close()), so there a stager stages only once and
+        every save needs a new one; 2.13's keeps its staging buffers across saves."""
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self.stager.close()
+            self.stager = self._new_stager()
+        return self.stager
+
+    def save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> Future:
+        return dcp.async_save(
+            state_dict,
+            storage_writer=make_storage_writer(path),
+            process_group=self.process_group,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=self._usable_stager(),
+        )
+
+    def close(self) -> None:
+        self.stager.close()
+        _stop_dcp_checkpoint_process()
+
+
+def _stop_dcp_checkpoint_process() -> None:
+    """End DCP's writer daemon now rather than at interpreter exit, so a trainer that
+    finished does not keep a process (and its gloo group) alive behind it.
+
+    DCP keeps the daemon in a private module global and stops it only from `__del__` or at
+    exit; this reaches that global (present in torch 2.11 and 2.13) and does what `__del__`
+    does. If a later torch renames it, the daemon still ends at exit (daemon=True).
+    """
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if process is None:
+        return
+    try:
+        process.__del__()
+    except Exception as error:  # a dead daemon is what we wanted anyway
+        logger.warning(f"checkpoint: stopping the checkpoint writer process: {error}")
+    executor._CHECKPOINT_PROCESS = None
+
+
+def build_saver(mode: str, process_group: dist.ProcessGroup | None) -> Saver:
+    """The strategy for `checkpoint.async_mode`."""
+    return {"disabled": Saver, "async": ThreadSaver, "async_with_pinned_mem": ProcessSaver}[mode](process_group)
