@@ -10,9 +10,10 @@ from titanlite.models.spec import ModelSpec
 
 
 def _registry() -> dict[str, ModelSpec]:
+    from titanlite.models.gpt2 import gpt2_spec
     from titanlite.models.llama import llama3_spec
 
-    return {spec.name: spec for spec in (llama3_spec,)}
+    return {spec.name: spec for spec in (llama3_spec, gpt2_spec)}
 
 
 def get_model_spec(name: str, flavor: str | None = None) -> ModelSpec:
