@@ -32,10 +32,6 @@ from titanlite.parallel.fsdp import DTYPES
 def _adapter(spec):
     if spec.hf_adapter is not None:
         return spec.hf_adapter
-    if spec.name == "llama3":  # until the registry entry carries its adapter
-        from titanlite.checkpoint import hf_llama
-
-        return hf_llama
     raise TitanliteError(f"--model: {spec.name} has no Hugging Face mapping")
 
 

@@ -11,18 +11,20 @@ set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}"
 
-has_deps() { "$1" -c "import torch, sentencepiece, tensorboard" >/dev/null 2>&1; }
+# run_tests.sh sets TITANLITE_TESTS=1: the test tools are then needed too.
+modules="torch, sentencepiece, tensorboard${TITANLITE_TESTS:+, pytest, pytest_timeout, safetensors}"
+has_deps() { "$1" -c "import $modules" >/dev/null 2>&1; }
 
 if [ -x "$repo_root/.venv/bin/python" ] && has_deps "$repo_root/.venv/bin/python"; then
     PYTHON="$repo_root/.venv/bin/python"
 elif has_deps "${PYTHON:-python3}"; then
     PYTHON="${PYTHON:-python3}"
 else
-    echo "titanlite: setting up $repo_root/.venv (one time)" >&2
-    python3 -m venv "$repo_root/.venv"
+    echo "titanlite: installing into $repo_root/.venv (one time)" >&2
+    [ -x "$repo_root/.venv/bin/python" ] || python3 -m venv "$repo_root/.venv"
     PYTHON="$repo_root/.venv/bin/python"
     "$PYTHON" -m pip install -q --upgrade pip >/dev/null
-    if ! command -v nvidia-smi >/dev/null 2>&1; then
+    if ! command -v nvidia-smi >/dev/null 2>&1 && ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
         "$PYTHON" -m pip install -q "torch==2.13.0"
     fi
     "$PYTHON" -m pip install -q -e "$repo_root[test]"

@@ -10,7 +10,6 @@ sharded FSDP 2 x TP 2 (4 processes) or FSDP 2, spawned with torch.multiprocessin
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import socket
@@ -69,7 +68,6 @@ def build(dp: int, tp: int, seed: int):
 
 
 def manager_for(cfg, folder, args, model, optimizer=None, scheduler=None, loader=None, state=None):
-    from titanlite.checkpoint import hf_llama
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.checkpoint.train_state import TrainState
     from titanlite.models.llama import llama3_spec
@@ -80,7 +78,7 @@ def manager_for(cfg, folder, args, model, optimizer=None, scheduler=None, loader
         lr_scheduler=scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
         dataloader=loader or CountingLoader(), train_state=state or TrainState(),
         model_fingerprint={"name": "llama3", "flavor": "tiny", "args": repr(args)},
-        spec=dataclasses.replace(llama3_spec, hf_adapter=hf_llama), model_args=args,
+        spec=llama3_spec, model_args=args,
     )
 
 
@@ -99,7 +97,8 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def export_worker(rank: int, world: int, port: int, folder: str) -> None:
-    from titanlite.checkpoint import export, hf_llama
+    from titanlite.checkpoint import export
+    from titanlite.models.llama import hf_adapter
     from titanlite.models.llama.model import Llama
 
     _init(rank, world, port)
@@ -111,7 +110,7 @@ def export_worker(rank: int, world: int, port: int, folder: str) -> None:
     export.export_full_state_dict(model, folder / "full.pt")
     full = export.full_model_state_dict(model)
     if rank == 0:
-        export.save_hf(full, args, hf_llama, folder / "hf")
+        export.save_hf(full, args, hf_adapter, folder / "hf")
         plain = Llama(args)
         plain.init_weights(seed=123)
         plain.load_state_dict(torch.load(folder / "full.pt", weights_only=True))

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanlite.checkpoint import export, hf_llama, policy
+from titanlite.checkpoint import export, policy
+from titanlite.models.llama import hf_adapter as hf_llama
 from titanlite.checkpoint.train_state import TrainState, rng_key
 from titanlite.errors import TitanliteError
 from titanlite.models.llama.model import Llama, LlamaArgs, apply_rope, rope_cos_sin

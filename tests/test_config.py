@@ -211,6 +211,12 @@ def test_range_errors_name_the_key_and_value(override, name):
     assert message.endswith(")") and "(got " in message, message
 
 
+def test_load_step_needs_checkpointing():
+    message = error_of(["--checkpoint.load_step", "10"])
+    assert message.startswith("checkpoint.load_step: ") and "checkpoint.enable_checkpoint" in message, message
+    assert load_config(["--checkpoint.load_step", "10", "--checkpoint.enable_checkpoint"]).checkpoint.load_step == 10
+
+
 @pytest.mark.parametrize(
     "name, bad",
     [

@@ -131,7 +131,6 @@ class Parallelism:
     data_parallel_shard_degree: int = _opt(-1, "ways FSDP2 shards the model; -1 = the remaining ranks", ge=1, special=-1)
     tensor_parallel_degree: int = _opt(1, "ways each layer is split by tensor parallelism", ge=1)
     enable_loss_parallel: bool = _opt(True, "with TP: compute the loss on vocab-sharded logits without gathering them")
-    enable_sequence_parallel: bool = _opt(True, "with TP: shard norms and residuals along the sequence dimension")
     fsdp_reshard_after_forward: str = _opt("default", "free gathered parameters after forward: default (all but the "
                                            "root), always, or never (more memory, less communication)",
                                            choices=("default", "always", "never"))
@@ -538,6 +537,11 @@ def validate(cfg: JobConfig) -> None:
         raise TitanliteError(
             "training.enable_cpu_offload: CPU offload needs resharding after forward "
             "(got parallelism.fsdp_reshard_after_forward = 'never')"
+        )
+    if cfg.checkpoint.load_step != -1 and not cfg.checkpoint.enable_checkpoint:
+        raise TitanliteError(
+            f"checkpoint.load_step: resuming from step {cfg.checkpoint.load_step} needs "
+            "checkpoint.enable_checkpoint = true"
         )
     for name in parallelism.fsdp_shard_modules:
         if not name.isidentifier():

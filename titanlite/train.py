@@ -111,7 +111,6 @@ class Trainer:
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         self.data = build_dataloader(cfg.training, plan.tokenizer, dp_rank, plan.dims.dp)
-        self.data_iter = iter(self.data)
 
         self.model = self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -225,13 +224,14 @@ class Trainer:
             if self.state.step:
                 logger.info(f"resumed at step {self.state.step}")
         set_collective_timeout(cfg.comm.train_timeout_seconds)
+        batches = iter(self.data)  # after load(): the loader resumes from its restored position
         history = []
         tokens_per_microbatch = cfg.training.local_batch_size * cfg.training.seq_len
         with maybe_profile(cfg, self.dist.rank) as profiler:
             while self.state.step < cfg.training.steps:
                 self.state.step += 1
                 step = self.state.step
-                microbatches = [next(self.data_iter) for _ in range(self.plan.grad_accum_steps)]
+                microbatches = [next(batches) for _ in range(self.plan.grad_accum_steps)]
                 loss, grad_norm = self.train_step(microbatches)
                 self.state.tokens_seen += tokens_per_microbatch * len(microbatches) * self.plan.dims.dp
                 self.metrics.add_tokens(tokens_per_microbatch * len(microbatches))

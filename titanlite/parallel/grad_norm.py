@@ -4,6 +4,10 @@
 live on different meshes. Here each rank sums the squares of its local gradient shards,
 dividing replicated shards by their replication count so each element counts once, and a
 single all-reduce over the world gives the global sum.
+
+On CPU the squares are summed with `sum()` rather than `_foreach_norm`: the CPU norm kernel
+accumulates float32 without cascading and drifts by ~2e-4 relative on a million-element
+gradient, enough to make the same gradients give different norms under different shardings.
 """
 
 from __future__ import annotations
@@ -23,14 +27,29 @@ def _replication(grad: torch.Tensor) -> int:
     return math.prod(mesh.size(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Replicate))
 
 
-def reduce_partial_grads_(parameters: list[torch.nn.Parameter]) -> None:
-    """Finish pending reductions: a replicated weight used on sequence shards (norms under
-    sequence parallel, without FSDP to reduce it) gets a Partial gradient; sum it now, once,
-    so the norm, the clipping and the optimizer all see the true gradient."""
+def align_grads_with_params_(parameters: list[torch.nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements before the norm and the step.
+
+    Two layouts reach here different from the parameter's: a replicated weight used on
+    sequence shards (norms under sequence parallel, with no FSDP to reduce it) gets a
+    Partial gradient, which must be summed once so the norm, the clipping and the optimizer
+    see the true gradient; and a vocab-sharded embedding table gets a Replicate gradient
+    (DTensor's embedding backward has no row-sharded rule), which is sliced back to the
+    parameter's shard, locally, so no rank keeps a full-table gradient.
+    """
     for p in parameters:
         g = p.grad
-        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+
+
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared elements in float32: one fused kernel on accelerators, a cascaded
+    (accurate) sum per tensor on CPU."""
+    if tensors[0].device.type == "cpu":
+        return torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.stack([n.float() for n in norms]).pow(2).sum()
 
 
 def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool) -> torch.Tensor:
@@ -38,7 +57,7 @@ def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool) -> torch.
 
     world: the gradients are spread over every rank of the default process group.
     """
-    reduce_partial_grads_(parameters)
+    align_grads_with_params_(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -49,8 +68,7 @@ def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool) -> torch.
         local = g.to_local() if isinstance(g, DTensor) else g
         by_replication.setdefault(_replication(g), []).append(local)
     for copies, locals_ in by_replication.items():
-        norms = torch._foreach_norm(locals_, 2.0)
-        total += torch.stack([n.float() for n in norms]).pow(2).sum() / copies
+        total += _sum_of_squares(locals_) / copies
     if world and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return total.sqrt()

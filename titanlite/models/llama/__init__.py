@@ -1,5 +1,6 @@
 """Llama 2/3: the model, its flavors and its tensor-parallel plan, as one registry entry."""
 
+from titanlite.models.llama import hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
 from titanlite.models.llama.parallelize import apply_tp, tp_problems
 from titanlite.models.spec import ModelSpec, transformer_flops_per_token
@@ -31,6 +32,7 @@ llama3_spec = ModelSpec(
     flavors=llama3_flavors,
     apply_tp=apply_tp,
     tp_problems=tp_problems,
+    hf_adapter=hf_adapter,
     flops_per_token=lambda args, n_params, seq_len: transformer_flops_per_token(
         n_params - args.vocab_size * args.dim, args.n_layers, args.n_heads * args.head_dim, seq_len
     ),
