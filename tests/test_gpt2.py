@@ -4,7 +4,6 @@ TP plan against one process (real gloo processes), plus one run of the real trai
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import subprocess
 import sys
@@ -128,19 +127,6 @@ def test_tp_and_fsdp_tp_match_one_process(tmp_path):
             assert result[key] == pytest.approx(reference[key], rel=1e-5), f"{nproc} processes, tp {tp}: {key}"
 
 
-def _trainer_missing() -> str | None:
-    """Why `titanlite.train` cannot be imported yet (its config / data modules land separately)."""
-    try:
-        importlib.import_module("titanlite.train")
-    except ImportError as error:
-        return str(error)
-    return None
-
-
-TRAINER_MISSING = _trainer_missing()
-
-
-@pytest.mark.skipif(TRAINER_MISSING is not None, reason=f"titanlite.train does not import yet: {TRAINER_MISSING}")
 def test_trainer_runs_gpt2(tmp_path):
     cmd = [
         sys.executable, "-m", "titanlite.train", "--config", "debug_model", "--model.name", "gpt2",
