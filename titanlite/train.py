@@ -34,8 +34,12 @@ from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.distributed import init_distributed, set_collective_timeout, shutdown, world_from_env
 from titanlite.parallel.fsdp import DTYPES, apply_fsdp, set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
+from titanlite.parallel.memory import check_training_state_fits
 from titanlite.parallel.mesh import ParallelDims
 from titanlite.profiling import maybe_profile
+
+
+RANK0_REPORT_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -148,8 +152,11 @@ class Trainer:
             model = plan.spec.model_class(plan.model_args)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = plan.spec.flops_per_token(plan.model_args, self.n_params, self.cfg.training.seq_len)
-        parallelize(model, plan, self.mesh)
         offload = plan.dims.fsdp_enabled and self.cfg.training.enable_cpu_offload
+        check_training_state_fits(
+            self.n_params, plan.dims.dp_shard * plan.dims.tp, self.device, offload, self.dist.local_world_size
+        )
+        parallelize(model, plan, self.mesh)
         model.to_empty(device="cpu" if offload else self.device)
         model.init_weights(seed=self.cfg.training.seed)
         model.train()
@@ -250,10 +257,17 @@ class Trainer:
 
 
 def report_user_error(error: TitanliteError) -> int:
-    """One line on rank 0, nothing from the others; the exit code says it was the input."""
+    """One line on rank 0, nothing from the others; the exit code says it was the input.
+
+    Every rank meets the same error (validation is deterministic; checkpoint problems are
+    decided on rank 0 and broadcast). The other ranks wait a moment before exiting: torchrun
+    stops all processes as soon as one fails, which could kill rank 0 before its line is out.
+    """
     rank, _ = world_from_env()
     if rank == 0:
         print(f"titanlite: error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK0_REPORT_GRACE_S)
     return USER_ERROR_EXIT_CODE
 
 
@@ -270,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except TitanliteError as error:
         return report_user_error(error)
+    except torch.OutOfMemoryError as error:
+        # A config this hardware cannot hold, like a bad input: one line (the allocator's
+        # first sentence) and the user-error exit code, which the launcher passes on quietly.
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        print(f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
+              f"or seq_len, or enable activation_checkpoint", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
     finally:
         if trainer is not None:
             trainer.close()
