@@ -69,7 +69,7 @@ def test_llama_presets_carry_the_published_settings(name, flavor, lr, tp, ac):
     assert cfg.training.seq_len == 8192
     assert (cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce) == ("bfloat16", "float32")
     assert cfg.checkpoint.enable_checkpoint and cfg.checkpoint.interval == 500
-    assert cfg.model.tokenizer_path == "assets/tokenizer/llama3/tokenizer.model"
+    assert cfg.model.tokenizer_path == "assets/tokenizer/llama/tokenizer.model"
     assert (cfg.training.dataset, cfg.training.dataset_path) == ("files", "data/")
 
 
