@@ -37,16 +37,19 @@ class PeakFlops:
     source: str
 
 
-def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> float:
-    """Best-of-`repeats` matmul rate on this process's threads: the CPU's practical peak."""
+def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, budget_s: float = 0.5) -> float:
+    """Best rate of `F.linear` (the op nn.Linear runs) on this process's threads: the CPU's
+    practical peak. Repeats until `budget_s` is spent (at least twice), so a CPU without
+    fast bf16 (where one product takes a quarter second) does not stall start-up."""
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
-    a @ b  # warm up the kernel choice
-    best = float("inf")
-    for _ in range(repeats):
+    torch.nn.functional.linear(a, b)  # warm up the kernel choice
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < 2 or spent < budget_s:
         start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
+        torch.nn.functional.linear(a, b)
+        elapsed = time.perf_counter() - start
+        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
     return 2 * size**3 / best
 
 
