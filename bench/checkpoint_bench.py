@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 import types
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 
 class _Position:
