@@ -23,7 +23,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -57,6 +56,7 @@ def main() -> None:
 
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.checkpoint.train_state import TrainState
+    from titanlite.config import Checkpoint
     from titanlite.logging import init_logger
     from titanlite.models import get_model_spec
     from titanlite.parallel.distributed import init_distributed
@@ -96,9 +96,7 @@ def main() -> None:
     results: dict[str, tuple[float, float]] = {}
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory() as folder:
-            cfg = types.SimpleNamespace(enable_checkpoint=True, folder="checkpoint", interval=1, async_mode=mode, keep_latest_k=2,
-                                        load_step=-1, model_weights_only=False, export_dtype="float32", initial_load_path="",
-                                        initial_load_format="dcp", create_seed_checkpoint=False)
+            cfg = Checkpoint(enable_checkpoint=True, interval=1, async_mode=mode, keep_latest_k=2)
             manager = CheckpointManager(cfg, dump_folder=folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                         dataloader=data, train_state=state, model_fingerprint={"name": "llama3", "flavor": args.flavor},
                                         spec=spec, model_args=model_args)

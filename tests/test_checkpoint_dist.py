@@ -14,7 +14,6 @@ import os
 import shutil
 import socket
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -22,29 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.stand_ins import CountingLoader
+from titanlite.config import Checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
 ARGS = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=32)
 
 
-def checkpoint_cfg(**overrides) -> types.SimpleNamespace:
-    values = dict(enable_checkpoint=True, folder="checkpoint", interval=2, async_mode="async", keep_latest_k=2, load_step=-1,
-                  model_weights_only=False, export_dtype="float32", initial_load_path="", initial_load_format="dcp",
-                  create_seed_checkpoint=False)
-    values.update(overrides)
-    return types.SimpleNamespace(**values)
-
-
-class CountingLoader:
-    """Stands in for the data loader: a global position, the same on every rank."""
-
-    def __init__(self):
-        self.position = 0
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
+def checkpoint_cfg(**overrides) -> Checkpoint:
+    return Checkpoint(**{"enable_checkpoint": True, "interval": 2, "keep_latest_k": 2, **overrides})
 
 
 def build(dp: int, tp: int, seed: int):

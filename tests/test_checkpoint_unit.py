@@ -10,9 +10,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.stand_ins import CountingLoader
 from titanlite.checkpoint import export, policy
 from titanlite.models.llama import hf_adapter as hf_llama
 from titanlite.checkpoint.train_state import TrainState, rng_key
+from titanlite.config import Checkpoint
 from titanlite.errors import TitanliteError
 from titanlite.models.llama.model import Llama, LlamaArgs, apply_rope, rope_cos_sin
 
@@ -254,30 +256,14 @@ def test_export_and_convert_scripts_round_trip(tmp_path, capsys):
 # ------------------------------------------------------------ manager, 1 process
 
 
-class _Position:
-    def __init__(self):
-        self.position = 0
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
-
-
 def _manager(folder, model, **cfg):
-    import types as _types
-
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.models.llama import llama3_spec
 
-    values = dict(enable_checkpoint=True, folder="checkpoint", interval=1, async_mode="disabled", keep_latest_k=1, load_step=-1,
-                  model_weights_only=False, export_dtype="float32", initial_load_path="", initial_load_format="dcp",
-                  create_seed_checkpoint=False)
-    values.update(cfg)
+    checkpoint_cfg = Checkpoint(**{"enable_checkpoint": True, "interval": 1, "async_mode": "disabled", "keep_latest_k": 1, **cfg})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state, data = TrainState(), _Position()
-    manager = CheckpointManager(_types.SimpleNamespace(**values), dump_folder=str(folder), model=model, optimizer=optimizer,
+    state, data = TrainState(), CountingLoader()
+    manager = CheckpointManager(checkpoint_cfg, dump_folder=str(folder), model=model, optimizer=optimizer,
                                 lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), dataloader=data,
                                 train_state=state, model_fingerprint={"name": "llama3", "flavor": "tiny", "args": repr(TINY)},
                                 spec=llama3_spec, model_args=TINY)
