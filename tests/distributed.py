@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("trainer_worker.py")
 
@@ -31,6 +33,28 @@ def run_trainer_worker(nproc: int, args: list[str], out: Path, timeout: float = 
     if result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return json.loads(out.read_text())
+
+
+# The fp32 recipe under which every parallel layout must reproduce one process's curve.
+EQUIVALENCE_STEPS = 5
+EQUIVALENCE_ARGS = [
+    "--config", "debug_model",
+    "--training.steps", str(EQUIVALENCE_STEPS),
+    "--training.seq_len", "64",
+    "--training.mixed_precision_param", "float32",
+    "--lr_scheduler.warmup_steps", "2",
+    "--optimizer.lr", "3e-3",
+    "--metrics.log_freq", "1",
+    "--metrics.enable_tensorboard", "false",
+]  # fmt: skip
+
+
+def assert_same_curve(history: list[dict], reference: list[dict], label: str, rel: float = 1e-5) -> None:
+    """Every step of an EQUIVALENCE_ARGS run logged, with loss and grad norm as the reference's."""
+    assert [h["step"] for h in history] == list(range(1, EQUIVALENCE_STEPS + 1))
+    for ours, ref in zip(history, reference):
+        for key in ("loss", "grad_norm"):
+            assert ours[key] == pytest.approx(ref[key], rel=rel), f"{label} step {ref['step']} {key}: {ours[key]} vs {ref[key]}"
 
 
 def read_tensorboard(folder: Path) -> dict[str, list[tuple[int, float]]]:

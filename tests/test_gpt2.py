@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.distributed import REPO, run_env, run_trainer_worker
+from tests.distributed import EQUIVALENCE_ARGS, REPO, assert_same_curve, run_env, run_trainer_worker
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
 from titanlite.models.gpt2 import GPT2, GPT2Args, gpt2_spec
@@ -108,18 +108,7 @@ def test_registry_and_tp_problems():
     assert gpt2_spec.tp_problems(gpt2_spec.args_for("124M", vocab_size=50304), 4) == []
 
 
-STEPS = 5
-TRAINER_COMMON = [
-    "--config", "debug_model",
-    "--model.name", "gpt2",
-    "--training.steps", str(STEPS),
-    "--training.seq_len", "64",
-    "--training.mixed_precision_param", "float32",
-    "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "3e-3",
-    "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false",
-]  # fmt: skip
+TRAINER_ARGS = EQUIVALENCE_ARGS + ["--model.name", "gpt2"]
 
 # name: (processes, overrides). Global batch 8 = local_batch_size x dp; TP 2 everywhere.
 TP_LAYOUTS = {
@@ -131,7 +120,7 @@ TP_LAYOUTS = {
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt2_one_process")
-    args = TRAINER_COMMON + ["--training.local_batch_size", "8", "--job.dump_folder", str(folder)]
+    args = TRAINER_ARGS + ["--training.local_batch_size", "8", "--job.dump_folder", str(folder)]
     return run_trainer_worker(1, args, folder / "out.json")
 
 
@@ -151,13 +140,10 @@ def test_trainer_tp_layouts_match_one_process(layout, one_process, tmp_path):
     steps with clipping (a wrong plan is off by 1e-4 or more), and each rank holds only
     its share of the weights, so the match is not a plan that did nothing."""
     nproc, overrides = TP_LAYOUTS[layout]
-    result = run_trainer_worker(nproc, TRAINER_COMMON + overrides + ["--job.dump_folder", str(tmp_path)], tmp_path / "out.json")
+    result = run_trainer_worker(nproc, TRAINER_ARGS + overrides + ["--job.dump_folder", str(tmp_path)], tmp_path / "out.json")
     reference = one_process["history"]
     assert reference[-1]["loss"] < reference[0]["loss"]
-    assert [h["step"] for h in result["history"]] == list(range(1, STEPS + 1))
-    for ours, ref in zip(result["history"], reference):
-        for key in ("loss", "grad_norm"):
-            assert ours[key] == pytest.approx(ref[key], rel=1e-5), f"{layout} step {ref['step']} {key}: {ours[key]} vs {ref[key]}"
+    assert_same_curve(result["history"], reference, layout)
 
     tp, dp_shard = 2, nproc // 2
     replicated = tp_replicated_bytes()

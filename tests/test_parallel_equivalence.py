@@ -10,19 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import run_trainer_worker
-
-STEPS = 5
-COMMON = [
-    "--config", "debug_model",
-    "--training.steps", str(STEPS),
-    "--training.seq_len", "64",
-    "--training.mixed_precision_param", "float32",
-    "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "3e-3",
-    "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false",
-]
+from tests.distributed import EQUIVALENCE_ARGS, assert_same_curve, run_trainer_worker
 
 # name: (processes, overrides). Global batch 8 = local_batch_size x dp x accumulation.
 LAYOUTS = {
@@ -39,14 +27,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reference")
-    return run_trainer_worker(1, COMMON + ["--training.local_batch_size", "8", "--job.dump_folder", str(folder)], folder / "out.json")
-
-
-def assert_same_curve(history, reference_history, rel=1e-5):
-    assert [h["step"] for h in history] == list(range(1, STEPS + 1))
-    for ours, ref in zip(history, reference_history):
-        for key in ("loss", "grad_norm"):
-            assert ours[key] == pytest.approx(ref[key], rel=rel), f"step {ref['step']} {key}: {ours[key]} vs {ref[key]}"
+    return run_trainer_worker(1, EQUIVALENCE_ARGS + ["--training.local_batch_size", "8", "--job.dump_folder", str(folder)], folder / "out.json")
 
 
 def degrees(overrides: list[str], nproc: int) -> tuple[int, int]:
@@ -61,9 +42,9 @@ def degrees(overrides: list[str], nproc: int) -> tuple[int, int]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_single_process(layout, reference, tmp_path):
     nproc, overrides = LAYOUTS[layout]
-    result = run_trainer_worker(nproc, COMMON + overrides + ["--job.dump_folder", str(tmp_path)], tmp_path / "out.json")
+    result = run_trainer_worker(nproc, EQUIVALENCE_ARGS + overrides + ["--job.dump_folder", str(tmp_path)], tmp_path / "out.json")
     assert reference["history"][-1]["loss"] < reference["history"][0]["loss"]
-    assert_same_curve(result["history"], reference["history"])
+    assert_same_curve(result["history"], reference["history"], layout)
 
     dp_shard, tp = degrees(overrides, nproc)
     for sizes in result["ranks"]:
