@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from titanlite.checkpoint import export, policy
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.models import get_model_spec
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.dtypes import DTYPES
 
 
 def _adapter(spec):

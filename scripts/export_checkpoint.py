@@ -17,7 +17,7 @@ from pathlib import Path
 
 from titanlite.checkpoint import export, policy
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.dtypes import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The one exception type for mistakes a user can make.
+"""The one exception type for mistakes a user can make, and the idioms that produce it.
 
 Anything the user controls (config values, paths, mesh sizes, tokenizer files, checkpoints)
 raises `TitanliteError` with a message that names the field or file and what is wrong.
@@ -6,9 +6,44 @@ The entry point turns it into a single line on rank 0 and exit code 2; every oth
 exception is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
 
 class TitanliteError(Exception):
     """A problem with the user's input, reported as one line and exit code 2."""
 
 
 USER_ERROR_EXIT_CODE = 2
+
+
+def one_line(error: BaseException) -> str:
+    """The root cause of an exception as `Type: first non-empty line`.
+
+    DCP wraps per-rank failures in a CheckpointException whose `failures` maps rank ->
+    (exception, traceback); the first failing rank's cause is what a user needs to read.
+    """
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _trace) = sorted(failures.items())[0]
+        return f"rank {rank}: {one_line(inner)}"
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+@contextlib.contextmanager
+def user_errors(what: str) -> Iterator[None]:
+    """Turn any failure inside the block into `TitanliteError("<what>: <cause>")`.
+
+    For calls into libraries that fail on bad input with their own exception types (DCP
+    raises CheckpointException, a BaseException; datasets raises many). Ctrl-C, exits and
+    our own errors pass through unchanged.
+    """
+    try:
+        yield
+    except (TitanliteError, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:
+        raise TitanliteError(f"{what}: {one_line(error)}") from None

@@ -32,7 +32,8 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.distributed import init_distributed, set_collective_timeout, shutdown, world_from_env
-from titanlite.parallel.fsdp import DTYPES, apply_fsdp, set_gradient_sync
+from titanlite.dtypes import DTYPES
+from titanlite.parallel.fsdp import apply_fsdp, set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.parallel.memory import check_training_state_fits
 from titanlite.parallel.mesh import ParallelDims

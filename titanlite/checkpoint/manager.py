@@ -50,7 +50,7 @@ from titanlite.checkpoint.async_save import ASYNC_MODES, Saver, build_saver
 from titanlite.checkpoint.train_state import RNG_PREFIX
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
-from titanlite.parallel.fsdp import DTYPES
+from titanlite.dtypes import DTYPES
 
 T = TypeVar("T")
 

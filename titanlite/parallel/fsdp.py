@@ -7,9 +7,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from titanlite.dtypes import DTYPES
 from titanlite.errors import TitanliteError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def shard_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
