@@ -66,7 +66,7 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
     dist.all_gather_object(gathered, history)
     if dist.get_rank() == 0:
         peak = trainer.metrics.peak
-        summary = {"ranks": gathered, "n_params": trainer.n_params, "peak_flops": peak.flops, "peak_source": peak.source, "device": str(trainer.device)}
+        summary = {"ranks": gathered, "n_params": trainer.size.n_params, "peak_flops": peak.flops, "peak_source": peak.source, "device": str(trainer.device)}
         Path(out_path).write_text(json.dumps(summary))
     trainer.close()
     dist.destroy_process_group()

@@ -40,3 +40,32 @@ def test_model_shapes_must_split_across_tp():
     with pytest.raises(TitanliteError, match="training.seq_len 255 is not divisible"):
         dims.check_model(llama3_spec.tp_problems(args, 2), 255)
     dims.check_model(llama3_spec.tp_problems(args, 2), 256)
+
+
+def test_global_batch_sets_the_accumulation_steps():
+    dims = ParallelDims.from_config(parallelism(tp=2), 8)  # dp 4
+    assert dims.grad_accum_steps(local_batch_size=2, global_batch_size=-1) == 1
+    assert dims.grad_accum_steps(local_batch_size=2, global_batch_size=16) == 2
+    with pytest.raises(TitanliteError, match="global_batch_size: 12 is not a multiple of local_batch_size 2 x data-parallel degree 4"):
+        dims.grad_accum_steps(local_batch_size=2, global_batch_size=12)
+
+
+def test_one_process_has_no_meshes():
+    meshes = ParallelDims.from_config(parallelism(), 1).build_mesh("cpu")
+    assert (meshes.world, meshes.dp, meshes.fsdp, meshes.tp) == (None, None, None, None)
+
+
+def test_meshes_of_hsdp_x_tp_on_a_fake_world():
+    """Rank 5 of a (dp_replicate 2, dp_shard 2, tp 2) world, simulated on one process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        meshes = ParallelDims.from_config(parallelism(replicate=2, tp=2), 8).build_mesh("cpu")
+        assert meshes.world.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+        assert meshes.dp.size() == 4 and meshes.dp.get_local_rank() == 2  # rank 5 = (1, 0, 1)
+        assert meshes.fsdp.mesh_dim_names == ("dp_replicate", "dp_shard")
+        assert meshes.tp.size() == 2 and meshes.tp.get_local_rank() == 1
+    finally:
+        dist.destroy_process_group()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from titanlite.config import Metrics
 from titanlite.logging import logger
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name substring, most specific first.
@@ -82,6 +83,15 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is KiB on Linux
 
 
+def tensorboard_dir(metrics_cfg: Metrics, dump_folder: str, rank: int) -> str | None:
+    """`<dump_folder>/<save_tb_folder>/<start time>[-rank<r>]`, or None where this rank
+    writes no TensorBoard scalars (disabled, or not rank 0 under rank_0_only)."""
+    if not metrics_cfg.enable_tensorboard or (rank != 0 and metrics_cfg.rank_0_only):
+        return None
+    run_name = time.strftime("%Y%m%d-%H%M%S") + ("" if rank == 0 else f"-rank{rank}")
+    return os.path.join(dump_folder, metrics_cfg.save_tb_folder, run_name)
+
+
 class MetricsLogger:
     """Accumulates tokens between log steps and writes the log line and TensorBoard scalars.
 
@@ -90,7 +100,8 @@ class MetricsLogger:
     any layout.
     """
 
-    def __init__(self, device: torch.device, flops_per_token: float, peak: PeakFlops, tp_degree: int, tb_dir: str | None):
+    def __init__(self, metrics_cfg: Metrics, dump_folder: str, rank: int, device: torch.device,
+                 flops_per_token: float, peak: PeakFlops, tp_degree: int):
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = peak
@@ -98,6 +109,7 @@ class MetricsLogger:
         self.tokens = 0
         self.window_start = time.perf_counter()
         self.writer = None
+        tb_dir = tensorboard_dir(metrics_cfg, dump_folder, rank)
         if tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 

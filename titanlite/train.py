@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from titanlite.checkpoint.train_state import TrainState
 from titanlite.config import JobConfig, load_config, to_dict
 from titanlite.data import Tokenizer, build_dataloader
+from titanlite.dtypes import DTYPES
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger
 from titanlite.metrics import MetricsLogger, peak_flops
@@ -32,11 +33,10 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.distributed import init_distributed, set_collective_timeout, shutdown, world_from_env
-from titanlite.dtypes import DTYPES
 from titanlite.parallel.fsdp import apply_fsdp, set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.parallel.memory import check_training_state_fits
-from titanlite.parallel.mesh import ParallelDims
+from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.profiling import maybe_profile
 
 
@@ -65,32 +65,24 @@ def plan_run(cfg: JobConfig, world_size: int) -> Plan:
     max_seq_len = getattr(args, "max_seq_len", None)
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
         raise TitanliteError(f"training.seq_len: {cfg.training.seq_len} exceeds the {cfg.model.flavor} flavor's max_seq_len {max_seq_len}")
-    per_microstep = cfg.training.local_batch_size * dims.dp
-    global_batch = cfg.training.global_batch_size
-    if global_batch == -1:
-        global_batch = per_microstep
-    if global_batch % per_microstep:
-        raise TitanliteError(
-            f"training.global_batch_size: {global_batch} is not a multiple of local_batch_size "
-            f"{cfg.training.local_batch_size} x data-parallel degree {dims.dp}"
-        )
+    grad_accum_steps = dims.grad_accum_steps(cfg.training.local_batch_size, cfg.training.global_batch_size)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
-    return Plan(cfg, spec, args, tokenizer, dims, global_batch // per_microstep)
+    return Plan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
 
 
-def parallelize(model: torch.nn.Module, plan: Plan, mesh) -> None:
+def parallelize(model: torch.nn.Module, plan: Plan, meshes: Meshes) -> None:
     """Apply the parallelisms in their fixed order: TP -> AC -> compile -> FSDP."""
     cfg, dims = plan.cfg, plan.dims
     if dims.tp_enabled:
-        plan.spec.apply_tp(model, ParallelDims.tp_mesh(mesh), cfg.parallelism.enable_loss_parallel)
+        plan.spec.apply_tp(model, meshes.tp, cfg.parallelism.enable_loss_parallel)
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(model)
     if dims.fsdp_enabled:
         apply_fsdp(
             model,
-            ParallelDims.fsdp_mesh(mesh),
+            meshes.fsdp,
             param_dtype=cfg.training.mixed_precision_param,
             reduce_dtype=cfg.training.mixed_precision_reduce,
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
@@ -98,6 +90,30 @@ def parallelize(model: torch.nn.Module, plan: Plan, mesh) -> None:
             prefetch_depth=cfg.parallelism.fsdp_prefetch_depth,
             shard_module_classes=cfg.parallelism.fsdp_shard_modules,
         )
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the log line and MFU need to know about the built model."""
+
+    n_params: int
+    flops_per_token: float
+
+
+def build_model(plan: Plan, device: torch.device, meshes: Meshes, processes_per_host: int) -> tuple[torch.nn.Module, ModelSize]:
+    """Build on meta (no memory), parallelize, then materialize and initialize this rank's shards."""
+    cfg = plan.cfg
+    with torch.device("meta"):
+        model = plan.spec.model_class(plan.model_args)
+    n_params = sum(p.numel() for p in model.parameters())
+    size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, cfg.training.seq_len))
+    offload = plan.dims.fsdp_enabled and cfg.training.enable_cpu_offload
+    check_training_state_fits(n_params, plan.dims.dp_shard * plan.dims.tp, device, offload, processes_per_host)
+    parallelize(model, plan, meshes)
+    model.to_empty(device="cpu" if offload else device)
+    model.init_weights(seed=cfg.training.seed)
+    model.train()
+    return model, size
 
 
 class Trainer:
@@ -111,29 +127,24 @@ class Trainer:
             logger.info(f"config: {to_dict(cfg)}")
         self._seed(cfg.training.seed, cfg.training.deterministic)
 
-        self.mesh = plan.dims.build_mesh(self.device.type)
-        dp_mesh = ParallelDims.dp_mesh(self.mesh)
+        self.meshes = plan.dims.build_mesh(self.device.type)
+        dp_mesh = self.meshes.dp
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         self.data = build_dataloader(cfg.training, plan.tokenizer, dp_rank, plan.dims.dp)
 
-        self.model = self._build_model()
+        self.model, self.size = build_model(plan, self.device, self.meshes, self.dist.local_world_size)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
         self.checkpoint = self._build_checkpoint()
 
-        compute_dtype = DTYPES[cfg.training.mixed_precision_param]
-        peak = peak_flops(self.device, compute_dtype, cfg.metrics.peak_flops)
-        tb_dir = None
-        if cfg.metrics.enable_tensorboard and (self.dist.rank == 0 or not cfg.metrics.rank_0_only):
-            run_name = time.strftime("%Y%m%d-%H%M%S") + ("" if self.dist.rank == 0 else f"-rank{self.dist.rank}")
-            tb_dir = os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder, run_name)
-        self.metrics = MetricsLogger(self.device, self.flops_per_token, peak, plan.dims.tp, tb_dir)
+        peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp)
         logger.info(
-            f"model {cfg.model.name} {cfg.model.flavor}: {self.n_params:,} parameters, "
-            f"{self.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.mesh}; "
+            f"model {cfg.model.name} {cfg.model.flavor}: {self.size.n_params:,} parameters, "
+            f"{self.size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.meshes.world}; "
             f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
         )
 
@@ -145,23 +156,6 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
-
-    def _build_model(self) -> torch.nn.Module:
-        """Build on meta (no memory), parallelize, then materialize this rank's shards."""
-        plan = self.plan
-        with torch.device("meta"):
-            model = plan.spec.model_class(plan.model_args)
-        self.n_params = sum(p.numel() for p in model.parameters())
-        self.flops_per_token = plan.spec.flops_per_token(plan.model_args, self.n_params, self.cfg.training.seq_len)
-        offload = plan.dims.fsdp_enabled and self.cfg.training.enable_cpu_offload
-        check_training_state_fits(
-            self.n_params, plan.dims.dp_shard * plan.dims.tp, self.device, offload, self.dist.local_world_size
-        )
-        parallelize(model, plan, self.mesh)
-        model.to_empty(device="cpu" if offload else self.device)
-        model.init_weights(seed=self.cfg.training.seed)
-        model.train()
-        return model
 
     def _build_checkpoint(self):
         if not (self.cfg.checkpoint.enable_checkpoint or self.cfg.checkpoint.create_seed_checkpoint or self.cfg.checkpoint.initial_load_path):

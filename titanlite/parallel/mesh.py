@@ -69,38 +69,49 @@ class ParallelDims:
         if problems:
             raise TitanliteError("parallelism.tensor_parallel_degree: " + "; ".join(problems))
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The named world mesh plus a flattened "dp" submesh; None for a single process."""
+    def grad_accum_steps(self, local_batch_size: int, global_batch_size: int) -> int:
+        """Microbatches per optimizer step: the global batch over what one pass of every
+        data-parallel rank covers (-1 = one pass, no accumulation)."""
+        per_microstep = local_batch_size * self.dp
+        if global_batch_size == -1:
+            return 1
+        if global_batch_size % per_microstep:
+            raise TitanliteError(
+                f"training.global_batch_size: {global_batch_size} is not a multiple of local_batch_size "
+                f"{local_batch_size} x data-parallel degree {self.dp}"
+            )
+        return global_batch_size // per_microstep
+
+    def build_mesh(self, device_type: str) -> Meshes:
+        """The named world mesh and the submeshes each parallelism uses (all None for one process)."""
         if self.world_size == 1:
-            return None
+            return Meshes(None, None, None, None)
         dims = [(name, size) for name, size in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)) if size > 1]
-        mesh = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+        world = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
         dp_names = tuple(name for name, _ in dims if name.startswith("dp_"))
         if len(dp_names) == 2:
-            mesh[dp_names]._flatten("dp")
-        return mesh
+            dp = world[dp_names]._flatten("dp")
+        else:
+            dp = world[dp_names[0]] if dp_names else None
+        return Meshes(
+            world=world,
+            dp=dp,
+            fsdp=world[dp_names] if dp_names else None,
+            tp=world["tp"] if self.tp_enabled else None,
+        )
 
-    @staticmethod
-    def dp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
-        """The data-parallel submesh: "dp" (flattened) or the single dp dim present."""
-        if mesh is None:
-            return None
-        names = mesh.mesh_dim_names
-        if "dp_replicate" in names and "dp_shard" in names:
-            return mesh["dp"]
-        for name in ("dp_shard", "dp_replicate"):
-            if name in names:
-                return mesh[name]
-        return None
 
-    @staticmethod
-    def fsdp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
-        """The mesh fully_shard gets: 2D (dp_replicate, dp_shard) means HSDP."""
-        if mesh is None:
-            return None
-        names = tuple(n for n in ("dp_replicate", "dp_shard") if n in mesh.mesh_dim_names)
-        return mesh[names] if names else None
+@dataclass(frozen=True)
+class Meshes:
+    """The world mesh and the views of it each parallelism uses; None where a dim is absent.
 
-    @staticmethod
-    def tp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
-        return mesh["tp"] if mesh is not None and "tp" in mesh.mesh_dim_names else None
+    dp:   data loading and loss averaging: "dp" (flattened dp_replicate x dp_shard) or the
+          one dp dim present.
+    fsdp: what `fully_shard` gets: (dp_replicate, dp_shard) is 2D, which means HSDP.
+    tp:   the tensor-parallel dim.
+    """
+
+    world: DeviceMesh | None
+    dp: DeviceMesh | None
+    fsdp: DeviceMesh | None
+    tp: DeviceMesh | None
