@@ -57,7 +57,8 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
 
     from titanlite.config import load_config
     from titanlite.parallel.distributed import world_from_env
-    from titanlite.train import Trainer, plan_run
+    from titanlite.build import plan_run
+    from titanlite.train import Trainer
 
     cfg = load_config(trainer_args)
     trainer = Trainer(plan_run(cfg, world_from_env()[1]))

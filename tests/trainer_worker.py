@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanlite.config import load_config
-from titanlite.train import Trainer, plan_run
+from titanlite.build import plan_run
+from titanlite.train import Trainer
 from titanlite.parallel.distributed import world_from_env
 
 

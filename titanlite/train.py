@@ -11,8 +11,6 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,100 +18,22 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titanlite.build import Plan, build_model, plan_run
 from titanlite.checkpoint.train_state import TrainState
-from titanlite.config import JobConfig, load_config, to_dict
-from titanlite.data import Tokenizer, build_dataloader
+from titanlite.config import load_config, to_dict
+from titanlite.data import build_dataloader
 from titanlite.dtypes import DTYPES
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger
 from titanlite.metrics import MetricsLogger, peak_flops
-from titanlite.models import get_model_spec
-from titanlite.models.spec import ModelSpec
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel.activation_checkpoint import apply_ac
-from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.distributed import init_distributed, set_collective_timeout, shutdown, world_from_env
-from titanlite.parallel.fsdp import apply_fsdp, set_gradient_sync
+from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
-from titanlite.parallel.memory import check_training_state_fits
-from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.profiling import maybe_profile
 
 
 RANK0_REPORT_GRACE_S = 3.0
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything derived from the config and the world size, checked before any device use."""
-
-    cfg: JobConfig
-    spec: ModelSpec
-    model_args: Any
-    tokenizer: Tokenizer
-    dims: ParallelDims
-    grad_accum_steps: int
-
-
-def plan_run(cfg: JobConfig, world_size: int) -> Plan:
-    """Resolve the model, mesh degrees and batch split; every user error surfaces here."""
-    spec = get_model_spec(cfg.model.name, cfg.model.flavor)
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size)
-    dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
-    max_seq_len = getattr(args, "max_seq_len", None)
-    if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
-        raise TitanliteError(f"training.seq_len: {cfg.training.seq_len} exceeds the {cfg.model.flavor} flavor's max_seq_len {max_seq_len}")
-    grad_accum_steps = dims.grad_accum_steps(cfg.training.local_batch_size, cfg.training.global_batch_size)
-    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
-        raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
-    return Plan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
-
-
-def parallelize(model: torch.nn.Module, plan: Plan, meshes: Meshes) -> None:
-    """Apply the parallelisms in their fixed order: TP -> AC -> compile -> FSDP."""
-    cfg, dims = plan.cfg, plan.dims
-    if dims.tp_enabled:
-        plan.spec.apply_tp(model, meshes.tp, cfg.parallelism.enable_loss_parallel)
-    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
-    if cfg.compile.enable:
-        apply_compile(model)
-    if dims.fsdp_enabled:
-        apply_fsdp(
-            model,
-            meshes.fsdp,
-            param_dtype=cfg.training.mixed_precision_param,
-            reduce_dtype=cfg.training.mixed_precision_reduce,
-            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-            cpu_offload=cfg.training.enable_cpu_offload,
-            prefetch_depth=cfg.parallelism.fsdp_prefetch_depth,
-            shard_module_classes=cfg.parallelism.fsdp_shard_modules,
-        )
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    """What the log line and MFU need to know about the built model."""
-
-    n_params: int
-    flops_per_token: float
-
-
-def build_model(plan: Plan, device: torch.device, meshes: Meshes, processes_per_host: int) -> tuple[torch.nn.Module, ModelSize]:
-    """Build on meta (no memory), parallelize, then materialize and initialize this rank's shards."""
-    cfg = plan.cfg
-    with torch.device("meta"):
-        model = plan.spec.model_class(plan.model_args)
-    n_params = sum(p.numel() for p in model.parameters())
-    size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, cfg.training.seq_len))
-    offload = plan.dims.fsdp_enabled and cfg.training.enable_cpu_offload
-    check_training_state_fits(n_params, plan.dims.dp_shard * plan.dims.tp, device, offload, processes_per_host)
-    parallelize(model, plan, meshes)
-    model.to_empty(device="cpu" if offload else device)
-    model.init_weights(seed=cfg.training.seed)
-    model.train()
-    return model, size
 
 
 class Trainer:

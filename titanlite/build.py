@@ -1,0 +1,99 @@
+"""From a validated config to a parallelized, initialized model, shared by the trainer and
+the dry-run planner (`titanlite.plan`), so both build exactly the same thing.
+
+`plan_run` resolves everything that needs only the config and the world size (model spec,
+tokenizer vocabulary, mesh degrees, batch split) and raises every user error before a device
+is touched. `build_model` then builds on meta, applies the parallelisms in their fixed order
+(`parallelize`: TP -> AC -> compile -> FSDP) and materializes this rank's shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from titanlite.config import JobConfig
+from titanlite.data import Tokenizer
+from titanlite.errors import TitanliteError
+from titanlite.models import get_model_spec
+from titanlite.models.spec import ModelSpec
+from titanlite.parallel.activation_checkpoint import apply_ac
+from titanlite.parallel.compile import apply_compile
+from titanlite.parallel.fsdp import apply_fsdp
+from titanlite.parallel.memory import check_training_state_fits
+from titanlite.parallel.mesh import Meshes, ParallelDims
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything derived from the config and the world size, checked before any device use."""
+
+    cfg: JobConfig
+    spec: ModelSpec
+    model_args: Any
+    tokenizer: Tokenizer
+    dims: ParallelDims
+    grad_accum_steps: int
+
+
+def plan_run(cfg: JobConfig, world_size: int) -> Plan:
+    """Resolve the model, mesh degrees and batch split; every user error surfaces here."""
+    spec = get_model_spec(cfg.model.name, cfg.model.flavor)
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
+    max_seq_len = getattr(args, "max_seq_len", None)
+    if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
+        raise TitanliteError(f"training.seq_len: {cfg.training.seq_len} exceeds the {cfg.model.flavor} flavor's max_seq_len {max_seq_len}")
+    grad_accum_steps = dims.grad_accum_steps(cfg.training.local_batch_size, cfg.training.global_batch_size)
+    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
+        raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
+    return Plan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
+
+
+def parallelize(model: torch.nn.Module, plan: Plan, meshes: Meshes) -> None:
+    """Apply the parallelisms in their fixed order: TP -> AC -> compile -> FSDP."""
+    cfg, dims = plan.cfg, plan.dims
+    if dims.tp_enabled:
+        plan.spec.apply_tp(model, meshes.tp, cfg.parallelism.enable_loss_parallel)
+    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    if cfg.compile.enable:
+        apply_compile(model)
+    if dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            meshes.fsdp,
+            param_dtype=cfg.training.mixed_precision_param,
+            reduce_dtype=cfg.training.mixed_precision_reduce,
+            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+            cpu_offload=cfg.training.enable_cpu_offload,
+            prefetch_depth=cfg.parallelism.fsdp_prefetch_depth,
+            shard_module_classes=cfg.parallelism.fsdp_shard_modules,
+        )
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What the log line and MFU need to know about the built model."""
+
+    n_params: int
+    flops_per_token: float
+
+
+def build_model(plan: Plan, device: torch.device, meshes: Meshes, processes_per_host: int) -> tuple[torch.nn.Module, ModelSize]:
+    """Build on meta (no memory), parallelize, then materialize and initialize this rank's shards."""
+    cfg = plan.cfg
+    with torch.device("meta"):
+        model = plan.spec.model_class(plan.model_args)
+    n_params = sum(p.numel() for p in model.parameters())
+    size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, cfg.training.seq_len))
+    offload = plan.dims.fsdp_enabled and cfg.training.enable_cpu_offload
+    check_training_state_fits(n_params, plan.dims.dp_shard * plan.dims.tp, device, offload, processes_per_host)
+    parallelize(model, plan, meshes)
+    model.to_empty(device="cpu" if offload else device)
+    model.init_weights(seed=cfg.training.seed)
+    model.train()
+    return model, size
