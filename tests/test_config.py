@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from titanlite import config as C
 from titanlite.config import JobConfig, help_text, load_config, to_dict, to_toml, validate
+from titanlite.config_engine import expected, sections
 from titanlite.errors import TitanliteError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -235,14 +235,14 @@ def test_load_step_needs_checkpointing():
 )
 def test_choice_errors_list_the_choices(name, bad):
     section, key = name.split(".")
-    field = next(f for f in dataclasses.fields(C._sections()[section]) if f.name == key)
+    field = next(f for f in dataclasses.fields(sections(JobConfig)[section]) if f.name == key)
     message = error_of([f"--{name}", bad])
     assert message.startswith(f"{name}: must be one of "), message
     assert all(choice in message for choice in field.metadata["choices"]) and f"(got '{bad}')" in message
 
 
 def test_every_choice_is_accepted():
-    for section, cls in C._sections().items():
+    for section, cls in sections(JobConfig).items():
         for field in dataclasses.fields(cls):
             for choice in field.metadata["choices"]:
                 extra = ["--training.dataset_path", "x"] if choice in ("files", "hf") else []
@@ -269,6 +269,34 @@ def test_consistent_settings_pass():
     load_config(["--training.dataset", "files", "--training.dataset_path", "data/"])
     load_config(["--training.enable_cpu_offload", "--parallelism.fsdp_reshard_after_forward", "always"])
     load_config(["--lr_scheduler.decay_ratio", "0", "--lr_scheduler.lr_min", "1", "--training.max_norm", "0"])
+
+
+def test_empty_path_and_unknown_dataset():
+    """Refused here, once: the data sources trust the validated config (moved from test_data.py)."""
+    with pytest.raises(TitanliteError, match=r"^training\.dataset_path: "):
+        load_config(["--training.dataset", "files", "--training.dataset_path", ""])
+    with pytest.raises(TitanliteError, match=r"^training\.dataset_path: "):
+        load_config(["--training.dataset=hf", "--training.dataset_path="])
+    with pytest.raises(TitanliteError, match=r"^training\.dataset: .*'parquet'"):
+        load_config(["--training.dataset", "parquet", "--training.dataset_path", "x"])
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("seq_len", 0, "training.seq_len: must be > 0 (got 0)"),
+        ("seq_len", -3, "training.seq_len: must be > 0 (got -3)"),
+        ("local_batch_size", 0, "training.local_batch_size: must be > 0 (got 0)"),
+        ("seq_len", 2.5, "training.seq_len: expected an integer (got 2.5)"),
+    ],
+)
+def test_bad_sizes(key, value, message):
+    """Batch shapes are checked here, once; the loader trusts them (moved from test_data.py)."""
+    cfg = JobConfig()
+    setattr(cfg.training, key, value)
+    with pytest.raises(TitanliteError) as info:
+        validate(cfg)
+    assert str(info.value) == message
 
 
 def test_validate_checks_values_set_in_code():
@@ -407,7 +435,7 @@ def test_non_utf8_toml(tmp_path):
 def test_help_lists_every_key_with_type_default_and_help():
     text = help_text()
     lines = text.splitlines()
-    for section, cls in C._sections().items():
+    for section, cls in sections(JobConfig).items():
         assert f"[{section}]" in text
         for field in dataclasses.fields(cls):
             flag = f"--{section}.{field.name}"
@@ -417,15 +445,15 @@ def test_help_lists_every_key_with_type_default_and_help():
 
 
 def test_every_field_has_one_line_of_help():
-    for cls in C._sections().values():
+    for cls in sections(JobConfig).values():
         for field in dataclasses.fields(cls):
             assert field.metadata["help"] and "\n" not in field.metadata["help"], field.name
 
 
 def test_every_field_type_is_supported():
-    for cls in C._sections().values():
+    for cls in sections(JobConfig).values():
         for name, tp in typing.get_type_hints(cls).items():
-            assert C._expected(tp), name
+            assert expected(tp), name
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

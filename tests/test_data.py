@@ -100,7 +100,7 @@ def test_wrap_around_with_two_tiny_docs(tmp_path, tok):
     # the loader keeps going across many epochs, each doc packed as bos .. eos
     loader = TokenWindowLoader(source, tok, seq_len=7, local_batch_size=2, dp_rank=0, dp_degree=1)
     x, y = batches(loader, 10)[-1]
-    assert x.shape == (2, 7) and loader.epoch > 1
+    assert x.shape == (2, 7) and loader.state_dict()["cursor"]["epoch"] > 1
     doc = tok.encode("a") + tok.encode("b")
     stream = doc * (len(doc) * 20)
     assert x[0].tolist() == stream[9 * 16 : 9 * 16 + 7]
@@ -144,13 +144,6 @@ def test_dataset_path_errors(tmp_path, make):
     with pytest.raises(TitanliteError, match=r"^training\.dataset_path: .*" + path.name) as info:
         build_dataloader(cfg(dataset="files", dataset_path=str(path)), None, 0, 1)
     assert "\n" not in str(info.value)
-
-
-def test_empty_path_and_unknown_dataset():
-    with pytest.raises(TitanliteError, match=r"^training\.dataset_path: "):
-        build_source("files", "")
-    with pytest.raises(TitanliteError, match=r"^training\.dataset: .*'parquet'"):
-        build_source("parquet", "x")
 
 
 def test_all_files_empty(tmp_path, tok):
@@ -280,7 +273,7 @@ def test_exact_resume_files_across_epochs(corpus, tok):
         fresh = make()
         fresh.load_state_dict(state)
         assert_same(batches(fresh, n), after)
-    assert loader.epoch >= 1
+    assert loader.state_dict()["cursor"]["epoch"] >= 1
 
 
 @pytest.mark.parametrize("save_dp,load_dp", [(2, 4), (2, 1), (4, 2), (1, 4)])
@@ -343,14 +336,6 @@ def test_state_of_another_source_kind_starts_over(corpus, tok, caplog):
     assert "starting it from its beginning" in caplog.text
     assert builtin.windows == 6
     assert_same(batches(builtin, 2), batches(build_dataloader(cfg(seq_len=6, local_batch_size=2), tok, 0, 1), 2))
-
-
-@pytest.mark.parametrize("key,value", [("seq_len", 0), ("seq_len", -3), ("local_batch_size", 0), ("seq_len", 2.5)])
-def test_bad_sizes(tok, key, value):
-    with pytest.raises(TitanliteError, match=rf"^training\.{key}: must be an integer >= 1"):
-        build_dataloader(cfg(**{key: value}), tok, 0, 1)
-    with pytest.raises(TitanliteError, match=rf"^training\.{key}: "):
-        TokenWindowLoader(BuiltinSource(), tok, **{"seq_len": 8, "local_batch_size": 2, key: value}, dp_rank=0, dp_degree=1)
 
 
 def test_bad_dp_rank(tok):

@@ -3,9 +3,11 @@
 `load_config(["--config", "debug_model", "--training.steps", "100"])` reads the TOML file,
 applies `--section.key value` overrides on top and validates the result, so every rank
 agrees on one `JobConfig` before anything touches a device. The dataclasses below are the
-only description of the options: parsing follows each field's type hint, `validate` follows
-each field's `choices` and range metadata, and `help_text` prints the fields' `help`.
-Section and key names follow torchtitan where the two overlap.
+only description of the options: `titanlite.config_engine` derives parsing (from each
+field's type hint), the per-value checks (its `choices` and range), the help text and the
+TOML output from them. This module adds what is ours: where `--config NAME` is looked up
+and the rules that combine several keys. Section and key names follow torchtitan where the
+two overlap.
 
 Run `python -m titanlite.config --help` for every option, or
 `python -m titanlite.config --config NAME [overrides]` to print the resolved config.
@@ -13,44 +15,18 @@ Run `python -m titanlite.config --help` for every option, or
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import functools
-import json
-import math
-import operator
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on Python 3.10
-    import tomli as tomllib
-
+from titanlite.config_engine import (Override, apply_toml, check_values, cli_pairs, help_lines, parse_override,
+                                     read_toml, to_dict, to_toml)
+from titanlite.config_engine import option as _opt
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
 """Where a bare `--config NAME` is looked up: the repo's shipped presets."""
-
-
-def _opt(default: Any, help: str, *, choices: Sequence[str] = (), gt: float | None = None, ge: float | None = None,
-         lt: float | None = None, le: float | None = None, special: Any = dataclasses.MISSING,
-         nonempty: bool = False) -> Any:
-    """A config field: its default, one line of help, and the rules `validate` checks.
-
-    `special` is one extra allowed value outside the range (a -1 or None sentinel).
-    """
-    rules = {"help": help, "choices": tuple(choices), "gt": gt, "ge": ge, "lt": lt, "le": le, "nonempty": nonempty}
-    if special is not dataclasses.MISSING:
-        rules["special"] = special
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=rules)
-    return field(default=default, metadata=rules)
 
 
 # --------------------------------------------------------------------------------------
@@ -222,144 +198,10 @@ class JobConfig:
 
 
 # --------------------------------------------------------------------------------------
-# Schema: everything below is derived from the dataclasses above.
+# Loading: the generic parts (names, types, help, TOML) are titanlite.config_engine's.
 # --------------------------------------------------------------------------------------
 
-
-@functools.cache
-def _sections() -> dict[str, type]:
-    """Section name -> section dataclass, in declaration order."""
-    hints = typing.get_type_hints(JobConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
-
-
-@functools.cache
-def _keys(section_cls: type) -> dict[str, tuple[Any, dataclasses.Field]]:
-    """Key name -> (resolved type hint, dataclass field) for one section."""
-    hints = typing.get_type_hints(section_cls)
-    return {f.name: (hints[f.name], f) for f in dataclasses.fields(section_cls)}
-
-
-def _optional_inner(tp: Any) -> Any | None:
-    """X for `X | None` / Optional[X], else None."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2:
-            return args[0]
-    return None
-
-
-def _type_name(tp: Any) -> str:
-    inner = _optional_inner(tp)
-    if inner is not None:
-        return f"{_type_name(inner)} | none"
-    if typing.get_origin(tp) is list:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _expected(tp: Any) -> str:
-    """What a value of type `tp` is, in words, for error messages."""
-    inner = _optional_inner(tp)
-    if inner is not None:
-        return f"{_expected(inner)} or none"
-    if typing.get_origin(tp) is list:
-        return "a list of strings"
-    return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}[tp]
-
-
-_TRUE = ("true", "1", "yes")
-_FALSE = ("false", "0", "no")
-
-
-def _is_type(value: Any, tp: Any) -> bool:
-    """Whether `value` is a valid Python value for a field typed `tp` (ints count as floats)."""
-    inner = _optional_inner(tp)
-    if inner is not None:
-        return value is None or _is_type(value, inner)
-    if typing.get_origin(tp) is list:
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp)
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    """A TOML value checked against `tp` (ints widened to float); ValueError if it is the wrong type."""
-    if _optional_inner(tp) is not None and isinstance(value, str) and value.strip().lower() == "none":
-        return None  # TOML has no null; files and the CLI spell it "none"
-    if not _is_type(value, tp):
-        raise ValueError
-    if isinstance(value, list):
-        return list(value)
-    return float(value) if isinstance(value, int) and float in (tp, _optional_inner(tp)) else value
-
-
-def _parse_cli(text: str, tp: Any) -> Any:
-    """A command-line string parsed as `tp`; ValueError if it does not parse."""
-    inner = _optional_inner(tp)
-    if inner is not None:
-        return None if text.strip().lower() == "none" else _parse_cli(text, inner)
-    if typing.get_origin(tp) is list:
-        stripped = text.strip()
-        if stripped.startswith("["):  # TOML-style ["a", "b"]
-            try:
-                value = tomllib.loads(f"v = {stripped}")["v"]
-            except tomllib.TOMLDecodeError as error:
-                raise ValueError from error
-            return _coerce(value, tp)
-        return [part.strip() for part in text.split(",") if part.strip()]
-    if tp is bool:
-        word = text.strip().lower()
-        if word in _TRUE or word in _FALSE:
-            return word in _TRUE
-        raise ValueError
-    if tp is int:
-        return int(text)
-    if tp is float:
-        return float(text)
-    return text
-
-
-def _closest(name: str, candidates: Sequence[str]) -> str | None:
-    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return match[0] if match else None
-
-
-def _hint(suggestion: str | None) -> str:
-    return f"; did you mean {suggestion}?" if suggestion else ""
-
-
-def _suggest_key(section: str, key: str) -> str | None:
-    """The valid `section.key` closest to a misspelt or misplaced one (None if nothing is close)."""
-    sections = _sections()
-    if section in sections and (close := _closest(key, list(_keys(sections[section])))):
-        return f"{section}.{close}"
-    homes = [s for s, cls in sections.items() if key in _keys(cls)]
-    if homes:  # a right key in a wrong or missing section
-        best = difflib.get_close_matches(section, homes, n=1, cutoff=0.0) if section else homes
-        return f"{best[0]}.{key}"
-    if section in sections:
-        return None
-    everything = [f"{s}.{k}" for s, cls in sections.items() for k in _keys(cls)]
-    return _closest(f"{section}.{key}" if section else key, everything)
-
-
-def _lookup(section: str, key: str, where: str) -> tuple[Any, dataclasses.Field]:
-    """The (type, field) of `section.key`, or a TitanliteError naming it and the closest name."""
-    sections = _sections()
-    keys = _keys(sections[section]) if section in sections else {}
-    if key not in keys:
-        shown = f"{section}.{key}" if section else key
-        raise TitanliteError(f"unknown key {shown} {where}{_hint(_suggest_key(section, key))}")
-    return keys[key]
-
-
-# --------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------
+_CLI_USAGE = "--config NAME and --section.key value"
 
 
 def _find_config(name: str) -> tuple[Path, str]:
@@ -374,73 +216,19 @@ def _find_config(name: str) -> tuple[Path, str]:
     raise TitanliteError(f"config file not found: {name} (looked in ./ and train_configs/)")
 
 
-def _read_toml(path: Path, shown: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as error:
-        message = " ".join(str(error).split())
-        raise TitanliteError(f"invalid TOML in {shown}: {message}") from None
-    except UnicodeDecodeError:
-        raise TitanliteError(f"invalid TOML in {shown}: the file is not UTF-8 text") from None
-    except OSError as error:
-        raise TitanliteError(f"cannot read config file {shown}: {error.strerror}") from None
-
-
-def _apply_toml(cfg: JobConfig, data: dict[str, Any], shown: str) -> None:
-    """Set every `[section] key = value` of a parsed TOML file on `cfg`, checking names and types."""
-    where = f"in {shown}"
-    sections = _sections()
-    for section, table in data.items():
-        if not isinstance(table, dict):
-            raise TitanliteError(f"unknown key {section} {where} (keys belong in a [section]){_hint(_suggest_key('', section))}")
-        if section not in sections:
-            close = _closest(section, list(sections))
-            raise TitanliteError(f"unknown section [{section}] {where}{_hint(f'[{close}]' if close else None)}")
-        for key, value in table.items():
-            tp, _ = _lookup(section, key, where)
-            try:
-                setattr(getattr(cfg, section), key, _coerce(value, tp))
-            except ValueError:
-                raise TitanliteError(f"{section}.{key}: expected {_expected(tp)}, got {value!r} {where}") from None
-
-
-def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str, Any]]]:
+def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[Override]]:
     """(--config value, [(section, key, parsed value), ...]) from the command line, in order."""
     config: str | None = None
-    overrides: list[tuple[str, str, Any]] = []
-    where = "on the command line"
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        i += 1
-        if not arg.startswith("--") or arg == "--":
-            raise TitanliteError(f"unexpected argument {arg!r}; options are --config NAME and --section.key value")
-        name, has_value, value = arg[2:].partition("=")
-        nxt = argv[i] if i < len(argv) else None
-        takes_next = not has_value and nxt is not None and not nxt.startswith("--")
-        if name == "config":
-            if takes_next:
-                value, i = nxt, i + 1
-            if not value:
-                raise TitanliteError("--config needs a value: a TOML path or a name in train_configs/")
-            if config is not None:
-                raise TitanliteError(f"--config given twice ({config} and {value})")
-            config = value
+    overrides: list[Override] = []
+    for name, value in cli_pairs(argv, _CLI_USAGE):
+        if name != "config":
+            overrides.append(parse_override(JobConfig, name, value))
             continue
-        section, _, key = name.rpartition(".")
-        tp, _ = _lookup(section, key, where)
-        if not has_value:
-            if takes_next:
-                value, i = nxt, i + 1
-            elif tp is bool:
-                value = "true"  # a bare --section.flag switches it on
-            else:
-                raise TitanliteError(f"{section}.{key}: --{name} needs a value ({_expected(tp)})")
-        try:
-            overrides.append((section, key, _parse_cli(value, tp)))
-        except ValueError:
-            raise TitanliteError(f"{section}.{key}: expected {_expected(tp)}, got {value!r}") from None
+        if not value:
+            raise TitanliteError("--config needs a value: a TOML path or a name in train_configs/")
+        if config is not None:
+            raise TitanliteError(f"--config given twice ({config} and {value})")
+        config = value
     return config, overrides
 
 
@@ -457,7 +245,7 @@ def load_config(argv: Sequence[str]) -> JobConfig:
     cfg = JobConfig()
     if config is not None:
         path, shown = _find_config(config)
-        _apply_toml(cfg, _read_toml(path, shown), shown)
+        apply_toml(cfg, read_toml(path, shown), shown)
     for section, key, value in overrides:
         setattr(getattr(cfg, section), key, value)
     validate(cfg)
@@ -465,51 +253,8 @@ def load_config(argv: Sequence[str]) -> JobConfig:
 
 
 # --------------------------------------------------------------------------------------
-# Validation
+# Validation: each value against its field's rules, then the combinations that cannot work
 # --------------------------------------------------------------------------------------
-
-
-def _range_text(meta: dict[str, Any]) -> str:
-    """What a field's range rules require, in words ('> 0', '-1 or >= 1'), or '' when it has none."""
-    lo = ("[", meta["ge"]) if meta["ge"] is not None else ("(", meta["gt"]) if meta["gt"] is not None else None
-    hi = ("]", meta["le"]) if meta["le"] is not None else (")", meta["lt"]) if meta["lt"] is not None else None
-    if lo is None and hi is None:
-        return ""
-    if lo and hi:
-        text = f"in {lo[0]}{lo[1]:g}, {hi[1]:g}{hi[0]}"
-    elif lo:
-        text = f"{'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
-    else:
-        text = f"{'<=' if hi[0] == ']' else '<'} {hi[1]:g}"
-    if "special" in meta:
-        special = "none" if meta["special"] is None else meta["special"]
-        return f"{special} or {text}"
-    return text
-
-
-def _in_range(value: Any, meta: dict[str, Any]) -> bool:
-    if "special" in meta and value == meta["special"] and type(value) is type(meta["special"]):
-        return True
-    if value is None:
-        return False
-    bounds = ((meta["gt"], operator.gt), (meta["ge"], operator.ge), (meta["lt"], operator.lt), (meta["le"], operator.le))
-    return all(bound is None or compare(value, bound) for bound, compare in bounds)
-
-
-def _check_field(section: str, key: str, tp: Any, f: dataclasses.Field, value: Any) -> None:
-    """Type, finiteness, choices and range of one value, from its field's metadata."""
-    name, meta = f"{section}.{key}", f.metadata
-    if not _is_type(value, tp):
-        raise TitanliteError(f"{name}: expected {_expected(tp)} (got {value!r})")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise TitanliteError(f"{name}: must be a finite number (got {value!r})")
-    if meta["choices"] and value not in meta["choices"]:
-        raise TitanliteError(f"{name}: must be one of {', '.join(meta['choices'])} (got {value!r})")
-    if meta["nonempty"] and not value:
-        raise TitanliteError(f"{name}: must not be empty (got {value!r})")
-    rule = _range_text(meta)
-    if rule and not _in_range(value, meta):
-        raise TitanliteError(f"{name}: must be {rule} (got {value!r})")
 
 
 def validate(cfg: JobConfig) -> None:
@@ -518,13 +263,7 @@ def validate(cfg: JobConfig) -> None:
     Only checks that need neither a device nor the world size; mesh degrees against the
     world size are ParallelDims' job, model/flavor names the registry's.
     """
-    for section, section_cls in _sections().items():
-        values = getattr(cfg, section)
-        if not isinstance(values, section_cls):
-            raise TitanliteError(f"{section}: expected a [{section}] section (got {values!r})")
-        for key, (tp, f) in _keys(section_cls).items():
-            _check_field(section, key, tp, f, getattr(values, key))
-
+    check_values(cfg)
     training, parallelism = cfg.training, cfg.parallelism
     if training.global_batch_size != -1 and training.global_batch_size % training.local_batch_size:
         raise TitanliteError(
@@ -550,53 +289,21 @@ def validate(cfg: JobConfig) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Output: help, dict, TOML
+# Output and the module entry point (to_dict and to_toml come from the engine)
 # --------------------------------------------------------------------------------------
 
-
-def _toml_value(value: Any) -> str:
-    if value is None:
-        return '"none"'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(value, ensure_ascii=False)
+_USAGE = [
+    "usage: python -m titanlite.train [--config NAME] [--section.key VALUE | --section.key=VALUE ...]",
+    "",
+    "  --config NAME   a TOML file path, or a name in train_configs/ (e.g. debug_model)",
+    "  Overrides win over the TOML file. Booleans: true/false/1/0/yes/no, or a bare --section.flag for true.",
+    "  Lists: a,b or [\"a\", \"b\"]. Optional numbers: none.",
+]
 
 
 def help_text() -> str:
     """Every `--section.key`, its type, default and help, grouped by section."""
-    lines = [
-        "usage: python -m titanlite.train [--config NAME] [--section.key VALUE | --section.key=VALUE ...]",
-        "",
-        "  --config NAME   a TOML file path, or a name in train_configs/ (e.g. debug_model)",
-        "  Overrides win over the TOML file. Booleans: true/false/1/0/yes/no, or a bare --section.flag for true.",
-        "  Lists: a,b or [\"a\", \"b\"]. Optional numbers: none.",
-    ]
-    for section, section_cls in _sections().items():
-        lines += ["", f"[{section}]  {(section_cls.__doc__ or '').strip()}"]
-        for key, (tp, f) in _keys(section_cls).items():
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-            kind = "|".join(f.metadata["choices"]) if f.metadata["choices"] else _type_name(tp)
-            rule = _range_text(f.metadata)
-            lines.append(f"  --{section}.{key}  {kind} = {_toml_value(default)}{f'  ({rule})' if rule else ''}")
-            lines.append(f"      {f.metadata['help']}")
-    return "\n".join(lines)
-
-
-def to_dict(cfg: JobConfig) -> dict[str, dict[str, Any]]:
-    """The config as nested plain dicts (section -> key -> value), for logs and checkpoints."""
-    return dataclasses.asdict(cfg)
-
-
-def to_toml(cfg: JobConfig) -> str:
-    """The config as TOML text that `load_config` reads back to an equal config."""
-    lines: list[str] = []
-    for section, values in to_dict(cfg).items():
-        lines += [f"[{section}]"] + [f"{key} = {_toml_value(value)}" for key, value in values.items()] + [""]
-    return "\n".join(lines)
+    return "\n".join(_USAGE + help_lines(JobConfig))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -609,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(to_toml(cfg), end="")
     return 0
 
+
+__all__ = ["CONFIG_DIR", "JobConfig", "help_text", "load_config", "main", "to_dict", "to_toml", "validate"]
 
 if __name__ == "__main__":
     sys.exit(main())

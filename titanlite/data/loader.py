@@ -24,7 +24,7 @@ the same next global window. Resuming re-reads and re-tokenizes that one documen
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,11 +33,8 @@ from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 
-
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TitanliteError(f"{name}: must be an integer >= 1 (got {value!r})")
-    return value
+if TYPE_CHECKING:
+    from titanlite.config import Training
 
 
 class TokenWindowLoader:
@@ -51,12 +48,12 @@ class TokenWindowLoader:
     """
 
     def __init__(self, source: Source, tokenizer: Tokenizer, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
-        self.seq_len = _positive("training.seq_len", seq_len)
-        self.local_batch_size = _positive("training.local_batch_size", local_batch_size)
+        """`seq_len` and `local_batch_size` as `load_config` validated them (>= 1);
+        `dp_rank` in [0, dp_degree) from the mesh, a ValueError otherwise (a caller's bug)."""
         if not (isinstance(dp_degree, int) and dp_degree >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_degree):
             raise ValueError(f"dp_rank {dp_rank!r} must be in [0, dp_degree {dp_degree!r})")
-        self.source, self.tokenizer = source, tokenizer
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.source, self.tokenizer, self.dp_degree = source, tokenizer, dp_degree
         window = seq_len + 1
         self._group_tokens = dp_degree * local_batch_size * window  # one global microbatch
         self._mine = (dp_rank * local_batch_size * window, (dp_rank + 1) * local_batch_size * window)
@@ -107,11 +104,6 @@ class TokenWindowLoader:
             tokens = tokens[skip:]
         return tokens
 
-    @property
-    def epoch(self) -> int:
-        """Completed passes over the source at the next token's position."""
-        return self._position()[0]["epoch"]
-
     # ------------------------------------------------------------------ state
 
     def _position(self) -> tuple[Cursor, int]:
@@ -147,9 +139,7 @@ class TokenWindowLoader:
         return getattr(self.source, "name", type(self.source).__name__)
 
 
-def build_dataloader(training_cfg: Any, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> TokenWindowLoader:
-    """The loader for `[training]`: `dataset`, `dataset_path`, `seq_len`, `local_batch_size`."""
-    _positive("training.seq_len", training_cfg.seq_len)
-    _positive("training.local_batch_size", training_cfg.local_batch_size)
-    source = build_source(training_cfg.dataset, getattr(training_cfg, "dataset_path", "") or "")
-    return TokenWindowLoader(source, tokenizer, training_cfg.seq_len, training_cfg.local_batch_size, dp_rank, dp_degree)
+def build_dataloader(training: Training, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> TokenWindowLoader:
+    """The loader for a validated `[training]`: `dataset`, `dataset_path`, `seq_len`, `local_batch_size`."""
+    source = build_source(training.dataset, training.dataset_path)
+    return TokenWindowLoader(source, tokenizer, training.seq_len, training.local_batch_size, dp_rank, dp_degree)

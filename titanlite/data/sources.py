@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from titanlite.errors import TitanliteError
+from titanlite.errors import TitanliteError, one_line, user_errors
 
 Cursor = dict[str, int]
 
@@ -140,8 +140,6 @@ class BuiltinSource(Source):
 def list_data_files(path: str) -> list[Path]:
     """The .txt/.jsonl/.parquet files at `path` (a file, or a folder searched recursively,
     sorted by relative path, hidden entries skipped)."""
-    if not path:
-        raise TitanliteError("training.dataset_path: dataset 'files' needs a path (got '')")
     p = Path(path)
     if not p.exists():
         raise TitanliteError(f"training.dataset_path: not found: {path}")
@@ -253,7 +251,7 @@ def _read_parquet(path: Path, row: int, _offset: int) -> Iterator[tuple[str, int
     try:
         pf = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as e:
-        raise TitanliteError(f"training.dataset_path: {path}: not a readable parquet file ({e})") from None
+        raise TitanliteError(f"training.dataset_path: {path}: not a readable parquet file ({one_line(e)})") from None
     schema = pf.schema_arrow
     if "text" not in schema.names:
         raise TitanliteError(f"training.dataset_path: {path}: no \"text\" column (columns: {', '.join(schema.names)})")
@@ -289,30 +287,26 @@ class HFSource(Source):
     BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
     def __init__(self, path: str) -> None:
-        if not path:
-            raise TitanliteError("training.dataset_path: dataset 'hf' needs a hub name or local path (got '')")
         try:
             import datasets
         except ImportError:
             raise TitanliteError("training.dataset: 'hf' needs the datasets package: pip install titanlite[hf]") from None
         self.path = path
         self.name = f"hf:{path}"
+        with user_errors(f"training.dataset_path: cannot open Hugging Face dataset {path!r}"):
+            self.dataset = self._open(datasets, path)
+
+    def _open(self, datasets: Any, path: str) -> Any:
+        """The streaming "train" split of a local file, a local folder or a hub name."""
         p = Path(path)
-        try:
-            if p.is_file():
-                if p.suffix not in self.BUILDERS:
-                    raise TitanliteError(f"training.dataset_path: unsupported file type {p.suffix or '(none)'}: {path}")
-                self.dataset = datasets.load_dataset(self.BUILDERS[p.suffix], data_files=str(p), split="train", streaming=True)
-            elif p.is_dir():
-                self.dataset = datasets.load_dataset(str(p), split="train", streaming=True)
-            else:
-                name, _, config = path.partition(":")
-                self.dataset = datasets.load_dataset(name, config or None, split="train", streaming=True)
-        except TitanliteError:
-            raise
-        except Exception as e:  # datasets raises many types (hub, network, builder errors)
-            first = next((s for s in str(e).splitlines() if s.strip()), "")
-            raise TitanliteError(f"training.dataset_path: cannot open Hugging Face dataset {path!r}: {type(e).__name__}: {first}") from None
+        if p.is_file():
+            if p.suffix not in self.BUILDERS:
+                raise TitanliteError(f"training.dataset_path: unsupported file type {p.suffix or '(none)'}: {path}")
+            return datasets.load_dataset(self.BUILDERS[p.suffix], data_files=str(p), split="train", streaming=True)
+        if p.is_dir():
+            return datasets.load_dataset(str(p), split="train", streaming=True)
+        name, _, config = path.partition(":")
+        return datasets.load_dataset(name, config or None, split="train", streaming=True)
 
     def _epoch(self, item, line, offset):
         stream = self.dataset.skip(item) if item else self.dataset
@@ -325,11 +319,7 @@ class HFSource(Source):
 
 
 def build_source(dataset: str, dataset_path: str = "") -> Source:
-    """The source named by `training.dataset` ("builtin", "files" or "hf")."""
+    """The source named by a validated `training.dataset` ("builtin", "files" or "hf")."""
     if dataset == "builtin":
         return BuiltinSource()
-    if dataset == "files":
-        return FilesSource(dataset_path)
-    if dataset == "hf":
-        return HFSource(dataset_path)
-    raise TitanliteError(f"training.dataset: unknown dataset {dataset!r} (expected builtin, files or hf)")
+    return {"files": FilesSource, "hf": HFSource}[dataset](dataset_path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from titanlite.errors import TitanliteError
+from titanlite.errors import TitanliteError, one_line
 
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+\r?\n")
 
@@ -41,8 +41,7 @@ class Tokenizer:
                 raise TitanliteError(
                     f"model.tokenizer_path: {path} is a tiktoken BPE file (Llama 3); titanlite reads sentencepiece models only"
                 ) from None
-            first = next((s for s in str(e).splitlines() if s.strip()), type(e).__name__)
-            raise TitanliteError(f"model.tokenizer_path: not a sentencepiece model: {path} ({first})") from None
+            raise TitanliteError(f"model.tokenizer_path: not a sentencepiece model: {path} ({one_line(e)})") from None
         if self.sp.GetPieceSize() == 0:
             raise TitanliteError(f"model.tokenizer_path: not a sentencepiece model: {path} (no pieces)")
         self.vocab_size: int = self.sp.GetPieceSize()
