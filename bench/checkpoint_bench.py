@@ -97,9 +97,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory() as folder:
             cfg = Checkpoint(enable_checkpoint=True, interval=1, async_mode=mode, keep_latest_k=2)
-            manager = CheckpointManager(cfg, dump_folder=folder, model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                        dataloader=data, train_state=state, model_fingerprint={"name": "llama3", "flavor": args.flavor},
-                                        spec=spec, model_args=model_args)
+            manager = CheckpointManager(cfg, folder, spec, args.flavor, model_args, model=model, optimizer=optimizer,
+                                        lr_scheduler=scheduler, dataloader=data, train_state=state)
             stalls, writes = [], []
             for index in range(args.saves + 1):
                 for _ in range(args.steps_between):
@@ -137,10 +136,9 @@ def _reloads_exactly(cfg, folder: str, model: torch.nn.Module, spec, model_args,
     fresh.to_empty(device=device)
     fresh.init_weights(seed=1)
     optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
-    manager = CheckpointManager(cfg, dump_folder=folder, model=fresh, optimizer=optimizer,
+    manager = CheckpointManager(cfg, folder, spec, flavor, model_args, model=fresh, optimizer=optimizer,
                                 lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), dataloader=_Position(),
-                                train_state=TrainState(), model_fingerprint={"name": "llama3", "flavor": flavor},
-                                spec=spec, model_args=model_args)
+                                train_state=TrainState())
     manager.load()
     manager.close()
     return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

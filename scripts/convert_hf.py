@@ -19,17 +19,29 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanlite.checkpoint import export, policy
+from titanlite.checkpoint import commit, export, policy
+from titanlite.dtypes import DTYPE_NAMES, torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.models import get_model_spec
-from titanlite.dtypes import DTYPES
+from titanlite.models.spec import ModelSpec
 
 
-def _adapter(spec):
+def args_from_record(record: commit.CommitRecord) -> tuple[ModelSpec, Any]:
+    """(ModelSpec, model args) of a checkpoint, rebuilt from its commit record: the
+    flavor's args with the recorded hyperparameters (vocab size included) put back."""
+    spec = get_model_spec(record.fingerprint["name"], record.fingerprint["flavor"])
+    base = spec.flavors[record.fingerprint["flavor"]]
+    fields = {f.name for f in dataclasses.fields(base)}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in record.model_args.items() if k in fields}
+    return spec, dataclasses.replace(base, **values)
+
+
+def _adapter(spec: ModelSpec) -> Any:
     if spec.hf_adapter is not None:
         return spec.hf_adapter
     raise TitanliteError(f"--model: {spec.name} has no Hugging Face mapping")
@@ -37,7 +49,7 @@ def _adapter(spec):
 
 def to_hf(args: argparse.Namespace) -> str:
     source = Path(args.source)
-    dtype = DTYPES[args.dtype] if args.dtype else None
+    dtype = torch_dtype(args.dtype) if args.dtype else None
     if source.suffix == ".pt":
         if not (args.flavor and args.vocab_size):
             raise TitanliteError(f"{source}: a .pt file does not say which model it holds: pass --flavor and --vocab-size")
@@ -48,7 +60,7 @@ def to_hf(args: argparse.Namespace) -> str:
         folder, record = policy.resolve_initial_load(source, "source")
         if record is None:
             raise TitanliteError(f"{folder}: no commit.json, so the model is unknown; export it to .pt first and pass --flavor")
-        spec, model_args = export.args_from_record(record)
+        spec, model_args = args_from_record(record)
         state = export.read_dcp_model(folder)
     out = export.save_hf(state, model_args, _adapter(spec), args.out, dtype)
     return f"wrote {out / export.HF_WEIGHTS_FILE} and {export.HF_CONFIG_FILE} ({len(state)} tensors, {spec.name} {model_args.dim}d x {model_args.n_layers})"
@@ -69,8 +81,7 @@ def from_hf(args: argparse.Namespace) -> str:
             raise TitanliteError(f"--flavor: {args.flavor} does not match {Path(args.source) / export.HF_CONFIG_FILE}")
         model_args = expected
     state = export.load_hf(args.source, adapter, model_args)
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    state = {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in state.items()}
+    state = export.cast_floating(state, torch_dtype(args.dtype) if args.dtype else None)
     out = Path(args.out)
     if out.suffix == ".pt":
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -78,10 +89,10 @@ def from_hf(args: argparse.Namespace) -> str:
         return f"wrote {out} ({len(state)} tensors)"
     with export.single_process():
         dcp.save({"model": state}, checkpoint_id=out, no_dist=True)
-    fingerprint = {"name": spec.name, "flavor": args.flavor or "hf", "args": repr(model_args)}
-    record = policy.CommitRecord(step=0, fingerprint=fingerprint, contents=["model"], model_weights_only=True,
-                                 export_dtype=args.dtype, model_args=dataclasses.asdict(model_args))
-    policy.write_commit(out, record)
+    fingerprint = commit.fingerprint(spec.name, args.flavor or "hf", model_args)
+    record = commit.CommitRecord(step=0, fingerprint=fingerprint, contents=["model"], model_weights_only=True,
+                                 export_dtype=args.dtype, model_args=commit.args_dict(model_args))
+    commit.write_commit(out, record)
     return f"wrote DCP checkpoint {out} ({len(state)} tensors); use it as checkpoint.initial_load_path"
 
 
@@ -97,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in (out, back):
         p.add_argument("--model", default="llama3", help="registered model name (default llama3)")
         p.add_argument("--flavor", default=None)
-        p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights")
+        p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="cast floating-point weights")
     out.add_argument("--vocab-size", type=int, default=None, help="with a .pt source")
     args = parser.parse_args(argv)
     try:

@@ -16,19 +16,19 @@ import sys
 from pathlib import Path
 
 from titanlite.checkpoint import export, policy
+from titanlite.dtypes import DTYPE_NAMES, torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
-from titanlite.dtypes import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a DCP step folder, or a checkpoint root (its newest complete step)")
     parser.add_argument("out", help="output .pt file")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point weights (default: as saved)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="cast floating-point weights (default: as saved)")
     args = parser.parse_args(argv)
     try:
         folder, record = policy.resolve_initial_load(Path(args.checkpoint), "checkpoint")
-        n = export.dcp_to_full_file(folder, args.out, DTYPES[args.dtype] if args.dtype else None)
+        n = export.dcp_to_full_file(folder, args.out, torch_dtype(args.dtype) if args.dtype else None)
     except TitanliteError as error:
         print(f"titanlite: error: {error}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

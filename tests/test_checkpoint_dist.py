@@ -33,19 +33,19 @@ def checkpoint_cfg(**overrides) -> Checkpoint:
 
 
 def build(dp: int, tp: int, seed: int):
-    from titanlite.models.llama.model import Llama, LlamaArgs
     from titanlite.models.llama import llama3_spec
+    from titanlite.models.llama.model import Llama, LlamaArgs
     from titanlite.parallel.fsdp import apply_fsdp
     from titanlite.parallel.mesh import ParallelDims
 
     args = LlamaArgs(**ARGS)
-    mesh = ParallelDims(1, dp, tp, dp * tp).build_mesh("cpu")
+    meshes = ParallelDims(1, dp, tp, dp * tp).build_mesh("cpu")
     with torch.device("meta"):
         model = Llama(args)
     if tp > 1:
-        llama3_spec.apply_tp(model, ParallelDims.tp_mesh(mesh), False)
+        llama3_spec.apply_tp(model, meshes.tp, False)
     if dp > 1:
-        apply_fsdp(model, ParallelDims.fsdp_mesh(mesh), param_dtype="float32", reduce_dtype="float32", reshard_after_forward="default",
+        apply_fsdp(model, meshes.fsdp, param_dtype="float32", reduce_dtype="float32", reshard_after_forward="default",
                    cpu_offload=False, prefetch_depth=0, shard_module_classes=[])
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
@@ -59,11 +59,9 @@ def manager_for(cfg, folder, args, model, optimizer=None, scheduler=None, loader
 
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
     return CheckpointManager(
-        cfg, dump_folder=str(folder), model=model, optimizer=optimizer,
+        cfg, str(folder), llama3_spec, "tiny", args, model=model, optimizer=optimizer,
         lr_scheduler=scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
         dataloader=loader or CountingLoader(), train_state=state or TrainState(),
-        model_fingerprint={"name": "llama3", "flavor": "tiny", "args": repr(args)},
-        spec=llama3_spec, model_args=args,
     )
 
 
@@ -92,9 +90,9 @@ def export_worker(rank: int, world: int, port: int, folder: str) -> None:
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         sharded_logits = full_logits(model, tokens)
-    export.export_full_state_dict(model, folder / "full.pt")
     full = export.full_model_state_dict(model)
     if rank == 0:
+        torch.save(full, folder / "full.pt")
         export.save_hf(full, args, hf_adapter, folder / "hf")
         plain = Llama(args)
         plain.init_weights(seed=123)
@@ -111,12 +109,12 @@ def export_worker(rank: int, world: int, port: int, folder: str) -> None:
     weights.close()
     dist.barrier()
     if rank == 0:
-        from titanlite.checkpoint import policy
+        from titanlite.checkpoint import commit
 
         saved = export.read_dcp_tensors(folder / "wo" / "checkpoint" / "step-3")
         assert saved.keys() == {f"model.{k}" for k in full} and all(v.dtype == torch.bfloat16 for v in saved.values())
         assert all(torch.equal(saved[f"model.{k}"], v.to(torch.bfloat16)) for k, v in full.items())
-        record = policy.read_commit(folder / "wo" / "checkpoint" / "step-3")
+        record = commit.read_commit(folder / "wo" / "checkpoint" / "step-3")
         assert record.model_weights_only and record.export_dtype == "bfloat16" and record.contents == ["model"]
     for fmt, path in (("hf", folder / "hf"), ("dcp", folder / "run" / "checkpoint" / "step-1")):
         _, fresh = build(2, 2, seed=7)

@@ -11,11 +11,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.stand_ins import CountingLoader
-from titanlite.checkpoint import export, policy
-from titanlite.models.llama import hf_adapter as hf_llama
+from titanlite.checkpoint import commit, export, policy
 from titanlite.checkpoint.train_state import TrainState, rng_key
 from titanlite.config import Checkpoint
 from titanlite.errors import TitanliteError
+from titanlite.models.llama import hf_adapter as hf_llama
 from titanlite.models.llama.model import Llama, LlamaArgs, apply_rope, rope_cos_sin
 
 TINY = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=32, rope_theta=500000.0)
@@ -28,14 +28,14 @@ def tiny_model(seed: int = 0, args: LlamaArgs = TINY) -> Llama:
 
 
 def make_step(root, step: int, *, committed: bool = True, weights_only: bool = False) -> None:
-    folder = policy.step_dir(root, step)
+    folder = commit.step_dir(root, step)
     folder.mkdir(parents=True)
     (folder / ".metadata").write_bytes(b"")
     if committed:
-        policy.write_commit(folder, policy.CommitRecord(step=step, fingerprint={"name": "x"}, contents=["model"], model_weights_only=weights_only))
+        commit.write_commit(folder, commit.CommitRecord(step=step, fingerprint={"name": "x"}, contents=["model"], model_weights_only=weights_only))
 
 
-# ------------------------------------------------------------------ policy
+# ------------------------------------------------------- policy and commits
 
 
 def test_should_save_every_interval_and_at_the_end():
@@ -92,14 +92,24 @@ def test_retention_keeps_latest_k_and_cleans_older_debris():
     assert policy.stale_incomplete([3, 9], 6) == [3]
 
 
+def test_save_plan_last_step_is_blocking_and_weights_only_when_asked():
+    cfg = Checkpoint(async_mode="async", model_weights_only=True, export_dtype="bfloat16")
+    assert policy.plan_save(cfg, last=False) == policy.SavePlan(weights_only=False, export_dtype=None, blocking=False)
+    assert policy.plan_save(cfg, last=True) == policy.SavePlan(weights_only=True, export_dtype="bfloat16", blocking=True)
+    full = Checkpoint(async_mode="disabled")
+    assert policy.plan_save(full, last=False).blocking and not policy.plan_save(full, last=True).weights_only
+    seed = commit.CommitRecord(step=0, fingerprint={}, contents=["model"], model_weights_only=True)
+    assert not policy.is_export(seed) and policy.is_export(dataclasses.replace(seed, step=5))
+
+
 def test_commit_is_atomic_rename_and_round_trips(tmp_path):
-    record = policy.CommitRecord(step=3, fingerprint={"name": "llama3"}, contents=["model"], mesh={"tp": 2})
-    policy.write_commit(tmp_path, record)
-    assert sorted(os.listdir(tmp_path)) == [policy.COMMIT_FILE]
-    again = policy.read_commit(tmp_path)
+    record = commit.CommitRecord(step=3, fingerprint={"name": "llama3"}, contents=["model"], mesh={"tp": 2})
+    commit.write_commit(tmp_path, record)
+    assert sorted(os.listdir(tmp_path)) == [commit.COMMIT_FILE]
+    again = commit.read_commit(tmp_path)
     assert again.step == 3 and again.mesh == {"tp": 2} and again.saved_at
-    policy.remove_commit(tmp_path)
-    assert policy.read_commit(tmp_path) is None
+    commit.remove_commit(tmp_path)
+    assert commit.read_commit(tmp_path) is None
 
 
 def test_initial_load_accepts_dcp_folder_or_root(tmp_path):
@@ -162,6 +172,14 @@ def test_hf_names_and_round_trip_are_exact():
     assert hf["model.layers.0.self_attn.k_proj.weight"].shape == (TINY.kv_heads * TINY.head_dim, TINY.dim)
     back = hf_llama.from_hf(hf, TINY)
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_hf_config_check_names_each_mismatch():
+    config = hf_llama.hf_config(TINY)
+    assert hf_llama.check_hf_config(config, TINY) == []
+    assert hf_llama.check_hf_config({**config, "num_key_value_heads": None}, TINY) == ["num_key_value_heads 4 (this model: 2)"]
+    assert hf_llama.check_hf_config(config, dataclasses.replace(TINY, n_layers=3, vocab_size=100)) == [
+        "num_hidden_layers 2 (this model: 3)", "vocab_size 96 (this model: 100)"]
 
 
 def test_hf_config_round_trips_to_args():
@@ -232,7 +250,7 @@ def test_export_and_convert_scripts_round_trip(tmp_path, capsys):
     step = tmp_path / "checkpoint" / "step-2"
     dcp.save({"model": model.state_dict(), "optimizer": optim.state_dict()}, checkpoint_id=step, no_dist=True)
     fingerprint = {"name": "llama3", "flavor": "debugmodel", "args": repr(TINY)}
-    policy.write_commit(step, policy.CommitRecord(step=2, fingerprint=fingerprint, contents=["model", "optimizer"], model_args=dataclasses.asdict(TINY)))
+    commit.write_commit(step, commit.CommitRecord(step=2, fingerprint=fingerprint, contents=["model", "optimizer"], model_args=dataclasses.asdict(TINY)))
     state = model.state_dict()
 
     assert _script("export_checkpoint.py")([str(tmp_path / "checkpoint"), str(tmp_path / "model.pt")]) == 0
@@ -245,7 +263,7 @@ def test_export_and_convert_scripts_round_trip(tmp_path, capsys):
     assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
     back = export.read_dcp_model(tmp_path / "back")
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
-    assert policy.read_commit(tmp_path / "back").model_weights_only
+    assert commit.read_commit(tmp_path / "back").model_weights_only
 
     capsys.readouterr()
     assert _script("export_checkpoint.py")([str(tmp_path / "nope"), str(tmp_path / "x.pt")]) == 2
@@ -263,10 +281,9 @@ def _manager(folder, model, **cfg):
     checkpoint_cfg = Checkpoint(**{"enable_checkpoint": True, "interval": 1, "async_mode": "disabled", "keep_latest_k": 1, **cfg})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state, data = TrainState(), CountingLoader()
-    manager = CheckpointManager(checkpoint_cfg, dump_folder=str(folder), model=model, optimizer=optimizer,
+    manager = CheckpointManager(checkpoint_cfg, str(folder), llama3_spec, "tiny", TINY, model=model, optimizer=optimizer,
                                 lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), dataloader=data,
-                                train_state=state, model_fingerprint={"name": "llama3", "flavor": "tiny", "args": repr(TINY)},
-                                spec=llama3_spec, model_args=TINY)
+                                train_state=state)
     return manager, optimizer, state, data
 
 
@@ -286,7 +303,7 @@ def test_manager_without_process_group_resumes_and_tolerates_missing_rng(tmp_pat
         state.step, data.position = step, step * 8
         manager.save(step, last=step == 2)
     manager.close()
-    assert policy.scan(tmp_path / "checkpoint").complete == (2,)  # keep_latest_k 1
+    assert commit.scan(tmp_path / "checkpoint").complete == (2,)  # keep_latest_k 1
 
     fresh = tiny_model(seed=6)
     monkeypatch.setattr(train_state_module, "_rank", lambda: 1)

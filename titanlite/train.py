@@ -84,15 +84,15 @@ class Trainer:
 
         return CheckpointManager(
             self.cfg.checkpoint,
-            dump_folder=self.cfg.job.dump_folder,
+            self.cfg.job.dump_folder,
+            self.plan.spec,
+            self.cfg.model.flavor,
+            self.plan.model_args,
             model=self.model,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             dataloader=self.data,
             train_state=self.state,
-            model_fingerprint={"name": self.cfg.model.name, "flavor": self.cfg.model.flavor, "args": repr(self.plan.model_args)},
-            spec=self.plan.spec,
-            model_args=self.plan.model_args,
         )
 
     def _compute_context(self) -> contextlib.ExitStack:

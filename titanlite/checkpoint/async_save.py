@@ -33,13 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from titanlite.logging import logger
 
 SLOW_WRITE_ENV = "TITANLITE_TEST_SLOW_WRITE_S"
-ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 
 
 class SlowFileSystemWriter(FileSystemWriter):
@@ -68,8 +67,6 @@ def make_storage_writer(path: str | os.PathLike) -> FileSystemWriter:
 class Saver:
     """Blocking saves ("disabled"); the base of the async strategies."""
 
-    mode = "disabled"
-
     def __init__(self, process_group: dist.ProcessGroup | None):
         self.process_group = process_group
 
@@ -88,7 +85,7 @@ class Saver:
 
 
 class ThreadSaver(Saver):
-    mode = "async"
+    """The "async" mode: DCP's thread executor."""
 
     def save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> Future:
         # FileSystemWriter is also DCP's blocking stager: async_save copies the state into
@@ -97,7 +94,7 @@ class ThreadSaver(Saver):
 
 
 class ProcessSaver(Saver):
-    mode = "async_with_pinned_mem"
+    """The "async_with_pinned_mem" mode: DCP's process executor with a cached stager."""
 
     def __init__(self, process_group: dist.ProcessGroup | None):
         super().__init__(process_group)
@@ -157,5 +154,5 @@ def _stop_dcp_checkpoint_process() -> None:
 
 
 def build_saver(mode: str, process_group: dist.ProcessGroup | None) -> Saver:
-    """The strategy for `checkpoint.async_mode`."""
+    """The strategy for `checkpoint.async_mode` (config.py validated the name)."""
     return {"disabled": Saver, "async": ThreadSaver, "async_with_pinned_mem": ProcessSaver}[mode](process_group)

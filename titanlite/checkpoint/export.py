@@ -1,17 +1,18 @@
 """Getting weights out of (and into) our checkpoints in other formats.
 
 - One `torch.save` file of the full, unsharded model state dict, which loads into a plain
-  `Llama` with `load_state_dict`: from a live parallel model (`export_full_state_dict`, all
-  ranks call it) or from a DCP folder on one process (`read_dcp_model`, no model needed:
-  the tensors' global shapes and dtypes come from DCP's own index).
+  model with `load_state_dict`: gathered from a live parallel model on rank 0
+  (`full_model_state_dict`, all ranks call it) or read from a DCP folder on one process
+  (`read_dcp_model`, no model needed: the tensors' global shapes and dtypes come from
+  DCP's own index).
 - Hugging Face safetensors + config.json through the model's `hf_adapter` (`save_hf`,
-  `load_hf`). safetensors is an optional dependency, imported only here.
+  `load_hf`): the adapter knows the model's names, layouts and config keys; this module
+  knows only the file format. safetensors is an optional dependency, imported only here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import warnings
@@ -24,10 +25,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 
-from titanlite.checkpoint import policy
-from titanlite.errors import TitanliteError
+from titanlite.checkpoint.commit import read_dcp_index
+from titanlite.errors import TitanliteError, one_line, user_errors
 
 HF_WEIGHTS_FILE = "model.safetensors"
 HF_CONFIG_FILE = "config.json"
@@ -41,10 +45,11 @@ def single_process() -> Iterator[None]:
         yield
 
 
-def _cast(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def cast_floating(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
+    """The state dict with its floating-point tensors cast to `dtype` (None: unchanged)."""
     if dtype is None:
         return state_dict
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state_dict.items()}
 
 
 def full_model_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
@@ -53,39 +58,21 @@ def full_model_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = No
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return _cast(state, dtype) if rank == 0 else None
-
-
-def export_full_state_dict(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-    """Write the full model state dict as one `torch.save` file (rank 0 writes; collective)."""
-    state = full_model_state_dict(model, dtype)
-    if state is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
+    return cast_floating(state, dtype) if rank == 0 else None
 
 
 def read_dcp_tensors(folder: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint whose key starts with `prefix`, at full (unsharded)
     shape, read on one process into tensors allocated from the index's global shapes."""
     folder = Path(folder)
-    reader = FileSystemReader(folder)
-    try:
-        metadata = reader.read_metadata()
-    except FileNotFoundError:
-        raise TitanliteError(f"{folder}: not a DCP checkpoint (no {policy.DCP_METADATA_FILE})") from None
+    metadata = read_dcp_index(folder)
     state = {
         k: torch.empty(v.size, dtype=v.properties.dtype)
         for k, v in metadata.state_dict_metadata.items()
         if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
     }
-    try:
-        with single_process():
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except BaseException as error:
-        if isinstance(error, (KeyboardInterrupt, SystemExit)):
-            raise
-        first = str(error).splitlines()[0] if str(error) else ""
-        raise TitanliteError(f"{folder}: cannot read checkpoint: {type(error).__name__}: {first}") from None
+    with user_errors(f"{folder}: cannot read checkpoint"), single_process():
+        dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=True)
     return state
 
 
@@ -97,15 +84,12 @@ def read_dcp_model(folder: str | os.PathLike, dtype: torch.dtype | None = None) 
     at top level (torchtitan's weights-only ones) work too.
     """
     folder = Path(folder)
-    try:
-        keys = FileSystemReader(folder).read_metadata().state_dict_metadata
-    except FileNotFoundError:
-        raise TitanliteError(f"{folder}: not a DCP checkpoint (no {policy.DCP_METADATA_FILE})") from None
+    keys = read_dcp_index(folder).state_dict_metadata
     prefix = "model." if any(k.startswith("model.") for k in keys) else ""
     if not prefix and any(k.startswith("optimizer.") for k in keys):
         raise TitanliteError(f"{folder}: checkpoint has no model weights")
     state = read_dcp_tensors(folder, prefix)
-    return _cast({k[len(prefix):]: v for k, v in state.items()}, dtype)
+    return cast_floating({k[len(prefix):]: v for k, v in state.items()}, dtype)
 
 
 def dcp_to_full_file(folder: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype | None = None) -> int:
@@ -129,7 +113,7 @@ def save_hf(state_dict: dict[str, torch.Tensor], args: Any, adapter: Any, out_di
     st = _safetensors()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    hf_state = adapter.to_hf(_cast(state_dict, dtype), args)
+    hf_state = adapter.to_hf(cast_floating(state_dict, dtype), args)
     dtype = dtype or next(iter(hf_state.values())).dtype
     st.save_file(hf_state, str(out_dir / HF_WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / HF_CONFIG_FILE).write_text(json.dumps(adapter.hf_config(args, dtype), indent=2) + "\n")
@@ -155,7 +139,7 @@ def read_hf_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         try:
             tensors.update(st.load_file(str(folder / name)))
         except Exception as error:
-            raise TitanliteError(f"{folder / name}: cannot read safetensors ({type(error).__name__}: {error})") from None
+            raise TitanliteError(f"{folder / name}: cannot read safetensors ({one_line(error)})") from None
     return tensors
 
 
@@ -172,25 +156,10 @@ def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
 def load_hf(folder: str | os.PathLike, adapter: Any, args: Any) -> dict[str, torch.Tensor]:
     """A Hugging Face folder as our full state dict, checked against `args` first: a
     config that describes another model is one line naming the file, not a shape error."""
-    config = read_hf_config(folder)
-    expected = adapter.hf_config(args)
-    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
-    got = dict(config, num_key_value_heads=config.get("num_key_value_heads") or config.get("num_attention_heads"))
-    wrong = [f"{f} {got.get(f)} (this model: {expected[f]})" for f in fields if got.get(f) != expected[f]]
+    wrong = adapter.check_hf_config(read_hf_config(folder), args)
     if wrong:
         raise TitanliteError(f"{Path(folder) / HF_CONFIG_FILE}: describes another model: {', '.join(wrong)}")
     try:
         return adapter.from_hf(read_hf_tensors(folder), args)
     except KeyError as error:
         raise TitanliteError(f"{folder}: unexpected tensor {error.args[0]!r} for this model") from None
-
-
-def args_from_record(record: policy.CommitRecord) -> tuple[Any, Any]:
-    """(ModelSpec, model args) of a checkpoint, rebuilt from its commit record."""
-    from titanlite.models import get_model_spec
-
-    spec = get_model_spec(record.fingerprint["name"], record.fingerprint["flavor"])
-    base = spec.flavors[record.fingerprint["flavor"]]
-    fields = {f.name for f in dataclasses.fields(base)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in record.model_args.items() if k in fields}
-    return spec, dataclasses.replace(base, **values)

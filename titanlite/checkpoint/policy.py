@@ -1,48 +1,30 @@
-"""Checkpoint policy: which steps save, which folders count, which one loads, which go.
+"""Checkpoint policy: which steps save and how, which checkpoint loads, which ones go.
 
-This module only reads and writes small files on rank 0's view of the file system; it
-never touches tensors or process groups, so every rule here is unit-testable without
-torch.distributed. The mechanism (DCP save/load, async) lives in `manager.py` and
-`async_save.py`.
-
-Layout under `<job.dump_folder>/<checkpoint.folder>/`::
-
-    step-10/               one DCP checkpoint
-        __0_0.distcp ...   each rank's shards (written by DCP)
-        .metadata          DCP's global index (written by the coordinator after every rank wrote)
-        commit.json        our commit marker: written last, by rank 0, atomically (tmp + rename)
-    step-20/ ...
-
-A folder counts as a checkpoint only when `commit.json` is present. DCP itself writes
-`.metadata` only after it has gathered every rank's write results, so `.metadata` already
-implies "all shards are on disk"; `commit.json` adds what DCP cannot know: that this run
-considers the save finished (for async saves: that the save's future resolved without an
-error), plus the model fingerprint and what the checkpoint holds. A crash at any moment
-before the rename of `commit.json` leaves a folder without it, which discovery ignores.
+Pure rules: they read commit records through `commit.py` (rank 0's view of the disk) and
+never touch tensors or process groups, so each is unit-testable without torch.distributed.
+The mechanism is elsewhere: the save pipeline in `manager.py`, loading in `restore.py`,
+the bytes per `async_mode` in `async_save.py`, the on-disk layout in `commit.py`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import shutil
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from titanlite.checkpoint.commit import (
+    COMMIT_FILE,
+    DCP_METADATA_FILE,
+    CommitRecord,
+    read_commit,
+    scan,
+    step_dir,
+)
 from titanlite.errors import TitanliteError
 
-COMMIT_FILE = "commit.json"
-DCP_METADATA_FILE = ".metadata"
-FORMAT = "titanlite-dcp-1"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def step_dir(root: str | os.PathLike, step: int) -> Path:
-    """The folder of one checkpoint: `<root>/step-<step>` (no zero padding: sorting is numeric)."""
-    return Path(root) / f"step-{step}"
+if TYPE_CHECKING:
+    from titanlite.config import Checkpoint
 
 
 def should_save(step: int, interval: int, last: bool) -> bool:
@@ -50,114 +32,40 @@ def should_save(step: int, interval: int, last: bool) -> bool:
     return last or step % interval == 0
 
 
-@dataclass
-class CommitRecord:
-    """What `commit.json` says about a checkpoint. Written last; its presence is the commit."""
-
-    step: int
-    # Model identity: {"name", "flavor", "args"}; compared before any tensor is read.
-    fingerprint: dict[str, Any]
-    # The top-level DCP keys this checkpoint holds: all of the training state, or just "model".
-    contents: list[str]
-    model_weights_only: bool = False
-    # dtype of the model weights when they were cast for export, else None (training dtype).
-    export_dtype: str | None = None
-    # The model's hyperparameters as a plain dict, so exports can rebuild configs without the run.
-    model_args: dict[str, Any] = field(default_factory=dict)
-    # The layout it was saved at (informational: DCP reshards on load).
-    world_size: int = 1
-    mesh: dict[str, int] = field(default_factory=dict)
-    tokens_seen: int = 0
-    format: str = FORMAT
-    saved_at: str = ""
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, indent=1, sort_keys=True, default=str)
-
-    @classmethod
-    def from_json(cls, text: str) -> CommitRecord:
-        data = json.loads(text)
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
-
-def write_commit(folder: str | os.PathLike, record: CommitRecord) -> None:
-    """Mark `folder` complete: write to a temporary name, fsync, then rename (atomic on POSIX)."""
-    folder = Path(folder)
-    record.saved_at = record.saved_at or time.strftime("%Y-%m-%dT%H:%M:%S")
-    tmp = folder / (COMMIT_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(record.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / COMMIT_FILE)
-    _fsync_dir(folder)
-
-
-def remove_commit(folder: str | os.PathLike) -> None:
-    """Un-commit a folder before it is overwritten, so a crash mid-overwrite cannot leave a
-    committed folder with mixed contents."""
-    marker = Path(folder) / COMMIT_FILE
-    if marker.exists():
-        marker.unlink()
-        _fsync_dir(Path(folder))
-
-
-def read_commit(folder: str | os.PathLike) -> CommitRecord | None:
-    """The commit record of `folder`, or None when it has none (never committed)."""
-    marker = Path(folder) / COMMIT_FILE
-    try:
-        text = marker.read_text()
-    except FileNotFoundError:
-        return None
-    try:
-        return CommitRecord.from_json(text)
-    except (ValueError, TypeError) as error:
-        raise TitanliteError(f"{marker}: unreadable commit marker ({error})") from None
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename durable; some file systems do not support fsync on folders."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True)
-class Inventory:
-    """The checkpoints under one root: committed steps and interrupted (uncommitted) ones."""
+class SavePlan:
+    """How one due save is done."""
 
-    root: Path
-    complete: tuple[int, ...]
-    incomplete: tuple[int, ...]
-
-    def incomplete_warning(self) -> str | None:
-        """One line naming the half-written folders that are being ignored, or None."""
-        if not self.incomplete:
-            return None
-        names = ", ".join(f"step-{s}" for s in self.incomplete)
-        return f"checkpoint: ignoring incomplete checkpoint folder(s) {names} under {self.root} (no {COMMIT_FILE}: the save was interrupted)"
+    # Model only: the final save of a `model_weights_only` run (an export), or the seed.
+    weights_only: bool
+    # The dtype an export's weights are cast to; None keeps the training dtype.
+    export_dtype: str | None
+    # The caller waits for the write: nothing is left to overlap with at the last step,
+    # and async_mode "disabled" asks for it.
+    blocking: bool
 
 
-def scan(root: str | os.PathLike) -> Inventory:
-    """List `step-N` folders under `root`, split by whether they were committed."""
-    root = Path(root)
-    complete, incomplete = [], []
-    if root.is_dir():
-        for entry in root.iterdir():
-            match = _STEP_DIR.match(entry.name)
-            if not match or not entry.is_dir():
-                continue
-            step = int(match.group(1))
-            (complete if (entry / COMMIT_FILE).is_file() else incomplete).append(step)
-    return Inventory(root, tuple(sorted(complete)), tuple(sorted(incomplete)))
+# `create_seed_checkpoint`: the freshly initialized weights as step 0, model only, as trained.
+SEED_SAVE = SavePlan(weights_only=True, export_dtype=None, blocking=True)
+
+
+def plan_save(cfg: Checkpoint, last: bool) -> SavePlan:
+    """The save of a training step: the whole training state, in the background, except
+    at the last step, which is blocking and holds only the model when
+    `model_weights_only` (cast to `export_dtype`)."""
+    weights_only = last and cfg.model_weights_only
+    return SavePlan(
+        weights_only=weights_only,
+        export_dtype=cfg.export_dtype if weights_only else None,
+        blocking=last or cfg.async_mode == "disabled",
+    )
+
+
+def is_export(record: CommitRecord) -> bool:
+    """A weights-only checkpoint after step 0 is an export: it has no optimizer or data
+    state to resume from, and it does not count for retention. The step-0 seed checkpoint
+    is the exception: it is how a seed initializes a run."""
+    return record.model_weights_only and record.step > 0
 
 
 @dataclass(frozen=True)
@@ -173,11 +81,10 @@ class LoadChoice:
 def choose_resume(root: str | os.PathLike, load_step: int) -> LoadChoice:
     """Pick the checkpoint a run resumes from.
 
-    load_step -1: the newest committed full checkpoint (a weights-only export at step > 0
-    is skipped: it has no optimizer or data state to resume; the step-0 seed checkpoint is
-    the exception, it is how a seed initializes a run). None when the folder has none, so
-    the run starts fresh. load_step >= 0: exactly that step, or a one-line error; a load that
-    was asked for never degrades into a fresh start.
+    load_step -1: the newest committed full checkpoint (exports are skipped, see
+    `is_export`). None when the folder has none, so the run starts fresh. load_step >= 0:
+    exactly that step, or a one-line error; a load that was asked for never degrades into a
+    fresh start.
     """
     root = Path(root)
     inventory = scan(root)
@@ -191,7 +98,7 @@ def choose_resume(root: str | os.PathLike, load_step: int) -> LoadChoice:
         if load_step not in inventory.complete:
             raise TitanliteError(f"checkpoint.load_step: {path} does not exist; complete steps: {_steps(inventory.complete)}")
         record = read_commit(path)
-        if record.model_weights_only and load_step > 0:
+        if is_export(record):
             raise TitanliteError(
                 f"checkpoint.load_step: {path} holds model weights only (an export) and cannot resume training; "
                 "start from it with checkpoint.initial_load_path instead"
@@ -200,7 +107,7 @@ def choose_resume(root: str | os.PathLike, load_step: int) -> LoadChoice:
     for step in reversed(inventory.complete):
         path = step_dir(root, step)
         record = read_commit(path)
-        if record.model_weights_only and step > 0:
+        if is_export(record):
             notes.append(f"checkpoint: skipping {path}: model weights only (an export), nothing to resume from")
             continue
         return LoadChoice(step, path, record, tuple(notes))
@@ -225,13 +132,6 @@ def stale_incomplete(incomplete: tuple[int, ...] | list[int], newest_committed: 
     """Interrupted folders older than the newest commit: no save of theirs is in flight
     (a run has at most one, and it is newer), so they are debris to clean up."""
     return [s for s in incomplete if s < newest_committed]
-
-
-def remove_checkpoint(root: str | os.PathLike, step: int) -> None:
-    """Delete one step folder: un-commit first, so a crash mid-delete leaves an ignored folder."""
-    path = step_dir(root, step)
-    remove_commit(path)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def resolve_initial_load(path: str | os.PathLike, what: str = "checkpoint.initial_load_path") -> tuple[Path, CommitRecord | None]:

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-
 RNG_PREFIX = "rng_rank"
 
 

@@ -30,7 +30,8 @@ class ModelSpec:
     tp_problems: Callable[[Any, int], list[str]]
     # (args, n_params, seq_len) -> training FLOPs per token (forward + backward).
     flops_per_token: Callable[[Any, int, int], float]
-    # Optional Hugging Face conversion: a module with to_hf(state_dict, args) / from_hf(...).
+    # Optional Hugging Face conversion: a module with to_hf(state_dict, args) / from_hf(...),
+    # hf_config(args, dtype), check_hf_config(config, args) -> mismatches, args_from_hf_config.
     hf_adapter: Any = None
 
     def args_for(self, flavor: str, vocab_size: int) -> Any:

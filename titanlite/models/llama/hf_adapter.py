@@ -8,8 +8,9 @@ the pair (2i, 2i+1) lands at (i, i + d/2); that is what HF's own conversion scri
 permutation uses n_kv_heads. wv, wo and the MLP have no rotary structure and keep their rows.
 
 The functions take and return plain full (unsharded) state dicts; sharding is the
-caller's business (see manager._load_hf and export.py). This module is the model's
-`hf_adapter` (ModelSpec): to_hf, from_hf, hf_config, args_from_hf_config.
+caller's business (see checkpoint/restore.py and checkpoint/export.py). This module is the
+model's `hf_adapter` (ModelSpec): to_hf, from_hf, hf_config, check_hf_config,
+args_from_hf_config. It is the one place that knows Llama's config.json keys.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import re
 from typing import Any
 
 import torch
+
+from titanlite.dtypes import dtype_name
 
 # Our name (with {i} for the layer) -> Hugging Face name.
 _NAMES = {
@@ -115,7 +118,7 @@ def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": dtype_name(dtype),
         "rope_scaling": None,
     }
     if args.rope_scaling is not None:
@@ -128,6 +131,20 @@ def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
             "original_max_position_embeddings": original,
         }
     return config
+
+
+# The config.json keys that decide the tensors' shapes: a folder whose config differs in
+# one of them holds another model.
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
+def check_hf_config(config: dict[str, Any], args: Any) -> list[str]:
+    """How a Hugging Face config.json differs from these hyperparameters, one phrase per
+    shape-deciding key (empty: it describes this model). A config without
+    `num_key_value_heads` means as many as attention heads (no GQA)."""
+    expected = hf_config(args)
+    got = dict(config, num_key_value_heads=config.get("num_key_value_heads") or config.get("num_attention_heads"))
+    return [f"{key} {got.get(key)} (this model: {expected[key]})" for key in _SHAPE_KEYS if got.get(key) != expected[key]]
 
 
 def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:

@@ -1,0 +1,88 @@
+"""What one checkpoint holds, assembled from the run's live objects for a save or a load.
+
+Top-level DCP keys:
+
+- "model", "optimizer": `get_model_state_dict` / `get_optimizer_state_dict`: this rank's
+  DTensor shards, never gathered. DCP records each shard's place in the global tensor,
+  which is what lets a checkpoint load at another mesh (resharding).
+- "lr_scheduler", "train_state" (step, tokens seen: identical on every rank, one copy;
+  plus `rng_rank{r}`: each rank's RNG state under its own key).
+- "dataloader": the loader's state under one common key. By design it is identical on
+  every rank (a global stream position that does not depend on the data-parallel degree),
+  so DCP writes it once and every rank of any later layout reads the same value.
+
+A weights-only checkpoint (the seed, an export) holds "model" alone. The save pipeline
+(`manager.py`) and the load side (`restore.py`) both build their state dicts here, so the
+two cannot disagree on the keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from titanlite.checkpoint.export import cast_floating
+from titanlite.dtypes import torch_dtype
+
+
+@dataclass
+class Contents:
+    """The five stateful parts of a run that a checkpoint saves and restores."""
+
+    model: nn.Module
+    optimizer: Optimizer
+    lr_scheduler: LRScheduler
+    dataloader: Stateful
+    train_state: Stateful
+
+    def training_state(self) -> dict[str, Any]:
+        """The whole training state, as fresh state dicts (to save, or to load into)."""
+        return {
+            "model": get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "dataloader": self.dataloader.state_dict(),
+            "train_state": self.train_state.state_dict(),
+        }
+
+    def apply_training_state(self, state: dict[str, Any]) -> None:
+        """Put a loaded `training_state()` back into the live objects."""
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.dataloader.load_state_dict(state["dataloader"])
+        self.train_state.load_state_dict(state["train_state"])
+
+    def weights_state(self, dtype: str | None) -> dict[str, Any]:
+        """Model weights only, cast to `dtype` (a config dtype name) when given."""
+        model_sd = get_model_state_dict(self.model)
+        return {"model": cast_floating(model_sd, torch_dtype(dtype)) if dtype is not None else model_sd}
+
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every model tensor's global shape, by our parameter names."""
+        return {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items() if torch.is_tensor(v)}
+
+    def mesh(self) -> dict[str, int]:
+        """The mesh the parameters live on ({} when not distributed), recorded for the log."""
+        for param in self.model.parameters():
+            if isinstance(param, DTensor):
+                mesh = param.device_mesh
+                names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+                return dict(zip(names, mesh.shape))
+        return {}
+
+    def tokens_seen(self) -> int:
+        return int(getattr(self.train_state, "tokens_seen", 0))

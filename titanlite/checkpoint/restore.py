@@ -1,0 +1,225 @@
+"""Loading: resume a run from its own checkpoint, or start it from other weights.
+
+`Restorer.load` does one of three things, in this order of preference:
+
+- resume from `<dump_folder>/<checkpoint.folder>` (the newest complete step, or
+  `load_step`; `policy.choose_resume` decides): the whole training state, or only the
+  model when that step is the step-0 seed checkpoint;
+- when that folder holds none, initialize the model from `initial_load_path`: any DCP
+  folder (model weights only, at top level or under "model.") or a Hugging Face folder;
+- else nothing: the run starts from its initialized weights.
+
+Everything a user can get wrong is checked on rank 0 before any collective load starts
+and reaches every rank as the same one line (`parallel.collectives.on_rank0`): the model
+fingerprint, that every shard file the DCP index names is there and long enough, the
+tensor shapes, a Hugging Face config.json that describes another model. A shard that
+fails to deserialize is reported by DCP on every rank and becomes one line too.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from titanlite.checkpoint import export, policy
+from titanlite.checkpoint.commit import args_dict, fingerprint, read_dcp_index
+from titanlite.checkpoint.contents import Contents
+from titanlite.checkpoint.train_state import RNG_PREFIX
+from titanlite.errors import TitanliteError, user_errors
+from titanlite.logging import logger
+from titanlite.parallel.collectives import any_rank, on_rank0
+
+if TYPE_CHECKING:
+    from titanlite.config import Checkpoint
+    from titanlite.models.spec import ModelSpec
+
+
+class Restorer:
+    """Loads a checkpoint, or initial weights, into one run's live objects (see module doc).
+    Every rank builds one and calls `load`; `group` None is one process without
+    torch.distributed."""
+
+    def __init__(
+        self,
+        cfg: Checkpoint,
+        root: Path,
+        spec: ModelSpec,
+        flavor: str,
+        model_args: Any,
+        contents: Contents,
+        group: dist.ProcessGroup | None,
+    ):
+        self.cfg, self.root = cfg, root
+        self.spec, self.model_args = spec, model_args
+        self.fingerprint = fingerprint(spec.name, flavor, model_args)
+        self.contents = contents
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+
+    def load(self) -> None:
+        """Resume from `<dump_folder>/<folder>` (newest complete, or `load_step`); when that
+        holds no checkpoint, initialize the model from `initial_load_path`; else do nothing."""
+        if self.cfg.enable_checkpoint:
+            choice = on_rank0(self.group, lambda: policy.choose_resume(self.root, self.cfg.load_step))
+            if self.rank == 0:  # one line, not one per rank
+                for note in choice.notes:
+                    logger.warning(note)
+            if choice.step is not None:
+                self._resume(choice)
+                return
+        if self.cfg.initial_load_path:
+            if self.cfg.initial_load_format == "hf":
+                self._load_hf(Path(self.cfg.initial_load_path))
+            else:
+                self._load_initial_dcp(Path(self.cfg.initial_load_path))
+
+    def _resume(self, choice: policy.LoadChoice) -> None:
+        path, record = choice.path, choice.record
+
+        def check() -> Metadata:
+            saved = record.fingerprint
+            if saved != self.fingerprint:
+                raise TitanliteError(f"{path}: checkpoint is of {_describe(saved, record.model_args)}, but this run builds {_describe(self.fingerprint, args_dict(self.model_args))}")
+            return read_checked_metadata(path)
+
+        metadata = on_rank0(self.group, check)
+        started = time.perf_counter()
+        if record.model_weights_only:  # the step-0 seed: weights only, training starts at 0
+            self._load_model_dcp(path, prefix="model.")
+            logger.info(f"checkpoint: initialized the model from the seed checkpoint {path} ({time.perf_counter() - started:.2f} s)")
+            return
+        state = self.contents.training_state()
+        missing_rng = self._drop_missing_rng(state, metadata)
+        self._dcp_load(state, path)
+        self.contents.apply_training_state(state)
+        layout = f"world size {record.world_size}{_mesh_text(record.mesh)}"
+        now = f"world size {self.world_size}{_mesh_text(self.contents.mesh())}"
+        logger.info(
+            f"checkpoint: resumed from {path} at step {record.step} ({time.perf_counter() - started:.2f} s); "
+            f"saved at {layout}, loaded at {now}; data stream position {_short(state['dataloader'])}"
+        )
+        if missing_rng and self.rank == 0:
+            logger.warning(f"checkpoint: {path} has no RNG state for ranks >= {record.world_size} (saved at world size {record.world_size}); they keep their seeded RNG")
+
+    def _drop_missing_rng(self, state: dict[str, Any], metadata: Metadata) -> bool:
+        """Leave out this rank's RNG entries the checkpoint lacks (saved at a smaller world
+        size, or without CUDA); DCP would otherwise fail on the missing key. Returns
+        whether any rank found no RNG state at all (collective: every rank calls it)."""
+        train_state = state.get("train_state")
+        none_saved = False
+        if isinstance(train_state, dict):
+            for key in [k for k, v in train_state.items() if k.startswith(RNG_PREFIX) and isinstance(v, dict)]:
+                rng = train_state[key]
+                for device in list(rng):
+                    if f"train_state.{key}.{device}" not in metadata.state_dict_metadata:
+                        del rng[device]
+                if not rng:
+                    del train_state[key]
+                    none_saved = True
+        return any_rank(self.group, none_saved)
+
+    def _load_initial_dcp(self, given: Path) -> None:
+        """`initial_load_path` (dcp): model weights only, from any DCP folder or our root."""
+
+        def check() -> tuple[Path, str]:
+            path, _record = policy.resolve_initial_load(given)
+            metadata = read_checked_metadata(path)
+            prefix = "model." if any(k.startswith("model.") for k in metadata.state_dict_metadata) else ""
+            saved = {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)}
+            check_tensor_shapes(path, saved, self.contents.model_shapes())
+            return path, prefix
+
+        path, prefix = on_rank0(self.group, check)
+        started = time.perf_counter()
+        self._load_model_dcp(path, prefix)
+        logger.info(f"checkpoint: initialized the model from {path} ({time.perf_counter() - started:.2f} s)")
+
+    def _load_model_dcp(self, path: Path, prefix: str) -> None:
+        """Model weights only; `prefix` "" reads checkpoints that keep weights at top level
+        (torchtitan's seed and weights-only exports do)."""
+        model_sd = get_model_state_dict(self.contents.model)
+        state = {"model": model_sd} if prefix else model_sd
+        self._dcp_load(state, path)
+        set_model_state_dict(self.contents.model, model_sd)
+
+    def _load_hf(self, folder: Path) -> None:
+        """`initial_load_path` (hf): rank 0 reads the safetensors and converts them to our
+        names; `set_model_state_dict` with `broadcast_from_rank0` sends each full tensor to
+        the other ranks, and every rank keeps only its shard."""
+        adapter = self.spec.hf_adapter
+        if adapter is None:
+            raise TitanliteError(f"checkpoint.initial_load_format: model {self.spec.name} has no Hugging Face mapping")
+
+        def read() -> dict[str, torch.Tensor]:
+            full = export.load_hf(folder, adapter, self.model_args)
+            check_tensor_shapes(folder, {k: tuple(v.shape) for k, v in full.items()}, self.contents.model_shapes())
+            return full
+
+        started = time.perf_counter()
+        full = on_rank0(self.group, read, broadcast_result=False)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.group is not None, strict=True)
+        set_model_state_dict(self.contents.model, full if full is not None else {}, options=options)
+        logger.info(f"checkpoint: initialized the model from Hugging Face weights {folder} ({time.perf_counter() - started:.2f} s)")
+
+    def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
+        """dcp.load with errors (a bad shard on any rank reaches every rank through DCP's
+        own gather) turned into one line naming the folder."""
+        with user_errors(f"{path}: cannot load checkpoint"):
+            dcp.load(state, storage_reader=FileSystemReader(path), process_group=self.group, no_dist=self.group is None)
+
+
+def read_checked_metadata(path: Path) -> Metadata:
+    """DCP's index of `path`, after checking every shard file it names is there and long
+    enough: a truncated or missing shard becomes one line naming the file, before any
+    collective load starts."""
+    metadata = read_dcp_index(path)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is not None:
+            needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
+    for relative, size in sorted(needed.items()):
+        shard = path / relative
+        if not shard.is_file():
+            raise TitanliteError(f"{shard}: shard file missing from the checkpoint")
+        actual = shard.stat().st_size
+        if actual < size:
+            raise TitanliteError(f"{shard}: shard is truncated ({actual} bytes, the checkpoint index needs {size})")
+    return metadata
+
+
+def check_tensor_shapes(path: Path, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor the model wants is in the checkpoint, at the same global shape."""
+    missing = [k for k in wanted if k not in saved]
+    if missing:
+        raise TitanliteError(f"{path}: the checkpoint lacks {len(missing)} of the model's tensors (first: {missing[0]})")
+    for key, shape in wanted.items():
+        if tuple(saved[key]) != tuple(shape):
+            raise TitanliteError(f"{path}: tensor {key} has shape {list(saved[key])} in the checkpoint but {list(shape)} in this model")
+
+
+def _mesh_text(mesh: dict[str, int]) -> str:
+    return f" (mesh {' x '.join(f'{k} {v}' for k, v in mesh.items())})" if mesh else ""
+
+
+def _describe(saved_fingerprint: dict[str, Any], args: dict[str, Any]) -> str:
+    text = f"model {saved_fingerprint.get('name')} flavor {saved_fingerprint.get('flavor')}"
+    return text + (f" ({_short(args, 160)})" if args else "")
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
