@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.build import Plan, build_model, plan_run
+from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.train_state import TrainState
 from titanlite.config import load_config, to_dict
 from titanlite.data import build_dataloader
@@ -78,10 +79,8 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
 
     def _build_checkpoint(self):
-        if not (self.cfg.checkpoint.enable_checkpoint or self.cfg.checkpoint.create_seed_checkpoint or self.cfg.checkpoint.initial_load_path):
+        if not (self.cfg.checkpoint.enable_checkpoint or self.cfg.checkpoint.initial_load_path):
             return None
-        from titanlite.checkpoint.manager import CheckpointManager
-
         return CheckpointManager(
             self.cfg.checkpoint,
             self.cfg.job.dump_folder,
@@ -139,9 +138,6 @@ class Trainer:
         logged scalars of each log step, for tests and benchmarks."""
         cfg = self.cfg
         if self.checkpoint is not None:
-            if cfg.checkpoint.create_seed_checkpoint:
-                self.checkpoint.save_seed()
-                return []
             self.checkpoint.load()
             if self.state.step:
                 logger.info(f"resumed at step {self.state.step}")
@@ -171,6 +167,34 @@ class Trainer:
         self.metrics.close()
 
 
+def create_seed_checkpoint(plan: Plan) -> None:
+    """`checkpoint.create_seed_checkpoint`: initialize the model on this one process and save
+    it as step 0, model only. A later run of any layout in the same folder starts from it
+    (DCP reshards), so a large model is initialized once instead of on every start."""
+    cfg = plan.cfg
+    info = init_distributed(cfg.comm.init_timeout_seconds)
+    init_logger(info.rank)
+    torch.manual_seed(cfg.training.seed)
+    model, _ = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size)
+    manager = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model)
+    try:
+        manager.save_seed()
+    finally:
+        manager.close()
+
+
+def run(plan: Plan) -> None:
+    """Train, or write the seed checkpoint: the two things this entry point does."""
+    if plan.cfg.checkpoint.create_seed_checkpoint:
+        create_seed_checkpoint(plan)
+        return
+    trainer = Trainer(plan)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
 def report_user_error(error: TitanliteError) -> int:
     """One line on rank 0, nothing from the others; the exit code says it was the input.
 
@@ -192,10 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_run(cfg, world_from_env()[1])
     except TitanliteError as error:
         return report_user_error(error)
-    trainer = None
     try:
-        trainer = Trainer(plan)
-        trainer.train()
+        run(plan)
         return 0
     except TitanliteError as error:
         return report_user_error(error)
@@ -207,8 +229,6 @@ def main(argv: list[str] | None = None) -> int:
               f"or seq_len, or enable activation_checkpoint", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
     finally:
-        if trainer is not None:
-            trainer.close()
         shutdown()
 
 

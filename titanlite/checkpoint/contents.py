@@ -40,13 +40,14 @@ from titanlite.dtypes import torch_dtype
 
 @dataclass
 class Contents:
-    """The five stateful parts of a run that a checkpoint saves and restores."""
+    """The five stateful parts of a run that a checkpoint saves and restores (only the model
+    for a weights-only save such as the seed checkpoint)."""
 
     model: nn.Module
-    optimizer: Optimizer
-    lr_scheduler: LRScheduler
-    dataloader: Stateful
-    train_state: Stateful
+    optimizer: Optimizer | None
+    lr_scheduler: LRScheduler | None
+    dataloader: Stateful | None
+    train_state: Stateful | None
 
     def training_state(self) -> dict[str, Any]:
         """The whole training state, as fresh state dicts (to save, or to load into)."""

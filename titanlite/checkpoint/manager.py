@@ -52,7 +52,8 @@ class _PendingSave:
 
 class CheckpointManager:
     """Saves, commits and retains the training state of one run, and loads it back through
-    a `Restorer` (see module doc). Every rank builds one, with the same arguments."""
+    a `Restorer` (see module doc). Every rank builds one, with the same arguments; a manager
+    given only the model saves and loads weights only (the seed checkpoint)."""
 
     def __init__(
         self,
@@ -63,10 +64,10 @@ class CheckpointManager:
         model_args: Any,
         *,
         model: nn.Module,
-        optimizer: Optimizer,
-        lr_scheduler: LRScheduler,
-        dataloader: Stateful,
-        train_state: Stateful,
+        optimizer: Optimizer | None = None,
+        lr_scheduler: LRScheduler | None = None,
+        dataloader: Stateful | None = None,
+        train_state: Stateful | None = None,
     ):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
