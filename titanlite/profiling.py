@@ -69,13 +69,14 @@ def maybe_profile(cfg: JobConfig, rank: int, device: torch.device, start_step: i
         yield _Steppers(steppers)
 
 
-def _trace_schedule(freq: int, start_step: int):
+def _trace_schedule(freq: int, start_step: int, last_step: int):
     """torch.profiler's wait/warmup/active cycle of length `freq`, shifted so its active
-    step is the trainer's step k * freq. The profiler numbers the steps it has seen from 0;
-    its number n is trainer step start_step + n + 1."""
+    step is the trainer's step k * freq, and idle after `last_step` (else the profiler
+    would record the shutdown as one more step). The profiler numbers the steps it has
+    seen from 0; its number n is trainer step start_step + n + 1."""
     warmup = 1 if freq >= 2 else 0
     cycle = torch.profiler.schedule(wait=freq - 1 - warmup, warmup=warmup, active=1)
-    return lambda n: cycle(n + start_step)
+    return lambda n: cycle(n + start_step) if start_step + n + 1 <= last_step else torch.profiler.ProfilerAction.NONE
 
 
 @contextlib.contextmanager
@@ -92,7 +93,7 @@ def _traces(cfg: JobConfig, rank: int, device: torch.device, start_step: int) ->
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    schedule = _trace_schedule(cfg.profiling.profile_freq, start_step)
+    schedule = _trace_schedule(cfg.profiling.profile_freq, start_step, cfg.training.steps)
     with warnings.catch_warnings():
         # One trace per cycle is what we want; torch warns that cycles do not accumulate.
         warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
