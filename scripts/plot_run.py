@@ -110,21 +110,22 @@ def series(runs: list[Run]) -> Series:
     return panels
 
 
-def _pyplot():
+def _matplotlib():
     try:
         import matplotlib
     except ImportError:
         raise TitanliteError("plotting needs matplotlib (the optional extra 'plot'): pip install -e .[plot]") from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    return plt
+    return plt, MaxNLocator
 
 
 def render(panels: Series, out: Path) -> None:
     """One row of panels; one colour per run, named once in a legend under the figure;
     validation lines dashed with markers."""
-    plt = _pyplot()
+    plt, MaxNLocator = _matplotlib()
     runs = list(dict.fromkeys(line.run for lines in panels.values() for line in lines))
     colour = {run: f"C{i % 10}" for i, run in enumerate(runs)}
     figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
@@ -133,6 +134,7 @@ def render(panels: Series, out: Path) -> None:
             style = {"linestyle": "--", "marker": "o"} if line.kind == "validation" else {}
             axis.plot(line.steps, line.values, color=colour[line.run], label=line.kind, **style)
         axis.set(title=title, xlabel="step", ylabel=PANELS[title][0])
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
         if any(line.kind == "validation" for line in lines):  # say which style is which
             handles = [plt.Line2D([], [], color="grey", label="train"),
