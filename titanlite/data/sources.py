@@ -27,6 +27,7 @@ files between a save and a resume shifts what the cursor points at.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sysconfig
@@ -73,6 +74,15 @@ class Source:
             if empty and (item, line, offset) == (0, 0, 0):
                 raise TitanliteError(self._empty_message())
             epoch, item, line, offset = epoch + 1, 0, 0, 0
+
+    def one_pass(self) -> Iterator[str]:
+        """Every document once, in stream order (what preparation tokenizes)."""
+        empty = True
+        for text, _ in self._epoch(0, 0, 0):
+            empty = False
+            yield text
+        if empty:
+            raise TitanliteError(self._empty_message())
 
     def _epoch(self, item: int, line: int, offset: int) -> Iterator[tuple[str, tuple[int, int, int]]]:
         """One pass from (item, line, offset) to the end: `(text, (item, line, offset) of
@@ -124,6 +134,21 @@ class BuiltinSource(Source):
         except (UnicodeDecodeError, OSError):
             return None
 
+    def content_digest(self) -> str:
+        """SHA-256 of everything this source reads: the cache key of its prepared form,
+        which changes when another Python ships other text."""
+        digest = hashlib.sha256()
+        for text in self._topics:
+            raw = text.encode()
+            digest.update(len(raw).to_bytes(8, "little") + raw)
+        root = Path(sysconfig.get_paths()["stdlib"])
+        for path in self._files:
+            _hash_file(digest, str(path.relative_to(root)), path)
+        return digest.hexdigest()
+
+    def size_bytes(self) -> int:
+        return sum(len(t.encode()) for t in self._topics) + sum(f.stat().st_size for f in self._files)
+
     def _epoch(self, item, line, offset):
         for index in range(item, len(self)):
             text = self.document(index)
@@ -165,7 +190,8 @@ class FilesSource(Source):
     - `.jsonl`: one document per line, its "text" field (blank lines skipped).
     - `.parquet`: one document per row of the "text" column (needs pyarrow); null rows skipped.
 
-    Bytes that are not valid UTF-8 are replaced (U+FFFD) rather than stopping a run.
+    A few bytes that are not valid UTF-8 are replaced (U+FFFD); a file that is not text
+    at all (NUL bytes, or over 1% undecodable) is refused, naming the file.
     """
 
     def __init__(self, path: str) -> None:
@@ -174,6 +200,17 @@ class FilesSource(Source):
         self.files = list_data_files(path)
         if any(f.suffix == ".parquet" for f in self.files):
             _import_pyarrow(self.files)
+
+    def content_digest(self) -> str:
+        """SHA-256 over the files' relative paths and bytes."""
+        digest = hashlib.sha256()
+        root = Path(self.path) if Path(self.path).is_dir() else Path(self.path).parent
+        for f in self.files:
+            _hash_file(digest, str(f.relative_to(root)), f)
+        return digest.hexdigest()
+
+    def size_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
 
     def _epoch(self, item, line, offset):
         for index in range(item, len(self.files)):
@@ -187,14 +224,58 @@ class FilesSource(Source):
         return f"training.dataset_path: no documents in {self.path} (all {len(self.files)} data files are empty)"
 
 
+def _hash_file(digest: Any, name: str, path: Path) -> None:
+    """Feed `name`, the bytes of `path` and their count into `digest`."""
+    digest.update(name.encode() + b"\0")
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    digest.update(size.to_bytes(8, "little"))
+
+
 def _lines(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
-    """Decoded lines from byte `offset` on, each with the (line, offset) just after it."""
+    """Decoded lines from byte `offset` on, each with the (line, offset) just after it.
+
+    A file that is not text is refused rather than trained on: a NUL byte anywhere, or more
+    than 1% of its characters undecodable (U+FFFD) once a few KB were read. Both checks
+    run on bytes and strings the reader holds anyway (no second pass)."""
+    check = _TextCheck(path)
     with open(path, "rb") as f:
         f.seek(offset)
         for raw in f:
             line += 1
             offset += len(raw)
-            yield raw.decode("utf-8", errors="replace"), line, offset
+            text = raw.decode("utf-8", errors="replace")
+            check.add(raw, text, line)
+            yield text, line, offset
+    check.finish()
+
+
+class _TextCheck:
+    """Counts of what a text file should not hold; raises on the first sign it is binary."""
+
+    MIN_CHARS = 4096
+    MAX_BAD_FRACTION = 0.01
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.chars, self.bad = path, 0, 0
+
+    def add(self, raw: bytes, text: str, line: int) -> None:
+        if b"\0" in raw:
+            raise TitanliteError(f"training.dataset_path: {self.path} is not text (a NUL byte on line {line})")
+        self.chars += len(text)
+        self.bad += text.count("\ufffd")
+        if self.chars >= self.MIN_CHARS:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.bad > self.MAX_BAD_FRACTION * max(self.chars, 1) and self.bad >= 8:
+            raise TitanliteError(
+                f"training.dataset_path: {self.path} is not UTF-8 text ({self.bad:,} of its first {self.chars:,} "
+                "characters are not valid UTF-8)"
+            )
 
 
 def _read_txt(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
@@ -280,8 +361,8 @@ class HFSource(Source):
     local .txt/.json/.jsonl/.parquet/.csv file (read with the matching builder).
 
     The cursor counts documents consumed; a streaming dataset cannot seek, so resuming
-    reads and drops that many documents again (slow for a position deep into a large
-    dataset, but exact). Every rank streams the whole dataset.
+    reads and drops that many documents again. Only `python -m titanlite.data.prepare`
+    reads it (once, in order, tokenizing in worker processes); training reads the shards.
     """
 
     BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
