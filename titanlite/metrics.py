@@ -146,6 +146,16 @@ class MetricsLogger:
         self.window_start = time.perf_counter()
         return scalars
 
+    def log_validation(self, step: int, loss: float, perplexity: float) -> dict[str, float]:
+        """One validation line and its scalars (validation/loss, validation/perplexity); returns them."""
+        scalars = {"validation_loss": loss, "validation_perplexity": perplexity}
+        logger.info(f"validation step {step:>5}  loss {loss:7.4f}  perplexity {perplexity:,.2f}")
+        if self.writer is not None:
+            self.writer.add_scalar("validation/loss", loss, step)
+            self.writer.add_scalar("validation/perplexity", perplexity, step)
+            self.writer.flush()
+        return scalars
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

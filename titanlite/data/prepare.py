@@ -207,7 +207,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"(Llama 3 tokenizer.model) or tokenizer.json (default {DEFAULT_TOKENIZER})")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="tokenizer processes (default: the CPUs available)")
     parser.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_CHARS / 1e6, help="text per shard, in millions of characters (default 64)")
-    parser.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)  # the trainer's first-use run
+    # The trainer's first-use run: die with the trainer, and name its config keys in errors.
+    parser.add_argument("--from-trainer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.workers < 1 or not args.shard_mb > 0:
         parser.error("--workers must be >= 1 and --shard-mb > 0")
@@ -225,13 +226,13 @@ def _cli_message(error: TitanliteError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.die_with_parent:
+    if args.from_trainer:
         die_with_parent()
     init_logger(0)
     try:
         manifest = prepare(open_source(args.source), Tokenizer(args.tokenizer), args.output, args.workers, int(args.shard_mb * 1e6))
     except TitanliteError as error:
-        print(f"titanlite: error: {_cli_message(error)}", file=sys.stderr)
+        print(f"titanlite: error: {error if args.from_trainer else _cli_message(error)}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     except WorkerDied:
         print(f"titanlite: error: a tokenizer worker died before finishing its shard; run the same command again "
