@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from titanlite.data import sources as sources_module
-from titanlite.data.sources import BuiltinSource, FilesSource, HFSource, build_source
+from titanlite.data.hf_source import HFSource
+from titanlite.data.sources import BuiltinSource, FilesSource, build_source
 from titanlite.errors import TitanliteError
 
 def take(source, n, cursor=None):
@@ -199,7 +200,7 @@ def test_parquet_without_pyarrow(tmp_path, monkeypatch):
 def test_hf_without_datasets(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(TitanliteError, match=r"pip install titanlite\[hf\]"):
-        build_source("hf", "allenai/c4")
+        HFSource("allenai/c4")
 
 
 def test_hf_local_jsonl(tmp_path):

@@ -4,7 +4,9 @@ A tokenizer.json does not say which tokens are bos and eos; a `tokenizer_config.
 beside it does (its `bos_token` / `eos_token`), else the usual names among its added
 tokens are used (`<|begin_of_text|>`, `<s>`, ... ). A tokenizer with none adds nothing.
 Documents are encoded without the file's own post-processor (`add_special_tokens=False`):
-titanlite adds bos/eos itself, the same way for every kind.
+titanlite adds bos/eos itself, the same way for every kind; and, where `tokenizers` has
+`encode_special_tokens` (0.20 on), a special token's text inside a document is encoded
+as the text it is, like the tiktoken kind does.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class HFTokenizerJSON:
             self.tok = tokenizers.Tokenizer.from_file(path)
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
             raise TitanliteError(f"{FIELD}: {path} is not a readable Hugging Face tokenizer.json ({one_line(e)})") from None
+        if hasattr(self.tok, "encode_special_tokens"):
+            self.tok.encode_special_tokens = True
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         bos_name, eos_name = _configured_names(path)
         self.bos_id = self._find(bos_name, BOS_NAMES)

@@ -31,7 +31,8 @@ from typing import Any
 
 from titanlite.data.shards import (FORMAT, FORMAT_VERSION, MANIFEST, complete_shard, remove_temporaries, token_dtype,
                                    write_manifest, write_shard)
-from titanlite.data.sources import BuiltinSource, FilesSource, HFSource, Source
+from titanlite.data.hf_source import HFSource
+from titanlite.data.sources import BuiltinSource, FilesSource, Source
 from titanlite.data.tokenizer import Tokenizer
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from titanlite.errors import TitanliteError, one_line, user_errors
+from titanlite.errors import TitanliteError, one_line
 
 Cursor = dict[str, int]
 
@@ -351,56 +351,9 @@ def _read_parquet(path: Path, row: int, _offset: int) -> Iterator[tuple[str, int
         first += rows
 
 
-# --------------------------------------------------------------------------- hf
-
-
-class HFSource(Source):
-    """A Hugging Face `datasets` stream (`pip install titanlite[hf]`), split "train",
-    `streaming=True`, field "text". `path` is a hub name (optionally `name:config`, e.g.
-    `allenai/c4:en`), a local folder (datasets infers the builder from its files) or one
-    local .txt/.json/.jsonl/.parquet/.csv file (read with the matching builder).
-
-    The cursor counts documents consumed; a streaming dataset cannot seek, so resuming
-    reads and drops that many documents again. Only `python -m titanlite.data.prepare`
-    reads it (once, in order, tokenizing in worker processes); training reads the shards.
-    """
-
-    BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-    def __init__(self, path: str) -> None:
-        try:
-            import datasets
-        except ImportError:
-            raise TitanliteError("training.dataset: 'hf' needs the datasets package: pip install titanlite[hf]") from None
-        self.path = path
-        self.name = f"hf:{path}"
-        with user_errors(f"training.dataset_path: cannot open Hugging Face dataset {path!r}"):
-            self.dataset = self._open(datasets, path)
-
-    def _open(self, datasets: Any, path: str) -> Any:
-        """The streaming "train" split of a local file, a local folder or a hub name."""
-        p = Path(path)
-        if p.is_file():
-            if p.suffix not in self.BUILDERS:
-                raise TitanliteError(f"training.dataset_path: unsupported file type {p.suffix or '(none)'}: {path}")
-            return datasets.load_dataset(self.BUILDERS[p.suffix], data_files=str(p), split="train", streaming=True)
-        if p.is_dir():
-            return datasets.load_dataset(str(p), split="train", streaming=True)
-        name, _, config = path.partition(":")
-        return datasets.load_dataset(name, config or None, split="train", streaming=True)
-
-    def _epoch(self, item, line, offset):
-        stream = self.dataset.skip(item) if item else self.dataset
-        for index, example in enumerate(stream, start=item + 1):
-            if "text" not in example:
-                raise TitanliteError(f"training.dataset_path: Hugging Face dataset {self.path!r} has no \"text\" field (fields: {', '.join(example)})")
-            text = example["text"]
-            if text:
-                yield text, (index, 0, 0)
-
-
 def build_source(dataset: str, dataset_path: str = "") -> Source:
-    """The source named by a validated `training.dataset` ("builtin", "files" or "hf")."""
+    """The source named by a validated `training.dataset`: "builtin" or "files" (a Hugging
+    Face dataset is read by the prepare command only: hf_source.py)."""
     if dataset == "builtin":
         return BuiltinSource()
-    return {"files": FilesSource, "hf": HFSource}[dataset](dataset_path)
+    return FilesSource(dataset_path)
