@@ -1,4 +1,4 @@
-"""Document sources: order, resume cursors, file kinds, one-line errors, text checks.
+"""Document sources: order, file kinds, one-line errors, text checks.
 (Preparation: test_data_prepare.py; the loader: test_data_loader.py.)"""
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ from titanlite.data import sources as sources_module
 from titanlite.data.hf_source import HFSource
 from titanlite.data.sources import BuiltinSource, FilesSource, build_source
 from titanlite.errors import TitanliteError
-
-def take(source, n, cursor=None):
-    return list(itertools.islice(source.documents(cursor), n))
-
 
 @pytest.fixture
 def corpus(tmp_path) -> tuple[Path, list[str]]:
@@ -42,58 +38,24 @@ def test_files_source_documents_in_order(corpus):
     root, docs = corpus
     source = FilesSource(str(root))
     assert [f.name for f in source.files] == ["a.txt", "b.jsonl", "c.txt"]
-    got = take(source, 2 * len(docs) + 1)
-    assert [t for t, _ in got] == docs + docs + docs[:1]
-    assert [c["epoch"] for _, c in got] == [0] * len(docs) + [1] * len(docs) + [2]
-
-
-def test_files_source_resumes_from_every_cursor(corpus):
-    root, docs = corpus
-    source = FilesSource(str(root))
-    stream = take(source, 3 * len(docs))
-    for k, (_, cursor) in enumerate(stream[:-4]):
-        resumed = [t for t, _ in take(FilesSource(str(root)), 3, cursor)]
-        assert resumed == [t for t, _ in stream[k + 1 : k + 4]]
-        assert take(source, 1, cursor)[0][1] == stream[k + 1][1]  # same cursors too
+    assert list(source.one_pass()) == docs
+    assert list(FilesSource(str(root)).one_pass()) == docs  # the same order every time
 
 
 def test_single_file_and_long_paragraph(tmp_path, monkeypatch):
     monkeypatch.setattr(sources_module, "MAX_PARAGRAPH_CHARS", 12)
     path = tmp_path / "one.txt"
     path.write_text("aaaa\nbbbb\ncccc\ndddd\n\nshort\n")
-    source = build_source("files", str(path))
-    got = take(source, 4)
-    assert [t for t, _ in got] == ["aaaa\nbbbb\ncccc", "dddd", "short", "aaaa\nbbbb\ncccc"]
-    assert [t for t, _ in take(source, 2, got[0][1])] == ["dddd", "short"]
+    assert list(build_source("files", str(path)).one_pass()) == ["aaaa\nbbbb\ncccc", "dddd", "short"]
 
 
-def test_wrap_around_with_two_tiny_docs(tmp_path):
-    path = tmp_path / "tiny.jsonl"
-    path.write_text('{"text": "a"}\n{"text": "b"}\n')
-    source = FilesSource(str(path))
-    assert [(t, c["epoch"]) for t, c in take(source, 5)] == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2)]
-    assert list(source.one_pass()) == ["a", "b"]
-
-
-def test_builtin_source_is_deterministic_and_resumable():
-    a, b = BuiltinSource(), BuiltinSource()
-    first = take(a, 100)
-    assert [t for t, _ in first] == [t for t, _ in take(b, 100)]
+def test_builtin_source_is_deterministic():
+    first = list(itertools.islice(BuiltinSource().one_pass(), 100))
+    assert first == list(itertools.islice(BuiltinSource().one_pass(), 100))
     from pydoc_data.topics import topics
 
-    assert first[0][0] == topics[sorted(topics)[0]]
-    assert len(a) > 100 and all(text for text, _ in first)
-    assert any("def " in t for t, _ in first)  # reached the stdlib sources
-    assert [t for t, _ in take(b, 3, first[49][1])] == [t for t, _ in first[50:53]]
-
-
-def test_builtin_source_wraps(monkeypatch):
-    source = BuiltinSource()
-    source._files = source._files[:2]
-    n = len(source)
-    got = take(source, n + 2)
-    assert [t for t, _ in got[n:]] == [t for t, _ in got[:2]]
-    assert got[n][1]["epoch"] == 1
+    assert first[0] == topics[sorted(topics)[0]] and all(first)
+    assert any("def " in t for t in first)  # reached the stdlib sources
 
 
 @pytest.mark.parametrize("make", ["missing", "empty_dir", "no_matching", "bad_suffix"])
@@ -162,7 +124,7 @@ def test_jsonl_without_text_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n\n{"content": "no text"}\n')
     with pytest.raises(TitanliteError, match=r"training\.dataset_path: .*bad\.jsonl:3: .*\"text\""):
-        take(FilesSource(str(path)), 2)
+        list(FilesSource(str(path)).one_pass())
 
 
 @pytest.mark.parametrize("line,why", [("not json", "not valid JSON"), ('{"text": 5}', "expected a string"), ("[1, 2]", '"text"')])
@@ -170,7 +132,7 @@ def test_jsonl_bad_lines(tmp_path, line, why):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")
     with pytest.raises(TitanliteError, match=rf"bad\.jsonl:1: .*{why}"):
-        take(FilesSource(str(path)), 1)
+        list(FilesSource(str(path)).one_pass())
 
 
 def test_parquet_source(tmp_path):
@@ -179,14 +141,11 @@ def test_parquet_source(tmp_path):
     texts = [f"row {i}" for i in range(7)]
     texts[3] = None
     pq.write_table(pa.table({"text": texts, "n": list(range(7))}), tmp_path / "d.parquet", row_group_size=3)
-    source = FilesSource(str(tmp_path))
-    got = take(source, 7)
     want = [t for t in texts if t]
-    assert [t for t, _ in got] == want + want[:1]
-    assert [t for t, _ in take(source, 3, got[1][1])] == want[2:5]  # resumes mid row group, skips the null
+    assert list(FilesSource(str(tmp_path)).one_pass()) == want  # row groups in order, the null skipped
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "e.parquet")
     with pytest.raises(TitanliteError, match=r"e\.parquet: no \"text\" column"):
-        take(FilesSource(str(tmp_path / "e.parquet")), 1)
+        list(FilesSource(str(tmp_path / "e.parquet")).one_pass())
 
 
 def test_parquet_without_pyarrow(tmp_path, monkeypatch):
@@ -207,8 +166,4 @@ def test_hf_local_jsonl(tmp_path):
     pytest.importorskip("datasets")
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
-    source = HFSource(str(path))
-    got = take(source, 7)
-    assert [t for t, _ in got] == [f"doc {i}" for i in range(5)] + ["doc 0", "doc 1"]
-    assert [t for t, _ in take(source, 2, got[2][1])] == ["doc 3", "doc 4"]
-    assert got[5][1]["epoch"] == 1
+    assert list(HFSource(str(path)).one_pass()) == [f"doc {i}" for i in range(5)]

@@ -4,6 +4,7 @@ its worker processes. Training never streams it; it reads the prepared shards.""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,8 @@ class HFSource(Source):
     `allenai/c4:en`), a local folder (datasets infers the builder from its files) or one
     local .txt/.json/.jsonl/.parquet/.csv file (read with the matching builder).
 
-    The cursor counts documents consumed; a streaming dataset cannot seek, so resuming
-    reads and drops that many documents again. Only `python -m titanlite.data.prepare`
-    reads it (once, in order, tokenizing in worker processes); training reads the shards.
+    Only `python -m titanlite.data.prepare` reads it: once, in order, tokenizing in worker
+    processes; training reads the shards.
     """
 
     BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -46,11 +46,9 @@ class HFSource(Source):
         name, _, config = path.partition(":")
         return datasets.load_dataset(name, config or None, split="train", streaming=True)
 
-    def _epoch(self, item, line, offset):
-        stream = self.dataset.skip(item) if item else self.dataset
-        for index, example in enumerate(stream, start=item + 1):
+    def _documents(self) -> Iterator[str]:
+        for example in self.dataset:
             if "text" not in example:
                 raise TitanliteError(f"training.dataset_path: Hugging Face dataset {self.path!r} has no \"text\" field (fields: {', '.join(example)})")
-            text = example["text"]
-            if text:
-                yield text, (index, 0, 0)
+            if example["text"]:
+                yield example["text"]

@@ -1,28 +1,10 @@
-"""Document sources: endless, resumable streams of text documents.
+"""Document sources: the text a preparation tokenizes, read once, in order.
 
-A source never reads a whole corpus into memory. `documents(cursor)` yields
-`(text, next_cursor)` pairs: the document and the cursor at which the *following*
-document starts, so whoever consumes the stream can record exactly where to resume.
-Passing that cursor back to `documents` continues with the following document; the
-stream from a cursor is always the same, whether it was started there or reached there.
-
-Every source is endless: after its last document it starts again at the first, with
-`epoch` one higher. It logs nothing; a source that turns out to hold no document at all
-raises `TitanliteError` instead of spinning.
-
-A cursor is a small dict of ints with the same keys for every source, so it goes into a
-checkpoint's state_dict as it is (and loads into a template of another source kind):
-
-    {"epoch": passes completed, "item": ..., "line": ..., "offset": ...}
-
-    builtin   item = document index (pydoc topics first, then stdlib files)
-    files     item = file index in the sorted listing; line = lines (rows, for parquet)
-              of that file already read; offset = byte offset of the next line (0 for parquet)
-    hf        item = documents consumed in this epoch (resume skips that many: streaming
-              datasets cannot seek, so the skip reads and drops them)
-
-File indices refer to the listing taken when the source is built: adding or removing
-files between a save and a resume shifts what the cursor points at.
+`one_pass()` yields every document of a source exactly once, in an order fixed by the
+source alone (so a resumed preparation cuts the same shards), reading one file or row group
+at a time, never a whole corpus. A source with no document raises `TitanliteError`
+instead of yielding nothing. Sources: the built-in corpus, local .txt/.jsonl/.parquet files,
+and (hf_source.py) a Hugging Face dataset.
 """
 
 from __future__ import annotations
@@ -37,8 +19,6 @@ from typing import Any
 
 from titanlite.errors import TitanliteError, one_line
 
-Cursor = dict[str, int]
-
 # Text files: one document per blank-line-separated paragraph; a paragraph longer than
 # this many characters is cut at a line boundary and continues as the next document, so
 # a file without blank lines never has to fit in memory at once.
@@ -48,45 +28,22 @@ FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 BUILTIN_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 
 
-def make_cursor(epoch: int = 0, item: int = 0, line: int = 0, offset: int = 0) -> Cursor:
-    return {"epoch": epoch, "item": item, "line": line, "offset": offset}
-
-
-def start_cursor() -> Cursor:
-    """The first document of the first epoch, for any source."""
-    return make_cursor()
-
-
 class Source:
-    """An endless, resumable document stream. Subclasses implement `_epoch`."""
+    """A corpus of text documents. Subclasses implement `_documents`."""
 
-    name: str  # identifies the data in a saved state: "builtin", "files:<path>", "hf:<name>"
-
-    def documents(self, cursor: Cursor | None = None) -> Iterator[tuple[str, Cursor]]:
-        """Yield `(text, cursor of the next document)` from `cursor` on, forever."""
-        c = dict(start_cursor() if cursor is None else cursor)
-        epoch, item, line, offset = c["epoch"], c["item"], c["line"], c["offset"]
-        while True:
-            empty = True
-            for text, (item, line, offset) in self._epoch(item, line, offset):
-                empty = False
-                yield text, make_cursor(epoch, item, line, offset)
-            if empty and (item, line, offset) == (0, 0, 0):
-                raise TitanliteError(self._empty_message())
-            epoch, item, line, offset = epoch + 1, 0, 0, 0
+    name: str  # "builtin", "files:<path>", "hf:<name>": recorded in the prepared manifest
 
     def one_pass(self) -> Iterator[str]:
-        """Every document once, in stream order (what preparation tokenizes)."""
+        """Every non-empty document once, in order (what preparation tokenizes)."""
         empty = True
-        for text, _ in self._epoch(0, 0, 0):
-            empty = False
-            yield text
+        for text in self._documents():
+            if text:
+                empty = False
+                yield text
         if empty:
             raise TitanliteError(self._empty_message())
 
-    def _epoch(self, item: int, line: int, offset: int) -> Iterator[tuple[str, tuple[int, int, int]]]:
-        """One pass from (item, line, offset) to the end: `(text, (item, line, offset) of
-        the next document)`. Empty documents are not yielded."""
+    def _documents(self) -> Iterator[str]:
         raise NotImplementedError
 
     def _empty_message(self) -> str:
@@ -122,17 +79,13 @@ class BuiltinSource(Source):
         self._topics = [topics[k] for k in sorted(topics)]
         self._files = stdlib_files()
 
-    def __len__(self) -> int:
-        """Documents per epoch, counting files that later turn out undecodable."""
-        return len(self._topics) + len(self._files)
-
-    def document(self, index: int) -> str | None:
-        if index < len(self._topics):
-            return self._topics[index]
-        try:
-            return self._files[index - len(self._topics)].read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            return None
+    def _documents(self) -> Iterator[str]:
+        yield from self._topics
+        for path in self._files:
+            try:
+                yield path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
 
     def content_digest(self) -> str:
         """SHA-256 of everything this source reads: the cache key of its prepared form,
@@ -148,12 +101,6 @@ class BuiltinSource(Source):
 
     def size_bytes(self) -> int:
         return sum(len(t.encode()) for t in self._topics) + sum(f.stat().st_size for f in self._files)
-
-    def _epoch(self, item, line, offset):
-        for index in range(item, len(self)):
-            text = self.document(index)
-            if text:
-                yield text, (index + 1, 0, 0)
 
     def _empty_message(self) -> str:
         return "training.dataset: the builtin corpus is empty (no pydoc topics or stdlib sources found)"
@@ -182,7 +129,7 @@ def list_data_files(path: str) -> list[Path]:
 
 
 class FilesSource(Source):
-    """Local files, streamed line by line (row group by row group for parquet):
+    """Local files, in sorted order, read line by line (row group by row group for parquet):
 
     - `.txt`: one document per paragraph (lines up to a blank line; like `datasets`'
       text builder with `sample_by="paragraph"`); a paragraph over 1 MiB of text is cut at
@@ -212,13 +159,9 @@ class FilesSource(Source):
     def size_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
-    def _epoch(self, item, line, offset):
-        for index in range(item, len(self.files)):
-            f = self.files[index]
-            read = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[f.suffix]
-            for text, line, offset in read(f, line, offset):
-                yield text, (index, line, offset)
-            line, offset = 0, 0
+    def _documents(self) -> Iterator[str]:
+        for f in self.files:
+            yield from {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[f.suffix](f)
 
     def _empty_message(self) -> str:
         return f"training.dataset_path: no documents in {self.path} (all {len(self.files)} data files are empty)"
@@ -235,21 +178,18 @@ def _hash_file(digest: Any, name: str, path: Path) -> None:
     digest.update(size.to_bytes(8, "little"))
 
 
-def _lines(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
-    """Decoded lines from byte `offset` on, each with the (line, offset) just after it.
+def _lines(path: Path) -> Iterator[tuple[str, int]]:
+    """Decoded lines, each with its line number.
 
     A file that is not text is refused rather than trained on: a NUL byte anywhere, or more
     than 1% of its characters undecodable (U+FFFD) once a few KB were read. Both checks
     run on bytes and strings the reader holds anyway (no second pass)."""
     check = _TextCheck(path)
     with open(path, "rb") as f:
-        f.seek(offset)
-        for raw in f:
-            line += 1
-            offset += len(raw)
+        for number, raw in enumerate(f, start=1):
             text = raw.decode("utf-8", errors="replace")
-            check.add(raw, text, line)
-            yield text, line, offset
+            check.add(raw, text, number)
+            yield text, number
     check.finish()
 
 
@@ -278,31 +218,29 @@ class _TextCheck:
             )
 
 
-def _read_txt(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
+def _read_txt(path: Path) -> Iterator[str]:
     parts: list[str] = []
     size = 0
-    end = (line, offset)
-    for text, line_after, offset_after in _lines(path, line, offset):
+    for text, _ in _lines(path):
         if not text.strip():
             if parts:
-                yield "".join(parts).rstrip("\r\n"), *end
+                yield "".join(parts).rstrip("\r\n")
                 parts, size = [], 0
             continue
         parts.append(text)
         size += len(text)
-        end = (line_after, offset_after)
         if size >= MAX_PARAGRAPH_CHARS:
-            yield "".join(parts).rstrip("\r\n"), *end
+            yield "".join(parts).rstrip("\r\n")
             parts, size = [], 0
     if parts:
-        yield "".join(parts).rstrip("\r\n"), *end
+        yield "".join(parts).rstrip("\r\n")
 
 
-def _read_jsonl(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
-    for raw, line_after, offset_after in _lines(path, line, offset):
+def _read_jsonl(path: Path) -> Iterator[str]:
+    for raw, number in _lines(path):
         if not raw.strip():
             continue
-        where = f"{path}:{line_after}"
+        where = f"{path}:{number}"
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -313,7 +251,7 @@ def _read_jsonl(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, 
         if not isinstance(text, str):
             raise TitanliteError(f"training.dataset_path: {where}: \"text\" is {type(text).__name__}, expected a string")
         if text:
-            yield text, line_after, offset_after
+            yield text
 
 
 def _import_pyarrow(files: list[Path]) -> Any:
@@ -325,7 +263,7 @@ def _import_pyarrow(files: list[Path]) -> Any:
     return pq
 
 
-def _read_parquet(path: Path, row: int, _offset: int) -> Iterator[tuple[str, int, int]]:
+def _read_parquet(path: Path) -> Iterator[str]:
     import pyarrow as pa
 
     pq = _import_pyarrow([path])
@@ -339,16 +277,8 @@ def _read_parquet(path: Path, row: int, _offset: int) -> Iterator[tuple[str, int
     kind = schema.field("text").type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
         raise TitanliteError(f"training.dataset_path: {path}: column \"text\" is {kind}, expected strings")
-    first = 0
     for group in range(pf.num_row_groups):
-        rows = pf.metadata.row_group(group).num_rows
-        if row < first + rows:
-            texts = pf.read_row_group(group, columns=["text"]).column(0).to_pylist()
-            for i in range(row - first, rows):
-                if texts[i]:
-                    yield texts[i], first + i + 1, 0
-            row = first + rows
-        first += rows
+        yield from (text for text in pf.read_row_group(group, columns=["text"]).column(0).to_pylist() if text)
 
 
 def build_source(dataset: str, dataset_path: str = "") -> Source:
