@@ -92,6 +92,7 @@ def die_with_parent() -> None:
 def _init_worker(tokenizer_path: str) -> None:
     global _TOKENIZER
     die_with_parent()
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process (tokenizer.json)
     _TOKENIZER = Tokenizer(tokenizer_path)
 
 

@@ -27,7 +27,9 @@ class SentencePieceModel:
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
 
     def encode_plain(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.EncodeAsIds(texts)
+        # One thread: parallelism is the prepare command's worker processes (sentencepiece
+        # would otherwise start a thread per core in every worker).
+        return self.sp.Encode(texts, out_type=int, num_threads=1)
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.DecodeIds(ids)
