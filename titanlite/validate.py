@@ -28,6 +28,8 @@ from titanlite.metrics import MetricsLogger
 
 
 class Validator:
+    """Evaluates the first `batches` global batches of the validation stream on demand."""
+
     def __init__(self, cfg: Validation, loader: TokenWindowLoader, model: torch.nn.Module,
                  compute_context: Callable[[], contextlib.AbstractContextManager], dp_group: dist.ProcessGroup | None,
                  device: torch.device, metrics: MetricsLogger) -> None:
