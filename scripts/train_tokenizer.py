@@ -43,11 +43,7 @@ SENTENCE_CHARS = 1500
 def training_sentences(chars_per_sentence: int = SENTENCE_CHARS) -> Iterator[str]:
     """The built-in corpus, each document cut at line boundaries into pieces of about
     `chars_per_sentence` characters (newlines kept). A longer single line is its own piece."""
-    source = BuiltinSource()
-    for index in range(len(source)):
-        text = source.document(index)
-        if not text:
-            continue
+    for text in BuiltinSource().one_pass():
         piece: list[str] = []
         size = 0
         for line in text.splitlines(keepends=True):

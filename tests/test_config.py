@@ -245,7 +245,7 @@ def test_every_choice_is_accepted():
     for section, cls in sections(JobConfig).items():
         for field in dataclasses.fields(cls):
             for choice in field.metadata["choices"]:
-                extra = ["--training.dataset_path", "x"] if choice in ("files", "hf") else []
+                extra = [f"--{section}.dataset_path", "x"] if choice in ("files", "prepared") else []
                 load_config([f"--{section}.{field.name}", choice, *extra])
 
 
@@ -254,7 +254,7 @@ def test_every_choice_is_accepted():
     [
         (["--training.local_batch_size", "4", "--training.global_batch_size", "10"], "training.global_batch_size: must be -1 or a multiple"),
         (["--training.dataset", "files"], "training.dataset_path: "),
-        (["--training.dataset", "hf"], "training.dataset_path: "),
+        (["--training.dataset", "prepared"], "training.dataset_path: "),
         (["--training.enable_cpu_offload", "--parallelism.fsdp_reshard_after_forward", "never"], "training.enable_cpu_offload: "),
         (["--parallelism.fsdp_shard_modules", "Block,not a class"], "parallelism.fsdp_shard_modules: "),
     ],
@@ -276,7 +276,7 @@ def test_empty_path_and_unknown_dataset():
     with pytest.raises(TitanliteError, match=r"^training\.dataset_path: "):
         load_config(["--training.dataset", "files", "--training.dataset_path", ""])
     with pytest.raises(TitanliteError, match=r"^training\.dataset_path: "):
-        load_config(["--training.dataset=hf", "--training.dataset_path="])
+        load_config(["--training.dataset=prepared", "--training.dataset_path="])
     with pytest.raises(TitanliteError, match=r"^training\.dataset: .*'parquet'"):
         load_config(["--training.dataset", "parquet", "--training.dataset_path", "x"])
 

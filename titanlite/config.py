@@ -81,9 +81,14 @@ class LRScheduler:
 class Training:
     """Data, batch shape, step count and numerics."""
 
-    dataset: str = _opt("builtin", "data source: builtin (ships with Python), files (local text), hf (Hugging Face datasets)",
-                        choices=("builtin", "files", "hf"))
-    dataset_path: str = _opt("", "files: a .txt/.jsonl/.parquet file or folder; hf: a hub name or local path")
+    dataset: str = _opt("builtin", "data: builtin (text that ships with Python) or files (local text), both prepared "
+                        "into token shards on first use; or prepared (written by python -m titanlite.data.prepare)",
+                        choices=("builtin", "files", "prepared"))
+    dataset_path: str = _opt("", "files: a .txt/.jsonl/.parquet file or folder; prepared: a prepared folder, or "
+                             "several blended by weight as 'web:0.7,code:0.3'")
+    dataset_cache_dir: str = _opt("", "where builtin and files data are prepared on first use; empty = "
+                                  "$XDG_CACHE_HOME/titanlite/data or ~/.cache/titanlite/data")
+    shuffle: bool = _opt(True, "visit each epoch's windows in a shuffled order keyed by training.seed")
     local_batch_size: int = _opt(8, "sequences per microbatch on each data-parallel rank", gt=0)
     global_batch_size: int = _opt(-1, "sequences per optimizer step over all ranks; -1 = local_batch_size x dp degree; "
                                   "a larger multiple accumulates gradients", gt=0, special=-1)
@@ -97,6 +102,22 @@ class Training:
     mixed_precision_reduce: str = _opt("float32", "dtype of gradient reduce-scatter/all-reduce",
                                        choices=("float32", "bfloat16"))
     enable_cpu_offload: bool = _opt(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
+
+
+@dataclass
+class Validation:
+    """Validation loss and perplexity, on held-out data."""
+
+    enable: bool = _opt(False, "compute validation loss and perplexity every validation.freq steps and at the last step")
+    freq: int = _opt(100, "validate every this many steps", gt=0)
+    steps: int = _opt(10, "batches per validation (local_batch_size windows per dp rank each); -1 = every "
+                      "validation window", gt=0, special=-1)
+    dataset: str = _opt("", "empty = the held-out split of the training data; else builtin, files or prepared, as "
+                        "training.dataset", choices=("", "builtin", "files", "prepared"))
+    dataset_path: str = _opt("", "with validation.dataset: as training.dataset_path")
+    holdout_fraction: float = _opt(0.01, "with validation.dataset empty: the share of each training dataset's windows "
+                                   "(its last ones) kept out of training for validation, even with validation off, so "
+                                   "turning validation on never changes the training data", ge=0, lt=1)
 
 
 @dataclass
@@ -193,6 +214,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
@@ -275,8 +297,13 @@ def validate(cfg: JobConfig) -> None:
             f"training.global_batch_size: must be -1 or a multiple of training.local_batch_size "
             f"{training.local_batch_size} (got {training.global_batch_size})"
         )
-    if training.dataset in ("files", "hf") and not training.dataset_path:
-        raise TitanliteError(f"training.dataset_path: dataset {training.dataset!r} needs a path (got '')")
+    _validate_data(training.dataset, training.dataset_path, "training")
+    validation = cfg.validation
+    if validation.dataset:
+        _validate_data(validation.dataset, validation.dataset_path, "validation")
+    elif validation.enable and validation.holdout_fraction == 0:
+        raise TitanliteError("validation.holdout_fraction: 0 holds no window out for validation (validation.dataset "
+                             "is empty, so validation reads the held-out split; got 0)")
     if training.enable_cpu_offload and parallelism.fsdp_reshard_after_forward == "never":
         raise TitanliteError(
             "training.enable_cpu_offload: CPU offload needs resharding after forward "
@@ -291,6 +318,34 @@ def validate(cfg: JobConfig) -> None:
         if not name.isidentifier():
             raise TitanliteError(f"parallelism.fsdp_shard_modules: {name!r} is not a class name "
                                  f"(got {parallelism.fsdp_shard_modules!r})")
+
+
+def _validate_data(dataset: str, path: str, section: str) -> None:
+    if dataset in ("files", "prepared") and not path:
+        raise TitanliteError(f"{section}.dataset_path: dataset {dataset!r} needs a path (got '')")
+    if dataset == "prepared":
+        parse_blend(path, f"{section}.dataset_path")
+
+
+def parse_blend(value: str, field: str) -> list[tuple[str, float]]:
+    """`folder`, or `folder:weight,folder:weight,...` (weights >= 0, relative, summing above 0),
+    as (folder, weight) pairs; one line naming `field` for anything else."""
+    entries = [entry.strip() for entry in value.split(",")]
+    if len(entries) == 1 and ":" not in entries[0]:
+        return [(entries[0], 1.0)]
+    blend = []
+    for entry in entries:
+        folder, _, text = entry.rpartition(":")
+        try:
+            weight = float(text)
+        except ValueError:
+            weight = float("nan")
+        if not folder or not (weight >= 0 and weight != float("inf")):
+            raise TitanliteError(f"{field}: {entry!r} is not folder:weight with a weight >= 0 (got {value!r})")
+        blend.append((folder, weight))
+    if sum(w for _, w in blend) <= 0:
+        raise TitanliteError(f"{field}: the blend weights sum to 0 (got {value!r})")
+    return blend
 
 
 # --------------------------------------------------------------------------------------
@@ -322,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["CONFIG_DIR", "JobConfig", "help_text", "load_config", "main", "to_dict", "to_toml", "validate"]
+__all__ = ["CONFIG_DIR", "JobConfig", "help_text", "load_config", "main", "parse_blend", "to_dict", "to_toml", "validate"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -150,19 +150,19 @@ class MetricsLogger:
         return scalars
 
     def log_validation(self, step: int, loss: float, perplexity: float) -> dict[str, float]:
-        """One line, TensorBoard scalars and a metrics.jsonl record for a validation at
-        `step` (its own record: the step's training record is already written)."""
-        logger.info(f"step {step:>5}  validation loss {loss:7.4f}  perplexity {perplexity:,.2f}")
+        """One validation line, TensorBoard scalars (validation/loss, validation/perplexity)
+        and its own metrics.jsonl record (the step's training record is already written)."""
+        logger.info(f"validation step {step:>5}  loss {loss:7.4f}  perplexity {perplexity:,.2f}")
         scalars = {"validation_loss": loss, "validation_perplexity": perplexity}
-        self._record(step, scalars)
+        self._record(step, scalars, {"validation_loss": "validation/loss", "validation_perplexity": "validation/perplexity"})
         return scalars
 
-    def _record(self, step: int, scalars: dict[str, float]) -> None:
-        """To TensorBoard and metrics.jsonl, with the wall time (Unix seconds) and the
-        seconds since this logger started (the start of training)."""
+    def _record(self, step: int, scalars: dict[str, float], tags: dict[str, str] | None = None) -> None:
+        """To TensorBoard (under `tags[name]`, else the name) and metrics.jsonl, with the wall
+        time (Unix seconds) and the seconds since this logger started (the start of training)."""
         if self.writer is not None:
             for name, value in scalars.items():
-                self.writer.add_scalar(name, value, step)
+                self.writer.add_scalar((tags or {}).get(name, name), value, step)
             self.writer.flush()
         if self.file is not None:
             elapsed_s = time.perf_counter() - self.started

@@ -22,7 +22,7 @@ from titanlite.build import Plan, build_model, plan_run
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.train_state import TrainState
 from titanlite.config import load_config, to_dict
-from titanlite.data import build_dataloader
+from titanlite.data import build_dataloader, open_corpus
 from titanlite.dtypes import DTYPES
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger
@@ -33,6 +33,7 @@ from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.profiling import maybe_profile
 from titanlite.run_dir import start_run_dir
+from titanlite.validate import build_validator
 
 
 RANK0_REPORT_GRACE_S = 3.0
@@ -54,7 +55,10 @@ class Trainer:
         dp_mesh = self.meshes.dp
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
-        self.data = build_dataloader(cfg.training, plan.tokenizer, dp_rank, plan.dims.dp)
+        corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
+        self.data = build_dataloader(corpus.train, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device)
+        validation_data = None if corpus.validation is None else build_dataloader(
+            corpus.validation, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, prefetch=False)
 
         self.model, self.size = build_model(plan, self.device, self.meshes, self.dist.local_world_size)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -65,6 +69,7 @@ class Trainer:
 
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp, self.run_dir)
+        self.validator = build_validator(cfg.validation, validation_data, self.model, self._compute_context, self.dp_group, self.device, self.metrics)
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor}: {self.size.n_params:,} parameters, "
             f"{self.size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.meshes.world}; "
@@ -158,12 +163,15 @@ class Trainer:
                 last = step == cfg.training.steps
                 if step == 1 or step % cfg.metrics.log_freq == 0 or last:
                     history.append({"step": step, **self.log(step, loss, grad_norm)})
+                if self.validator is not None:
+                    self.validator.maybe_run(step, last)
                 if self.checkpoint is not None:
                     self.checkpoint.save(step, last=last)
                 profiler.step()
         return history
 
     def close(self) -> None:
+        self.data.close()
         if self.checkpoint is not None:
             self.checkpoint.close()
         self.metrics.close()

@@ -1,32 +1,15 @@
-"""Document sources: endless, resumable streams of text documents.
+"""Document sources: the text a preparation tokenizes, read once, in order.
 
-A source never reads a whole corpus into memory. `documents(cursor)` yields
-`(text, next_cursor)` pairs: the document and the cursor at which the *following*
-document starts, so whoever consumes the stream can record exactly where to resume.
-Passing that cursor back to `documents` continues with the following document; the
-stream from a cursor is always the same, whether it was started there or reached there.
-
-Every source is endless: after its last document it starts again at the first, with
-`epoch` one higher. It logs nothing; a source that turns out to hold no document at all
-raises `TitanliteError` instead of spinning.
-
-A cursor is a small dict of ints with the same keys for every source, so it goes into a
-checkpoint's state_dict as it is (and loads into a template of another source kind):
-
-    {"epoch": passes completed, "item": ..., "line": ..., "offset": ...}
-
-    builtin   item = document index (pydoc topics first, then stdlib files)
-    files     item = file index in the sorted listing; line = lines (rows, for parquet)
-              of that file already read; offset = byte offset of the next line (0 for parquet)
-    hf        item = documents consumed in this epoch (resume skips that many: streaming
-              datasets cannot seek, so the skip reads and drops them)
-
-File indices refer to the listing taken when the source is built: adding or removing
-files between a save and a resume shifts what the cursor points at.
+`one_pass()` yields every document of a source exactly once, in an order fixed by the
+source alone (so a resumed preparation cuts the same shards), reading one file or row group
+at a time, never a whole corpus. A source with no document raises `TitanliteError`
+instead of yielding nothing. Sources: the built-in corpus, local .txt/.jsonl/.parquet files,
+and (hf_source.py) a Hugging Face dataset.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sysconfig
@@ -34,9 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from titanlite.errors import TitanliteError, one_line, user_errors
-
-Cursor = dict[str, int]
+from titanlite.errors import TitanliteError, one_line
 
 # Text files: one document per blank-line-separated paragraph; a paragraph longer than
 # this many characters is cut at a line boundary and continues as the next document, so
@@ -47,36 +28,22 @@ FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 BUILTIN_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 
 
-def make_cursor(epoch: int = 0, item: int = 0, line: int = 0, offset: int = 0) -> Cursor:
-    return {"epoch": epoch, "item": item, "line": line, "offset": offset}
-
-
-def start_cursor() -> Cursor:
-    """The first document of the first epoch, for any source."""
-    return make_cursor()
-
-
 class Source:
-    """An endless, resumable document stream. Subclasses implement `_epoch`."""
+    """A corpus of text documents. Subclasses implement `_documents`."""
 
-    name: str  # identifies the data in a saved state: "builtin", "files:<path>", "hf:<name>"
+    name: str  # "builtin", "files:<path>", "hf:<name>": recorded in the prepared manifest
 
-    def documents(self, cursor: Cursor | None = None) -> Iterator[tuple[str, Cursor]]:
-        """Yield `(text, cursor of the next document)` from `cursor` on, forever."""
-        c = dict(start_cursor() if cursor is None else cursor)
-        epoch, item, line, offset = c["epoch"], c["item"], c["line"], c["offset"]
-        while True:
-            empty = True
-            for text, (item, line, offset) in self._epoch(item, line, offset):
+    def one_pass(self) -> Iterator[str]:
+        """Every non-empty document once, in order (what preparation tokenizes)."""
+        empty = True
+        for text in self._documents():
+            if text:
                 empty = False
-                yield text, make_cursor(epoch, item, line, offset)
-            if empty and (item, line, offset) == (0, 0, 0):
-                raise TitanliteError(self._empty_message())
-            epoch, item, line, offset = epoch + 1, 0, 0, 0
+                yield text
+        if empty:
+            raise TitanliteError(self._empty_message())
 
-    def _epoch(self, item: int, line: int, offset: int) -> Iterator[tuple[str, tuple[int, int, int]]]:
-        """One pass from (item, line, offset) to the end: `(text, (item, line, offset) of
-        the next document)`. Empty documents are not yielded."""
+    def _documents(self) -> Iterator[str]:
         raise NotImplementedError
 
     def _empty_message(self) -> str:
@@ -112,23 +79,28 @@ class BuiltinSource(Source):
         self._topics = [topics[k] for k in sorted(topics)]
         self._files = stdlib_files()
 
-    def __len__(self) -> int:
-        """Documents per epoch, counting files that later turn out undecodable."""
-        return len(self._topics) + len(self._files)
+    def _documents(self) -> Iterator[str]:
+        yield from self._topics
+        for path in self._files:
+            try:
+                yield path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
 
-    def document(self, index: int) -> str | None:
-        if index < len(self._topics):
-            return self._topics[index]
-        try:
-            return self._files[index - len(self._topics)].read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            return None
+    def content_digest(self) -> str:
+        """SHA-256 of everything this source reads: the cache key of its prepared form,
+        which changes when another Python ships other text."""
+        digest = hashlib.sha256()
+        for text in self._topics:
+            raw = text.encode()
+            digest.update(len(raw).to_bytes(8, "little") + raw)
+        root = Path(sysconfig.get_paths()["stdlib"])
+        for path in self._files:
+            _hash_file(digest, str(path.relative_to(root)), path)
+        return digest.hexdigest()
 
-    def _epoch(self, item, line, offset):
-        for index in range(item, len(self)):
-            text = self.document(index)
-            if text:
-                yield text, (index + 1, 0, 0)
+    def size_bytes(self) -> int:
+        return sum(len(t.encode()) for t in self._topics) + sum(f.stat().st_size for f in self._files)
 
     def _empty_message(self) -> str:
         return "training.dataset: the builtin corpus is empty (no pydoc topics or stdlib sources found)"
@@ -157,7 +129,7 @@ def list_data_files(path: str) -> list[Path]:
 
 
 class FilesSource(Source):
-    """Local files, streamed line by line (row group by row group for parquet):
+    """Local files, in sorted order, read line by line (row group by row group for parquet):
 
     - `.txt`: one document per paragraph (lines up to a blank line; like `datasets`'
       text builder with `sample_by="paragraph"`); a paragraph over 1 MiB of text is cut at
@@ -165,7 +137,8 @@ class FilesSource(Source):
     - `.jsonl`: one document per line, its "text" field (blank lines skipped).
     - `.parquet`: one document per row of the "text" column (needs pyarrow); null rows skipped.
 
-    Bytes that are not valid UTF-8 are replaced (U+FFFD) rather than stopping a run.
+    A few bytes that are not valid UTF-8 are replaced (U+FFFD); a file that is not text
+    at all (NUL bytes, or over 1% undecodable) is refused, naming the file.
     """
 
     def __init__(self, path: str) -> None:
@@ -175,53 +148,99 @@ class FilesSource(Source):
         if any(f.suffix == ".parquet" for f in self.files):
             _import_pyarrow(self.files)
 
-    def _epoch(self, item, line, offset):
-        for index in range(item, len(self.files)):
-            f = self.files[index]
-            read = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[f.suffix]
-            for text, line, offset in read(f, line, offset):
-                yield text, (index, line, offset)
-            line, offset = 0, 0
+    def content_digest(self) -> str:
+        """SHA-256 over the files' relative paths and bytes."""
+        digest = hashlib.sha256()
+        root = Path(self.path) if Path(self.path).is_dir() else Path(self.path).parent
+        for f in self.files:
+            _hash_file(digest, str(f.relative_to(root)), f)
+        return digest.hexdigest()
+
+    def size_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+    def _documents(self) -> Iterator[str]:
+        for f in self.files:
+            yield from {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[f.suffix](f)
 
     def _empty_message(self) -> str:
         return f"training.dataset_path: no documents in {self.path} (all {len(self.files)} data files are empty)"
 
 
-def _lines(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
-    """Decoded lines from byte `offset` on, each with the (line, offset) just after it."""
+def _hash_file(digest: Any, name: str, path: Path) -> None:
+    """Feed `name`, the bytes of `path` and their count into `digest`."""
+    digest.update(name.encode() + b"\0")
+    size = 0
     with open(path, "rb") as f:
-        f.seek(offset)
-        for raw in f:
-            line += 1
-            offset += len(raw)
-            yield raw.decode("utf-8", errors="replace"), line, offset
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    digest.update(size.to_bytes(8, "little"))
 
 
-def _read_txt(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
+def _lines(path: Path) -> Iterator[tuple[str, int]]:
+    """Decoded lines, each with its line number.
+
+    A file that is not text is refused rather than trained on: a NUL byte anywhere, or more
+    than 1% of its characters undecodable (U+FFFD) once a few KB were read. Both checks
+    run on bytes and strings the reader holds anyway (no second pass)."""
+    check = _TextCheck(path)
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            text = raw.decode("utf-8", errors="replace")
+            check.add(raw, text, number)
+            yield text, number
+    check.finish()
+
+
+class _TextCheck:
+    """Counts of what a text file should not hold; raises on the first sign it is binary."""
+
+    MIN_CHARS = 4096
+    MAX_BAD_FRACTION = 0.01
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.chars, self.bad = path, 0, 0
+
+    def add(self, raw: bytes, text: str, line: int) -> None:
+        if b"\0" in raw:
+            raise TitanliteError(f"training.dataset_path: {self.path} is not text (a NUL byte on line {line})")
+        self.chars += len(text)
+        self.bad += text.count("\ufffd")
+        if self.chars >= self.MIN_CHARS:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.bad > self.MAX_BAD_FRACTION * max(self.chars, 1) and self.bad >= 8:
+            raise TitanliteError(
+                f"training.dataset_path: {self.path} is not UTF-8 text ({self.bad:,} of its first {self.chars:,} "
+                "characters are not valid UTF-8)"
+            )
+
+
+def _read_txt(path: Path) -> Iterator[str]:
     parts: list[str] = []
     size = 0
-    end = (line, offset)
-    for text, line_after, offset_after in _lines(path, line, offset):
+    for text, _ in _lines(path):
         if not text.strip():
             if parts:
-                yield "".join(parts).rstrip("\r\n"), *end
+                yield "".join(parts).rstrip("\r\n")
                 parts, size = [], 0
             continue
         parts.append(text)
         size += len(text)
-        end = (line_after, offset_after)
         if size >= MAX_PARAGRAPH_CHARS:
-            yield "".join(parts).rstrip("\r\n"), *end
+            yield "".join(parts).rstrip("\r\n")
             parts, size = [], 0
     if parts:
-        yield "".join(parts).rstrip("\r\n"), *end
+        yield "".join(parts).rstrip("\r\n")
 
 
-def _read_jsonl(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, int]]:
-    for raw, line_after, offset_after in _lines(path, line, offset):
+def _read_jsonl(path: Path) -> Iterator[str]:
+    for raw, number in _lines(path):
         if not raw.strip():
             continue
-        where = f"{path}:{line_after}"
+        where = f"{path}:{number}"
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -232,7 +251,7 @@ def _read_jsonl(path: Path, line: int, offset: int) -> Iterator[tuple[str, int, 
         if not isinstance(text, str):
             raise TitanliteError(f"training.dataset_path: {where}: \"text\" is {type(text).__name__}, expected a string")
         if text:
-            yield text, line_after, offset_after
+            yield text
 
 
 def _import_pyarrow(files: list[Path]) -> Any:
@@ -244,7 +263,7 @@ def _import_pyarrow(files: list[Path]) -> Any:
     return pq
 
 
-def _read_parquet(path: Path, row: int, _offset: int) -> Iterator[tuple[str, int, int]]:
+def _read_parquet(path: Path) -> Iterator[str]:
     import pyarrow as pa
 
     pq = _import_pyarrow([path])
@@ -258,68 +277,13 @@ def _read_parquet(path: Path, row: int, _offset: int) -> Iterator[tuple[str, int
     kind = schema.field("text").type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
         raise TitanliteError(f"training.dataset_path: {path}: column \"text\" is {kind}, expected strings")
-    first = 0
     for group in range(pf.num_row_groups):
-        rows = pf.metadata.row_group(group).num_rows
-        if row < first + rows:
-            texts = pf.read_row_group(group, columns=["text"]).column(0).to_pylist()
-            for i in range(row - first, rows):
-                if texts[i]:
-                    yield texts[i], first + i + 1, 0
-            row = first + rows
-        first += rows
-
-
-# --------------------------------------------------------------------------- hf
-
-
-class HFSource(Source):
-    """A Hugging Face `datasets` stream (`pip install titanlite[hf]`), split "train",
-    `streaming=True`, field "text". `path` is a hub name (optionally `name:config`, e.g.
-    `allenai/c4:en`), a local folder (datasets infers the builder from its files) or one
-    local .txt/.json/.jsonl/.parquet/.csv file (read with the matching builder).
-
-    The cursor counts documents consumed; a streaming dataset cannot seek, so resuming
-    reads and drops that many documents again (slow for a position deep into a large
-    dataset, but exact). Every rank streams the whole dataset.
-    """
-
-    BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-    def __init__(self, path: str) -> None:
-        try:
-            import datasets
-        except ImportError:
-            raise TitanliteError("training.dataset: 'hf' needs the datasets package: pip install titanlite[hf]") from None
-        self.path = path
-        self.name = f"hf:{path}"
-        with user_errors(f"training.dataset_path: cannot open Hugging Face dataset {path!r}"):
-            self.dataset = self._open(datasets, path)
-
-    def _open(self, datasets: Any, path: str) -> Any:
-        """The streaming "train" split of a local file, a local folder or a hub name."""
-        p = Path(path)
-        if p.is_file():
-            if p.suffix not in self.BUILDERS:
-                raise TitanliteError(f"training.dataset_path: unsupported file type {p.suffix or '(none)'}: {path}")
-            return datasets.load_dataset(self.BUILDERS[p.suffix], data_files=str(p), split="train", streaming=True)
-        if p.is_dir():
-            return datasets.load_dataset(str(p), split="train", streaming=True)
-        name, _, config = path.partition(":")
-        return datasets.load_dataset(name, config or None, split="train", streaming=True)
-
-    def _epoch(self, item, line, offset):
-        stream = self.dataset.skip(item) if item else self.dataset
-        for index, example in enumerate(stream, start=item + 1):
-            if "text" not in example:
-                raise TitanliteError(f"training.dataset_path: Hugging Face dataset {self.path!r} has no \"text\" field (fields: {', '.join(example)})")
-            text = example["text"]
-            if text:
-                yield text, (index, 0, 0)
+        yield from (text for text in pf.read_row_group(group, columns=["text"]).column(0).to_pylist() if text)
 
 
 def build_source(dataset: str, dataset_path: str = "") -> Source:
-    """The source named by a validated `training.dataset` ("builtin", "files" or "hf")."""
+    """The source named by a validated `training.dataset`: "builtin" or "files" (a Hugging
+    Face dataset is read by the prepare command only: hf_source.py)."""
     if dataset == "builtin":
         return BuiltinSource()
-    return {"files": FilesSource, "hf": HFSource}[dataset](dataset_path)
+    return FilesSource(dataset_path)

@@ -1,69 +1,117 @@
-"""The tokenizer: a sentencepiece model (the shipped `assets/tokenizer/titanlite.model`, a
-Llama 2 `tokenizer.model`, or any sentencepiece model file).
+"""The tokenizer: one interface over the three kinds of tokenizer file a Llama user has.
 
-Llama 3's `tokenizer.model` is a tiktoken BPE file, not sentencepiece; it is recognised
-and refused with a clear message.
+- a sentencepiece model (the shipped `assets/tokenizer/titanlite.model`, Llama 2's
+  `tokenizer.model`), through `sentencepiece` (a core dependency);
+- a tiktoken BPE rank file (Llama 3's `tokenizer.model`: one base64 token and its rank
+  per line), through `tiktoken` (`pip install titanlite[tiktoken]`), with Llama 3's 256
+  special tokens after its ranks;
+- a Hugging Face `tokenizer.json`, through `tokenizers` (`pip install titanlite[tokenizers]`).
+
+The kind is read from the file's first bytes, so `model.tokenizer_path` is the only
+setting. The file's SHA-256 identifies the tokenizer in prepared datasets: data tokenized
+by another tokenizer is refused instead of training on the wrong ids.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
+from typing import Protocol
 
-import sentencepiece as spm
+from titanlite.errors import TitanliteError
 
-from titanlite.errors import TitanliteError, one_line
-
+FIELD = "model.tokenizer_path"
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+\r?\n")
+KINDS = ("sentencepiece", "tiktoken", "tokenizer.json")
+
+
+class Backend(Protocol):
+    """What each kind implements: ids without bos/eos, and text from ids."""
+
+    vocab_size: int
+    bos_id: int  # -1 when the tokenizer has none
+    eos_id: int
+
+    def encode_plain(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def detect_kind(head: bytes) -> str:
+    """The kind of tokenizer file whose first bytes are `head` (sentencepiece is the
+    binary protobuf, so it is whatever is neither JSON nor a rank file)."""
+    if head.lstrip().startswith(b"{"):
+        return "tokenizer.json"
+    if _TIKTOKEN_LINE.match(head):
+        return "tiktoken"
+    return "sentencepiece"
+
+
+def _load_backend(kind: str, path: str) -> Backend:
+    if kind == "tiktoken":
+        from titanlite.data.tiktoken_bpe import TiktokenBPE
+
+        return TiktokenBPE(path)
+    if kind == "tokenizer.json":
+        from titanlite.data.hf_tokenizer import HFTokenizerJSON
+
+        return HFTokenizerJSON(path)
+    from titanlite.data.sentencepiece_model import SentencePieceModel
+
+    return SentencePieceModel(path)
+
+
+def _read(path: str) -> bytes:
+    p = Path(path)
+    if not p.exists():
+        raise TitanliteError(f"{FIELD}: tokenizer file not found: {path}")
+    if p.is_dir():
+        raise TitanliteError(f"{FIELD}: {path} is a directory, expected a tokenizer file "
+                             "(sentencepiece .model, tiktoken tokenizer.model or tokenizer.json)")
+    try:
+        return p.read_bytes()
+    except OSError as e:
+        raise TitanliteError(f"{FIELD}: cannot read {path}: {e.strerror or e}") from None
 
 
 class Tokenizer:
-    """`encode` adds bos/eos by default (one document = bos ... eos). A model without a
-    bos or eos piece (id -1) simply adds nothing for it."""
+    """`encode` adds bos/eos by default (one document = bos ... eos); a tokenizer without a
+    bos or eos token (id -1) simply adds nothing for it. `decode` drops special tokens."""
 
     def __init__(self, path: str) -> None:
         self.path = str(path)
-        p = Path(path)
-        if not p.exists():
-            raise TitanliteError(f"model.tokenizer_path: tokenizer file not found: {path}")
-        if p.is_dir():
-            raise TitanliteError(f"model.tokenizer_path: {path} is a directory, expected a sentencepiece .model file")
-        try:
-            with p.open("rb") as f:
-                head = f.read(256)
-        except OSError as e:
-            raise TitanliteError(f"model.tokenizer_path: cannot read {path}: {e.strerror or e}") from None
-        self.sp = spm.SentencePieceProcessor()
-        try:
-            self.sp.Load(model_file=str(p))
-        except (OSError, RuntimeError, ValueError) as e:
-            if _TIKTOKEN_LINE.match(head):
-                raise TitanliteError(
-                    f"model.tokenizer_path: {path} is a tiktoken BPE file (Llama 3); titanlite reads sentencepiece models only"
-                ) from None
-            raise TitanliteError(f"model.tokenizer_path: not a sentencepiece model: {path} ({one_line(e)})") from None
-        if self.sp.GetPieceSize() == 0:
-            raise TitanliteError(f"model.tokenizer_path: not a sentencepiece model: {path} (no pieces)")
-        self.vocab_size: int = self.sp.GetPieceSize()
-        self.bos_id: int = self.sp.bos_id()
-        self.eos_id: int = self.sp.eos_id()
-        self.pad_id: int = self.sp.pad_id()
+        content = _read(self.path)
+        if not content:
+            raise TitanliteError(f"{FIELD}: {path} is empty, expected a tokenizer file")
+        self.sha256 = hashlib.sha256(content).hexdigest()
+        self.kind = detect_kind(content[:256])
+        self.backend = _load_backend(self.kind, self.path)
+        self.vocab_size: int = self.backend.vocab_size
+        self.bos_id: int = self.backend.bos_id
+        self.eos_id: int = self.backend.eos_id
         self._bos = [self.bos_id] if self.bos_id >= 0 else []
         self._eos = [self.eos_id] if self.eos_id >= 0 else []
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
-        ids = self.sp.EncodeAsIds(text)
-        if bos and self._bos:
-            ids = self._bos + ids
-        if eos and self._eos:
-            ids.append(self.eos_id)
-        return ids
+        ids = self.backend.encode_plain([text])[0]
+        return (self._bos if bos else []) + ids + (self._eos if eos else [])
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """Each text as one document, bos + ids + eos: what preparation writes."""
+        return [self._bos + ids + self._eos for ids in self.backend.encode_plain(texts)]
 
     def decode(self, ids: list[int]) -> str:
-        """Text of `ids`; bos/eos and other control pieces decode to nothing."""
+        """Text of `ids`; bos/eos and other special tokens decode to nothing."""
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
-        return self.sp.DecodeIds(list(ids))
+        return self.backend.decode(list(ids))
 
     def __repr__(self) -> str:
-        return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
+        return f"Tokenizer({self.path!r}, kind={self.kind}, vocab_size={self.vocab_size})"
+
+
+def missing_extra(kind: str, package: str, extra: str, path: str) -> TitanliteError:
+    """The one line for a tokenizer file whose library is not installed."""
+    return TitanliteError(f"{FIELD}: {path} is a {kind} file; reading it needs the {package} package: "
+                          f"pip install titanlite[{extra}]")

@@ -1,0 +1,50 @@
+"""Blending several datasets by weight, as a pure function of the global window index.
+
+The global window stream interleaves the datasets in a fixed pattern of PERIOD slots:
+dataset d gets `counts[d]` slots of each period (its weight's share of PERIOD, rounded so
+the counts sum to PERIOD), spread by smooth weighted round robin so that any prefix of the
+pattern is within one window of its target share. Window g then belongs to dataset
+`pattern[g % PERIOD]` and is that dataset's window number
+`(g // PERIOD) * counts[d] + offset[g % PERIOD]`: O(1) time and O(PERIOD) memory for any
+g, no state beyond g itself, so resuming (at any dp degree) needs only g.
+"""
+
+from __future__ import annotations
+
+PERIOD = 4096
+
+
+def slot_counts(weights: list[float], period: int = PERIOD) -> list[int]:
+    """Each weight's share of `period` slots, largest remainders rounded up (sum = period)."""
+    total = sum(weights)
+    exact = [w / total * period for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda d: (counts[d] - exact[d], d))
+    for d in by_remainder[: period - sum(counts)]:
+        counts[d] += 1
+    return counts
+
+
+class BlendPattern:
+    """Which dataset, and which of its windows, global window g is."""
+
+    def __init__(self, weights: list[float], period: int = PERIOD) -> None:
+        if not weights or min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError(f"blend weights must be >= 0 with a positive sum (got {weights})")
+        self.period = period
+        self.counts = slot_counts(weights, period)
+        self.dataset_of: list[int] = []
+        self.offset_in: list[int] = []
+        assigned = [0] * len(weights)
+        for slot in range(period):
+            # the dataset furthest behind its share of the slots so far
+            d = max(range(len(weights)), key=lambda i: (self.counts[i] * (slot + 1) - assigned[i] * period, -i))
+            self.dataset_of.append(d)
+            self.offset_in.append(assigned[d])
+            assigned[d] += 1
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """(dataset, that dataset's window number) of global window g."""
+        block, slot = divmod(g, self.period)
+        d = self.dataset_of[slot]
+        return d, block * self.counts[d] + self.offset_in[slot]

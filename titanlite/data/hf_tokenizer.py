@@ -1,0 +1,73 @@
+"""A Hugging Face `tokenizer.json`, through the `tokenizers` package.
+
+A tokenizer.json does not say which tokens are bos and eos; a `tokenizer_config.json`
+beside it does (its `bos_token` / `eos_token`), else the usual names among its added
+tokens are used (`<|begin_of_text|>`, `<s>`, ... ). A tokenizer with none adds nothing.
+Documents are encoded without the file's own post-processor (`add_special_tokens=False`):
+titanlite adds bos/eos itself, the same way for every kind; and, where `tokenizers` has
+`encode_special_tokens` (0.20 on), a special token's text inside a document is encoded
+as the text it is, like the tiktoken kind does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from titanlite.data.tokenizer import FIELD, missing_extra
+from titanlite.errors import TitanliteError, one_line
+
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
+
+
+def _token_name(value: Any) -> str | None:
+    """A tokenizer_config.json token entry: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _configured_names(path: str) -> tuple[str | None, str | None]:
+    config = Path(path).with_name("tokenizer_config.json")
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    return _token_name(data.get("bos_token")), _token_name(data.get("eos_token"))
+
+
+class HFTokenizerJSON:
+    """Backend for `titanlite.data.tokenizer.Tokenizer`."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            import tokenizers
+        except ImportError:
+            raise missing_extra("Hugging Face tokenizer.json", "tokenizers", "tokenizers", path) from None
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise TitanliteError(f"{FIELD}: {path} is not a readable Hugging Face tokenizer.json ({one_line(e)})") from None
+        if hasattr(self.tok, "encode_special_tokens"):
+            self.tok.encode_special_tokens = True
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        bos_name, eos_name = _configured_names(path)
+        self.bos_id = self._find(bos_name, BOS_NAMES)
+        self.eos_id = self._find(eos_name, EOS_NAMES)
+
+    def _find(self, configured: str | None, usual: tuple[str, ...]) -> int:
+        for name in ([configured] if configured else []) + list(usual):
+            token_id = self.tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return -1
+
+    def encode_plain(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)

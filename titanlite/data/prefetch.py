@@ -1,0 +1,55 @@
+"""Background prefetch: the next batches are read and assembled on a thread, so a training
+step does not wait for data in steady state.
+
+Batches are a pure function of their position (see windows.py), so the thread only needs
+where to start and how far each batch advances; restarting at another position (a resumed
+checkpoint) is stopping the thread and starting a new one. Reading from a memory map and
+converting with numpy release the GIL for the bulk of the work.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Prefetcher(Generic[T]):
+    """Calls `produce(start)`, `produce(start + stride)`, ... on a daemon thread, keeping
+    up to `depth` results ready. `get()` returns them in order and re-raises, on the
+    caller's thread, any exception `produce` raised."""
+
+    def __init__(self, produce: Callable[[int], T], start: int, stride: int, depth: int = 2) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(produce, start, stride), name="titanlite-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, produce: Callable[[int], T], position: int, stride: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item: tuple[bool, object] = (True, produce(position))
+            except BaseException as error:  # handed to the consumer, which raises it
+                item = (False, error)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if not item[0]:
+                return
+            position += stride
+
+    def get(self) -> T:
+        ok, value = self._queue.get()
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)

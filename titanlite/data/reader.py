@@ -1,0 +1,83 @@
+"""Reading a prepared dataset: any token range by memory map, in O(1) of the corpus size.
+
+Opening checks the manifest and every shard's file sizes (a missing or truncated shard is
+one line naming the file) but maps nothing; a shard is mapped the first time a read
+touches it, so a rank maps only the shards its windows fall in. Every read checks that its
+ids are inside the manifest's vocabulary: a corrupted shard stops the run with one line
+instead of an index error (CPU) or a device assert (CUDA), or a silent NaN.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import numpy as np
+
+from titanlite.data.shards import DTYPES, read_manifest
+from titanlite.errors import TitanliteError
+
+
+class TokenShards:
+    """One prepared folder as a single token stream (the shards concatenated in order)."""
+
+    def __init__(self, folder: str | Path, field: str = "training.dataset_path") -> None:
+        self.folder, self.field = Path(folder), field
+        manifest = read_manifest(self.folder, field)
+        self.manifest = manifest
+        self.dtype = DTYPES[manifest["dtype"]]
+        self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
+        self.names = [name for name, _, _ in manifest["_entries"]]
+        self.starts = [0]
+        for name, tokens, documents in manifest["_entries"]:
+            self._check_files(name, tokens, documents)
+            self.starts.append(self.starts[-1] + tokens)
+        self.num_tokens = self.starts[-1]
+        self._maps: dict[int, np.memmap] = {}
+
+    def _check_files(self, name: str, tokens: int, documents: int) -> None:
+        for suffix, size in ((".bin", tokens * self.dtype.itemsize), (".idx", (documents + 1) * 8)):
+            path = self.folder / f"{name}{suffix}"
+            try:
+                actual = path.stat().st_size
+            except OSError:
+                raise TitanliteError(f"{self.field}: {path} is missing (listed in {self.folder / 'manifest.json'})") from None
+            if actual != size:
+                raise TitanliteError(f"{self.field}: {path} is truncated or altered: {actual:,} bytes, the manifest says {size:,}")
+
+    def _map(self, shard: int) -> np.memmap:
+        if shard not in self._maps:
+            path = self.folder / f"{self.names[shard]}.bin"
+            self._maps[shard] = np.memmap(path, dtype=self.dtype, mode="r")
+        return self._maps[shard]
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the stream, as int64 (a copy)."""
+        if start < 0 or start + length > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) outside [0, {self.num_tokens})")
+        out = np.empty(length, dtype=np.int64)
+        done = 0
+        shard = bisect.bisect_right(self.starts, start) - 1
+        while done < length:
+            offset = start + done - self.starts[shard]
+            take = min(length - done, self.starts[shard + 1] - self.starts[shard] - offset)
+            if take > 0:
+                piece = self._map(shard)[offset : offset + take]
+                self._check_vocab(piece, shard, offset)
+                out[done : done + take] = piece
+                done += take
+            shard += 1
+        return out
+
+    def _check_vocab(self, piece: np.ndarray, shard: int, offset: int) -> None:
+        top = int(piece.max())
+        if top >= self.vocab_size:
+            at = offset + int(np.argmax(piece >= self.vocab_size))
+            raise TitanliteError(
+                f"{self.field}: {self.folder / self.names[shard]}.bin is corrupted: token {at:,} is id {top:,}, "
+                f"outside the manifest's vocabulary of {self.vocab_size:,}"
+            )
+
+    def document_offsets(self, shard: int) -> np.ndarray:
+        """Token offsets of shard `shard`'s documents within it (documents + 1 entries)."""
+        return np.fromfile(self.folder / f"{self.names[shard]}.idx", dtype="<u8")

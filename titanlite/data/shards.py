@@ -1,0 +1,128 @@
+"""The prepared-dataset format on disk (docs/data.md): token shards, their document
+indexes and the manifest; written atomically, read by memory map.
+
+    manifest.json         written last: format, version, dtype, counts, tokenizer, shards
+    shard-00000.bin       the shard's token ids, little-endian uint16 (vocab <= 65,536) or uint32
+    shard-00000.idx       little-endian uint64 offsets of its documents: documents + 1 entries,
+                          0 first, the shard's token count last
+
+A shard is written as `<name>.bin.tmp-<pid>` and `<name>.idx.tmp-<pid>`, flushed to disk,
+then renamed: the .bin first, the .idx last. So a shard counts as complete exactly when its
+.idx exists and agrees with its .bin's size; anything else is redone by a resumed
+preparation. A folder without manifest.json is not (or not yet) a prepared dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from titanlite.errors import TitanliteError
+
+FORMAT = "titanlite-tokens"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_OFFSET = np.dtype("<u8")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def token_dtype(vocab_size: int) -> str:
+    """"uint16" when every id fits, else "uint32" (a key of DTYPES)."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _write_durably(path: Path, data: bytes | np.ndarray) -> None:
+    """Write and fsync. Test hook: TITANLITE_TEST_PREPARE_PAUSE_S makes a shard writer stop
+    that long halfway through its tokens, so a test can kill a worker mid-shard."""
+    raw = data if isinstance(data, bytes) else data.tobytes()
+    pause = float(os.environ.get("TITANLITE_TEST_PREPARE_PAUSE_S", "0")) if ".bin.tmp" in path.name else 0.0
+    with open(path, "wb") as f:
+        if pause:
+            f.write(raw[: len(raw) // 2])
+            f.flush()
+            time.sleep(pause)
+            raw = raw[len(raw) // 2 :]
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_shard(folder: Path, index: int, documents: list[list[int]], dtype_name: str) -> dict[str, int]:
+    """Write one shard atomically (see the module docstring); returns its manifest entry."""
+    name, dtype = shard_name(index), DTYPES[dtype_name]
+    lengths = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
+    offsets = np.zeros(len(documents) + 1, dtype=_OFFSET)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.fromiter((t for d in documents for t in d), dtype=dtype, count=int(offsets[-1]))
+    tmp = f".tmp-{os.getpid()}"
+    bin_tmp, idx_tmp = folder / f"{name}.bin{tmp}", folder / f"{name}.idx{tmp}"
+    _write_durably(bin_tmp, tokens)
+    _write_durably(idx_tmp, offsets)
+    os.replace(bin_tmp, folder / f"{name}.bin")
+    os.replace(idx_tmp, folder / f"{name}.idx")
+    return {"name": name, "tokens": int(offsets[-1]), "documents": len(documents)}
+
+
+def complete_shard(folder: Path, index: int, dtype_name: str) -> dict[str, int] | None:
+    """The manifest entry of shard `index` if it was completely written, else None."""
+    name, dtype = shard_name(index), DTYPES[dtype_name]
+    idx, bin_ = folder / f"{name}.idx", folder / f"{name}.bin"
+    try:
+        offsets = np.fromfile(idx, dtype=_OFFSET)
+        size = bin_.stat().st_size
+    except OSError:
+        return None
+    if len(offsets) == 0 or offsets[0] != 0 or int(offsets[-1]) * dtype.itemsize != size:
+        return None
+    return {"name": name, "tokens": int(offsets[-1]), "documents": len(offsets) - 1}
+
+
+def remove_temporaries(folder: Path) -> None:
+    """Partial files of an interrupted preparation (their writer is gone)."""
+    for path in folder.glob("shard-*.tmp-*"):
+        path.unlink(missing_ok=True)
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """Atomically: manifest.json appears complete or not at all."""
+    tmp = folder / f"{MANIFEST}.tmp-{os.getpid()}"
+    _write_durably(tmp, (json.dumps(manifest, indent=1) + "\n").encode())
+    os.replace(tmp, folder / MANIFEST)
+
+
+def read_manifest(folder: Path, field: str) -> dict[str, Any]:
+    """The checked manifest of a prepared folder; one line naming what is wrong otherwise."""
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise TitanliteError(f"{field}: {folder} is not a prepared dataset (not a folder)")
+    if not path.is_file():
+        raise TitanliteError(f"{field}: {folder} is not a prepared dataset (no {MANIFEST}; write one with "
+                             f"python -m titanlite.data.prepare SOURCE {folder} --tokenizer PATH)")
+    try:
+        manifest = json.loads(path.read_text())
+        version, shards, dtype = manifest["format_version"], manifest["shards"], DTYPES.get(manifest["dtype"])
+        tokenizer = manifest["tokenizer"]
+        entries = [(str(s["name"]), int(s["tokens"]), int(s["documents"])) for s in shards]
+        checks = (int(tokenizer["vocab_size"]), str(tokenizer["sha256"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TitanliteError(f"{field}: {path} is not a titanlite manifest ({type(e).__name__}: {e})") from None
+    if manifest.get("format") != FORMAT:
+        raise TitanliteError(f"{field}: {path} is not a titanlite manifest (format {manifest.get('format')!r})")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise TitanliteError(f"{field}: {path} has format version {version}; this titanlite reads version "
+                             f"{FORMAT_VERSION} and older (prepared by a newer titanlite?)")
+    if dtype is None or not checks[0] > 0:
+        raise TitanliteError(f"{field}: {path}: unsupported dtype {manifest['dtype']!r} or vocab size {checks[0]}")
+    manifest["_entries"] = entries
+    return manifest

@@ -1,0 +1,83 @@
+"""Validation: loss and perplexity on the validation windows, every `validation.freq` steps.
+
+Each evaluation reads the same windows (the first `batches` global batches of the
+validation stream; dp rank r its share of each), with the model in eval mode and no
+gradient, under the training step's compute context (loss parallel under TP, autocast
+where FSDP does not own mixed precision). The loss is the mean over every validation
+window of every dp rank. It reads batches by position, not through the training loader,
+and forks the RNG around the forward passes, so the training data position and random
+state are exactly what they would be without validation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from titanlite.config import Validation
+from titanlite.data.loader import TokenWindowLoader
+from titanlite.errors import TitanliteError
+from titanlite.logging import logger
+from titanlite.metrics import MetricsLogger
+
+
+class Validator:
+    """Evaluates the first `batches` global batches of the validation stream on demand."""
+
+    def __init__(self, cfg: Validation, loader: TokenWindowLoader, model: torch.nn.Module,
+                 compute_context: Callable[[], contextlib.AbstractContextManager], dp_group: dist.ProcessGroup | None,
+                 device: torch.device, metrics: MetricsLogger) -> None:
+        self.freq, self.loader, self.model = cfg.freq, loader, model
+        self.compute_context, self.dp_group, self.device, self.metrics = compute_context, dp_group, device, metrics
+        windows, per_batch = len(loader.stream), loader.global_batch
+        available = windows // per_batch
+        if available < 1:
+            raise TitanliteError(f"validation: {loader.stream.name} has {windows} windows, fewer than one validation batch "
+                                 f"of {per_batch} (local_batch_size x dp degree)")
+        self.batches = available if cfg.steps == -1 else min(cfg.steps, available)
+        if cfg.steps > available:
+            logger.warning(f"validation: {cfg.steps} steps asked, {loader.stream.name} holds {available}; validating on {available}")
+
+    def maybe_run(self, step: int, last: bool) -> dict[str, float] | None:
+        """Validate at every `freq`-th step and at the last; returns the logged figures."""
+        if step % self.freq and not last:
+            return None
+        loss = self.evaluate()
+        return self.metrics.log_validation(step, loss, math.exp(loss) if loss < 700 else math.inf)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean cross-entropy over the validation windows of every dp rank."""
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for batch in range(self.batches):
+                inputs, labels = self.loader.batch_at(batch * self.loader.global_batch)
+                inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+                with self.compute_context():
+                    loss = F.cross_entropy(self.model(inputs).flatten(0, 1).float(), labels.flatten())
+                total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+        self.model.train(was_training)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+            total /= dist.get_world_size(self.dp_group)
+        return total.item() / self.batches
+
+
+def build_validator(cfg: Validation, loader: TokenWindowLoader | None, model: torch.nn.Module,
+                    compute_context: Callable[[], contextlib.AbstractContextManager], dp_group: dist.ProcessGroup | None,
+                    device: torch.device, metrics: MetricsLogger) -> Validator | None:
+    """None when validation is off; a one-line error when it is on with nothing to validate on."""
+    if not cfg.enable:
+        return None
+    if loader is None:
+        raise TitanliteError(f"validation.holdout_fraction: {cfg.holdout_fraction} of the training windows holds out no "
+                             "window (too little data); raise it or set validation.dataset")
+    return Validator(cfg, loader, model, compute_context, dp_group, device, metrics)
