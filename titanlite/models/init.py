@@ -34,8 +34,8 @@ CHUNK_ELEMENTS = 1 << 16
 to stay in cache (larger chunks ran slower on CPU)."""
 
 # Module attributes that wrappers insert between a model's own names (activation
-# checkpointing, torch.compile, FSDP1); a parameter's key is its name without them.
-WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+# checkpointing, torch.compile); a parameter's key is its name without them.
+WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
 
 _MASK32 = 0xFFFFFFFF
 
