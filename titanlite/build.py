@@ -33,16 +33,20 @@ class Plan:
     cfg: JobConfig
     spec: ModelSpec
     model_args: Any
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None when planned from a given vocab_size
     dims: ParallelDims
     grad_accum_steps: int
 
 
-def plan_run(cfg: JobConfig, world_size: int) -> Plan:
-    """Resolve the model, mesh degrees and batch split; every user error surfaces here."""
+def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> Plan:
+    """Resolve the model, mesh degrees and batch split; every user error surfaces here.
+
+    `vocab_size` stands in for the tokenizer's, which is then not read: the dry-run
+    planner sizes a model whose tokenizer file is not on this machine.
+    """
     spec = get_model_spec(cfg.model.name, cfg.model.flavor)
-    tokenizer = Tokenizer(cfg.model.tokenizer_path)
-    args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size)
+    tokenizer = Tokenizer(cfg.model.tokenizer_path) if vocab_size is None else None
+    args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
     max_seq_len = getattr(args, "max_seq_len", None)
@@ -83,17 +87,29 @@ class ModelSize:
     flops_per_token: float
 
 
-def build_model(plan: Plan, device: torch.device, meshes: Meshes, processes_per_host: int) -> tuple[torch.nn.Module, ModelSize]:
-    """Build on meta (no memory), parallelize, then materialize and initialize this rank's shards."""
-    cfg = plan.cfg
+def build_on_meta(plan: Plan, meshes: Meshes) -> torch.nn.Module:
+    """The configured model on the meta device (no memory), parallelized for this rank."""
     with torch.device("meta"):
         model = plan.spec.model_class(plan.model_args)
+    parallelize(model, plan, meshes)
+    return model
+
+
+def materialize(model: torch.nn.Module, plan: Plan, device: torch.device) -> None:
+    """Allocate this rank's shards (on the host with CPU offload) and initialize them."""
+    offload = plan.dims.fsdp_enabled and plan.cfg.training.enable_cpu_offload
+    model.to_empty(device="cpu" if offload else device)
+    model.init_weights(seed=plan.cfg.training.seed)
+    model.train()
+
+
+def build_model(plan: Plan, device: torch.device, meshes: Meshes, processes_per_host: int) -> tuple[torch.nn.Module, ModelSize]:
+    """Build on meta, parallelize, check the training state can fit, then materialize."""
+    cfg = plan.cfg
+    model = build_on_meta(plan, meshes)
     n_params = sum(p.numel() for p in model.parameters())
     size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, cfg.training.seq_len))
     offload = plan.dims.fsdp_enabled and cfg.training.enable_cpu_offload
     check_training_state_fits(n_params, plan.dims.dp_shard * plan.dims.tp, device, offload, processes_per_host)
-    parallelize(model, plan, meshes)
-    model.to_empty(device="cpu" if offload else device)
-    model.init_weights(seed=cfg.training.seed)
-    model.train()
+    materialize(model, plan, device)
     return model, size

@@ -10,6 +10,7 @@ promise a fit; failing it proves there is none.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -18,6 +19,31 @@ from titanlite.errors import TitanliteError
 # fp32 master weights + fp32 gradients + AdamW exp_avg and exp_avg_sq.
 TRAINING_STATE_BYTES_PER_PARAM = 4 + 4 + 8
 GIB = 1024**3
+
+
+# Memory of one device by `--gpu` name, in GiB: the capacity as torch reports it, rounded.
+# The CUDA context and NCCL's buffers take 1-3 GiB of it.
+GPU_MEMORY_GIB: dict[str, float] = {
+    "A100-40GB": 40,
+    "A100": 80,
+    "H100": 80,
+    "H100-NVL": 94,
+    "H200": 140,
+    "B200": 180,
+    "MI300X": 192,
+}
+DEFAULT_GPU = "H100"
+_UNITS = {"": None, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of a size such as "80GiB", "80 GB" or "1.5TiB" (the unit is required)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    if unit is None:
+        raise TitanliteError(f"--device-memory: expected a size with a unit such as 80GiB or 80GB (got {text!r})")
+    return int(float(match.group(1)) * unit)
 
 
 def host_memory_bytes() -> int:
@@ -42,3 +68,27 @@ def check_training_state_fits(
             f"{available / GIB:,.1f} GiB; use more ranks (data_parallel_shard_degree, tensor_parallel_degree) "
             f"or training.enable_cpu_offload"
         )
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux)."""
+    return _proc_status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has had since start or `reset_peak_rss`."""
+    return _proc_status_bytes("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    """Restart the peak at the current resident memory, to measure one phase (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.init import InitStream
+from titanlite.models.init import ShardInit
 
 
 @dataclass(frozen=True)
@@ -99,18 +99,18 @@ class Block(nn.Module):
         h = x + self.attn(self.ln_1(x))
         return h + self.mlp(self.ln_2(h))
 
-    def init_weights(self, stream: InitStream) -> None:
+    def init_weights(self, init: ShardInit) -> None:
         for norm in (self.ln_1, self.ln_2):
-            stream.ones(norm.weight)
-            stream.zeros(norm.bias)
+            init.ones(norm.weight)
+            init.zeros(norm.bias)
         for linear, std in (
             (self.attn.c_attn, 0.02),
             (self.attn.c_proj, self.out_proj_std),
             (self.mlp.c_fc, 0.02),
             (self.mlp.c_proj, self.out_proj_std),
         ):
-            stream.normal(linear.weight, std=std)
-            stream.zeros(linear.bias)
+            init.normal(linear.weight, std=std)
+            init.zeros(linear.bias)
 
 
 class GPT2(nn.Module):
@@ -134,12 +134,13 @@ class GPT2(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Fill every parameter from one seeded stream, identically for any parallel layout."""
-        stream = InitStream(seed, self.lm_head.weight.device)
-        stream.normal(self.embeddings.wte.weight, std=0.02)
-        stream.normal(self.embeddings.wpe.weight, std=0.02)
+        """Fill this rank's shard of every parameter, with the values of the same elements in
+        any other parallel layout (see models/init.py)."""
+        init = ShardInit(self, seed)
+        init.normal(self.embeddings.wte.weight, std=0.02)
+        init.normal(self.embeddings.wpe.weight, std=0.02)
         for block in self.layers.values():
-            block.init_weights(stream)
-        stream.ones(self.ln_f.weight)
-        stream.zeros(self.ln_f.bias)
-        stream.normal(self.lm_head.weight, std=0.02)
+            block.init_weights(init)
+        init.ones(self.ln_f.weight)
+        init.zeros(self.ln_f.bias)
+        init.normal(self.lm_head.weight, std=0.02)

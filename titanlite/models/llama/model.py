@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.init import InitStream
+from titanlite.models.init import ShardInit
 
 
 @dataclass(frozen=True)
@@ -145,15 +145,15 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), cos_sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self, stream: InitStream) -> None:
-        stream.ones(self.attention_norm.weight)
+    def init_weights(self, init: ShardInit) -> None:
+        init.ones(self.attention_norm.weight)
         for linear in (self.attention.wq, self.attention.wk, self.attention.wv):
-            stream.trunc_normal(linear.weight, std=0.02)
-        stream.trunc_normal(self.attention.wo.weight, std=self.out_proj_std)
-        stream.ones(self.ffn_norm.weight)
-        stream.trunc_normal(self.feed_forward.w1.weight, std=0.02)
+            init.trunc_normal(linear.weight, std=0.02)
+        init.trunc_normal(self.attention.wo.weight, std=self.out_proj_std)
+        init.ones(self.ffn_norm.weight)
+        init.trunc_normal(self.feed_forward.w1.weight, std=0.02)
         for linear in (self.feed_forward.w2, self.feed_forward.w3):
-            stream.trunc_normal(linear.weight, std=self.out_proj_std)
+            init.trunc_normal(linear.weight, std=self.out_proj_std)
 
 
 class Llama(nn.Module):
@@ -180,12 +180,13 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Fill every parameter from one seeded stream, identically for any parallel layout."""
+        """Fill this rank's shard of every parameter, with the values of the same elements in
+        any other parallel layout (see models/init.py)."""
         self.rope_cache = rope_cos_sin(self.args, self.output.weight.device)
-        stream = InitStream(seed, self.output.weight.device)
-        stream.normal(self.tok_embeddings.weight, std=1.0)
+        init = ShardInit(self, seed)
+        init.normal(self.tok_embeddings.weight, std=1.0)
         for block in self.layers.values():
-            block.init_weights(stream)
-        stream.ones(self.norm.weight)
+            block.init_weights(init)
+        init.ones(self.norm.weight)
         cutoff = 3 * self.args.dim**-0.5
-        stream.trunc_normal(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
+        init.trunc_normal(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)

@@ -1,0 +1,158 @@
+"""The dry-run planner (`python -m titanlite.plan`): exact per-rank shares of the 70B and
+405B presets at 512 ranks, the materialized rank's memory, refused layouts, the trainer's
+own config errors, and the debug model's figures against a real run's."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed import REPO, run_env, torchrun
+
+TIMEOUT_S = 300  # generous: several test suites share 2 cores
+VOCAB = ["--vocab-size", "128256"]  # the presets' tokenizer is not shipped
+PUBLISHED = {"llama_70b": 70_553_706_496, "llama_405b": 405_853_388_800}
+# (dim, layers, ffn hidden, kv width) of the published flavors
+SHAPES = {"llama_70b": (8192, 80, 28672, 1024), "llama_405b": (16384, 126, 53248, 1024)}
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "titanlite.plan", *args]
+    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def figures(stdout: str) -> dict[str, float]:
+    """The exact byte counts and the estimates (GiB) of a planner report."""
+    out = {}
+    for name in ("parameters", "gradients", "optimizer", "buffers"):
+        out[name] = int(re.search(rf"^  {name} .*?([\d,]+) bytes", stdout, re.M).group(1).replace(",", ""))
+    out["elements"] = int(re.search(r"bytes: ([\d,]+) elements", stdout).group(1).replace(",", ""))
+    for name in ("activations", "FSDP gathered", "total"):
+        match = re.search(rf"^  {name} +([\d.,]+) GiB", stdout, re.M)
+        out[name] = float(match.group(1).replace(",", "")) * 2**30 if match else 0.0
+    return out
+
+
+def rank0_elements(config: str, dp: int, tp: int, vocab: int = 128256) -> int:
+    """Rank 0's share worked out by hand: every matrix splits evenly except the vocabulary
+    (FSDP chunks the tp shard's rows, rounding up); norms are replicated across tp."""
+    d, layers, f, kv = SHAPES[config]
+    vocab_rows = math.ceil(vocab / tp / dp)
+    per_layer = (2 * d * d + 2 * kv * d + 3 * d * f) // (dp * tp) + 2 * d // dp
+    return 2 * vocab_rows * d + layers * per_layer + d // dp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["llama_70b", "llama_405b"])
+def test_presets_at_512_ranks_fit_with_exact_shares(config):
+    """dp_shard 64 x tp 8, as both presets recommend (405B's 8 kv heads cap tp at 8)."""
+    result = plan("--config", config, "--world-size", "512", *VOCAB)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "world: 512 = dp_shard 64 x tp 8; rank 0 (dp_shard 0, tp 0)" in out
+    counts = figures(out)
+    assert counts["elements"] == rank0_elements(config, 64, 8)
+    assert counts["parameters"] == counts["gradients"] == 4 * counts["elements"] and counts["optimizer"] == 2 * counts["parameters"]
+    total = f"{PUBLISHED[config]:,}"
+    assert f"summed over all 512 ranks, each replicated tensor once: {total} = the model's {total}" in out
+    assert re.search(r"^verdict: fits: [\d.]+ GiB of 80.00 GiB, [\d.]+ GiB \(\d+%\) to spare$", out, re.M)
+
+
+@pytest.mark.slow
+def test_materialized_70b_rank_costs_its_shard():
+    """Rank 0 of 70B on 512 ranks allocates and initializes only its 1/512: the resident
+    memory grows by the planner's parameter + buffer bytes, within 20%."""
+    result = plan("--config", "llama_70b", "--world-size", "512", *VOCAB, "--materialize")
+    assert result.returncode == 0, result.stderr
+    match = re.search(r"materialized rank 0: allocated and initialized in [\d.]+ s .*\(ratio ([\d.]+)\)", result.stdout)
+    assert match, result.stdout
+    assert 0.8 <= float(match.group(1)) <= 1.2
+
+
+def test_census_agrees_with_building_the_least_rank():
+    """The every-rank count names the rank holding least (uneven vocabulary split); building
+    that rank for real gives the same count."""
+    args = ["--config", "debug_model", "--world-size", "16", "--vocab-size", "1000", "--parallelism.tensor_parallel_degree", "2"]
+    result = plan(*args)
+    assert result.returncode == 0, result.stderr
+    least, rank = re.search(r"shards: ranks hold ([\d,]+) \(rank (\d+)\)", result.stdout).groups()
+    assert rank != "0" and "= the model's" in result.stdout
+    built = plan(*args, "--rank", rank)
+    assert figures(built.stdout)["elements"] == int(least.replace(",", ""))
+
+
+@pytest.mark.parametrize(
+    "args, verdict",
+    [
+        (["--config", "llama_70b", "--world-size", "8"], "does not fit"),  # tp 8 alone: 131 GiB of fp32 state a rank
+        (["--config", "llama_8b", "--world-size", "1"], "does not fit"),  # 8B on one GPU
+        (["--config", "llama_8b", "--world-size", "8"], "fits"),
+    ],
+)
+def test_verdict_and_exit_code(args, verdict):
+    result = plan(*args, *VOCAB)
+    assert result.returncode == (0 if verdict == "fits" else 1), result.stderr
+    assert re.search(rf"^verdict: {verdict}: ", result.stdout, re.M)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config", "llama_405b", "--world-size", "512", *VOCAB, "--parallelism.tensor_parallel_degree", "16"],
+         "parallelism.tensor_parallel_degree: n_kv_heads 8 is not divisible by tensor_parallel_degree 16"),
+        (["--config", "llama_70b", "--world-size", "512"],
+         "model.tokenizer_path: tokenizer file not found: assets/tokenizer/llama/tokenizer.model; or plan without it: --vocab-size N"),
+        (["--config", "debug_model", "--world-size", "3", "--parallelism.tensor_parallel_degree", "2"],
+         "parallelism: world size 3 is not divisible by data_parallel_replicate_degree 1 x tensor_parallel_degree 2"),
+        (["--config", "debug_model", "--world-size", "2", "--rank", "2"], "--rank 2 is not a rank of --world-size 2"),
+        (["--config", "debug_model", "--world-size", "2", "--device-memory", "80"], "--device-memory: expected a size with a unit"),
+    ],
+)  # fmt: skip
+def test_refusals_are_one_line_and_exit_2(args, message):
+    result = plan(*args)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"titanlite: error: {message}") and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_config_errors_are_the_trainers():
+    bad = ["--config", "debug_model", "--training.steps", "0"]
+    trainer = subprocess.run([sys.executable, "-m", "titanlite.train", *bad], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    planner = plan(*bad, "--world-size", "2")
+    assert trainer.returncode == planner.returncode == 2
+    assert planner.stderr == trainer.stderr and planner.stderr.startswith("titanlite: error: training.steps")
+
+
+def test_device_memory_sources():
+    base = ["--config", "debug_model", "--world-size", "1"]
+    assert "device: 80.00 GiB (H100, the default; --gpu or --device-memory to change)" in plan(*base).stdout
+    assert "device: 140.00 GiB (--gpu H200)" in plan(*base, "--gpu", "H200").stdout
+    tiny = plan(*base, "--device-memory", "256MiB")
+    assert tiny.returncode == 1 and "device: 0.25 GiB (--device-memory)" in tiny.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_debug_model_figures_match_a_real_run(nproc, tmp_path, monkeypatch):
+    """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds, and the
+    estimated step working set (activations + FSDP buffers) is within 30% of the measured
+    peak of a training step above everything else the process holds."""
+    args = ["--config", "debug_model", "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors' pages go back: RSS follows live tensors
+    measured = measure(nproc, args, tmp_path / "memory.json")
+    for rank, real in enumerate(measured):
+        planned = figures(plan(*args, "--world-size", str(nproc), "--rank", str(rank)).stdout)
+        assert (planned["parameters"], planned["gradients"], planned["optimizer"]) == (real["param_bytes"], real["grad_bytes"], real["optim_bytes"])
+        estimate = planned["activations"] + planned["FSDP gathered"]
+        assert estimate == pytest.approx(real["step_peak_bytes"], rel=0.3), f"rank {rank}: {estimate:,.0f} vs {real['step_peak_bytes']:,}"
+
+
+def measure(nproc: int, args: list[str], out) -> list[dict]:
+    """Each rank's bytes and step peak, from tests/memory_worker.py under torchrun."""
+    result = torchrun(nproc, [str(REPO / "tests" / "memory_worker.py"), str(out)], args, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())["ranks"]

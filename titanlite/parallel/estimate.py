@@ -1,0 +1,142 @@
+"""Per-rank memory of a training step: exact state bytes from a parallelized model's local
+shards, plus estimates of activations and FSDP's gathered working set.
+
+The state (parameters, gradients, AdamW's two moments, buffers) is read from the DTensor
+local shapes of the model `build.parallelize` produced, so it is exact for any layout. The
+rest is a formula (docs/planning.md explains each term), counting what autograd keeps for
+backward in the Llama block as titanlite writes it. Notation: b = training.local_batch_size,
+s = seq_len, t = tensor-parallel degree, d = dim, k = n_kv_heads x head_dim, f = ffn hidden
+size, V = vocab, p = bytes of the compute dtype (mixed_precision_param), 4 = float32.
+
+    tokens          N = b s
+    one block       A = N (2 d/t (4 + p) + 2 d p + (d + k)/t 4 + 5 d/t p + 4 f/t p)
+    checkpointed    N d/t p  (only its input; sequence-parallel under TP)
+    logits and loss N V' (p + 12), V' = V/t with loss parallel, else V
+    peak            blocks kept + output head (N d/t (4 + p) + N d p) + N V' p
+                    + max(N V' 12, A if any block is checkpointed)
+
+The peak is the start of backward (every block's activations, the logits, and the loss's
+float32 gradients at once), or, with activation checkpointing, the recompute of one block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titanlite.dtypes import torch_dtype
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """This rank's exact share of the training state, from the local shards."""
+
+    n_params: int  # local elements of all parameters
+    params: int
+    grads: int
+    optimizer: int  # AdamW exp_avg and exp_avg_sq, like the parameters
+    buffers: int
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_bytes(model: nn.Module) -> StateBytes:
+    """Bytes this rank holds for weights, gradients, optimizer state and buffers."""
+    params = [local_tensor(p) for p in model.parameters()]
+    trained = [local_tensor(p) for p in model.parameters() if p.requires_grad]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in trained)
+    buffer_bytes = sum(local_tensor(b).numel() * b.element_size() for b in model.buffers())
+    return StateBytes(sum(p.numel() for p in params), param_bytes, grad_bytes, 2 * grad_bytes, buffer_bytes)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the activation formula needs from the config and the model's hyperparameters."""
+
+    batch: int
+    seq_len: int
+    tp: int
+    loss_parallel: bool
+    act_bytes: int  # p: 2 for bfloat16, 4 for float32
+    ac_mode: str
+    ac_every: int
+
+    @classmethod
+    def from_config(cls, cfg: Any, tp: int) -> StepShape:
+        act_bytes = torch_dtype(cfg.training.mixed_precision_param).itemsize
+        return cls(
+            cfg.training.local_batch_size, cfg.training.seq_len, tp, cfg.parallelism.enable_loss_parallel and tp > 1,
+            act_bytes, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The activation estimate's terms, in bytes (see the module docstring)."""
+
+    block: float  # one block's saved activations, A
+    checkpointed_block: float  # what a checkpointed block keeps
+    n_checkpointed: int
+    n_blocks: int
+    head: float  # final norm and output projection inputs, and the logits
+    peak_extra: float  # on top at the peak: loss gradients or one block's recompute
+
+    @property
+    def kept(self) -> float:
+        return (self.n_blocks - self.n_checkpointed) * self.block + self.n_checkpointed * self.checkpointed_block
+
+    @property
+    def total(self) -> float:
+        return self.kept + self.head + self.peak_extra
+
+
+def checkpointed_blocks(n_layers: int, mode: str, every: int) -> int:
+    """How many blocks `apply_ac` wraps: all, every k-th, or none."""
+    return {"full": n_layers, "selective": n_layers // every}.get(mode, 0)
+
+
+def estimate_activations(args: Any, shape: StepShape) -> Activations:
+    """The formula of the module docstring for one microbatch on one rank."""
+    n, t, p = shape.batch * shape.seq_len, shape.tp, shape.act_bytes
+    d, f = args.dim, args.ffn_hidden_dim
+    k = getattr(args, "kv_heads", args.n_heads) * args.head_dim
+    block = n * (2 * d / t * (4 + p) + 2 * d * p + (d + k) / t * 4 + 5 * d / t * p + 4 * f / t * p)
+    vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
+    n_ckpt = checkpointed_blocks(args.n_layers, shape.ac_mode, shape.ac_every)
+    head = n * d / t * (4 + p) + n * d * p + n * vocab * p
+    extra = max(n * vocab * 12, block if n_ckpt else 0.0)
+    return Activations(block, n * d / t * p, n_ckpt, args.n_layers, head, extra)
+
+
+@dataclass(frozen=True)
+class FsdpWorkingSet:
+    """Gathered (unsharded) weights and gradients FSDP holds at the peak, in bytes."""
+
+    root: float  # non-block weights (embedding, output, final norm) and their gradients
+    blocks: float  # blocks gathered at once, and one block's gradients being reduced
+
+    @property
+    def total(self) -> float:
+        return self.root + self.blocks
+
+
+def estimate_fsdp(model: nn.Module, dp_shard: int, param_bytes: int, reduce_bytes: int, parallelism: Any) -> FsdpWorkingSet:
+    """Unsharded = local x dp_shard elements, in the compute dtype. The root stays gathered
+    from forward through backward and its gradients from the output layer's backward to the
+    end; blocks are gathered one at a time plus the prefetched ones (all with "never")."""
+    per_layer = [sum(local_tensor(p).numel() for p in layer.parameters()) for layer in model.layers.values()]
+    root = (sum(local_tensor(p).numel() for p in model.parameters()) - sum(per_layer)) * dp_shard
+    block = max(per_layer) * dp_shard
+    in_flight = 1 + max(1, parallelism.fsdp_prefetch_depth)
+    if parallelism.fsdp_reshard_after_forward == "never":
+        in_flight = len(per_layer) + 1
+    return FsdpWorkingSet(2 * root * param_bytes, block * (in_flight * param_bytes + max(param_bytes, reduce_bytes)))

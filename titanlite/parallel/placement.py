@@ -1,0 +1,34 @@
+"""Which global indices a rank's shard of a DTensor holds, asked of DTensor itself.
+
+Shared by the shard-sized initialization (`models/init.py`: generate only the values this
+rank holds) and the planner's shard census (`parallel/fake_world.py`: what every rank of a
+large world holds), so both read a layout exactly as the training run lays it out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, distribute_tensor
+
+
+def shard_indices(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> list[torch.Tensor]:
+    """The global indices this rank's local shard holds, one tensor per dim, of a tensor of
+    `shape` laid out by `placements` on `mesh` (a DTensor parameter's spec).
+
+    Asks DTensor itself, so every placement it supports (Shard, FSDP's _StridedShard over
+    TP shards, uneven splits, Replicate) is read exactly: for each dim d, a vector whose
+    entries are their own index is sharded like d is (other dims' shards, which do not move
+    indices along d, are replaced by Replicate), without communication.
+    """
+    indices = []
+    for dim, size in enumerate(shape):
+        along = [p if getattr(p, "dim", None) == dim else Replicate() for p in placements]  # Shard, _StridedShard have .dim
+        if all(isinstance(p, Replicate) for p in along):
+            indices.append(torch.arange(size))
+            continue
+        ramp = torch.arange(size).view([size if d == dim else 1 for d in range(len(shape))])
+        indices.append(distribute_tensor(ramp, mesh, along, src_data_rank=None).to_local().flatten())
+    return indices

@@ -1,0 +1,241 @@
+"""Dry-run planner: what one rank of a large run holds, and whether it fits, on one CPU.
+
+    python -m titanlite.plan --config llama_70b --world-size 512 --vocab-size 128256
+        [--rank R] [--gpu H100 | --device-memory 80GiB] [--materialize] [--section.key value ...]
+
+The config is loaded and validated exactly as the trainer does it (`build.plan_run`: same
+one-line errors, exit code 2). On a fake process group this process becomes rank R of the
+world; the model is built on the meta device and parallelized by the trainer's own path
+(`build.parallelize`: TP plan, activation checkpointing, compile, FSDP). The report gives
+this rank's parameters, gradients and AdamW state from its local shards (exact), estimates
+of activations and FSDP's gathered buffers (formulas in titanlite/parallel/estimate.py and
+docs/planning.md), their total against the device memory, and a verdict. `--materialize`
+then allocates and initializes rank R's shards for real and measures the resident memory.
+
+Exit code: 0 fits, 1 does not fit, 2 a config or argument error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from titanlite.build import Plan, build_on_meta, materialize, plan_run
+from titanlite.config import load_config
+from titanlite.dtypes import torch_dtype
+from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
+from titanlite.parallel.estimate import GIB, Activations, FsdpWorkingSet, StateBytes, StepShape, estimate_activations, estimate_fsdp, state_bytes
+from titanlite.parallel.fake_world import ShardCensus, census, init_fake_world, shard_specs
+from titanlite.parallel.memory import DEFAULT_GPU, GPU_MEMORY_GIB, parse_memory, peak_rss_bytes, reset_peak_rss, rss_bytes
+
+CENSUS_MAX_WORLD = 4096
+"""Above this world size the every-rank count (milliseconds a rank) is skipped."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit code 2, like config errors
+        raise TitanliteError(message)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The planner's own options; everything else is the config (`--config`, `--section.key`)."""
+    parser = _Parser(prog="python -m titanlite.plan", allow_abbrev=False, description=__doc__.split("\n\n")[0],
+                     epilog="Config options: python -m titanlite.config --help")  # fmt: skip
+    parser.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) of the planned run")
+    parser.add_argument("--rank", type=int, default=0, help="the rank to build (default 0, which holds the most)")
+    parser.add_argument("--vocab-size", type=int, help="vocabulary size, instead of reading model.tokenizer_path")
+    parser.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB), help=f"device whose memory to plan for (default {DEFAULT_GPU})")
+    parser.add_argument("--device-memory", help="memory per device, e.g. 80GiB (overrides --gpu)")
+    parser.add_argument("--materialize", action="store_true", help="allocate and initialize this rank's shards, and measure")
+    args, config_argv = parser.parse_known_args(argv)
+    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
+        raise TitanliteError(f"--rank {args.rank} is not a rank of --world-size {args.world_size}")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise TitanliteError(f"--vocab-size: must be > 0 (got {args.vocab_size})")
+    return args, config_argv
+
+
+def device_memory(args: argparse.Namespace) -> tuple[int, str]:
+    """Bytes per device and where the figure comes from."""
+    if args.device_memory is not None:
+        return parse_memory(args.device_memory), "--device-memory"
+    gpu = args.gpu or DEFAULT_GPU
+    source = f"--gpu {gpu}" if args.gpu else f"{gpu}, the default; --gpu or --device-memory to change"
+    return int(GPU_MEMORY_GIB[gpu] * GIB), source
+
+
+def plan_config(config_argv: list[str], args: argparse.Namespace) -> tuple[Plan, str]:
+    """Validate as training does; the vocabulary from --vocab-size or the tokenizer file."""
+    cfg = load_config(config_argv)
+    try:
+        plan = plan_run(cfg, args.world_size, vocab_size=args.vocab_size)
+    except TitanliteError as error:
+        if str(error).startswith("model.tokenizer_path:"):
+            raise TitanliteError(f"{error}; or plan without it: --vocab-size N (128256 for Llama 3)") from None
+        raise
+    source = "--vocab-size" if args.vocab_size is not None else cfg.model.tokenizer_path
+    return plan, f"vocab {plan.model_args.vocab_size:,} from {source}"
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything printed about one rank."""
+
+    plan: Plan
+    rank: int
+    coordinate: str
+    vocab_note: str
+    state: StateBytes
+    activations: Activations
+    fsdp: FsdpWorkingSet | None
+    autocast_copies: int
+    device_bytes: int
+    device_source: str
+    n_params: int
+
+    @property
+    def offloaded(self) -> bool:
+        return self.plan.dims.fsdp_enabled and self.plan.cfg.training.enable_cpu_offload
+
+    @property
+    def total(self) -> float:
+        state = self.state.params + self.state.grads + self.state.optimizer
+        fsdp = self.fsdp.total if self.fsdp else 0.0
+        return (0 if self.offloaded else state) + self.state.buffers + self.activations.total + fsdp + self.autocast_copies
+
+
+def build_report(plan: Plan, args: argparse.Namespace, vocab_note: str, model: torch.nn.Module, world: DeviceMesh | None) -> Report:
+    """The figures of this rank's parallelized model (still on meta)."""
+    cfg, dims = plan.cfg, plan.dims
+    shape = StepShape.from_config(cfg, dims.tp)
+    fsdp = None
+    if dims.fsdp_enabled:
+        reduce_bytes = torch_dtype(cfg.training.mixed_precision_reduce).itemsize
+        fsdp = estimate_fsdp(model, dims.dp_shard, shape.act_bytes, reduce_bytes, cfg.parallelism)
+    state = state_bytes(model)
+    # Without FSDP, bf16 runs under autocast, which keeps a bf16 copy of each weight per step.
+    autocast = state.n_params * shape.act_bytes if not dims.fsdp_enabled and shape.act_bytes < 4 else 0
+    coordinate = ", ".join(f"{n} {c}" for n, c in zip(world.mesh_dim_names, world.get_coordinate())) if world else "the only rank"
+    device_bytes, device_source = device_memory(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    return Report(plan, args.rank, coordinate, vocab_note, state, estimate_activations(plan.model_args, shape), fsdp,
+                  autocast, device_bytes, device_source, n_params)  # fmt: skip
+
+
+def measure_materialize(model: torch.nn.Module, plan: Plan) -> dict[str, float]:
+    """Allocate and initialize this rank's shards on the CPU; seconds and resident bytes."""
+    before = rss_bytes()
+    reset_peak_rss()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    materialize(model, plan, torch.device("cpu"))
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "before": before, "peak": peak_rss_bytes()}
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB"
+
+
+def header(r: Report) -> list[str]:
+    cfg, dims = r.plan.cfg, r.plan.dims
+    degrees = [f"{name} {size}" for name, size in (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard), ("tp", dims.tp)) if size > 1]
+    ac = cfg.activation_checkpoint.mode + (f" (every {cfg.activation_checkpoint.selective_ac_option})" if cfg.activation_checkpoint.mode == "selective" else "")
+    return [
+        f"model: {cfg.model.name} {cfg.model.flavor}, {r.n_params:,} parameters ({r.vocab_note})",
+        f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}; rank {r.rank} ({r.coordinate})",
+        f"step: local_batch_size {cfg.training.local_batch_size} x seq_len {cfg.training.seq_len}, "
+        f"{cfg.training.mixed_precision_param} compute, activation checkpointing {ac}"
+        + (", loss parallel" if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else ""),
+    ]
+
+
+def holdings(r: Report) -> list[str]:
+    """One line per kind of memory; exact ones first, then the estimates and the total."""
+    a, place = r.activations, " (host: CPU offload)" if r.offloaded else ""
+    rows = [
+        ("parameters", r.state.params, f"{r.state.params:,} bytes: {r.state.n_params:,} elements of the local shards{place}"),
+        ("gradients", r.state.grads, f"{r.state.grads:,} bytes{place}"),
+        ("optimizer", r.state.optimizer, f"{r.state.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
+        ("buffers", r.state.buffers, f"{r.state.buffers:,} bytes"),
+        ("activations", a.total, f"estimate: {a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} "
+         f"checkpointed x {gib(a.checkpointed_block)}, head {gib(a.head)}, peak extra {gib(a.peak_extra)}"),
+    ]  # fmt: skip
+    if r.fsdp:
+        rows.append(("FSDP gathered", r.fsdp.total, f"estimate: root weights and grads {gib(r.fsdp.root)}, blocks {gib(r.fsdp.blocks)}"))
+    if r.autocast_copies:
+        rows.append(("autocast copies", r.autocast_copies, "estimate: a low-precision copy of each weight"))
+    rows.append(("total", r.total, "on the device"))
+    return [f"rank {r.rank} holds"] + [f"  {name:<16}{gib(size):>14}   {note}" for name, size, note in rows]
+
+
+def verdict(r: Report) -> list[str]:
+    spare = r.device_bytes - r.total
+    lines = [f"device: {gib(r.device_bytes)} ({r.device_source})"]
+    if spare >= 0:
+        lines.append(f"verdict: fits: {gib(r.total)} of {gib(r.device_bytes)}, {gib(spare)} ({spare / r.device_bytes:.0%}) to spare")
+    else:
+        lines.append(f"verdict: does not fit: {gib(r.total)} needed, {gib(-spare)} more than the device's {gib(r.device_bytes)}; "
+                     "add ranks (data_parallel_shard_degree, tensor_parallel_degree), lower training.local_batch_size, "
+                     "or use activation_checkpoint.mode full")  # fmt: skip
+    return lines
+
+
+def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
+    if shards is None:
+        world = r.plan.dims.world_size
+        why = "one process" if world == 1 else f"not counted above {CENSUS_MAX_WORLD} ranks" if world > CENSUS_MAX_WORLD else "not counted (parameters on part of the mesh)"
+        return [f"shards: {why}"]
+    most, least = max(shards.per_rank), min(shards.per_rank)
+    check = "=" if shards.covered == r.n_params else "!="
+    return [
+        f"shards: ranks hold {least:,} (rank {shards.per_rank.index(least)}) to {most:,} (rank {shards.per_rank.index(most)}) "
+        f"parameters; summed over all {len(shards.per_rank)} ranks, each replicated tensor once: {shards.covered:,} {check} the model's {r.n_params:,}"
+    ]
+
+
+def measured_lines(r: Report, measured: dict[str, float] | None) -> list[str]:
+    if measured is None:
+        return []
+    grown = measured["peak"] - measured["before"]
+    estimate = r.state.params + r.state.buffers
+    return [
+        f"materialized rank {r.rank}: allocated and initialized in {measured['seconds']:.1f} s "
+        f"({measured['cpu_seconds']:.1f} s of CPU); peak resident memory "
+        f"{gib(measured['peak'])}, {gib(grown)} above the {gib(measured['before'])} before, against {gib(estimate)} "
+        f"estimated for parameters and buffers (ratio {grown / estimate:.2f})"
+    ]
+
+
+def run(argv: list[str]) -> int:
+    # One thread: the work is many small tensor ops, which a second OpenMP thread slows
+    # down (30x, measured on a busy 2-core host) rather than speeds up.
+    torch.set_num_threads(1)
+    args, config_argv = parse_args(argv)
+    plan, vocab_note = plan_config(config_argv, args)
+    init_fake_world(args.world_size, args.rank)
+    meshes = plan.dims.build_mesh("cpu")
+    model = build_on_meta(plan, meshes)
+    report = build_report(plan, args, vocab_note, model, meshes.world)
+    measured = measure_materialize(model, plan) if args.materialize else None
+    shards = None
+    if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD:  # last: it leaves rank r's world
+        shards = census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape))
+    print("\n".join(header(report) + holdings(report) + verdict(report) + shard_lines(report, shards) + measured_lines(report, measured)))
+    return 0 if report.total <= report.device_bytes else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except TitanliteError as error:
+        print(f"titanlite: error: {error}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
