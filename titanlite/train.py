@@ -32,6 +32,7 @@ from titanlite.parallel.distributed import init_distributed, set_collective_time
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.profiling import maybe_profile
+from titanlite.run_folder import claim_run_folder, parameter_count
 
 
 RANK0_REPORT_GRACE_S = 3.0
@@ -47,6 +48,7 @@ class Trainer:
         if cfg.job.print_config:
             logger.info(f"config: {to_dict(cfg)}")
         self._seed(cfg.training.seed, cfg.training.deterministic)
+        self.run_lock = claim_run_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD)
 
         self.meshes = plan.dims.build_mesh(self.device.type)
         dp_mesh = self.meshes.dp
@@ -92,6 +94,7 @@ class Trainer:
             lr_scheduler=self.lr_scheduler,
             dataloader=self.data,
             train_state=self.state,
+            tokenizer=self.plan.tokenizer,
         )
 
     def _compute_context(self) -> contextlib.ExitStack:
@@ -165,6 +168,8 @@ class Trainer:
         if self.checkpoint is not None:
             self.checkpoint.close()
         self.metrics.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def create_seed_checkpoint(plan: Plan) -> None:
@@ -175,12 +180,14 @@ def create_seed_checkpoint(plan: Plan) -> None:
     info = init_distributed(cfg.comm.init_timeout_seconds)
     init_logger(info.rank)
     torch.manual_seed(cfg.training.seed)
+    lock = claim_run_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD, weights_only=True)
     model, _ = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size)
     manager = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model)
     try:
         manager.save_seed()
     finally:
         manager.close()
+        lock.release()
 
 
 def run(plan: Plan) -> None:
