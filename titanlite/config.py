@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titanlite.config_engine import (Override, apply_toml, check_values, cli_pairs, help_lines, parse_override,
-                                     read_toml, to_dict, to_toml)
+                                     read_toml, refuse_repeats, to_dict, to_toml)
 from titanlite.config_engine import option as _opt
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 
@@ -229,6 +229,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[Override]]:
         if config is not None:
             raise TitanliteError(f"--config given twice ({config} and {value})")
         config = value
+    refuse_repeats(overrides)
     return config, overrides
 
 
