@@ -213,6 +213,8 @@ def _find_config(name: str) -> tuple[Path, str]:
     for candidate in names:
         if (CONFIG_DIR / candidate).is_file():
             return CONFIG_DIR / candidate, candidate
+    if Path(name).is_dir():
+        raise TitanliteError(f"--config: {name} is a folder, not a TOML file")
     raise TitanliteError(f"config file not found: {name} (looked in ./ and train_configs/)")
 
 
