@@ -376,6 +376,8 @@ def test_checksums_are_recorded_and_a_shard_corrupted_inside_its_data_is_named(t
     with pytest.raises(TitanliteError, match=f"^{shard}: shard file is corrupted \\(CRC-32 [0-9a-f]{{8}}, recorded at save {record.checksums[shard.name]}\\)$"):
         again.load()
     again.close()
+    with pytest.raises(TitanliteError, match="shard file is corrupted"):
+        export.read_dcp_model(folder)  # the export and conversion scripts read through here
 
 
 def test_resume_with_another_tokenizer_is_refused(tmp_path):
