@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanlite.checkpoint import integrity
 from titanlite.checkpoint.commit import read_commit, read_dcp_index
+from titanlite.checkpoint.load_progress import files_with_progress
 from titanlite.errors import TitanliteError, one_line, user_errors
 
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -139,7 +140,7 @@ def read_hf_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not files:
         raise TitanliteError(f"{folder}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
+    for name in files_with_progress(f"Hugging Face import from {folder}", folder, files):
         try:
             tensors.update(st.load_file(str(folder / name)))
         except Exception as error:
