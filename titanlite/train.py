@@ -24,6 +24,7 @@ from titanlite.checkpoint.train_state import TrainState
 from titanlite.config import load_config, to_dict
 from titanlite.data import build_dataloader
 from titanlite.dtypes import DTYPES
+from titanlite.dump_folder import claim_dump_folder, parameter_count
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger
 from titanlite.metrics import MetricsLogger, peak_flops
@@ -32,7 +33,6 @@ from titanlite.parallel.distributed import init_distributed, set_collective_time
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.profiling import maybe_profile
-from titanlite.run_folder import claim_run_folder, parameter_count
 from titanlite.run_dir import start_run_dir
 
 
@@ -49,7 +49,7 @@ class Trainer:
         if cfg.job.print_config:
             logger.info(f"config: {to_dict(cfg)}")
         self._seed(cfg.training.seed, cfg.training.deterministic)
-        self.run_lock = claim_run_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD)
+        self.run_lock = claim_dump_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD)
         self.run_dir = start_run_dir(cfg)
 
         self.meshes = plan.dims.build_mesh(self.device.type)
@@ -182,7 +182,7 @@ def create_seed_checkpoint(plan: Plan) -> None:
     info = init_distributed(cfg.comm.init_timeout_seconds)
     init_logger(info.rank)
     torch.manual_seed(cfg.training.seed)
-    lock = claim_run_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD, weights_only=True)
+    lock = claim_dump_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD, weights_only=True)
     model, _ = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size)
     manager = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model)
     try:

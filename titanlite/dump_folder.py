@@ -1,4 +1,4 @@
-"""Start-up checks on the run's folder, and the lock that gives it to one job at a time.
+"""Start-up checks on the dump folder, and the lock that gives it to one job at a time.
 
 Before any device work, rank 0 makes sure the run can keep what it produces: the dump
 folder can be created and written (not under a file, not read-only), the checkpoint folder
@@ -236,7 +236,7 @@ def acquire_lock(folder: Path) -> RunLock:
 # --------------------------------------------------------------------------------------
 
 
-def claim_run_folder(cfg: JobConfig, n_params: Callable[[], int], group: dist.ProcessGroup | None,
+def claim_dump_folder(cfg: JobConfig, n_params: Callable[[], int], group: dist.ProcessGroup | None,
                      weights_only: bool = False) -> RunLock | None:
     """Every start-up check on the run's folders, then the lock (rank 0; the others get None,
     or the same one-line error). `n_params` is asked only when checkpoints are saved."""
