@@ -9,8 +9,10 @@
 
 Our checkpoints say which model they hold (commit.json); a bare .pt file does not, so
 to-hf then needs --model/--flavor/--vocab-size. from-hf reads the hyperparameters from
-config.json; --flavor only names the result (it must match config.json). Loading HF weights
-straight into training needs no conversion: checkpoint.initial_load_format = "hf".
+config.json, RoPE included wherever its transformers version wrote it (`rope_parameters`,
+or top-level `rope_theta` / `rope_scaling`); --flavor only names the result (it must match
+config.json). Loading HF weights straight into training needs no conversion:
+checkpoint.initial_load_format = "hf", which checks config.json against the flavor the same way.
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ def from_hf(args: argparse.Namespace) -> str:
         raise TitanliteError(f"{Path(args.source) / export.HF_CONFIG_FILE}: {error}") from None
     if args.flavor:
         expected = spec.args_for(args.flavor, model_args.vocab_size)
-        if adapter.hf_config(expected) != adapter.hf_config(model_args):
-            raise TitanliteError(f"--flavor: {args.flavor} does not match {Path(args.source) / export.HF_CONFIG_FILE}")
+        wrong = adapter.check_hf_config(config, expected)
+        if wrong:
+            raise TitanliteError(f"--flavor: {args.flavor} does not match {Path(args.source) / export.HF_CONFIG_FILE}: {', '.join(wrong)}")
         model_args = expected
     state = export.load_hf(args.source, adapter, model_args)
     state = export.cast_floating(state, torch_dtype(args.dtype) if args.dtype else None)

@@ -2,6 +2,9 @@
 
     python scripts/export_checkpoint.py outputs/checkpoint/step-1000 model.pt [--dtype bfloat16]
 
+It writes one `.pt` file (a folder as the output is refused: name the file). For Hugging
+Face safetensors + config.json use `scripts/convert_hf.py to-hf` instead.
+
 The input is one step folder (or a checkpoint root: its newest complete step). Only the
 model's tensors are read, at their full (unsharded) shapes, whatever mesh saved them; the
 file is a plain state dict that loads into an unparallelized model:
@@ -12,6 +15,7 @@ file is a plain state dict that loads into an unparallelized model:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="cast floating-point weights (default: as saved)")
     args = parser.parse_args(argv)
     try:
+        if Path(args.out).is_dir() or args.out.endswith(("/", os.sep)):
+            raise TitanliteError(f"out: {args.out} is a folder; name the output file, e.g. {Path(args.out) / 'model.pt'}")
         folder, record = policy.resolve_initial_load(Path(args.checkpoint), "checkpoint")
         n = export.dcp_to_full_file(folder, args.out, torch_dtype(args.dtype) if args.dtype else None)
     except TitanliteError as error:

@@ -136,7 +136,7 @@ def test_default_lists_are_not_shared():
         (["--training.deterministic", "yes"], "training", "deterministic", True),
         (["--training.deterministic=1"], "training", "deterministic", True),
         (["--lr_scheduler.decay_ratio", "0.2"], "lr_scheduler", "decay_ratio", 0.2),
-        (["--lr_scheduler.decay_ratio", "0.2", "--lr_scheduler.decay_ratio", "none"], "lr_scheduler", "decay_ratio", None),
+        (["--lr_scheduler.decay_ratio", "none"], "lr_scheduler", "decay_ratio", None),
         (["--lr_scheduler.decay_ratio=None"], "lr_scheduler", "decay_ratio", None),
         (["--parallelism.fsdp_shard_modules", "Block,Attention"], "parallelism", "fsdp_shard_modules", ["Block", "Attention"]),
         (["--parallelism.fsdp_shard_modules", "Block"], "parallelism", "fsdp_shard_modules", ["Block"]),
@@ -157,8 +157,9 @@ def test_overrides_win_over_toml_and_keep_the_rest(tmp_path):
     assert cfg.lr_scheduler.decay_ratio is None
 
 
-def test_later_override_wins():
-    assert load_config(["--training.steps", "5", "--training.steps=6"]).training.steps == 6
+def test_repeated_override_is_an_error():
+    with pytest.raises(TitanliteError, match=r"^--training.steps given twice \(5 and 6\)$"):
+        load_config(["--training.steps", "5", "--training.steps=6"])
 
 
 # --- validation --------------------------------------------------------------------------

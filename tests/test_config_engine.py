@@ -113,6 +113,13 @@ def test_read_toml_errors_are_one_line(tmp_path):
     bad.write_bytes(b'[garden]\nname = "\xff"\n')
     assert error(E.read_toml, bad, "bad.toml").startswith("invalid TOML in bad.toml")
     assert error(E.read_toml, tmp_path, "dir").startswith("cannot read config file dir: ")
+    bad.write_text("# only a comment\n")
+    assert error(E.read_toml, bad, "bad.toml") == "config file bad.toml is empty (it sets no [section] key); leave out --config for the defaults"
+
+
+def test_a_key_given_twice_on_the_command_line_is_refused():
+    E.refuse_repeats([("garden", "beds", 1), ("garden", "name", "x")])
+    assert error(E.refuse_repeats, [("garden", "beds", 1), ("garden", "beds", 2)]) == "--garden.beds given twice (1 and 2)"
 
 
 # --- the command line ------------------------------------------------------------------

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titanlite.config_engine import (Override, apply_toml, check_values, cli_pairs, help_lines, parse_override,
-                                     read_toml, to_dict, to_toml)
+                                     read_toml, refuse_repeats, to_dict, to_toml)
 from titanlite.config_engine import option as _opt
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 
@@ -240,6 +240,8 @@ def _find_config(name: str) -> tuple[Path, str]:
     for candidate in names:
         if (CONFIG_DIR / candidate).is_file():
             return CONFIG_DIR / candidate, candidate
+    if Path(name).is_dir():
+        raise TitanliteError(f"--config: {name} is a folder, not a TOML file")
     raise TitanliteError(f"config file not found: {name} (looked in ./ and train_configs/)")
 
 
@@ -256,6 +258,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[Override]]:
         if config is not None:
             raise TitanliteError(f"--config given twice ({config} and {value})")
         config = value
+    refuse_repeats(overrides)
     return config, overrides
 
 

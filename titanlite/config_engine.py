@@ -208,10 +208,12 @@ def _lookup(root: type, section: str, key: str, where: str) -> tuple[Any, datacl
 
 
 def read_toml(path: Path, shown: str) -> dict[str, Any]:
-    """A TOML file parsed, or a one-line TitanliteError naming it as `shown`."""
+    """A TOML file parsed, or a one-line TitanliteError naming it as `shown`. A file that
+    sets nothing is an error too: a config that was meant to say something (a truncated
+    copy, the wrong file) must not train on the defaults without a word."""
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data = tomllib.load(f)
     except tomllib.TOMLDecodeError as error:
         message = " ".join(str(error).split())
         raise TitanliteError(f"invalid TOML in {shown}: {message}") from None
@@ -219,6 +221,9 @@ def read_toml(path: Path, shown: str) -> dict[str, Any]:
         raise TitanliteError(f"invalid TOML in {shown}: the file is not UTF-8 text") from None
     except OSError as error:
         raise TitanliteError(f"cannot read config file {shown}: {error.strerror}") from None
+    if not data:
+        raise TitanliteError(f"config file {shown} is empty (it sets no [section] key); leave out --config for the defaults")
+    return data
 
 
 def apply_toml(cfg: Any, data: dict[str, Any], shown: str) -> None:
@@ -269,6 +274,16 @@ def parse_override(root: type, name: str, value: str | None) -> Override:
         return section, key, _parse_cli(value, tp)
     except ValueError:
         raise TitanliteError(f"{section}.{key}: expected {expected(tp)}, got {value!r}") from None
+
+
+def refuse_repeats(overrides: Sequence[Override]) -> None:
+    """A key set twice on one command line is an error, as a repeated `--config` is: which
+    of the two the user meant is a guess (a script appending to a command line, a typo)."""
+    seen: dict[tuple[str, str], Any] = {}
+    for section, key, value in overrides:
+        if (section, key) in seen:
+            raise TitanliteError(f"--{section}.{key} given twice ({_toml_value(seen[section, key])} and {_toml_value(value)})")
+        seen[section, key] = value
 
 
 # --------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from titanlite.checkpoint.train_state import TrainState
 from titanlite.config import load_config, to_dict
 from titanlite.data import build_dataloader, open_corpus
 from titanlite.dtypes import DTYPES
+from titanlite.dump_folder import claim_dump_folder, parameter_count
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger
 from titanlite.metrics import MetricsLogger, peak_flops
@@ -49,6 +50,7 @@ class Trainer:
         if cfg.job.print_config:
             logger.info(f"config: {to_dict(cfg)}")
         self._seed(cfg.training.seed, cfg.training.deterministic)
+        self.run_lock = claim_dump_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD)
         self.run_dir = start_run_dir(cfg)
 
         self.meshes = plan.dims.build_mesh(self.device.type)
@@ -99,6 +101,7 @@ class Trainer:
             lr_scheduler=self.lr_scheduler,
             dataloader=self.data,
             train_state=self.state,
+            tokenizer=self.plan.tokenizer,
         )
 
     def _compute_context(self) -> contextlib.ExitStack:
@@ -175,6 +178,8 @@ class Trainer:
         if self.checkpoint is not None:
             self.checkpoint.close()
         self.metrics.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def create_seed_checkpoint(plan: Plan) -> None:
@@ -185,12 +190,14 @@ def create_seed_checkpoint(plan: Plan) -> None:
     info = init_distributed(cfg.comm.init_timeout_seconds)
     init_logger(info.rank)
     torch.manual_seed(cfg.training.seed)
+    lock = claim_dump_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD, weights_only=True)
     model, _ = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size)
     manager = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model)
     try:
         manager.save_seed()
     finally:
         manager.close()
+        lock.release()
 
 
 def run(plan: Plan) -> None:

@@ -32,16 +32,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from titanlite.checkpoint.integrity import ChecksummingWriter
 from titanlite.logging import logger
 
 SLOW_WRITE_ENV = "TITANLITE_TEST_SLOW_WRITE_S"
 
 
-class SlowFileSystemWriter(FileSystemWriter):
+class SlowFileSystemWriter(ChecksummingWriter):
     """Test-only writer: writes its shards, then sleeps before reporting them written, so
     the checkpoint stays without `.metadata` and commit marker for `delay_s` seconds.
     Module-level so the async process executor can pickle it."""
@@ -56,12 +56,13 @@ class SlowFileSystemWriter(FileSystemWriter):
         return future
 
 
-def make_storage_writer(path: str | os.PathLike) -> FileSystemWriter:
-    """DCP's file-system writer (one file per rank, fsync'd), or the slow test writer."""
+def make_storage_writer(path: str | os.PathLike) -> ChecksummingWriter:
+    """DCP's file-system writer (one file per rank, fsync'd) that checksums what it wrote
+    (`integrity.py`), or the slow test writer."""
     delay = os.environ.get(SLOW_WRITE_ENV)
     if delay:
         return SlowFileSystemWriter(path, float(delay))
-    return FileSystemWriter(path)
+    return ChecksummingWriter(path)
 
 
 class Saver:

@@ -7,6 +7,8 @@ Layout under `<job.dump_folder>/<checkpoint.folder>/`::
         .metadata          DCP's global index (written by the coordinator after every rank wrote)
         commit.json        our commit marker: written last, by rank 0, atomically (tmp + rename)
     step-20/ ...
+    .trash/                folders on their way out (retention, overwrites): renamed here at
+                           once, deleted in the background (`housekeeping.py`)
 
 A folder counts as a checkpoint only when `commit.json` is present. DCP itself writes
 `.metadata` only after it has gathered every rank's write results, so `.metadata` already
@@ -25,7 +27,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,10 @@ class CommitRecord:
     world_size: int = 1
     mesh: dict[str, int] = field(default_factory=dict)
     tokens_seen: int = 0
+    # Shard file name -> CRC-32 hex, verified before a load (`integrity.py`); {}: unchecked.
+    checksums: dict[str, str] = field(default_factory=dict)
+    # The tokenizer trained with: {"path", "vocab_size", "crc32"}; a resume compares it.
+    tokenizer: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
     saved_at: str = ""
 
@@ -138,11 +143,23 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def remove_checkpoint(root: str | os.PathLike, step: int) -> None:
-    """Delete one step folder: un-commit first, so a crash mid-delete leaves an ignored folder."""
+TRASH_DIR = ".trash"
+
+
+def retire(root: str | os.PathLike, step: int) -> Path | None:
+    """Take one step folder out of the checkpoint set at once, for a slow delete later:
+    un-commit it (a crash from here on leaves an ignored folder), then rename it into
+    `<root>/.trash/` (one metadata operation, so no step waits for a multi-TB delete).
+    Returns where it went, or None when there was no such folder."""
     path = step_dir(root, step)
+    if not path.exists():
+        return None
     remove_commit(path)
-    shutil.rmtree(path, ignore_errors=True)
+    trash = Path(root) / TRASH_DIR
+    trash.mkdir(exist_ok=True)
+    target = trash / f"{path.name}.{time.time_ns()}"
+    os.replace(path, target)
+    return target
 
 
 def read_dcp_index(folder: str | os.PathLike) -> Metadata:

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 
-from titanlite.checkpoint.commit import read_dcp_index
+from titanlite.checkpoint import integrity
+from titanlite.checkpoint.commit import read_commit, read_dcp_index
 from titanlite.checkpoint.load_progress import files_with_progress
 from titanlite.errors import TitanliteError, one_line, user_errors
 
@@ -64,9 +65,12 @@ def full_model_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = No
 
 def read_dcp_tensors(folder: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint whose key starts with `prefix`, at full (unsharded)
-    shape, read on one process into tensors allocated from the index's global shapes."""
+    shape, read on one process into tensors allocated from the index's global shapes, after
+    the shard checksums its commit record holds (if any) are verified."""
     folder = Path(folder)
     metadata = read_dcp_index(folder)
+    record = read_commit(folder)
+    integrity.verify(folder, record.checksums if record is not None else {}, None)
     state = {
         k: torch.empty(v.size, dtype=v.properties.dtype)
         for k, v in metadata.state_dict_metadata.items()

@@ -11,6 +11,10 @@ that means the coordinator already gathered every rank's write results and wrote
 rank 0 checks its future at each `save` call (every step) and at `close`, and commits as
 soon as it resolved without error. A rank dying mid-save leaves a folder without
 `commit.json`; discovery skips it and the previous checkpoint stays newest.
+
+The commit also records each shard file's checksum (`integrity.py`). Folders that go
+(retention, an overwrite) are retired inside the step, which is quick, and deleted by
+rank 0's housekeeping thread (`housekeeping.py`), never while the other ranks wait.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from titanlite.checkpoint import commit, policy
+from titanlite.checkpoint import commit, integrity, policy
 from titanlite.checkpoint.async_save import Saver, build_saver
 from titanlite.checkpoint.contents import Contents
+from titanlite.checkpoint.housekeeping import Housekeeper
 from titanlite.checkpoint.restore import Restorer
 from titanlite.errors import user_errors
 from titanlite.logging import logger
@@ -68,6 +73,7 @@ class CheckpointManager:
         lr_scheduler: LRScheduler | None = None,
         dataloader: Stateful | None = None,
         train_state: Stateful | None = None,
+        tokenizer: Any = None,
     ):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
@@ -82,7 +88,12 @@ class CheckpointManager:
         # training's NCCL/gloo collectives on the default group. Created once, by all ranks.
         self.group = dist.new_group(backend="gloo") if distributed else None
         self.saver: Saver = build_saver(cfg.async_mode, self.group)
-        self.restorer = Restorer(cfg, self.root, spec, flavor, model_args, self.contents, self.group)
+        # `tokenizer` (anything with .path and .vocab_size): recorded, and compared on resume.
+        self.tokenizer = integrity.tokenizer_record(tokenizer) if tokenizer is not None and self.rank == 0 else {}
+        self.restorer = Restorer(cfg, self.root, spec, flavor, model_args, self.contents, self.group, self.tokenizer)
+        self.housekeeper = Housekeeper() if self.rank == 0 else None
+        if self.housekeeper is not None:
+            self.housekeeper.delete_leftovers(self.root / commit.TRASH_DIR)
         self._pending: _PendingSave | None = None
         self._saved_steps: set[int] = set()  # committed or in flight in this run
 
@@ -114,11 +125,14 @@ class CheckpointManager:
             self._finish(self._pending)
 
     def close(self) -> None:
-        """Wait for the in-flight save and release the saver (threads, stager, writer process)."""
+        """Wait for the in-flight save, release the saver (threads, stager, writer process)
+        and finish the background deletes."""
         try:
             self.wait()
         finally:
             self.saver.close()
+            if self.housekeeper is not None:
+                self.housekeeper.close()
 
     def _save(self, step: int, plan: policy.SavePlan, started: float) -> None:
         state = self.contents.weights_state(plan.export_dtype) if plan.weights_only else self.contents.training_state()
@@ -126,7 +140,8 @@ class CheckpointManager:
         path = self._prepare_folder(step)
         self._saved_steps.add(step)
         if plan.blocking:
-            self.saver.blocking_save(state, path)
+            with user_errors(f"checkpoint: saving {path} failed"):  # DCP raises CheckpointException, a BaseException
+                self.saver.blocking_save(state, path)
             self._commit(step, path, record, time.perf_counter() - started)
         else:
             future = self.saver.save(state, path)
@@ -146,31 +161,43 @@ class CheckpointManager:
         self._commit(pending.step, pending.path, pending.record, time.perf_counter() - pending.started)
 
     def _commit(self, step: int, path: Path, record: commit.CommitRecord, seconds: float) -> None:
-        """Rank 0 only: write the marker, then apply retention. Other ranks have nothing to
-        do: their part of the save is in the folder already (DCP finished)."""
+        """Rank 0 only: record the shards' checksums and write the marker, then retire what
+        retention lets go. Other ranks have nothing to do: their part of the save is in the
+        folder already (DCP finished)."""
         if self.rank != 0:
             return
+        record.checksums = integrity.collect(path)
         commit.write_commit(path, record)
+        for sidecar in integrity.sidecars(path):  # merged into commit.json now
+            self.housekeeper.delete(sidecar)
         logger.info(f"checkpoint: step {step} committed to {path} ({seconds:.2f} s{', model weights only' if record.model_weights_only else ''})")
         if policy.is_export(record):
             return  # an export must not push the newest resumable checkpoint out of retention
         inventory = commit.scan(self.root)
+        in_flight = {self._pending.step} if self._pending is not None else set()
         victims = policy.retention_victims(inventory.complete, self.cfg.keep_latest_k, step)
         debris = policy.stale_incomplete(inventory.incomplete, step)
         for old in victims + debris:
-            commit.remove_checkpoint(self.root, old)
+            if old != step and old not in in_flight:  # never the newest commit or a save in flight
+                self._retire(old)
         if victims:
             logger.info(f"checkpoint: removed step(s) {', '.join(map(str, victims))} (keep_latest_k {self.cfg.keep_latest_k})")
 
+    def _retire(self, step: int) -> None:
+        """Un-commit and move a step folder aside now; delete it in the background."""
+        retired = commit.retire(self.root, step)
+        if retired is not None:
+            self.housekeeper.delete(retired)
+
     def _prepare_folder(self, step: int) -> Path:
-        """Rank 0 empties the target folder (un-committing first) before DCP writes into it.
-        No barrier needed: other ranks write shards only after DCP's planning collective,
-        which rank 0 joins after this returns."""
+        """Rank 0 clears the target folder (retiring it: un-commit, then move aside) before
+        DCP writes into it. No barrier needed: other ranks write shards only after DCP's
+        planning collective, which rank 0 joins after this returns."""
         path = commit.step_dir(self.root, step)
         if self.rank == 0 and path.exists():
-            if commit.read_commit(path) is not None:
+            if path.is_dir() and commit.read_commit(path) is not None:
                 logger.warning(f"checkpoint: overwriting the existing checkpoint {path}")
-            commit.remove_checkpoint(self.root, step)
+            self._retire(step)
         return path
 
     def _record(self, step: int, state: dict[str, Any], plan: policy.SavePlan) -> commit.CommitRecord:
@@ -184,4 +211,5 @@ class CheckpointManager:
             world_size=self.world_size,
             mesh=self.contents.mesh(),
             tokens_seen=self.contents.tokens_seen(),
+            tokenizer=self.tokenizer,
         )

@@ -11,9 +11,12 @@
 
 Everything a user can get wrong is checked on rank 0 before any collective load starts
 and reaches every rank as the same one line (`parallel.collectives.on_rank0`): the model
-fingerprint, that every shard file the DCP index names is there and long enough, the
-tensor shapes, a Hugging Face config.json that describes another model. A shard that
-fails to deserialize is reported by DCP on every rank and becomes one line too.
+fingerprint, the tokenizer a resumed run was trained with, that every shard file the DCP
+index names is there and long enough, the tensor shapes, a Hugging Face config.json that
+describes another model. Then the ranks verify the shards' recorded checksums, each a
+share of the files (`integrity.verify`): a shard corrupted inside its data is one line
+naming the file. A shard that fails to deserialize is reported by DCP on every rank and
+becomes one line too.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from titanlite.checkpoint import export, policy
-from titanlite.checkpoint.commit import args_dict, fingerprint, read_dcp_index
+from titanlite.checkpoint import export, integrity, policy
+from titanlite.checkpoint.commit import CommitRecord, args_dict, fingerprint, read_dcp_index
 from titanlite.checkpoint.contents import Contents
 from titanlite.checkpoint.load_progress import ProgressReader
 from titanlite.checkpoint.train_state import RNG_PREFIX
@@ -60,8 +63,10 @@ class Restorer:
         model_args: Any,
         contents: Contents,
         group: dist.ProcessGroup | None,
+        tokenizer: dict[str, Any] | None = None,
     ):
         self.cfg, self.root = cfg, root
+        self.tokenizer = tokenizer or {}  # integrity.tokenizer_record of this run (rank 0)
         self.spec, self.model_args = spec, model_args
         self.fingerprint = fingerprint(spec.name, flavor, model_args)
         self.contents = contents
@@ -90,6 +95,8 @@ class Restorer:
         path, record = choice.path, choice.record
 
         def check() -> Metadata:
+            if not record.model_weights_only:  # the seed's weights are an init: any tokenizer of its vocab size
+                check_tokenizer(path, record, self.tokenizer)
             saved = record.fingerprint
             if saved != self.fingerprint:
                 raise TitanliteError(f"{path}: checkpoint is of {_describe(saved, record.model_args)}, but this run builds {_describe(self.fingerprint, args_dict(self.model_args))}")
@@ -97,6 +104,7 @@ class Restorer:
 
         metadata = on_rank0(self.group, check)
         started = time.perf_counter()
+        integrity.verify(path, record.checksums, self.group)
         if record.model_weights_only:  # the step-0 seed: weights only, training starts at 0
             self._load_model_dcp(path, prefix="model.")
             logger.info(f"checkpoint: initialized the model from the seed checkpoint {path} ({time.perf_counter() - started:.2f} s)")
@@ -134,16 +142,17 @@ class Restorer:
     def _load_initial_dcp(self, given: Path) -> None:
         """`initial_load_path` (dcp): model weights only, from any DCP folder or our root."""
 
-        def check() -> tuple[Path, str]:
-            path, _record = policy.resolve_initial_load(given)
+        def check() -> tuple[Path, str, dict[str, str]]:
+            path, record = policy.resolve_initial_load(given)
             metadata = read_checked_metadata(path)
             prefix = "model." if any(k.startswith("model.") for k in metadata.state_dict_metadata) else ""
             saved = {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)}
             check_tensor_shapes(path, saved, self.contents.model_shapes())
-            return path, prefix
+            return path, prefix, record.checksums if record is not None else {}
 
-        path, prefix = on_rank0(self.group, check)
+        path, prefix, checksums = on_rank0(self.group, check)
         started = time.perf_counter()
+        integrity.verify(path, checksums, self.group)
         self._load_model_dcp(path, prefix)
         logger.info(f"checkpoint: initialized the model from {path} ({time.perf_counter() - started:.2f} s)")
 
@@ -199,6 +208,24 @@ def read_checked_metadata(path: Path) -> Metadata:
         if actual < size:
             raise TitanliteError(f"{shard}: shard is truncated ({actual} bytes, the checkpoint index needs {size})")
     return metadata
+
+
+def check_tokenizer(path: Path, record: CommitRecord, current: dict[str, Any]) -> None:
+    """A resumed run must tokenize as the run that saved it did: the same vocabulary size,
+    and the same tokenizer file (by checksum). Records without a tokenizer are not checked."""
+    saved = record.tokenizer
+    if not saved or not current:
+        return
+    if saved.get("vocab_size") != current["vocab_size"]:
+        difference = f"its vocabulary has {current['vocab_size']} tokens, the checkpoint's {saved.get('vocab_size')}"
+    elif saved.get("crc32") and current["crc32"] and saved["crc32"] != current["crc32"]:
+        difference = f"CRC-32 {current['crc32']}, the checkpoint's {saved['crc32']}"
+    else:
+        return
+    raise TitanliteError(
+        f"model.tokenizer_path: {current['path']} is not the tokenizer {path} was trained with "
+        f"({saved.get('path')}): {difference}"
+    )
 
 
 def check_tensor_shapes(path: Path, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:

@@ -53,3 +53,15 @@ def any_rank(group: dist.ProcessGroup | None, flag: bool) -> bool:
     value = torch.tensor([int(flag)])
     dist.all_reduce(value, group=group)
     return bool(value.item())
+
+
+def raise_first(group: dist.ProcessGroup | None, error: str | None) -> None:
+    """Every rank did its share of a check and found `error` (None: nothing wrong); raise
+    the lowest failing rank's error as a `TitanliteError` on every rank (collective)."""
+    errors = [error]
+    if _spread(group):
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise TitanliteError(first)

@@ -97,9 +97,18 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.T
     return out
 
 
+def _llama3_scaling(args: Any) -> dict[str, Any]:
+    factor, low, high, original = args.rope_scaling
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original}
+
+
 def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """`config.json` for LlamaForCausalLM with these hyperparameters."""
-    config: dict[str, Any] = {
+    """`config.json` for LlamaForCausalLM with these hyperparameters. RoPE is written both
+    where transformers >= 5 reads it (`rope_parameters`) and where older versions do
+    (top-level `rope_theta`, `rope_scaling`), so either loads the same model."""
+    scaling = _llama3_scaling(args) if args.rope_scaling is not None else None
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
@@ -111,6 +120,8 @@ def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": args.rope_theta},
         "max_position_embeddings": args.max_seq_len,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -119,62 +130,95 @@ def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "initializer_range": 0.02,
         "torch_dtype": dtype_name(dtype),
-        "rope_scaling": None,
     }
-    if args.rope_scaling is not None:
-        factor, low, high, original = args.rope_scaling
-        config["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": factor,
-            "low_freq_factor": low,
-            "high_freq_factor": high,
-            "original_max_position_embeddings": original,
-        }
-    return config
 
 
-# The config.json keys that decide the tensors' shapes: a folder whose config differs in
-# one of them holds another model.
-_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+# transformers' LlamaConfig defaults, for keys a config.json leaves out.
+_HF_DEFAULT_THETA = 10000.0
+_HF_DEFAULT_EPS = 1e-6
+
+
+def rope_settings(config: dict[str, Any]) -> tuple[float, tuple[float, float, float, int] | None]:
+    """(rope_theta, llama3 scaling as LlamaArgs.rope_scaling or None) from a config.json,
+    wherever its transformers version put them: `rope_parameters` (>= 5) or top-level
+    `rope_theta` / `rope_scaling` (older; `type` before `rope_type`). ValueError for a
+    RoPE this model does not implement."""
+    params = config.get("rope_parameters") or {}
+    if params and not ({"rope_type", "rope_theta"} & params.keys()):
+        raise ValueError(f"rope_parameters per layer type ({', '.join(params)}) are not supported")
+    theta = float(params.get("rope_theta", config.get("rope_theta") or _HF_DEFAULT_THETA))
+    scaling = params if params.get("rope_type", "default") != "default" else (config.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"rope type {rope_type!r} is not supported (default and llama3 are)")
+    return theta, (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+                   int(scaling["original_max_position_embeddings"]))
+
+
+def _described(config: dict[str, Any]) -> dict[str, Any]:
+    """The values of a config.json that decide the model's function, defaults filled in."""
+    heads = config.get("num_attention_heads")
+    theta, scaling = rope_settings(config)
+    return {
+        "hidden_size": config.get("hidden_size"),
+        "intermediate_size": config.get("intermediate_size"),
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or (config["hidden_size"] // heads if config.get("hidden_size") and heads else None),
+        "vocab_size": config.get("vocab_size"),
+        "rms_norm_eps": config.get("rms_norm_eps", _HF_DEFAULT_EPS),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "attention_bias": bool(config.get("attention_bias", False)),
+        "mlp_bias": bool(config.get("mlp_bias", False)),
+    }
 
 
 def check_hf_config(config: dict[str, Any], args: Any) -> list[str]:
     """How a Hugging Face config.json differs from these hyperparameters, one phrase per
-    shape-deciding key (empty: it describes this model). A config without
-    `num_key_value_heads` means as many as attention heads (no GQA)."""
-    expected = hf_config(args)
-    got = dict(config, num_key_value_heads=config.get("num_key_value_heads") or config.get("num_attention_heads"))
-    return [f"{key} {got.get(key)} (this model: {expected[key]})" for key in _SHAPE_KEYS if got.get(key) != expected[key]]
+    key that changes the model's function: shapes, norm eps, RoPE (read from either place),
+    tied or biased weights. Empty: it describes this model."""
+    try:
+        got = _described(config)
+    except (KeyError, ValueError, TypeError) as error:
+        return [f"unreadable RoPE settings ({error})"]
+    expected = _described(hf_config(args))
+    return [f"{key} {got[key]} (this model: {expected[key]})" for key in expected if got[key] != expected[key]]
 
 
 def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
     """LlamaArgs from a Hugging Face config.json (for `convert_hf.py from-hf`).
 
     `multiple_of` / `ffn_dim_multiplier` are not in HF configs; we pick values that
-    reproduce `intermediate_size` exactly with Meta's rounding rule.
+    reproduce `intermediate_size` exactly with Meta's rounding rule. KeyError or ValueError
+    for a config this model cannot express.
     """
     from titanlite.models.llama.model import LlamaArgs
 
-    dim = config["hidden_size"]
-    hidden = config["intermediate_size"]
+    described = _described(config)
+    dim, hidden = config["hidden_size"], config["intermediate_size"]
     default = int(2 * (4 * dim) / 3)
-    rope = config.get("rope_scaling")
     values = dict(
         dim=dim,
         n_layers=config["num_hidden_layers"],
         n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+        n_kv_heads=described["num_key_value_heads"],
         vocab_size=config["vocab_size"],
         multiple_of=hidden,
         ffn_dim_multiplier=None if default <= hidden else hidden / default,
-        norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
-        rope_scaling=None
-        if not rope
-        else (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"])),
+        norm_eps=described["rms_norm_eps"],
+        rope_theta=described["rope_theta"],
+        rope_scaling=described["rope_scaling"],
         max_seq_len=config.get("max_position_embeddings", 8192),
     )
     args = dataclasses.replace(base, **values) if base is not None else LlamaArgs(**values)
-    if args.ffn_hidden_dim != hidden or args.head_dim != config.get("head_dim", args.head_dim):
-        raise ValueError(f"config.json: intermediate_size {hidden} / head_dim cannot be expressed as a Llama flavor")
+    unsupported = [key for key in ("tie_word_embeddings", "attention_bias", "mlp_bias") if described[key]]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)} true: this Llama has untied, bias-free weights")
+    if args.ffn_hidden_dim != hidden or args.head_dim != described["head_dim"]:
+        raise ValueError(f"intermediate_size {hidden} / head_dim {described['head_dim']} cannot be expressed as a Llama flavor")
     return args

@@ -1,0 +1,54 @@
+"""Slow file-system work of rank 0, done off the training step by one daemon thread.
+
+Deleting an old checkpoint on a parallel file system can take minutes for a multi-TB
+folder. Done inline, rank 0 would sit in `shutil.rmtree` while every other rank waits in
+the next step's collective, long enough to time it out. So rank 0 only retires a folder
+inside the step (un-commit and rename into `.trash/`: `commit.retire`) and hands the
+delete to this thread, which the checkpoint manager joins at close. A crash mid-delete
+leaves a folder under `.trash/` that no discovery looks at; the next run's housekeeper
+finishes it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+from pathlib import Path
+
+from titanlite.logging import logger
+
+
+class Housekeeper:
+    """A queue of paths (folders or files) to delete, drained by one daemon thread."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Path | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._drain, name="titanlite-housekeeping", daemon=True)
+        self._thread.start()
+
+    def delete(self, path: str | os.PathLike) -> None:
+        """Delete `path` in the background (a folder with everything in it, or a file)."""
+        self._queue.put(Path(path))
+
+    def delete_leftovers(self, trash: Path) -> None:
+        """Finish the deletes an earlier run left under `trash` (it crashed, or was killed)."""
+        if trash.is_dir():
+            for entry in sorted(trash.iterdir()):
+                self.delete(entry)
+
+    def close(self) -> None:
+        """Finish every queued delete, then end the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _drain(self) -> None:
+        while (path := self._queue.get()) is not None:
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+            except OSError as error:  # a delete that fails costs disk space, not the run
+                logger.warning(f"checkpoint: could not delete {path}: {error}")
