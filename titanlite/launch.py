@@ -45,7 +45,7 @@ class _DropAgentRecords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
-        return not (text.startswith("failed (exitcode") or "closing signal" in text or "death signal" in text)
+        return not any(mark in text for mark in ("failed (exitcode", "closing signal", "death signal", "Unable to shutdown process"))
 
 
 def _args_problem(args) -> str | None:

@@ -18,12 +18,15 @@ import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
+# Where torch issues or awaits a collective, and where our own code is.
+_COLLECTIVE_FILES = tuple(os.path.join("torch", "distributed", name) for name in ("distributed_c10d.py", "_functional_collectives.py"))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What gloo and NCCL say when a peer stopped answering or went away.
 _PEER_TROUBLE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|peer", re.IGNORECASE)
 
@@ -124,30 +127,37 @@ def set_collective_timeout(seconds: int) -> None:
 
 def collective_failure(error: BaseException) -> str | None:
     """One line for an error of a collective whose peer stopped answering or died, naming
-    the collective and its group; None for any other error (a bug keeps its traceback).
+    the collective, its group when known, and where our code waited for it; None for any
+    other error (a bug keeps its traceback).
 
     gloo raises a plain RuntimeError from inside the c10d call (found in the traceback,
-    whose frame also holds the `group` argument); NCCL and the stores raise DistError.
+    whose frame also holds the `group` argument) or from the wait of an async functional
+    collective (tensor parallel); NCCL and the stores raise DistError.
     """
-    frame = _innermost_c10d_frame(error)
-    if not isinstance(error, dist.DistError) and (frame is None or not _PEER_TROUBLE.search(str(error))):
-        return None
-    what = "a collective"
-    if frame is not None:
-        what = f"{frame.f_code.co_name} on group {_group_name(frame.f_locals.get('group'))}"
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    torch_frame = next((f for f in reversed(frames) if f.f_code.co_filename.endswith(_COLLECTIVE_FILES)), None)
     text = str(error)
+    if not isinstance(error, dist.DistError) and (torch_frame is None or not _PEER_TROUBLE.search(text)):
+        return None
+    what = _describe(torch_frame, next((f for f in reversed(frames) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None))
     if re.search(r"timed out|timeout", text, re.IGNORECASE):
-        cause = f"timed out after {_timeouts.seconds} s: a peer rank stopped answering"
-    elif re.search(r"connection (closed|reset)|broken pipe", text, re.IGNORECASE):
-        cause = "failed: a peer rank closed its connection (it died)"
-    else:
-        cause = f"failed: {next((line for line in text.splitlines() if line.strip()), type(error).__name__)}"
-    return f"{what} {cause}"
+        return f"{what} timed out after {_timeouts.seconds} s: a peer rank stopped answering"
+    if re.search(r"connection (closed|reset)|broken pipe", text, re.IGNORECASE):
+        return f"{what} failed: a peer rank closed its connection (it died)"
+    return f"{what} failed: {next((line for line in text.splitlines() if line.strip()), type(error).__name__)}"
 
 
-def _innermost_c10d_frame(error: BaseException):
-    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__) if frame.f_code.co_filename.endswith(_C10D_FILE)]
-    return frames[-1] if frames else None
+def _describe(torch_frame: FrameType | None, our_frame: FrameType | None) -> str:
+    """"all_gather_single on group mesh_tp (waited for in forward, titanlite/models/...:146)"."""
+    what = "a collective"
+    if torch_frame is not None:
+        what = torch_frame.f_code.co_name
+        if "group" in torch_frame.f_locals:
+            what += f" on group {_group_name(torch_frame.f_locals['group'])}"
+    if our_frame is not None:
+        where = os.path.relpath(our_frame.f_code.co_filename, os.path.dirname(_PACKAGE_DIR))
+        what += f" (waited for in {our_frame.f_code.co_name}, {where}:{our_frame.f_lineno})"
+    return what
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
