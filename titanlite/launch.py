@@ -96,8 +96,9 @@ class _Forwarder:
 def _take_stop_signals(args) -> None:
     """Keep SIGTERM/SIGUSR1 out of the agent's hands (it would stop the workers) and
     forward them instead."""
-    kept = [name.strip() for name in args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGUSR1")]
-    args.signals_to_handle = ",".join(kept)
+    if hasattr(args, "signals_to_handle"):  # torch >= 2.9; before, the agent takes SIGTERM back at start
+        kept = [name.strip() for name in args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGUSR1")]
+        args.signals_to_handle = ",".join(kept)
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, _Forwarder.handle)
 

@@ -1,0 +1,71 @@
+"""What the per-step agreement (`numerics.agree_on_step`: stop requested, loss and grad norm
+finite) costs, next to the one scalar all-reduce every step already pays (the grad norm's).
+
+    python bench/step_agreement.py [--nproc 2] [--iterations 2000]
+
+Runs itself under `python -m titanlite.launch --standalone` (gloo on CPU, NCCL on GPUs) and
+prints microseconds per call of each and their ratio, from rank 0. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _per_call_us(fn, iterations: int) -> float:
+    for _ in range(20):  # warm up connections and kernels
+        fn()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    return (time.perf_counter() - start) / iterations * 1e6
+
+
+def worker(iterations: int) -> None:
+    from titanlite.numerics import agree_on_step
+    from titanlite.parallel.distributed import init_distributed, shutdown
+
+    info = init_distributed(300)
+    loss = torch.tensor(2.5, device=info.device)
+    norm = torch.tensor(1.0, device=info.device)
+
+    def grad_norm_all_reduce() -> float:
+        total = norm.clone()
+        dist.all_reduce(total)
+        return total.item()
+
+    baseline = _per_call_us(grad_norm_all_reduce, iterations)
+    agreement = _per_call_us(lambda: agree_on_step(0, loss, norm), iterations)
+    if info.rank == 0:
+        print(f"{info.world_size} processes, {info.device.type}, {iterations} calls each")
+        print(f"grad-norm scalar all-reduce + item: {baseline:8.1f} us/step")
+        print(f"agree_on_step (3 flags, MAX):       {agreement:8.1f} us/step  (ratio {agreement / baseline:.2f})")
+    shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.iterations)
+        return
+    command = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={args.nproc}",
+               str(Path(__file__).resolve()), "--worker", "--iterations", str(args.iterations)]
+    sys.exit(subprocess.run(command, cwd=REPO).returncode)
+
+
+if __name__ == "__main__":
+    main()
