@@ -10,6 +10,7 @@ prints microseconds per call of each and their ratio, from rank 0. Nothing is as
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -64,7 +65,8 @@ def main() -> None:
         return
     command = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={args.nproc}",
                str(Path(__file__).resolve()), "--worker", "--iterations", str(args.iterations)]
-    sys.exit(subprocess.run(command, cwd=REPO).returncode)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    sys.exit(subprocess.run(command, cwd=REPO, env=env).returncode)
 
 
 if __name__ == "__main__":
