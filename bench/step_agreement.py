@@ -22,14 +22,17 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _per_call_us(fn, iterations: int) -> float:
-    for _ in range(20):  # warm up connections and kernels
-        fn()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iterations):
-        fn()
-    return (time.perf_counter() - start) / iterations * 1e6
+def _per_call_us(calls: list, iterations: int) -> list[float]:
+    """Microseconds per call of each function, measured in alternation so that a change in
+    the machine's load hits both alike."""
+    spent = [0.0] * len(calls)
+    for round_ in range(iterations + 20):  # the first 20 warm up connections and kernels
+        for index, fn in enumerate(calls):
+            start = time.perf_counter()
+            fn()
+            if round_ >= 20:
+                spent[index] += time.perf_counter() - start
+    return [total / iterations * 1e6 for total in spent]
 
 
 def worker(iterations: int) -> None:
@@ -45,8 +48,7 @@ def worker(iterations: int) -> None:
         dist.all_reduce(total)
         return total.item()
 
-    baseline = _per_call_us(grad_norm_all_reduce, iterations)
-    agreement = _per_call_us(lambda: agree_on_step(0, loss, norm), iterations)
+    baseline, agreement = _per_call_us([grad_norm_all_reduce, lambda: agree_on_step(0, loss, norm)], iterations)
     if info.rank == 0:
         print(f"{info.world_size} processes, {info.device.type}, {iterations} calls each")
         print(f"grad-norm scalar all-reduce + item: {baseline:8.1f} us/step")

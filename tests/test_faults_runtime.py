@@ -89,7 +89,8 @@ def test_killed_rank_restarts_and_resumes_to_the_same_loss(tmp_path, reference):
 @pytest.mark.timeout(START_S + RUN_S)
 def test_killed_rank_without_restarts_ends_every_process(tmp_path):
     """kill -9 of rank 1, no restart: every process is gone within the collective timeout
-    + 30 s, rank 0 says which collective failed, the launcher names rank 1 and exits non-zero."""
+    + 30 s, and the launcher names rank 1 and exits non-zero. Rank 0 (whose collective lost
+    its peer) is stopped by the launcher and leaves the telling to it."""
     live = LiveRun(2, args(tmp_path))
     live.wait_for(r"step +2 +loss", START_S)
     os.kill(live.worker_pid(1), signal.SIGKILL)
@@ -98,8 +99,7 @@ def test_killed_rank_without_restarts_ends_every_process(tmp_path):
     assert run.returncode != 0, run.describe()
     assert time.monotonic() - killed_at <= TIMEOUT_S + 30, run.describe()
     lines = titanlite_lines(run.stdout)
-    assert any(re.match(r"titanlite: rank 0: \S+ .*failed: a peer rank closed its connection", line) for line in lines), run.describe()
-    assert lines[-1].startswith("titanlite: rank 1 failed first (killed by signal SIGKILL)"), run.describe()
+    assert len(lines) == 1 and lines[0].startswith("titanlite: rank 1 failed first (killed by signal SIGKILL)"), run.describe()
     assert "Traceback" not in run.stdout, run.describe()
 
 

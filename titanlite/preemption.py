@@ -55,7 +55,7 @@ class StopSignals:
             raise KeyboardInterrupt  # as without a handler
         if not self.stop_signal:
             self.stop_signal = signum
-            logger.info(f"got {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping")
+            logger.info(f"got {signal.Signals(signum).name}: stopping after this step, with a checkpoint of it")
 
 
 received = StopSignals()
@@ -63,9 +63,9 @@ received = StopSignals()
 
 def die_with_launcher() -> None:
     """Have the kernel SIGKILL this worker when its launcher dies (Linux; `titanlite.launch`
-    puts its pid in LAUNCHER_PID_ENV). A launcher that died before this call is caught by comparing the
-    parent pid afterwards. Without the variable (a plain `python -m titanlite.train`, a
-    foreign launcher) the worker keeps its own lifetime."""
+    puts its pid in LAUNCHER_PID_ENV). A launcher that died before this call is caught by
+    comparing the parent pid afterwards. Without the variable (a plain `python -m
+    titanlite.train`, a foreign launcher) the worker keeps its own lifetime."""
     expected = os.environ.get(LAUNCHER_PID_ENV)
     if expected is None or not sys.platform.startswith("linux"):
         return

@@ -29,7 +29,7 @@ from titanlite.logging import init_logger, logger
 from titanlite.metrics import MetricsLogger, peak_flops
 from titanlite.numerics import NonFiniteSteps, StepAgreement, agree_on_step, inject_nan
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel.distributed import collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
+from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.preemption import die_with_launcher, received
@@ -242,11 +242,18 @@ def report_user_error(error: TitanliteError) -> int:
     return USER_ERROR_EXIT_CODE
 
 
-def report_collective_failure(line: str) -> int:
-    """Every rank whose collective failed says so (each sees its own collective); the
-    launcher names the rank that failed first."""
-    rank, _ = world_from_env()
-    print(f"titanlite: rank {rank}: {line}", file=sys.stderr, flush=True)
+def report_collective_failure(failure: CollectiveFailure) -> int:
+    """A rank whose collective timed out says which one. A rank whose peer died first waits
+    a moment for the launcher's stop (SIGTERM): when it comes, the launcher names the rank
+    that died (or that made a user error) and this one stays quiet; when it does not (the
+    dead rank ran under another node's launcher), this rank says it itself."""
+    if received.interrupted:
+        return INTERRUPTED_EXIT_CODE
+    deadline = time.monotonic() + RANK0_REPORT_GRACE_S
+    while not failure.timed_out and not received.stop_signal and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if failure.timed_out or not received.stop_signal:
+        print(f"titanlite: rank {world_from_env()[0]}: {failure.line}", file=sys.stderr, flush=True)
     return COLLECTIVE_FAILURE_EXIT_CODE
 
 
@@ -272,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return INTERRUPTED_EXIT_CODE  # Ctrl-C: the launcher prints the one line
     except Exception as error:
-        line = collective_failure(error)
-        if line is None:
+        failure = collective_failure(error)
+        if failure is None:
             raise
-        return INTERRUPTED_EXIT_CODE if received.interrupted else report_collective_failure(line)
+        return report_collective_failure(failure)
     finally:
         shutdown()
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -125,8 +125,16 @@ def set_collective_timeout(seconds: int) -> None:
         _apply_timeout(group, seconds)
 
 
-def collective_failure(error: BaseException) -> str | None:
-    """One line for an error of a collective whose peer stopped answering or died, naming
+class CollectiveFailure(NamedTuple):
+    """What `collective_failure` found: the line to print, and whether a peer stopped
+    answering (a timeout) rather than died (its connection closed)."""
+
+    line: str
+    timed_out: bool
+
+
+def collective_failure(error: BaseException) -> CollectiveFailure | None:
+    """The failure of a collective whose peer stopped answering or died, as one line naming
     the collective, its group when known, and where our code waited for it; None for any
     other error (a bug keeps its traceback).
 
@@ -141,10 +149,10 @@ def collective_failure(error: BaseException) -> str | None:
         return None
     what = _describe(torch_frame, next((f for f in reversed(frames) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None))
     if re.search(r"timed out|timeout", text, re.IGNORECASE):
-        return f"{what} timed out after {_timeouts.seconds} s: a peer rank stopped answering"
+        return CollectiveFailure(f"{what} timed out after {_timeouts.seconds} s: a peer rank stopped answering", True)
     if re.search(r"connection (closed|reset)|broken pipe", text, re.IGNORECASE):
-        return f"{what} failed: a peer rank closed its connection (it died)"
-    return f"{what} failed: {next((line for line in text.splitlines() if line.strip()), type(error).__name__)}"
+        return CollectiveFailure(f"{what} failed: a peer rank closed its connection (it died)", False)
+    return CollectiveFailure(f"{what} failed: {next((line for line in text.splitlines() if line.strip()), type(error).__name__)}", False)
 
 
 def _describe(torch_frame: FrameType | None, our_frame: FrameType | None) -> str:
