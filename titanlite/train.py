@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -242,19 +243,22 @@ def report_user_error(error: TitanliteError) -> int:
     return USER_ERROR_EXIT_CODE
 
 
-def report_collective_failure(failure: CollectiveFailure) -> int:
+def exit_on_collective_failure(failure: CollectiveFailure) -> NoReturn:
     """A rank whose collective timed out says which one. A rank whose peer died first waits
     a moment for the launcher's stop (SIGTERM): when it comes, the launcher names the rank
     that died (or that made a user error) and this one stays quiet; when it does not (the
-    dead rank ran under another node's launcher), this rank says it itself."""
-    if received.interrupted:
-        return INTERRUPTED_EXIT_CODE
+    dead rank ran under another node's launcher), this rank says it itself.
+
+    Then the process leaves at once: a process group whose peer is gone or stopped can hang
+    when it is destroyed, here or at interpreter exit (seen with gloo)."""
+    code = INTERRUPTED_EXIT_CODE if received.interrupted else COLLECTIVE_FAILURE_EXIT_CODE
     deadline = time.monotonic() + RANK0_REPORT_GRACE_S
-    while not failure.timed_out and not received.stop_signal and time.monotonic() < deadline:
+    while not (failure.timed_out or received.stop_signal or received.interrupted) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if failure.timed_out or not received.stop_signal:
+    if not received.interrupted and (failure.timed_out or not received.stop_signal):
         print(f"titanlite: rank {world_from_env()[0]}: {failure.line}", file=sys.stderr, flush=True)
-    return COLLECTIVE_FAILURE_EXIT_CODE
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         failure = collective_failure(error)
         if failure is None:
             raise
-        return report_collective_failure(failure)
+        exit_on_collective_failure(failure)
     finally:
         shutdown()
 
