@@ -23,6 +23,16 @@ from tests.distributed import REPO, run_env
 from tests.test_trainer_cli import MARKER_VAR, Run, kill_marked, marked_processes
 
 
+def running(pid: int) -> bool:
+    """The process exists and has not exited (an exited child its parent has not reaped yet
+    is a zombie: gone for every purpose but its /proc entry)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 class LiveRun:
     """`python -m titanlite.launch --standalone --nproc-per-node N [launcher args] -m titanlite.train ARGV`."""
 

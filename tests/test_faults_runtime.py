@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import REPO, read_tensorboard, run_env
-from tests.live_run import LiveRun
+from tests.live_run import LiveRun, running
 
 pytestmark = pytest.mark.slow
 
@@ -114,9 +114,9 @@ def test_stopped_rank_times_out_on_every_other_rank(tmp_path):
     stopped = live.worker_pid(1)
     os.kill(stopped, signal.SIGSTOP)
     stopped_at = time.monotonic()
-    while any(Path(f"/proc/{pid}").exists() for pid in others.values()) and time.monotonic() - stopped_at < TIMEOUT_S + 30:
+    while any(running(pid) for pid in others.values()) and time.monotonic() - stopped_at < TIMEOUT_S + 30:
         time.sleep(0.5)
-    alive = [rank for rank, pid in others.items() if Path(f"/proc/{pid}").exists()]
+    alive = [rank for rank, pid in others.items() if running(pid)]
     if alive:
         live.abort(f"ranks {alive} still running {TIMEOUT_S + 30} s after rank 1 stopped")
     run = live.finish(RUN_S)

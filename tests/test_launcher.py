@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE
 from titanlite.launch import failure_line, first_failure
 from tests.distributed import REPO, run_env
-from tests.live_run import LiveRun
+from tests.live_run import LiveRun, running
 from tests.test_trainer_cli import assert_one_line_user_error, marked_processes, run_command
 
 SHORT = ["--config", "debug_model", "--training.steps", "200", "--training.seq_len", "64",
@@ -113,9 +113,9 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     workers = [live.worker_pid(0), live.worker_pid(1)]
     live.signal_launcher(signal.SIGKILL)
     deadline = time.monotonic() + 15
-    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+    while any(running(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
-    orphans = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    orphans = [pid for pid in workers if running(pid)]
     if orphans:
         live.abort(f"workers {orphans} outlived their launcher by 15 s")
     live.finish(30)

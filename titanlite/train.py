@@ -11,7 +11,6 @@ import contextlib
 import os
 import sys
 import time
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -243,22 +242,17 @@ def report_user_error(error: TitanliteError) -> int:
     return USER_ERROR_EXIT_CODE
 
 
-def exit_on_collective_failure(failure: CollectiveFailure) -> NoReturn:
+def report_collective_failure(failure: CollectiveFailure) -> int:
     """A rank whose collective timed out says which one. A rank whose peer died first waits
     a moment for the launcher's stop (SIGTERM): when it comes, the launcher names the rank
     that died (or that made a user error) and this one stays quiet; when it does not (the
-    dead rank ran under another node's launcher), this rank says it itself.
-
-    Then the process leaves at once: a process group whose peer is gone or stopped can hang
-    when it is destroyed, here or at interpreter exit (seen with gloo)."""
-    code = INTERRUPTED_EXIT_CODE if received.interrupted else COLLECTIVE_FAILURE_EXIT_CODE
+    dead rank ran under another node's launcher), this rank says it itself."""
     deadline = time.monotonic() + RANK0_REPORT_GRACE_S
     while not (failure.timed_out or received.stop_signal or received.interrupted) and time.monotonic() < deadline:
         time.sleep(0.05)
     if not received.interrupted and (failure.timed_out or not received.stop_signal):
         print(f"titanlite: rank {world_from_env()[0]}: {failure.line}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
+    return INTERRUPTED_EXIT_CODE if received.interrupted else COLLECTIVE_FAILURE_EXIT_CODE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         failure = collective_failure(error)
         if failure is None:
             raise
-        exit_on_collective_failure(failure)
+        return report_collective_failure(failure)
     finally:
         shutdown()
 
