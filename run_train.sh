@@ -3,6 +3,7 @@
 #
 #   NPROC         processes on this node (default: the number of GPUs, or 2 without GPUs)
 #   NNODES        nodes (default 1); multi-node also needs RDZV_ENDPOINT=host:port on every node
+#                 (c10d rendezvous numbers the nodes itself: no node rank to set)
 #   MAX_RESTARTS  times the job restarts after a rank fails, resuming from the newest
 #                 complete checkpoint (default 0)
 #   LOG_RANK      local ranks whose output is shown (default 0; e.g. 0,1)
@@ -35,10 +36,15 @@ fi
 NNODES=${NNODES:-1}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 LOG_RANK=${LOG_RANK:-0}
-RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
 require_count NPROC "$NPROC" 1
 require_count NNODES "$NNODES" 1
 require_count MAX_RESTARTS "$MAX_RESTARTS" 0
+if [ "$NNODES" != 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
+    # Without it each node would pick its own port and wait for the others forever.
+    echo "titanlite: error: NNODES=$NNODES needs RDZV_ENDPOINT=host:port (the first node's address, the same on every node)" >&2
+    exit 2
+fi
+RDZV_ENDPOINT=${RDZV_ENDPOINT:-localhost:0}
 
 args=("$@")
 case " ${args[*]:-} " in

@@ -154,7 +154,7 @@ class Compile:
 
 @dataclass
 class Metrics:
-    """Step logging and TensorBoard."""
+    """Step logging, TensorBoard and the run folder (config.toml, metrics.jsonl)."""
 
     log_freq: int = _opt(10, "log loss, throughput and memory every this many steps", gt=0)
     enable_tensorboard: bool = _opt(True, "write TensorBoard scalars under job.dump_folder/save_tb_folder")
@@ -162,15 +162,20 @@ class Metrics:
     rank_0_only: bool = _opt(True, "log (and write TensorBoard) only on rank 0")
     peak_flops: float = _opt(0.0, "peak FLOP/s per device for MFU; 0 = the known-GPU table, or on CPU a matmul "
                              "measured at start-up", ge=0)
+    save_runs_folder: str = _opt("runs", "run folders, under job.dump_folder: each start of the trainer writes "
+                                 "<start time>/config.toml and metrics.jsonl there (rank 0)", nonempty=True)
 
 
 @dataclass
 class Profiling:
-    """torch.profiler traces."""
+    """torch.profiler traces and CUDA memory snapshots."""
 
     enable_profiling: bool = _opt(False, "record torch.profiler traces")
     save_traces_folder: str = _opt("profile_traces", "trace folder, under job.dump_folder", nonempty=True)
-    profile_freq: int = _opt(10, "record one trace every this many steps", gt=0)
+    profile_freq: int = _opt(10, "record one trace (and memory snapshot) every this many steps", gt=0)
+    enable_memory_snapshot: bool = _opt(False, "record the CUDA allocator's history and dump snapshots (CUDA only)")
+    save_memory_snapshot_folder: str = _opt("memory_snapshot", "memory snapshot folder, under job.dump_folder",
+                                            nonempty=True)
 
 
 @dataclass

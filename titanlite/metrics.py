@@ -1,4 +1,5 @@
-"""Throughput, MFU and memory figures, the per-step log line and TensorBoard scalars."""
+"""Throughput, MFU and memory figures, the per-step log line, TensorBoard scalars and
+the run folder's metrics.jsonl (see titanlite/run_dir.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import os
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from titanlite.config import Metrics
 from titanlite.logging import logger
+from titanlite.run_dir import METRICS_FILE, MetricsFile
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name substring, most specific first.
 GPU_BF16_PEAK_FLOPS: list[tuple[str, float]] = [
@@ -83,17 +86,17 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is KiB on Linux
 
 
-def tensorboard_dir(metrics_cfg: Metrics, dump_folder: str, rank: int) -> str | None:
-    """`<dump_folder>/<save_tb_folder>/<start time>[-rank<r>]`, or None where this rank
-    writes no TensorBoard scalars (disabled, or not rank 0 under rank_0_only)."""
+def tensorboard_dir(metrics_cfg: Metrics, dump_folder: str, rank: int, run_name: str) -> str | None:
+    """`<dump_folder>/<save_tb_folder>/<run name>[-rank<r>]` (the run folder's name), or None
+    where this rank writes no TensorBoard scalars (disabled, or not rank 0 under rank_0_only)."""
     if not metrics_cfg.enable_tensorboard or (rank != 0 and metrics_cfg.rank_0_only):
         return None
-    run_name = time.strftime("%Y%m%d-%H%M%S") + ("" if rank == 0 else f"-rank{rank}")
-    return os.path.join(dump_folder, metrics_cfg.save_tb_folder, run_name)
+    return os.path.join(dump_folder, metrics_cfg.save_tb_folder, run_name + ("" if rank == 0 else f"-rank{rank}"))
 
 
 class MetricsLogger:
-    """Accumulates tokens between log steps and writes the log line and TensorBoard scalars.
+    """Accumulates tokens between log steps and writes the log line, TensorBoard scalars
+    and (rank 0) one metrics.jsonl record per logged step or validation.
 
     tps is tokens per second per device: the tokens of this rank's data-parallel group
     divided by the tensor-parallel degree, so MFU = tps * FLOPs/token / peak holds for
@@ -101,15 +104,16 @@ class MetricsLogger:
     """
 
     def __init__(self, metrics_cfg: Metrics, dump_folder: str, rank: int, device: torch.device,
-                 flops_per_token: float, peak: PeakFlops, tp_degree: int):
+                 flops_per_token: float, peak: PeakFlops, tp_degree: int, run_dir: Path):
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = peak
         self.tp_degree = tp_degree
         self.tokens = 0
-        self.window_start = time.perf_counter()
+        self.started = self.window_start = time.perf_counter()
+        self.file = MetricsFile(run_dir / METRICS_FILE) if rank == 0 else None
         self.writer = None
-        tb_dir = tensorboard_dir(metrics_cfg, dump_folder, rank)
+        tb_dir = tensorboard_dir(metrics_cfg, dump_folder, rank, run_dir.name)
         if tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -119,8 +123,9 @@ class MetricsLogger:
     def add_tokens(self, count: int) -> None:
         self.tokens += count
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> dict[str, float]:
-        """Emit one line and the scalars for the window since the last call; returns them."""
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int) -> dict[str, float]:
+        """Emit one line and the scalars for the window since the last call; returns them.
+        `tokens_seen` counts every rank's tokens since the run's first step (resumes included)."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tps = self.tokens / elapsed / self.tp_degree
         scalars = {
@@ -129,6 +134,7 @@ class MetricsLogger:
             "lr": lr,
             "tps": tps,
             "memory_gib": peak_memory_gib(self.device),
+            "tokens_seen": tokens_seen,
         }
         mfu_text = "n/a"
         if self.peak.flops:
@@ -138,14 +144,32 @@ class MetricsLogger:
             f"step {step:>5}  loss {loss:7.4f}  grad_norm {grad_norm:6.3f}  lr {lr:.1e}  "
             f"tps {tps:,.0f}  mfu {mfu_text}  mem {scalars['memory_gib']:.2f} GiB"
         )
-        if self.writer is not None:
-            for name, value in scalars.items():
-                self.writer.add_scalar(name, value, step)
-            self.writer.flush()
+        self._record(step, scalars)
         self.tokens = 0
         self.window_start = time.perf_counter()
         return scalars
 
+    def log_validation(self, step: int, loss: float, perplexity: float) -> dict[str, float]:
+        """One line, TensorBoard scalars and a metrics.jsonl record for a validation at
+        `step` (its own record: the step's training record is already written)."""
+        logger.info(f"step {step:>5}  validation loss {loss:7.4f}  perplexity {perplexity:,.2f}")
+        scalars = {"validation_loss": loss, "validation_perplexity": perplexity}
+        self._record(step, scalars)
+        return scalars
+
+    def _record(self, step: int, scalars: dict[str, float]) -> None:
+        """To TensorBoard and metrics.jsonl, with the wall time (Unix seconds) and the
+        seconds since this logger started (the start of training)."""
+        if self.writer is not None:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, step)
+            self.writer.flush()
+        if self.file is not None:
+            elapsed_s = time.perf_counter() - self.started
+            self.file.write({"step": step, **scalars, "elapsed_s": round(elapsed_s, 3), "wall_time": round(time.time(), 3)})
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.file is not None:
+            self.file.close()

@@ -1,41 +1,134 @@
-"""Optional torch.profiler traces every `profiling.profile_freq` steps, one file per rank."""
+"""torch.profiler traces and CUDA memory snapshots of chosen steps; nothing at all when off.
+
+Traces (`profiling.enable_profiling`): the step of every `profile_freq` (steps 10, 20, ...
+with the default 10; the step before it warms the profiler up) is recorded and written as
+Chrome trace JSON, one file per rank:
+`<dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json` (open it in
+https://ui.perfetto.dev or chrome://tracing). A trace holds the step's forward and backward
+ops and its FSDP/TP collectives (gloo or NCCL), on the CPU and, on GPUs, the CUDA kernels.
+
+Memory snapshots (`profiling.enable_memory_snapshot`, CUDA only): the caching allocator
+records every allocation with its stack from the first step, and its history is dumped
+every `profile_freq` steps, and once more if the run runs out of memory, to
+`<dump_folder>/<save_memory_snapshot_folder>/iteration_<step>[_oom]/rank<r>_memory_snapshot.pickle`
+(drag it into https://pytorch.org/memory_viz). On CPU there is no such allocator: rank 0
+says so once and the run goes on.
+
+Step numbers are the trainer's: a resumed run traces the same steps a fresh one would.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from titanlite.logging import logger
 
+if TYPE_CHECKING:
+    from titanlite.config import JobConfig
 
-class _NoProfiler:
+MEMORY_HISTORY_ENTRIES = 100_000
+"""Allocator events kept (torchtitan's choice): enough for several steps of a large model."""
+
+
+class Stepper(Protocol):
+    def step(self) -> None: ...
+
+
+class _Steppers:
+    """What the training loop calls once per finished step: every enabled recorder's step."""
+
+    def __init__(self, steppers: list[Stepper]):
+        self.steppers = steppers
+
     def step(self) -> None:
-        pass
+        for stepper in self.steppers:
+            stepper.step()
 
 
 @contextlib.contextmanager
-def maybe_profile(cfg, rank: int) -> Iterator[object]:
-    """Yield an object with `.step()`: a torch profiler recording the last step of every
-    `profile_freq` window (after a few warm-up steps), or a no-op."""
-    if not cfg.profiling.enable_profiling:
-        yield _NoProfiler()
-        return
+def maybe_profile(cfg: JobConfig, rank: int, device: torch.device, start_step: int = 0) -> Iterator[Stepper]:
+    """Yield an object whose `.step()` the loop calls after each step. `start_step` is the
+    step training resumes from (0 for a fresh run). With both options off it starts
+    nothing and `.step()` does nothing."""
+    steppers: list[Stepper] = []
+    with contextlib.ExitStack() as stack:
+        if cfg.profiling.enable_profiling:
+            steppers.append(stack.enter_context(_traces(cfg, rank, device, start_step)))
+        if cfg.profiling.enable_memory_snapshot:
+            if device.type == "cuda":
+                steppers.append(stack.enter_context(_memory_snapshots(cfg, rank, start_step)))
+            elif rank == 0:
+                logger.warning(f"profiling.enable_memory_snapshot: memory snapshots are CUDA-only; this run is on "
+                               f"{device.type}, so none are written")
+        yield _Steppers(steppers)
+
+
+def _trace_schedule(freq: int, start_step: int, last_step: int):
+    """torch.profiler's wait/warmup/active cycle of length `freq`, shifted so its active
+    step is the trainer's step k * freq, and idle after `last_step` (else the profiler
+    would record the shutdown as one more step). The profiler numbers the steps it has
+    seen from 0; its number n is trainer step start_step + n + 1."""
+    warmup = 1 if freq >= 2 else 0
+    cycle = torch.profiler.schedule(wait=freq - 1 - warmup, warmup=warmup, active=1)
+    return lambda n: cycle(n + start_step) if start_step + n + 1 <= last_step else torch.profiler.ProfilerAction.NONE
+
+
+@contextlib.contextmanager
+def _traces(cfg: JobConfig, rank: int, device: torch.device, start_step: int) -> Iterator[Stepper]:
     folder = os.path.join(cfg.job.dump_folder, cfg.profiling.save_traces_folder)
-    freq = cfg.profiling.profile_freq
-    warmup, active = (1, 1) if freq >= 3 else (0, 1)
 
     def save_trace(prof: torch.profiler.profile) -> None:
-        step_folder = os.path.join(folder, f"iteration_{prof.step_num}")
+        step = start_step + prof.step_num  # step_num has counted the step just recorded
+        step_folder = os.path.join(folder, f"iteration_{step}")
         os.makedirs(step_folder, exist_ok=True)
         prof.export_chrome_trace(os.path.join(step_folder, f"rank{rank}_trace.json"))
-        logger.info(f"profiler trace written to {step_folder}")
+        logger.info(f"profiler: trace of step {step} written to {step_folder}")
 
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    schedule = torch.profiler.schedule(wait=freq - warmup - active, warmup=warmup, active=active)
-    with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=save_trace) as prof:
-        yield prof
+    schedule = _trace_schedule(cfg.profiling.profile_freq, start_step, cfg.training.steps)
+    with warnings.catch_warnings():
+        # One trace per cycle is what we want; torch warns that cycles do not accumulate.
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
+        with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=save_trace) as prof:
+            yield prof
+
+
+class _MemorySnapshots:
+    """Dumps the CUDA allocator's recorded history every `freq` steps."""
+
+    def __init__(self, folder: str, rank: int, freq: int, step: int):
+        self.folder, self.rank, self.freq, self.step_num = folder, rank, freq, step
+
+    def step(self) -> None:
+        self.step_num += 1
+        if self.step_num % self.freq == 0:
+            self.dump(f"iteration_{self.step_num}")
+
+    def dump(self, name: str) -> None:
+        step_folder = os.path.join(self.folder, name)
+        os.makedirs(step_folder, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(os.path.join(step_folder, f"rank{self.rank}_memory_snapshot.pickle"))
+        logger.info(f"profiler: memory snapshot written to {step_folder}")
+
+
+@contextlib.contextmanager
+def _memory_snapshots(cfg: JobConfig, rank: int, start_step: int) -> Iterator[Stepper]:
+    """Record the allocator's history while training; dump it on schedule and on OOM."""
+    folder = os.path.join(cfg.job.dump_folder, cfg.profiling.save_memory_snapshot_folder)
+    snapshots = _MemorySnapshots(folder, rank, cfg.profiling.profile_freq, start_step)
+    torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+    try:
+        yield snapshots
+    except torch.OutOfMemoryError:
+        snapshots.dump(f"iteration_{snapshots.step_num + 1}_oom")  # the step that ran out
+        raise
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

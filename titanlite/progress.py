@@ -68,9 +68,14 @@ class Progress:
                 f"{_duration(elapsed)} elapsed, {eta}")
 
     def _amount(self, value: float) -> str:
-        if self.unit == "B":
-            for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
-                if value >= scale:
-                    return f"{value / scale:,.1f} {name}"
-            return f"{value:,.0f} B"
-        return f"{value:,.0f}{' ' + self.unit if self.unit else ''}"
+        return amount_text(value, self.unit)
+
+
+def amount_text(value: float, unit: str = "") -> str:
+    """`1,234 files`, or for unit "B" `2.1 GB`: how progress lines print an amount."""
+    if unit == "B":
+        for scale, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
+            if value >= scale:
+                return f"{value / scale:,.1f} {name}"
+        return f"{value:,.0f} B"
+    return f"{value:,.0f}{' ' + unit if unit else ''}"

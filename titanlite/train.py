@@ -34,6 +34,7 @@ from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.preemption import die_with_launcher, received
 from titanlite.profiling import maybe_profile
+from titanlite.run_dir import start_run_dir
 
 
 RANK0_REPORT_GRACE_S = 3.0
@@ -51,6 +52,7 @@ class Trainer:
         if cfg.job.print_config:
             logger.info(f"config: {to_dict(cfg)}")
         self._seed(cfg.training.seed, cfg.training.deterministic)
+        self.run_dir = start_run_dir(cfg)
 
         self.meshes = plan.dims.build_mesh(self.device.type)
         dp_mesh = self.meshes.dp
@@ -66,7 +68,7 @@ class Trainer:
         self.checkpoint = self._build_checkpoint()
 
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp, self.run_dir)
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor}: {self.size.n_params:,} parameters, "
             f"{self.size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.meshes.world}; "
@@ -142,7 +144,7 @@ class Trainer:
         return value.item()
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
-        return self.metrics.log(step, self._global_mean(loss), grad_norm.item(), self.lr_scheduler.get_last_lr()[0])
+        return self.metrics.log(step, self._global_mean(loss), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], self.state.tokens_seen)
 
     def train(self) -> list[dict[str, float]]:
         """Run to `training.steps` (resuming from a checkpoint if there is one); returns the
@@ -156,7 +158,7 @@ class Trainer:
         batches = iter(self.data)  # after load(): the loader resumes from its restored position
         history = []
         tokens_per_microbatch = cfg.training.local_batch_size * cfg.training.seq_len
-        with maybe_profile(cfg, self.dist.rank) as profiler:
+        with maybe_profile(cfg, self.dist.rank, self.device, self.state.step) as profiler:
             while self.state.step < cfg.training.steps:
                 self.state.step += 1
                 step = self.state.step

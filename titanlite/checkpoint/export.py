@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.checkpoint.commit import read_dcp_index
+from titanlite.checkpoint.load_progress import files_with_progress
 from titanlite.errors import TitanliteError, one_line, user_errors
 
 HF_WEIGHTS_FILE = "model.safetensors"
@@ -135,7 +136,7 @@ def read_hf_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not files:
         raise TitanliteError(f"{folder}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
+    for name in files_with_progress(f"Hugging Face import from {folder}", folder, files):
         try:
             tensors.update(st.load_file(str(folder / name)))
         except Exception as error:

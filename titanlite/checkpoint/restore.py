@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.checkpoint import export, policy
 from titanlite.checkpoint.commit import args_dict, fingerprint, read_dcp_index
 from titanlite.checkpoint.contents import Contents
+from titanlite.checkpoint.load_progress import ProgressReader
 from titanlite.checkpoint.train_state import RNG_PREFIX
 from titanlite.errors import TitanliteError, user_errors
 from titanlite.logging import logger
@@ -178,7 +178,7 @@ class Restorer:
         """dcp.load with errors (a bad shard on any rank reaches every rank through DCP's
         own gather) turned into one line naming the folder."""
         with user_errors(f"{path}: cannot load checkpoint"):
-            dcp.load(state, storage_reader=FileSystemReader(path), process_group=self.group, no_dist=self.group is None)
+            dcp.load(state, storage_reader=ProgressReader(path), process_group=self.group, no_dist=self.group is None)
 
 
 def read_checked_metadata(path: Path) -> Metadata:

@@ -1,0 +1,128 @@
+"""The run folder: config.toml that reads back to the run's config, and metrics.jsonl with
+one flushed record per logged step or validation, written by rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from titanlite.config import JobConfig, Metrics, load_config
+from titanlite.errors import TitanliteError
+from titanlite.metrics import MetricsLogger, PeakFlops
+from titanlite.run_dir import CONFIG_FILE, METRICS_FILE, create_run_dir, read_metrics, start_run_dir
+
+from tests.test_trainer_cli import TEST_TIMEOUT, launch, printed_tolerance, printed_value, step_lines
+
+TRAIN_FIELDS = {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "tokens_seen", "elapsed_s", "wall_time"}
+
+
+def logger_in(run_dir, rank: int = 0, peak: float | None = 1e12) -> MetricsLogger:
+    return MetricsLogger(Metrics(enable_tensorboard=False), str(run_dir.parent), rank, torch.device("cpu"),
+                         flops_per_token=1e6, peak=PeakFlops(peak, "test"), tp_degree=1, run_dir=run_dir)
+
+
+def test_config_toml_reads_back_to_the_config_used(tmp_path):
+    argv = ["--config", "debug_model", "--optimizer.lr", "3e-4", "--lr_scheduler.decay_ratio", "none",
+            "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention", "--job.dump_folder", str(tmp_path)]
+    cfg = load_config(argv)
+    run_dir = create_run_dir(cfg)
+    assert run_dir.parent == tmp_path / cfg.metrics.save_runs_folder
+    assert load_config(["--config", str(run_dir / CONFIG_FILE)]) == cfg
+    assert sorted(p.name for p in run_dir.iterdir()) == [CONFIG_FILE]  # no temporary file left
+
+
+def test_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    folders = {create_run_dir(cfg) for _ in range(3)}
+    assert len(folders) == 3 and all((f / CONFIG_FILE).is_file() for f in folders)
+
+
+def test_unwritable_dump_folder_is_one_line_naming_it(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(blocker)
+    with pytest.raises(TitanliteError, match=r"^job\.dump_folder: cannot write the run folder under .*a_file/runs"):
+        start_run_dir(cfg)  # no process group: rank 0 of 1
+
+
+def test_each_record_is_on_disk_as_soon_as_it_is_logged(tmp_path):
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    metrics = logger_in(run_dir)
+    metrics.add_tokens(256)
+    scalars = metrics.log(1, loss=8.5, grad_norm=1.25, lr=1e-4, tokens_seen=512)
+    first = read_metrics(run_dir)  # read while the file is still open: flushed already
+    metrics.log_validation(1, loss=8.25, perplexity=math.exp(8.25))
+    metrics.log(2, loss=float("nan"), grad_norm=float("inf"), lr=2e-4, tokens_seen=1024)
+    records = read_metrics(run_dir)
+    metrics.close()
+
+    assert first == records[:1]
+    train, validation, diverged = records
+    assert set(train) == TRAIN_FIELDS
+    assert {k: train[k] for k in scalars} == pytest.approx(scalars)
+    assert (train["step"], train["tokens_seen"], train["lr"]) == (1, 512, 1e-4)
+    assert train["elapsed_s"] >= 0 and train["wall_time"] == pytest.approx(validation["wall_time"], abs=60)
+    assert set(validation) == {"step", "validation_loss", "validation_perplexity", "elapsed_s", "wall_time"}
+    assert (validation["step"], validation["validation_loss"]) == (1, 8.25)
+    assert validation["validation_perplexity"] == pytest.approx(math.exp(8.25))
+    assert diverged["loss"] is None and diverged["grad_norm"] is None  # JSON has no NaN: null
+    for line in (run_dir / METRICS_FILE).read_text().splitlines():
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"non-JSON constant {name}"))
+
+
+def test_only_rank_0_writes_and_mfu_is_left_out_when_unknown(tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    other_rank = logger_in(run_dir, rank=1)
+    other_rank.log(1, 1.0, 1.0, 1e-4, 64)
+    other_rank.close()
+    assert not (run_dir / METRICS_FILE).exists()
+    no_peak = logger_in(run_dir, peak=None)
+    no_peak.log(1, 1.0, 1.0, 1e-4, 64)
+    no_peak.close()
+    assert "mfu" not in read_metrics(run_dir)[0]
+
+
+def test_a_torn_last_line_is_skipped_and_a_broken_middle_line_is_an_error(tmp_path):
+    path = tmp_path / METRICS_FILE
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+    path.write_text('{"step": 1\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(TitanliteError, match=rf"{METRICS_FILE}:1: not a JSON object"):
+        read_metrics(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path):
+    """Rank 0 alone writes the run folder; its records are the printed step lines; the
+    config it saved (overrides applied) reads back to the run's config; TensorBoard's
+    folder has the same name."""
+    argv = ["--config", "debug_model", "--training.steps", "3", "--training.seq_len", "64",
+            "--training.local_batch_size", "2", "--metrics.log_freq", "2", "--optimizer.lr", "5e-4",
+            "--job.dump_folder", str(tmp_path)]
+    run = launch(2, argv)
+    assert run.returncode == 0, run.describe()
+
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert sorted(os.listdir(run_dir)) == [CONFIG_FILE, METRICS_FILE]
+    assert load_config(["--config", str(run_dir / CONFIG_FILE)]) == load_config(argv)
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == [run_dir.name]
+
+    records = read_metrics(run_dir)
+    lines = step_lines(run)
+    assert [r["step"] for r in records] == [int(m["step"]) for m in lines] == [1, 2, 3]
+    for record, match in zip(records, lines):
+        assert set(record) == TRAIN_FIELDS
+        for printed, key in (("loss", "loss"), ("grad_norm", "grad_norm"), ("lr", "lr"), ("tps", "tps")):
+            assert abs(record[key] - printed_value(match[printed])) <= printed_tolerance(match[printed]) * 1.001
+    # 2 data-parallel ranks x 2 sequences x 64 tokens per step
+    assert [r["tokens_seen"] for r in records] == [256, 512, 768]
+    assert records[0]["elapsed_s"] <= records[1]["elapsed_s"] <= records[2]["elapsed_s"]
