@@ -102,6 +102,8 @@ class Training:
     mixed_precision_reduce: str = _opt("float32", "dtype of gradient reduce-scatter/all-reduce",
                                        choices=("float32", "bfloat16"))
     enable_cpu_offload: bool = _opt(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
+    max_nan_skips: int = _opt(0, "steps whose loss or grad norm is inf/nan that may be skipped (no optimizer step) "
+                              "before the run stops; 0 = stop at the first", ge=0)
 
 
 @dataclass
@@ -201,8 +203,9 @@ class Profiling:
 class Comm:
     """Process-group timeouts."""
 
-    init_timeout_seconds: int = _opt(300, "timeout of collectives until the first step (start-up, loading)", gt=0)
-    train_timeout_seconds: int = _opt(100, "timeout of collectives during training", gt=0)
+    init_timeout_seconds: int = _opt(300, "timeout of collectives through start-up and the first step (every "
+                                     "process group of the run)", gt=0)
+    train_timeout_seconds: int = _opt(100, "timeout of collectives after the first step (every process group of the run)", gt=0)
 
 
 @dataclass

@@ -17,6 +17,11 @@ class TitanliteError(Exception):
 
 
 USER_ERROR_EXIT_CODE = 2
+# A rank whose collective timed out or lost its peer: it printed its one line, and the
+# rank that failed first is another (the launcher names that one).
+COLLECTIVE_FAILURE_EXIT_CODE = 3
+# Stopped by Ctrl-C (128 + SIGINT, the shell's convention).
+INTERRUPTED_EXIT_CODE = 130
 
 
 def one_line(error: BaseException) -> str:

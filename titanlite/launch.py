@@ -1,47 +1,160 @@
-"""`python -m titanlite.launch [torchrun args] -m titanlite.train ...`: torchrun, with one-line failures.
+"""`python -m titanlite.launch [torchrun args] -m titanlite.train ...`: torchrun, with one-line endings.
 
-This is torchrun itself (`torch.distributed.run`): same flags, same c10d rendezvous,
-same elastic agent. The only addition is how a failed run ends. A rank that exits with
-the user-error code has already printed its one line, so the launcher exits with that code
-quietly instead of adding torchrun's report of every rank; any other failure gets a short
-summary line and keeps its exit code. The elastic agent's own per-rank failure records
-("failed (exitcode: ...)", "Sending process ... closing signal") are dropped for the same
-reason: the rank's output and that line already say it.
+This is torchrun itself (`torch.distributed.run`): same flags, same c10d rendezvous, same
+elastic agent and `--max-restarts`. What it adds is how a run ends:
+
+- A failure ends with one line naming the rank that failed first and how. A rank that
+  exits with the user-error code has printed its own line, so the launcher exits with that
+  code quietly. Ranks whose collective failed because of a peer (they exit with
+  `COLLECTIVE_FAILURE_EXIT_CODE`) and ranks the agent stopped afterwards (SIGTERM) are
+  consequences, not causes; among the others the first is the earliest by torchrun's
+  timestamps (whole seconds), then by the order the agent saw them. The agent's own
+  per-rank records are dropped: the ranks' lines and this one already say it.
+- SIGTERM and SIGUSR1 are forwarded to the workers, which finish their step, save a
+  checkpoint and exit 0 (titanlite/preemption.py); the launcher keeps supervising them, so
+  its exit code is theirs. torchrun's own handling would give them 30 s before SIGKILL,
+  which a large checkpoint can outlast. A second one stops them the way torchrun does.
+- Ctrl-C (SIGINT), SIGHUP and SIGQUIT: torchrun stops the workers at once; one line.
+- The workers die with the launcher: `LAUNCHER_PID_ENV` tells them whose death to follow.
+- Restarts (`--max-restarts`) get a fresh c10d store each: with the agent's shared store
+  (torch's default since 2.5) a restarted worker reads the previous attempt's addresses
+  for every group after the first and hangs connecting to them (seen on torch 2.13).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+from types import FrameType
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
-from titanlite.errors import USER_ERROR_EXIT_CODE
+from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, USER_ERROR_EXIT_CODE
+
+LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
-class _DropFailureRecords(logging.Filter):
-    """Drop the agent's records about children that failed or were stopped after a failure."""
+class _DropAgentRecords(logging.Filter):
+    """Drop the agent's records about failed or stopped children and its own shutdown."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
-        return not (text.startswith("failed (exitcode") or "closing signal" in text)
+        return not any(mark in text for mark in ("failed (exitcode", "closing signal", "death signal", "Unable to shutdown process"))
+
+
+def _args_problem(args) -> str | None:
+    """What is wrong with the flags torchrun's parser accepts but fails on later."""
+    nproc = str(args.nproc_per_node)
+    if nproc not in _NPROC_WORDS and not (nproc.isdigit() and int(nproc) > 0):
+        return f"--nproc-per-node: expected a positive number of processes or one of {', '.join(_NPROC_WORDS)} (got {nproc!r})"
+    if args.max_restarts < 0:
+        return f"--max-restarts: expected 0 or more (got {args.max_restarts})"
+    return None
+
+
+def _worker_pids() -> list[int]:
+    """This process's children: the workers (the agent starts each with Popen)."""
+    me, pids = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            pids.append(int(entry))
+    return pids
+
+
+class _Forwarder:
+    """SIGTERM/SIGUSR1: pass the first on and keep supervising. Before any worker exists
+    (the rendezvous), or at the second signal, stop the way torchrun would."""
+
+    forwarded = False
+
+    @classmethod
+    def handle(cls, signum: int, frame: FrameType | None) -> None:
+        workers = _worker_pids()
+        if cls.forwarded or not workers:
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        cls.forwarded = True
+        for pid in workers:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _take_stop_signals(args) -> None:
+    """Keep SIGTERM/SIGUSR1 out of the agent's hands (it would stop the workers) and
+    forward them instead."""
+    if hasattr(args, "signals_to_handle"):  # torch >= 2.9; before, the agent takes SIGTERM back at start
+        kept = [name.strip() for name in args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGUSR1")]
+        args.signals_to_handle = ",".join(kept)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, _Forwarder.handle)
+
+
+def first_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """(global rank, failure) of the rank that failed first (see module doc)."""
+
+    def consequence(failure: ProcessFailure) -> bool:
+        return failure.exitcode in (COLLECTIVE_FAILURE_EXIT_CODE, -signal.SIGTERM)
+
+    ordered = list(failures.items())
+    index = min(range(len(ordered)), key=lambda i: (consequence(ordered[i][1]), ordered[i][1].timestamp, i))
+    return ordered[index]
+
+
+def failure_line(failures: dict[int, ProcessFailure]) -> tuple[str | None, int]:
+    """The launcher's one line (None: the rank said it already) and its exit code."""
+    rank, first = first_failure(failures)
+    if first.exitcode == USER_ERROR_EXIT_CODE:
+        return None, USER_ERROR_EXIT_CODE
+    others = len(failures) - 1
+    after = f"; {others} other rank(s) stopped after it" if others else ""
+    if first.exitcode < 0:
+        return f"titanlite: rank {rank} failed first (killed by signal {first.signal_name()}){after}", 1
+    return f"titanlite: rank {rank} failed first (exit code {first.exitcode}){after}; see its output above", first.exitcode
+
+
+def _signal_line(sig: signal.Signals) -> str:
+    if sig in FORWARDED_SIGNALS and _Forwarder.forwarded:
+        return f"titanlite: stopped by a second {sig.name}; the workers were stopped before they finished saving"
+    if sig in FORWARDED_SIGNALS:
+        return f"titanlite: stopped by {sig.name} before the workers started"
+    return f"titanlite: stopped by {sig.name}; the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 saves one first)"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropFailureRecords())
+    problem = _args_problem(args)
+    if problem:
+        print(f"titanlite: error: {problem}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_DropAgentRecords())
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see module doc
+    _take_stop_signals(args)
     try:
         run(args)
     except ChildFailedError as error:
-        failures = error.failures
-        codes = {failure.exitcode for failure in failures.values()}
-        if USER_ERROR_EXIT_CODE in codes:
-            return USER_ERROR_EXIT_CODE
-        rank, first = min(failures.items())
-        cause = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
-        print(f"titanlite: rank {rank} failed ({cause}); see its output above", file=sys.stderr)
-        return first.exitcode if first.exitcode > 0 else 1
+        line, code = failure_line(error.failures)
+        if line:
+            print(line, file=sys.stderr)
+        return code
+    except SignalException as error:
+        print(_signal_line(error.sigval), file=sys.stderr)
+        return 128 + error.sigval
     return 0
 
 

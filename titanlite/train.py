@@ -25,13 +25,15 @@ from titanlite.config import load_config, to_dict
 from titanlite.data import build_dataloader, open_corpus
 from titanlite.dtypes import DTYPES
 from titanlite.dump_folder import claim_dump_folder, parameter_count
-from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
+from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger
 from titanlite.metrics import MetricsLogger, peak_flops
+from titanlite.numerics import NonFiniteSteps, StepAgreement, agree_on_step, inject_nan
 from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.parallel.distributed import init_distributed, set_collective_timeout, shutdown, world_from_env
+from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
+from titanlite.preemption import die_with_launcher, received
 from titanlite.profiling import maybe_profile
 from titanlite.run_dir import start_run_dir
 from titanlite.validate import build_validator
@@ -44,7 +46,9 @@ class Trainer:
     def __init__(self, plan: Plan):
         self.plan = plan
         cfg = self.cfg = plan.cfg
+        self.signals = received.install()  # first: a stop request during start-up is kept
         self.dist = init_distributed(cfg.comm.init_timeout_seconds)
+        self.nonfinite = NonFiniteSteps(cfg.training.max_nan_skips, self.dist.rank)
         self.device = self.dist.device
         init_logger(self.dist.rank, log_all_ranks=not cfg.metrics.rank_0_only)
         if cfg.job.print_config:
@@ -115,8 +119,10 @@ class Trainer:
             stack.enter_context(torch.autocast(self.device.type, dtype=param_dtype))
         return stack
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over the microbatches, clip, step. Returns (local loss, grad norm)."""
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
+        """Forward/backward over the microbatches, clip, agree with every rank on the step
+        (`numerics.agree_on_step`), step unless it is skipped. Returns (local loss, grad
+        norm, agreement)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for index, (inputs, labels) in enumerate(microbatches):
@@ -125,12 +131,17 @@ class Trainer:
             with self._compute_context():
                 logits = self.model(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / len(microbatches)
+                loss = inject_nan(self.state.step, loss)
                 loss.backward()
             loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
-        self.optimizer.step()
+        agreement = agree_on_step(self.signals.stop_signal, loss_sum, grad_norm)
+        if self.nonfinite.allows_update(self.state.step, agreement, grad_norm):
+            self.optimizer.step()
+        elif self.metrics.writer is not None:
+            self.metrics.writer.add_scalar("skipped_steps", self.nonfinite.skipped, self.state.step)
         self.lr_scheduler.step()
-        return loss_sum, grad_norm
+        return loss_sum, grad_norm, agreement
 
     def _global_mean(self, value: torch.Tensor) -> float:
         """Average over data-parallel ranks (gloo has no AVG, so SUM / size)."""
@@ -151,7 +162,7 @@ class Trainer:
             self.checkpoint.load()
             if self.state.step:
                 logger.info(f"resumed at step {self.state.step}")
-        set_collective_timeout(cfg.comm.train_timeout_seconds)
+        first_step = self.state.step + 1
         batches = iter(self.data)  # after load(): the loader resumes from its restored position
         history = []
         tokens_per_microbatch = cfg.training.local_batch_size * cfg.training.seq_len
@@ -160,7 +171,9 @@ class Trainer:
                 self.state.step += 1
                 step = self.state.step
                 microbatches = [next(batches) for _ in range(self.plan.grad_accum_steps)]
-                loss, grad_norm = self.train_step(microbatches)
+                loss, grad_norm, agreement = self.train_step(microbatches)
+                if step == first_step:  # start-up is over: compile, first all-gathers, load
+                    set_collective_timeout(cfg.comm.train_timeout_seconds)
                 self.state.tokens_seen += tokens_per_microbatch * len(microbatches) * self.plan.dims.dp
                 self.metrics.add_tokens(tokens_per_microbatch * len(microbatches))
                 last = step == cfg.training.steps
@@ -171,7 +184,20 @@ class Trainer:
                 if self.checkpoint is not None:
                     self.checkpoint.save(step, last=last)
                 profiler.step()
+                if agreement.stop:
+                    self._stop_on_signal(step, agreement.stop_signal_name())
+                    break
         return history
+
+    def _stop_on_signal(self, step: int, signal_name: str) -> None:
+        """Every rank agreed to stop (SIGTERM or SIGUSR1 reached at least one): a blocking
+        checkpoint of the step just finished, and one line on rank 0 saying where."""
+        if self.checkpoint is not None and self.cfg.checkpoint.enable_checkpoint:
+            outcome = f"checkpoint saved to {self.checkpoint.save_now(step)}"
+        else:
+            outcome = "nothing saved (checkpoint.enable_checkpoint is false)"
+        if self.dist.rank == 0:
+            print(f"titanlite: stopped by {signal_name} after step {step}; {outcome}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self.data.close()
@@ -180,6 +206,7 @@ class Trainer:
         self.metrics.close()
         if self.run_lock is not None:
             self.run_lock.release()
+        self.signals.restore()
 
 
 def create_seed_checkpoint(plan: Plan) -> None:
@@ -208,8 +235,13 @@ def run(plan: Plan) -> None:
     trainer = Trainer(plan)
     try:
         trainer.train()
-    finally:
-        trainer.close()
+    except BaseException:
+        # The failure is what the user must read; a second one while closing (an in-flight
+        # save whose peer is gone) would replace it.
+        with contextlib.suppress(Exception):
+            trainer.close()
+        raise
+    trainer.close()
 
 
 def report_user_error(error: TitanliteError) -> int:
@@ -227,7 +259,21 @@ def report_user_error(error: TitanliteError) -> int:
     return USER_ERROR_EXIT_CODE
 
 
+def report_collective_failure(failure: CollectiveFailure) -> int:
+    """A rank whose collective timed out says which one. A rank whose peer died first waits
+    a moment for the launcher's stop (SIGTERM): when it comes, the launcher names the rank
+    that died (or that made a user error) and this one stays quiet; when it does not (the
+    dead rank ran under another node's launcher), this rank says it itself."""
+    deadline = time.monotonic() + RANK0_REPORT_GRACE_S
+    while not (failure.timed_out or received.stop_signal or received.interrupted) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not received.interrupted and (failure.timed_out or not received.stop_signal):
+        print(f"titanlite: rank {world_from_env()[0]}: {failure.line}", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT_CODE if received.interrupted else COLLECTIVE_FAILURE_EXIT_CODE
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
         plan = plan_run(cfg, world_from_env()[1])
@@ -245,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
               f"or seq_len, or enable activation_checkpoint", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        return INTERRUPTED_EXIT_CODE  # Ctrl-C: the launcher prints the one line
+    except Exception as error:
+        failure = collective_failure(error)
+        if failure is None:
+            raise
+        return report_collective_failure(failure)
     finally:
         shutdown()
 

@@ -38,6 +38,7 @@ from titanlite.checkpoint.housekeeping import Housekeeper
 from titanlite.checkpoint.restore import Restorer
 from titanlite.errors import user_errors
 from titanlite.logging import logger
+from titanlite.parallel.distributed import new_group
 
 if TYPE_CHECKING:
     from titanlite.config import Checkpoint
@@ -86,7 +87,7 @@ class CheckpointManager:
         # DCP's own collectives (plans, metadata) run on a dedicated gloo group: async saves
         # need a CPU backend, and a background save must never interleave with the
         # training's NCCL/gloo collectives on the default group. Created once, by all ranks.
-        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.group = new_group(backend="gloo", group_desc="checkpoint") if distributed else None
         self.saver: Saver = build_saver(cfg.async_mode, self.group)
         # `tokenizer` (anything with .path and .vocab_size): recorded, and compared on resume.
         self.tokenizer = integrity.tokenizer_record(tokenizer) if tokenizer is not None and self.rank == 0 else {}
@@ -113,6 +114,14 @@ class CheckpointManager:
             return
         self.wait()
         self._save(step, policy.plan_save(self.cfg, last), started)
+
+    def save_now(self, step: int) -> Path:
+        """A blocking save of the whole training state at `step` (a preemption), after the
+        save in flight; nothing new when this run saved `step` already. Returns its folder."""
+        self.wait()
+        if step not in self._saved_steps:
+            self._save(step, policy.SavePlan(weights_only=False, export_dtype=None, blocking=True), time.perf_counter())
+        return commit.step_dir(self.root, step)
 
     def save_seed(self) -> None:
         """`create_seed_checkpoint`: the freshly initialized weights as step 0, model only.

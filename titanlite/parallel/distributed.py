@@ -1,14 +1,34 @@
-"""Process-group start-up: NCCL on CUDA, gloo on CPU, one device per LOCAL_RANK."""
+"""Process-group start-up (NCCL on CUDA, gloo on CPU, one device per LOCAL_RANK), the
+timeouts of every group the run creates, and the one line a failed collective becomes.
+
+Timeouts: a collective that waits longer than its group's timeout raises (gloo) or aborts
+the process (NCCL's watchdog). torch gives each new group its backend's default (30 min on
+gloo, 10 on NCCL) whatever the default group has, so each group the run creates is adopted
+here (`adopt_groups`, `new_group`) and `set_collective_timeout` moves all of them together:
+`comm.init_timeout_seconds` through start-up and the first step, then
+`comm.train_timeout_seconds`.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from types import FrameType
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+# Where torch issues or awaits a collective, and where our own code is.
+_COLLECTIVE_FILES = tuple(os.path.join("torch", "distributed", name) for name in ("distributed_c10d.py", "_functional_collectives.py"))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What gloo and NCCL say when a peer stopped answering or went away.
+_PEER_TROUBLE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|peer", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -18,6 +38,18 @@ class DistInfo:
     local_rank: int
     local_world_size: int
     device: torch.device
+
+
+@dataclass
+class _Timeouts:
+    """The groups whose timeout this run manages (the default group is always one) and the
+    timeout they have now."""
+
+    seconds: int = 0
+    groups: list[dist.ProcessGroup] | None = None
+
+
+_timeouts = _Timeouts()
 
 
 def world_from_env() -> tuple[int, int]:
@@ -49,17 +81,101 @@ def init_distributed(init_timeout_seconds: int) -> DistInfo:
             # Processes share the cores: more threads than cores halves matmul speed.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
     dist.init_process_group(backend, timeout=timedelta(seconds=init_timeout_seconds), device_id=device if backend == "nccl" else None)
+    _timeouts.seconds, _timeouts.groups = init_timeout_seconds, [dist.group.WORLD]
     return DistInfo(rank, world_size, local_rank, local_world_size, device)
 
 
-def set_collective_timeout(seconds: int) -> None:
-    """After start-up (slow: compile, first all-gathers, checkpoint load) tighten the
-    timeout that turns a hung collective into an error."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+def _apply_timeout(group: dist.ProcessGroup, seconds: int) -> None:
+    """`ProcessGroup.set_timeout` (public; every backend of the group, future collectives),
+    or on a torch without it the private setter that does the same per backend."""
+    timeout = timedelta(seconds=seconds)
+    if hasattr(group, "set_timeout"):
+        group.set_timeout(timeout)
+    else:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    _set_pg_timeout(timedelta(seconds=seconds), None)
+        _set_pg_timeout(timeout, group)
+
+
+def adopt_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
+    """Give groups created elsewhere (a device mesh's) the current timeout, and keep them
+    for `set_collective_timeout`. None (a world of one) is skipped."""
+    if _timeouts.groups is None:
+        return
+    for group in groups:
+        if group is not None and not any(group is known for known in _timeouts.groups):
+            _apply_timeout(group, _timeouts.seconds)
+            _timeouts.groups.append(group)
+
+
+def new_group(**kwargs: Any) -> dist.ProcessGroup:
+    """`dist.new_group` with the current timeout, adopted (see `adopt_groups`); torch's
+    default timeout where the process group was not started by `init_distributed`."""
+    managed = _timeouts.groups is not None
+    group = dist.new_group(timeout=timedelta(seconds=_timeouts.seconds) if managed else None, **kwargs)
+    adopt_groups([group])
+    return group
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """Move every group of this run to a new timeout: after start-up (slow: compile, first
+    all-gathers, checkpoint load) the tighter one that turns a hung collective into an error."""
+    _timeouts.seconds = seconds
+    for group in _timeouts.groups or []:
+        _apply_timeout(group, seconds)
+
+
+class CollectiveFailure(NamedTuple):
+    """What `collective_failure` found: the line to print, and whether a peer stopped
+    answering (a timeout) rather than died (its connection closed)."""
+
+    line: str
+    timed_out: bool
+
+
+def collective_failure(error: BaseException) -> CollectiveFailure | None:
+    """The failure of a collective whose peer stopped answering or died, as one line naming
+    the collective, its group when known, and where our code waited for it; None for any
+    other error (a bug keeps its traceback).
+
+    gloo raises a plain RuntimeError from inside the c10d call (found in the traceback,
+    whose frame also holds the `group` argument) or from the wait of an async functional
+    collective (tensor parallel); NCCL and the stores raise DistError.
+    """
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    torch_frame = next((f for f in reversed(frames) if f.f_code.co_filename.endswith(_COLLECTIVE_FILES)), None)
+    text = str(error)
+    if not isinstance(error, dist.DistError) and (torch_frame is None or not _PEER_TROUBLE.search(text)):
+        return None
+    what = _describe(torch_frame, next((f for f in reversed(frames) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None))
+    if re.search(r"timed out|timeout", text, re.IGNORECASE):
+        return CollectiveFailure(f"{what} timed out after {_timeouts.seconds} s: a peer rank stopped answering", True)
+    if re.search(r"connection (closed|reset)|broken pipe", text, re.IGNORECASE):
+        return CollectiveFailure(f"{what} failed: a peer rank closed its connection (it died)", False)
+    return CollectiveFailure(f"{what} failed: {next((line for line in text.splitlines() if line.strip()), type(error).__name__)}", False)
+
+
+def _describe(torch_frame: FrameType | None, our_frame: FrameType | None) -> str:
+    """"all_gather_single on group mesh_tp (waited for in forward, titanlite/models/...:146)"."""
+    what = "a collective"
+    if torch_frame is not None:
+        what = torch_frame.f_code.co_name
+        if "group" in torch_frame.f_locals:
+            what += f" on group {_group_name(torch_frame.f_locals['group'])}"
+    if our_frame is not None:
+        where = os.path.relpath(our_frame.f_code.co_filename, os.path.dirname(_PACKAGE_DIR))
+        what += f" (waited for in {our_frame.f_code.co_name}, {where}:{our_frame.f_lineno})"
+    return what
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    """The group's description: "default_pg", "mesh_tp", "mesh_dp", "checkpoint", ..."""
+    if group is None:
+        return "default_pg"
+    return getattr(group, "group_desc", None) or getattr(group, "group_name", "?")
 
 
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    _timeouts.groups = None

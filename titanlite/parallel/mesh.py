@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.errors import TitanliteError
+from titanlite.parallel.distributed import adopt_groups
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class ParallelDims:
             dp = world[dp_names]._flatten("dp")
         else:
             dp = world[dp_names[0]] if dp_names else None
+        adopt_groups([*world.get_all_groups(), dp.get_group() if dp is not None else None])  # the run's timeouts
         return Meshes(
             world=world,
             dp=dp,

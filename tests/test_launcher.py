@@ -1,0 +1,136 @@
+"""The launcher and the scripts around it: which rank it blames, its one-line endings,
+workers that die with it, run_train.sh's checks and --help, and the Slurm script's
+argument forwarding (with stand-in `srun`/`scontrol` that record what they are given)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE
+from titanlite.launch import failure_line, first_failure
+from tests.distributed import REPO, run_env
+from tests.live_run import LiveRun, running
+from tests.test_trainer_cli import assert_one_line_user_error, marked_processes, run_command
+
+SHORT = ["--config", "debug_model", "--training.steps", "200", "--training.seq_len", "64",
+         "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+
+
+def failure(local_rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
+    made = ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=exitcode, error_file="")
+    made.timestamp = timestamp
+    return made
+
+
+def test_the_killed_rank_is_named_not_the_ranks_that_failed_because_of_it():
+    """rank 1 killed; rank 0's collective failed in the same second and was seen first
+    (torchrun's timestamps are whole seconds); rank 2 was stopped by the agent."""
+    failures = {0: failure(0, COLLECTIVE_FAILURE_EXIT_CODE, 100), 1: failure(1, -signal.SIGKILL, 100), 2: failure(2, -signal.SIGTERM, 100)}
+    assert first_failure(failures)[0] == 1
+    line, code = failure_line(failures)
+    assert line == "titanlite: rank 1 failed first (killed by signal SIGKILL); 2 other rank(s) stopped after it"
+    assert code == 1
+
+
+def test_the_earliest_cause_wins_then_the_order_seen():
+    failures = {0: failure(0, 1, 101), 3: failure(3, 1, 100), 1: failure(1, -signal.SIGSEGV, 100)}
+    assert first_failure(failures)[0] == 3
+    assert failure_line(failures) == ("titanlite: rank 3 failed first (exit code 1); 2 other rank(s) stopped after it; see its output above", 1)
+
+
+def test_a_user_error_first_is_left_to_the_rank_that_printed_it():
+    failures = {0: failure(0, 2, 100), 1: failure(1, 2, 103)}
+    assert failure_line(failures) == (None, 2)
+
+
+@pytest.mark.parametrize("variable, value", [("NPROC", "0"), ("NPROC", "abc"), ("NNODES", "0"), ("MAX_RESTARTS", "-1")])
+def test_run_train_script_checks_its_variables(variable, value):
+    run = run_command([str(REPO / "run_train.sh"), "--training.steps", "1"], {**run_env(), variable: value}, timeout=120)
+    assert_one_line_user_error(run, [variable, repr(value)])
+
+
+def test_launcher_checks_nproc_per_node():
+    run = run_command([sys.executable, "-m", "titanlite.launch", "--standalone", "--nproc-per-node", "0",
+                       "-m", "titanlite.train"], run_env(), timeout=120)
+    assert_one_line_user_error(run, ["--nproc-per-node", "'0'"])
+
+
+def test_run_train_help_prints_the_options_without_torchrun():
+    run = run_command([str(REPO / "run_train.sh"), "--training.steps", "3", "--help"], run_env(), timeout=120)
+    assert run.returncode == 0, run.describe()
+    assert run.stdout.startswith("usage: python -m titanlite.train"), run.describe()
+    assert "--training.steps" in run.stdout and "--comm.train_timeout_seconds" in run.stdout, run.describe()
+    assert "[rank" not in run.output and "torch.distributed" not in run.output, run.describe()
+
+
+def _stand_in(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def test_slurm_script_forwards_arguments_with_their_quoting(tmp_path):
+    """`sbatch multinode_trainer.slurm ...` as Slurm would run it, with `srun` and
+    `scontrol` replaced by recorders: the training command gets every argument intact."""
+    script = REPO / "multinode_trainer.slurm"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    record = tmp_path / "calls.jsonl"
+    recorder = (
+        "import json, os, sys\n"
+        f"with open({str(record)!r}, 'a') as f:\n"
+        "    env = {k: os.environ.get(k) for k in ('NNODES', 'RDZV_ENDPOINT', 'MAX_RESTARTS')}\n"
+        "    f.write(json.dumps({'argv': sys.argv[1:], 'env': env}) + '\\n')\n"
+    )
+    _stand_in(tmp_path, "srun", recorder + "if 'hostname' in sys.argv: print('10.1.2.3 fe80::1')\n")
+    _stand_in(tmp_path, "scontrol", "print('node-a'); print('node-b')\n")
+    env = {**run_env(), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
+           "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(REPO), "MAX_RESTARTS": "2"}
+    given = ["--training.steps", "5", "--job.description", "two words, 'quoted' and $HOME", "--x=*"]
+    result = subprocess.run(["bash", str(script), *given], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    assert calls[0]["argv"] == ["--nodes=1", "--ntasks=1", "-w", "node-a", "hostname", "--ip-address"]
+    assert calls[-1]["argv"] == ["--kill-on-bad-exit=1", f"--chdir={REPO}", "./run_train.sh", "--config", "llama_8b.toml", *given]
+    assert calls[-1]["env"] == {"NNODES": "2", "RDZV_ENDPOINT": "10.1.2.3:29500", "MAX_RESTARTS": "2"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    """kill -9 of the launcher: no worker trains on unsupervised."""
+    live = LiveRun(2, [*SHORT, "--job.dump_folder", str(tmp_path)])
+    live.wait_for(r"step +1 +loss", 300)
+    workers = [live.worker_pid(0), live.worker_pid(1)]
+    live.signal_launcher(signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    orphans = [pid for pid in workers if running(pid)]
+    if orphans:
+        live.abort(f"workers {orphans} outlived their launcher by 15 s")
+    live.finish(30)
+    assert not marked_processes(live.marker)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ctrl_c_ends_the_run_with_one_line(tmp_path):
+    """SIGINT to the launcher (Ctrl-C): every process ends, one line, no traceback."""
+    live = LiveRun(2, [*SHORT, "--job.dump_folder", str(tmp_path)])
+    live.wait_for(r"step +1 +loss", 300)
+    live.signal_launcher(signal.SIGINT)
+    run = live.finish(60)
+    assert run.returncode == 128 + signal.SIGINT, run.describe()
+    lines = [line for line in run.stdout.splitlines() if line.startswith("titanlite:")]
+    assert lines == ["titanlite: stopped by SIGINT; the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 saves one first)"], run.describe()
+    assert "Traceback" not in run.stdout, run.describe()
