@@ -12,8 +12,12 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}"
 
 # run_tests.sh sets TITANLITE_TESTS=1: the test tools are then needed too.
-modules="torch, sentencepiece, tensorboard, numpy${TITANLITE_TESTS:+, pytest, pytest_timeout, safetensors, tiktoken, tokenizers, pyarrow, matplotlib, datasets, transformers}"
-has_deps() { "$1" -c "import $modules" >/dev/null 2>&1; }
+# Found, not imported: importing datasets and transformers alone takes seconds.
+modules="torch sentencepiece tensorboard numpy${TITANLITE_TESTS:+ pytest pytest_timeout safetensors tiktoken tokenizers pyarrow matplotlib datasets transformers}"
+has_deps() {
+    "$1" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))' \
+        $modules >/dev/null 2>&1
+}
 
 if [ -x "$repo_root/.venv/bin/python" ] && has_deps "$repo_root/.venv/bin/python"; then
     PYTHON="$repo_root/.venv/bin/python"

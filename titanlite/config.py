@@ -15,6 +15,7 @@ Run `python -m titanlite.config --help` for every option, or
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -376,10 +377,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m titanlite.config [--config NAME] [overrides]`: print the resolved config."""
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
+        print(to_toml(cfg), end="")
     except TitanliteError as error:
         print(f"titanlite: error: {error}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    print(to_toml(cfg), end="")
+    except BrokenPipeError:  # `... --help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
