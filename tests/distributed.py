@@ -21,6 +21,15 @@ def run_env() -> dict[str, str]:
     return env
 
 
+def with_overrides(*lists: list[str] | tuple[str, ...]) -> list[str]:
+    """`--key value` pairs of several lists, a later list's value replacing an earlier one's
+    (the command line itself refuses a key given twice)."""
+    merged: dict[str, str] = {}
+    for words in lists:
+        merged.update(zip(words[::2], words[1::2]))
+    return [word for pair in merged.items() for word in pair]
+
+
 def torchrun(nproc: int, module_or_script: list[str], args: list[str], timeout: float) -> subprocess.CompletedProcess:
     """`python -m titanlite.launch --standalone --nproc-per-node N ...`; a hang fails the test."""
     cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}", *module_or_script, *args]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import REPO, run_env
+from tests.distributed import REPO, run_env, with_overrides
 from titanlite.checkpoint import export
 
 TRAIN_ENTRY = ["-m", "titanlite.train"]
@@ -69,15 +69,6 @@ def _command(nproc: int, argv: list[str]) -> list[str]:
     if nproc == 1:
         return [sys.executable, *TRAIN_ENTRY, *argv]
     return [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}", *TRAIN_ENTRY, *argv]
-
-
-def with_overrides(*lists: list[str] | tuple[str, ...]) -> list[str]:
-    """`--key value` pairs of several lists, a later list's value replacing an earlier one's
-    (the command line itself refuses a key given twice)."""
-    merged: dict[str, str] = {}
-    for words in lists:
-        merged.update(zip(words[::2], words[1::2]))
-    return [word for pair in merged.items() for word in pair]
 
 
 def train(layout: str, dump: Path, *args: str, timeout: float = 180, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import REPO, read_tensorboard, run_env, torchrun
+from tests.distributed import REPO, read_tensorboard, run_env, torchrun, with_overrides
 from tests.test_data_prepare import SHIPPED, folder_bytes, write_corpus
 from tests.test_tokenizer_kinds import write_rank_file
 from titanlite.data.prepare import prepare
@@ -82,7 +82,7 @@ for name, argv in json.loads(sys.argv[1]):
 
 def run_cases(cases: dict[str, list[str]], dump: Path) -> dict[str, tuple[int, list[str]]]:
     """1-process runs of `titanlite.train.main`, in one interpreter: name -> (exit code, stderr lines)."""
-    payload = [(name, [*BASE, *argv, "--training.steps", "1", "--job.dump_folder", str(dump / name)]) for name, argv in cases.items()]
+    payload = [(name, with_overrides(BASE, argv, ["--training.steps", "1", "--job.dump_folder", str(dump / name)])) for name, argv in cases.items()]
     result = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(payload)], cwd=REPO, env=run_env(),
                             capture_output=True, text=True, timeout=300)
     out = {}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import REPO, read_tensorboard, run_env
+from tests.distributed import REPO, read_tensorboard, run_env, with_overrides
 from tests.live_run import LiveRun, running
 
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ COMMIT_LINE = re.compile(r"checkpoint: step (\d+) committed")
 
 
 def args(dump_folder: Path, *extra: str) -> list[str]:
-    return [*ARGS, "--job.dump_folder", str(dump_folder), *extra]
+    return with_overrides(ARGS, ["--job.dump_folder", str(dump_folder)], extra)
 
 
 def losses(dump_folder: Path) -> dict[int, float]:
@@ -107,8 +107,8 @@ def test_killed_rank_without_restarts_ends_every_process(tmp_path):
 def test_stopped_rank_times_out_on_every_other_rank(tmp_path):
     """SIGSTOP of rank 1 in a dp 2 x tp 2 run: ranks 0, 2 and 3 (which wait for it in tp and
     dp collectives) each exit within the timeout + 30 s with one line naming the collective."""
-    live = LiveRun(4, [*args(tmp_path), "--parallelism.tensor_parallel_degree", "2",
-                       "--checkpoint.enable_checkpoint", "false", "--metrics.enable_tensorboard", "false"])
+    live = LiveRun(4, args(tmp_path, "--parallelism.tensor_parallel_degree", "2",
+                       "--checkpoint.enable_checkpoint", "false", "--metrics.enable_tensorboard", "false"))
     live.wait_for(r"step +2 +loss", 2 * START_S)
     others = {rank: live.worker_pid(rank) for rank in (0, 2, 3)}
     stopped = live.worker_pid(1)
