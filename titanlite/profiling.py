@@ -1,4 +1,9 @@
-"""Optional torch.profiler traces every `profiling.profile_freq` steps, one file per rank."""
+"""Optional torch.profiler traces every `profiling.profile_freq` steps, one file per rank.
+
+Next to each Chrome trace goes a plain-text table of the recorded step's ops by self CPU
+time (`rank<r>_ops.txt`): the by-op share that docs/performance.md is written from, readable
+without a trace viewer.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ def maybe_profile(cfg, rank: int) -> Iterator[object]:
         step_folder = os.path.join(folder, f"iteration_{prof.step_num}")
         os.makedirs(step_folder, exist_ok=True)
         prof.export_chrome_trace(os.path.join(step_folder, f"rank{rank}_trace.json"))
+        with open(os.path.join(step_folder, f"rank{rank}_ops.txt"), "w") as table:
+            table.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
         logger.info(f"profiler trace written to {step_folder}")
 
     activities = [torch.profiler.ProfilerActivity.CPU]
