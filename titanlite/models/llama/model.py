@@ -37,6 +37,8 @@ class LlamaArgs:
     max_seq_len: int = 8192
     # Scale the init of each block's output projections by its depth (torchtitan's default).
     depth_init: bool = True
+    # One table for the token embedding and the output head (Llama 3.2 1B and 3B do this).
+    tie_word_embeddings: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -168,6 +170,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", rope_cos_sin(args, "meta"), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -181,9 +185,12 @@ class Llama(nn.Module):
         """Fill every parameter from one seeded stream, identically for any parallel layout."""
         self.rope_cache = rope_cos_sin(self.args, self.output.weight.device)
         stream = InitStream(seed, self.output.weight.device)
-        stream.normal(self.tok_embeddings.weight, std=1.0)
+        if not self.args.tie_word_embeddings:
+            stream.normal(self.tok_embeddings.weight, std=1.0)
         for block in self.layers.values():
             block.init_weights(stream)
         stream.ones(self.norm.weight)
+        # A tied table takes the head's init (std dim^-0.5): at the embedding's std 1 the
+        # first logits would be sqrt(dim) times too large.
         cutoff = 3 * self.args.dim**-0.5
         stream.trunc_normal(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
