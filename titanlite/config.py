@@ -116,8 +116,9 @@ class Training:
     steps: int = _opt(10000, "optimizer steps to train for", gt=0)
     seed: int = _opt(42, "random seed for weight init and data order", ge=0)
     deterministic: bool = _opt(False, "use deterministic kernels (slower; for bitwise-reproducible runs)")
-    mixed_precision_param: str = _opt("bfloat16", "dtype of parameters in forward/backward (FSDP mixed precision)",
-                                      choices=("float32", "bfloat16"))
+    mixed_precision_param: str = _opt("auto", "compute dtype of forward/backward (FSDP mixed precision, or autocast "
+                                      "without FSDP); auto = bfloat16 on GPUs and on CPUs with fast native bf16 "
+                                      "matmuls, else float32", choices=("auto", "float32", "bfloat16"))
     mixed_precision_reduce: str = _opt("float32", "dtype of gradient reduce-scatter/all-reduce",
                                        choices=("float32", "bfloat16"))
     enable_cpu_offload: bool = _opt(False, "keep sharded parameters, gradients and optimizer state in CPU memory")

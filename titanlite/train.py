@@ -8,6 +8,7 @@ parallelize -> optimizer -> checkpoint) and `train` runs a short loop of named s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.distributed import init_distributed, set_collective_timeout, shutdown, world_from_env
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
+from titanlite.precision import resolve_compute_dtype
 from titanlite.profiling import maybe_profile
 
 
@@ -38,11 +40,11 @@ RANK0_REPORT_GRACE_S = 3.0
 
 class Trainer:
     def __init__(self, plan: Plan):
-        self.plan = plan
-        cfg = self.cfg = plan.cfg
-        self.dist = init_distributed(cfg.comm.init_timeout_seconds)
+        self.dist = init_distributed(plan.cfg.comm.init_timeout_seconds)
         self.device = self.dist.device
-        init_logger(self.dist.rank, log_all_ranks=not cfg.metrics.rank_0_only)
+        init_logger(self.dist.rank, log_all_ranks=not plan.cfg.metrics.rank_0_only)
+        plan = self.plan = self._resolve_compute_dtype(plan)
+        cfg = self.cfg = plan.cfg
         if cfg.job.print_config:
             logger.info(f"config: {to_dict(cfg)}")
         self._seed(cfg.training.seed, cfg.training.deterministic)
@@ -67,6 +69,16 @@ class Trainer:
             f"{self.size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.meshes.world}; "
             f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
         )
+
+    def _resolve_compute_dtype(self, plan: Plan) -> Plan:
+        """The plan with `mixed_precision_param` made concrete ("auto" decided for this
+        device and agreed by every rank), said once at start-up."""
+        training = plan.cfg.training
+        choice = resolve_compute_dtype(training.mixed_precision_param, self.device)
+        logger.info(f"compute dtype {choice.name} ({choice.reason}); master weights and optimizer state float32, "
+                    f"gradient reductions {training.mixed_precision_reduce}")
+        training = dataclasses.replace(training, mixed_precision_param=choice.name)
+        return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, training=training))
 
     @staticmethod
     def _seed(seed: int, deterministic: bool) -> None:
