@@ -66,6 +66,22 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
+class _WaitedRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel whose output collective has completed when the module returns.
+
+    For the embedding, whose output enters the first transformer block: under torch.compile
+    that block must not receive the AsyncCollectiveTensor RowwiseParallel returns (torch
+    2.13 then hands DTensor's Redistribute backward a plain tensor: "'Tensor' object has no
+    attribute '_local_tensor'"). Waiting costs nothing here, the block needs the activations
+    at once. Same signature as RowwiseParallel's (torch 2.11 and 2.13)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def sequence_parallel_for(tp_mesh: DeviceMesh) -> bool:
     """Sequence parallelism where the backend reduce-scatters natively (not gloo, on CPU)."""
     return tp_mesh.device_type != "cpu"
@@ -78,7 +94,7 @@ def activations_layout(sequence_parallel: bool) -> Placement:
 
 def vocab_sharded_embedding(sequence_parallel: bool) -> RowwiseParallel:
     """Vocab-sharded embedding table whose partial lookups leave in the residual layout."""
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=activations_layout(sequence_parallel))
+    return _WaitedRowwiseParallel(input_layouts=Replicate(), output_layouts=activations_layout(sequence_parallel))
 
 
 def norm(sequence_parallel: bool) -> ParallelStyle:
