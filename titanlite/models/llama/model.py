@@ -183,6 +183,10 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Fill every parameter from one seeded stream, identically for any parallel layout."""
+        if self.args.tie_word_embeddings:
+            # `to_empty` gives each module a new Parameter for a plain tensor (DTensor ones
+            # are swapped in place and stay shared): tie again before filling the table.
+            self.output.weight = self.tok_embeddings.weight
         self.rope_cache = rope_cos_sin(self.args, self.output.weight.device)
         stream = InitStream(seed, self.output.weight.device)
         if not self.args.tie_word_embeddings:
