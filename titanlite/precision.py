@@ -34,6 +34,11 @@ class ComputeDtype:
     reason: str
 
 
+def cpu_has_native_bf16() -> bool:
+    """oneDNN's own test for bf16 matmul instructions (AVX512-BF16 or AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def bf16_matmul_speedup(budget_s: float = 0.2) -> float:
     """bf16 over float32 `F.linear` rate on this process's threads (1024^3 products)."""
     bf16 = measure_cpu_matmul_flops(torch.bfloat16, budget_s=budget_s)
@@ -50,7 +55,7 @@ def decide_compute_dtype(setting: str, device: torch.device) -> ComputeDtype:
         return ComputeDtype("bfloat16" if supported else "float32", f"auto: this GPU {'has' if supported else 'lacks'} bf16")
     if device.type != "cpu":
         return ComputeDtype("float32", f"auto: no bf16 rule for device type {device.type}")
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not cpu_has_native_bf16():
         return ComputeDtype("float32", "auto: this CPU has no native bf16 matmul (oneDNN)")
     speedup = bf16_matmul_speedup()
     name = "bfloat16" if speedup >= MIN_BF16_SPEEDUP else "float32"
