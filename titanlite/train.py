@@ -15,9 +15,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.build import Plan, build_model, plan_run
 from titanlite.checkpoint.train_state import TrainState
@@ -26,6 +23,7 @@ from titanlite.data import build_dataloader
 from titanlite.dtypes import DTYPES
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger
+from titanlite.loss import cross_entropy
 from titanlite.metrics import MetricsLogger, peak_flops
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.distributed import init_distributed, set_collective_timeout, shutdown, world_from_env
@@ -107,16 +105,13 @@ class Trainer:
             model_args=self.plan.model_args,
         )
 
-    def _compute_context(self) -> contextlib.ExitStack:
-        """Loss parallel when the logits are vocab-sharded; autocast when FSDP (which owns
-        mixed precision otherwise) is not applied."""
-        stack = contextlib.ExitStack()
-        if self.plan.dims.tp_enabled and self.cfg.parallelism.enable_loss_parallel:
-            stack.enter_context(loss_parallel())
+    def _compute_context(self) -> contextlib.AbstractContextManager:
+        """Autocast when FSDP (which owns mixed precision otherwise) is not applied. (Loss
+        parallel needs no context: `cross_entropy` takes the vocab-sharded logits itself.)"""
         param_dtype = DTYPES[self.cfg.training.mixed_precision_param]
         if not self.plan.dims.fsdp_enabled and param_dtype != torch.float32:
-            stack.enter_context(torch.autocast(self.device.type, dtype=param_dtype))
-        return stack
+            return torch.autocast(self.device.type, dtype=param_dtype)
+        return contextlib.nullcontext()
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over the microbatches, clip, step. Returns (local loss, grad norm)."""
@@ -126,10 +121,9 @@ class Trainer:
             set_gradient_sync(self.model, index == len(microbatches) - 1)
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             with self._compute_context():
-                logits = self.model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / len(microbatches)
+                loss = cross_entropy(self.model(inputs), labels) / len(microbatches)
                 loss.backward()
-            loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            loss_sum += loss.detach()
         grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
         self.optimizer.step()
         self.lr_scheduler.step()
