@@ -86,8 +86,8 @@ class Optimizer:
     beta2: float = _opt(0.95, "AdamW second-moment decay", ge=0, lt=1)
     eps: float = _opt(1e-8, "AdamW denominator epsilon", gt=0)
     weight_decay: float = _opt(0.1, "decoupled weight decay", ge=0)
-    implementation: str = _opt("foreach", "AdamW kernels: one fused kernel, multi-tensor foreach, or a per-parameter loop",
-                               choices=("fused", "foreach", "for-loop"))
+    implementation: str = _opt("fused", "AdamW kernels: one fused kernel (CPU and GPU), multi-tensor foreach, or a "
+                               "per-parameter loop", choices=("fused", "foreach", "for-loop"))
 
 
 @dataclass
