@@ -136,11 +136,15 @@ def peak_flops(dtype: str, gpus_used: int) -> tuple[float, str]:
     return measured, f"2048^3 F.linear on {usable_cores()} threads"
 
 
-def settings_for(device: torch.device) -> list[Setting]:
-    torch.set_num_threads(usable_cores())
-    choice = decide_compute_dtype("auto", device)
-    print(f"best setting's compute dtype: {choice.name} ({choice.reason})", file=sys.stderr)
-    return [Setting("fp32", "float32", False), Setting("best eager", choice.name, False), Setting("best compiled", choice.name, True)]
+def settings_for(device: torch.device, names: list[str]) -> list[Setting]:
+    """fp32, and the best setting's candidates: the dtype "auto" picks here, eager and compiled."""
+    settings = [Setting("fp32", "float32", False)] if "fp32" in names else []
+    if "best" in names:
+        torch.set_num_threads(usable_cores())
+        choice = decide_compute_dtype("auto", device)
+        print(f"best setting's compute dtype: {choice.name} ({choice.reason})", file=sys.stderr)
+        settings += [Setting("best eager", choice.name, False), Setting("best compiled", choice.name, True)]
+    return settings
 
 
 def parse_args() -> argparse.Namespace:
@@ -150,6 +154,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--local-batch-size", type=int, default=8, help="sequences per data-parallel rank per step")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    parser.add_argument("--settings", default="fp32,best", help="comma-separated, from fp32, best (best = auto dtype, eager and compiled)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it counts as hung")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides, after --")
     args = parser.parse_args()
@@ -157,6 +162,9 @@ def parse_args() -> argparse.Namespace:
     unknown = [name for name in args.layouts if name not in LAYOUTS]
     if unknown:
         parser.error(f"--layouts: unknown {', '.join(unknown)} (choose from {', '.join(LAYOUTS)})")
+    args.settings = [name.strip() for name in args.settings.split(",") if name.strip()]
+    if not args.settings or set(args.settings) - {"fp32", "best"}:
+        parser.error("--settings: choose from fp32, best")
     return args
 
 
@@ -204,19 +212,29 @@ def run_all(args: argparse.Namespace, settings: list[Setting], gpus: int) -> dic
 
 
 def best(runs: list[Result]) -> Result:
-    return max((r for r in runs if r.setting.name != "fp32"), key=lambda r: r.tokens_per_s)
+    """The fastest best-setting candidate (or the fp32 run when only fp32 ran)."""
+    candidates = [r for r in runs if r.setting.name != "fp32"] or runs
+    return max(candidates, key=lambda r: r.tokens_per_s)
 
 
 def print_table(results: dict[str, list[Result]], peaks: dict[tuple[str, int], tuple[float, str]], gpus: int) -> None:
+    """One row per distinct run; a run that serves two settings (best eager = fp32 where auto
+    picks float32) is one row named after both."""
     print("| layout | setting | processes x threads | global tokens/s | model GFLOP/s | % of matmul peak | peak memory per rank |")
     print("|---|---|---|---:|---:|---:|---:|")
     for name, runs in results.items():
-        winner = best(runs)
+        winner = best(runs) if len(runs) > 1 else None
+        seen: set[tuple[str, bool]] = set()
         for r in runs:
+            key = (r.setting.dtype, r.setting.compile)
+            if key in seen:
+                continue
+            seen.add(key)
+            names = " = ".join(s.setting.name for s in runs if (s.setting.dtype, s.setting.compile) == key)
+            mark = " (best)" if winner is not None and (winner.setting.dtype, winner.setting.compile) == key else ""
             flops = r.tokens_per_s * r.flops_per_token
             peak, _ = peaks[(r.setting.dtype, min(gpus, r.processes))]
-            mark = " (best)" if r is winner else ""
-            print(f"| {LAYOUTS[name][0]} | {r.setting.name}{mark} | {r.processes} x {r.threads} | {r.tokens_per_s:,.0f} | "
+            print(f"| {LAYOUTS[name][0]} | {names}{mark} | {r.processes} x {r.threads} | {r.tokens_per_s:,.0f} | "
                   f"{flops / 1e9:,.1f} | {100 * flops / peak:.1f}% {r.setting.dtype} | {r.memory_gib:.2f} GiB |")
 
 
@@ -225,7 +243,9 @@ def print_ratios(results: dict[str, list[Result]]) -> None:
     if "fsdp2" not in results:
         return
     print()
-    for pick, label in ((lambda runs: runs[0], "fp32"), (best, "best")):
+    picks = [(lambda runs: runs[0], "fp32")] if results["fsdp2"][0].setting.name == "fp32" else []
+    picks += [(best, "best")] if any(r.setting.name != "fp32" for r in results["fsdp2"]) else []
+    for pick, label in picks:
         base = pick(results["fsdp2"]).tokens_per_s
         ratios = [f"{LAYOUTS[name][0]} / FSDP 2 = {pick(runs).tokens_per_s / base:.2f}" for name, runs in results.items() if name != "fsdp2"]
         print(f"{label}: " + "; ".join(ratios))
@@ -238,7 +258,7 @@ def main() -> None:
     args = parse_args()
     gpus = torch.cuda.device_count()
     device = torch.device("cuda" if gpus else "cpu")
-    settings = settings_for(device)
+    settings = settings_for(device, args.settings)
     results = run_all(args, settings, gpus)
     if not results:
         raise SystemExit("no layout ran")
