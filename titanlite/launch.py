@@ -6,18 +6,15 @@ run ends.
 
 On a host without GPUs the workers share its cores, so unless the caller set them:
 OMP_NUM_THREADS = cores / processes (torchrun's own default is 1 thread per process), and
-OMP_WAIT_POLICY = PASSIVE. torch's CPU wheels run intra-op parallelism on GNU OpenMP
-(libgomp, which MKL follows), whose idle threads otherwise spin for a while after every
-parallel region; any other runnable thread on the cores (a second process, gloo's
-communication threads, the data prefetcher, a neighbour's job) then waits behind a
-spinning one, and one process of N threads ran at half the rate of N processes of one
-thread (measured 103-159 against 307 tokens/s on a shared 2-core host; 292-303 passive).
-Both must be in the environment before the workers start: libgomp reads them once.
+OMP_WAIT_POLICY = PASSIVE: torch's CPU wheels run intra-op parallelism on GNU OpenMP
+(libgomp, which MKL follows), whose idle threads otherwise spin after every parallel
+region and starve whatever else needs the cores (another rank, gloo's threads, the data
+prefetcher); docs/performance.md has the measurements. libgomp reads both once, at start,
+so they must be in the workers' environment.
 
-A rank that exits with
-the user-error code has already printed its one line, so the launcher exits with that code
-quietly instead of adding torchrun's report of every rank; any other failure gets a short
-summary line and keeps its exit code. The elastic agent's own per-rank failure records
+A rank that exits with the user-error code has already printed its one line, so the
+launcher exits with that code quietly instead of adding torchrun's report of every rank;
+any other failure gets a short summary line and keeps its exit code. The elastic agent's own per-rank failure records
 ("failed (exitcode: ...)", "Sending process ... closing signal") are dropped for the same
 reason: the rank's output and that line already say it.
 """
@@ -45,7 +42,7 @@ class _DropFailureRecords(logging.Filter):
 
 
 def set_cpu_thread_defaults(nproc_per_node: str) -> None:
-    """Thread settings for CPU workers (see the module docstring); the caller's own win."""
+    """Thread settings for CPU workers (see the module docstring); values the caller set are kept."""
     if torch.cuda.is_available():
         return
     if nproc_per_node.isdigit():
