@@ -52,11 +52,7 @@ case " ${args[*]:-} " in
     *) args=(--config debug_model.toml "${args[@]}") ;;
 esac
 
-if [ -z "${OMP_NUM_THREADS:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
-    # CPU training: split the cores between the processes (more threads than cores is slower).
-    export OMP_NUM_THREADS=$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))
-fi
-
+# CPU thread settings (cores split between the processes) come from titanlite.launch.
 exec "$PYTHON" -m titanlite.launch \
     --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" \

@@ -1,42 +1,53 @@
-"""Training throughput, MFU and peak memory per parallel layout, measured by the trainer itself.
+"""Training throughput per parallel layout, in float32 and in the best correct setting, in one run.
 
-    python bench/throughput.py [--steps 10] [--warmup-steps 3] [--seq-len 256] [--local-batch-size 4]
-                               [--dtype float32|bfloat16] [--layouts one,fsdp2,tp2,fsdp2_tp2]
-                               [-- extra trainer overrides, e.g. --metrics.peak_flops 1e12]
+    python bench/throughput.py [--steps 20] [--warmup-steps 10] [--seq-len 512] [--local-batch-size 8]
+                               [--layouts one,fsdp2,tp2,fsdp2_tp2] [-- extra trainer overrides]
 
-Each layout is a real run of `titanlite.train`'s Trainer under `python -m titanlite.launch
---standalone` (gloo on CPU, NCCL on GPUs) on the debug model, with the same local batch per
-data-parallel rank. The figures are the ones the trainer logs every step
-(titanlite/metrics.py), averaged over the steps after `--warmup-steps`:
+Each (layout, setting) is a real run of `titanlite.train`'s Trainer under `python -m
+titanlite.launch --standalone` (gloo on CPU, NCCL on GPUs) on the debug model, with the same
+local batch per data-parallel rank, so FSDP 2 trains twice the tokens per step of 1 process
+or TP 2. Settings:
 
-- tokens/s per rank: the trainer's `tps`, tokens per second per device (a TP group's
-  tokens divided by its degree), averaged over ranks; the ratio column divides it by the
-  1-process figure. On a CPU box all processes share the same cores (OMP_NUM_THREADS is set
-  to cores / processes), so a ratio of 1 / processes already means the same total rate;
-  on GPUs each rank has its own device and 1 is the ideal.
-- MFU: the trainer's, against its peak (on CPU a matmul measured at start-up on each
-  rank's own threads; on GPUs the table in metrics.py).
-- peak memory per rank: the largest over ranks of the trainer's figure (CPU: peak
-  resident set of the process, torch included; CUDA: peak reserved by the allocator).
+- fp32: float32 compute, eager;
+- best: the compute dtype `mixed_precision_param = "auto"` picks on this host (decided once
+  here, with all cores' threads, and passed to every run), eager and with torch.compile per
+  block; the faster of the two is the layout's best. Both are tested correct (bf16 within
+  the documented tolerance of float32, compile within tolerance of eager).
 
-A layout needing more GPUs than `torch.cuda.device_count()` is skipped (a 1-GPU machine
-runs only the 1-process layout). Prints a Markdown table; nothing is asserted.
+Figures, averaged over the steps after `--warmup-steps` (the trainer logs every step):
+
+- global tokens/s: tokens of all data-parallel ranks per second of wall time;
+- model FLOP/s: global tokens/s x the trainer's FLOPs per token (6 per matmul weight plus
+  attention, PaLM's accounting);
+- % of peak: model FLOP/s over the matmul peak of the run's compute dtype on the hardware
+  the layout uses: on CPU a 2048^3 `F.linear` measured here on all usable cores (every
+  layout shares those cores); on GPUs the table in metrics.py times the GPUs used.
+
+Then the ratios TP / FSDP 2 and 1 process / FSDP 2 per setting. A layout needing more GPUs
+than the machine has is skipped. Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from titanlite.metrics import GPU_BF16_PEAK_FLOPS, measure_cpu_matmul_flops  # noqa: E402
+from titanlite.parallel.distributed import usable_cores  # noqa: E402
+from titanlite.precision import decide_compute_dtype  # noqa: E402
 
 # name: (label, processes, trainer overrides). Data parallelism fills what TP leaves.
 LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
@@ -47,133 +58,219 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
 }
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    dtype: str
+    compile: bool
+
+    @property
+    def overrides(self) -> list[str]:
+        return ["--training.mixed_precision_param", self.dtype, "--compile.enable", str(self.compile).lower()]
+
+
+@dataclass(frozen=True)
+class Result:
+    setting: Setting
+    processes: int
+    threads: int
+    tokens_per_s: float
+    flops_per_token: float
+    memory_gib: float
 
 
 def run_worker(out_path: str, trainer_args: list[str]) -> None:
-    """One rank of one layout: train, then rank 0 writes every rank's logged history."""
+    """One rank of one run: train, then rank 0 writes every rank's logged history."""
     import torch.distributed as dist
 
+    from titanlite.build import plan_run
     from titanlite.config import load_config
     from titanlite.parallel.distributed import world_from_env
-    from titanlite.build import plan_run
     from titanlite.train import Trainer
 
-    cfg = load_config(trainer_args)
-    trainer = Trainer(plan_run(cfg, world_from_env()[1]))
+    trainer = Trainer(plan_run(load_config(trainer_args), world_from_env()[1]))
     history = trainer.train()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, history)
     if dist.get_rank() == 0:
-        peak = trainer.metrics.peak
-        summary = {"ranks": gathered, "n_params": trainer.size.n_params, "peak_flops": peak.flops, "peak_source": peak.source, "device": str(trainer.device)}
+        summary = {"ranks": gathered, "n_params": trainer.size.n_params, "flops_per_token": trainer.size.flops_per_token,
+                   "tp": trainer.plan.dims.tp, "device": str(trainer.device)}
         Path(out_path).write_text(json.dumps(summary))
     trainer.close()
     dist.destroy_process_group()
 
 
-def launch_layout(nproc: int, threads: int, trainer_args: list[str], out: Path, timeout: float) -> dict:
-    """Start one layout with the launcher and return rank 0's summary; on failure, show its output."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+def launch(nproc: int, trainer_args: list[str], out: Path, timeout: float) -> dict:
+    """Start one run with the launcher (which sets CPU threads) and return rank 0's summary."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(__file__).resolve()), "--worker", str(out), *trainer_args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise SystemExit(f"layout with {nproc} processes failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"run with {nproc} processes failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 
-def steady_state(summary: dict, warmup_steps: int) -> dict:
-    """Average the per-step figures after warm-up. Each step is one logging window of the
-    same token count, so the harmonic mean of tps (and of MFU, proportional to it) is
-    total tokens over total time."""
-    per_rank_tps, per_rank_mfu, memory = [], [], []
+def steady_tokens_per_s(summary: dict, warmup_steps: int) -> float:
+    """Global tokens/s after warm-up. Each logged step is one window of the same token count,
+    so a rank's harmonic mean of its `tps` is its tokens over its time; `tps` is per device
+    (a TP group's tokens over its degree), so the sum over ranks counts every token once."""
+    total = 0.0
     for history in summary["ranks"]:
-        steady = [h for h in history if h["step"] > warmup_steps]
+        steady = [h["tps"] for h in history if h["step"] > warmup_steps]
         if not steady:
             raise SystemExit(f"no steps after --warmup-steps {warmup_steps}; raise --steps")
-        per_rank_tps.append(statistics.harmonic_mean([h["tps"] for h in steady]))
-        if all("mfu" in h for h in steady):
-            per_rank_mfu.append(statistics.harmonic_mean([h["mfu"] for h in steady]))
-        memory.append(max(h["memory_gib"] for h in history))
-    return {
-        "tps": statistics.mean(per_rank_tps),
-        "mfu": statistics.mean(per_rank_mfu) if per_rank_mfu else float("nan"),
-        "memory_gib": max(memory),
-        "peak_gflops": (summary["peak_flops"] or float("nan")) / 1e9,
-        "peak_source": summary["peak_source"],
-    }
+        total += statistics.harmonic_mean(steady)
+    return total
 
 
-def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        run_worker(sys.argv[2], sys.argv[3:])
-        return
+def peak_flops(dtype: str, gpus_used: int) -> tuple[float, str]:
+    """Matmul peak of `dtype` on the hardware a run uses (see the module docstring)."""
+    torch_dtype = getattr(torch, dtype)
+    if gpus_used:
+        name = torch.cuda.get_device_name(0)
+        bf16 = next((peak for key, peak in GPU_BF16_PEAK_FLOPS if key in name), float("nan"))
+        return gpus_used * (bf16 if torch_dtype == torch.bfloat16 else bf16 / 2), f"{name} table x {gpus_used}"
+    torch.set_num_threads(usable_cores())
+    measured = measure_cpu_matmul_flops(torch_dtype, size=2048, budget_s=3.0)
+    return measured, f"2048^3 F.linear on {usable_cores()} threads"
+
+
+def settings_for(device: torch.device, names: list[str]) -> list[Setting]:
+    """fp32, and the best setting's candidates: the dtype "auto" picks here, eager and compiled."""
+    settings = [Setting("fp32", "float32", False)] if "fp32" in names else []
+    if "best" in names:
+        torch.set_num_threads(usable_cores())
+        choice = decide_compute_dtype("auto", device)
+        print(f"best setting's compute dtype: {choice.name} ({choice.reason})", file=sys.stderr)
+        settings += [Setting("best eager", choice.name, False), Setting("best compiled", choice.name, True)]
+    return settings
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10, help="training steps per layout")
-    parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the averages")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--local-batch-size", type=int, default=4, help="sequences per data-parallel rank per step")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="training.mixed_precision_param (FSDP mixed precision, or autocast without FSDP)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="first steps left out of the averages (compile, allocator)")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--local-batch-size", type=int, default=8, help="sequences per data-parallel rank per step")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per layout before it counts as hung")
+    parser.add_argument("--settings", default="fp32,best", help="comma-separated, from fp32, best (best = auto dtype, eager and compiled)")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it counts as hung")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides, after --")
     args = parser.parse_args()
-    names = [name.strip() for name in args.layouts.split(",") if name.strip()]
-    unknown = [name for name in names if name not in LAYOUTS]
+    args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    unknown = [name for name in args.layouts if name not in LAYOUTS]
     if unknown:
         parser.error(f"--layouts: unknown {', '.join(unknown)} (choose from {', '.join(LAYOUTS)})")
+    args.settings = [name.strip() for name in args.settings.split(",") if name.strip()]
+    if not args.settings or set(args.settings) - {"fp32", "best"}:
+        parser.error("--settings: choose from fp32, best")
+    return args
 
-    gpus = torch.cuda.device_count()
-    cores = usable_cores()
-    common = [
+
+def common_overrides(args: argparse.Namespace) -> list[str]:
+    return [
         "--config", "debug_model",
         "--training.steps", str(args.steps),
         "--training.seq_len", str(args.seq_len),
         "--training.local_batch_size", str(args.local_batch_size),
-        "--training.mixed_precision_param", args.dtype,
         "--metrics.log_freq", "1",
         "--metrics.enable_tensorboard", "false",
         "--checkpoint.enable_checkpoint", "false",
         *args.overrides,
     ]  # fmt: skip
 
-    results: dict[str, tuple[int, int, dict]] = {}
-    first_summary = None
-    with tempfile.TemporaryDirectory() as folder:
-        for name in names:
-            label, nproc, overrides = LAYOUTS[name]
-            if gpus and nproc > gpus:
-                print(f"skipping {label}: needs {nproc} GPUs, this machine has {gpus}", file=sys.stderr)
-                continue
-            threads = max(1, cores // nproc)
-            print(f"running {label} ({nproc} process(es) x {threads} thread(s)) ...", file=sys.stderr, flush=True)
-            dump = Path(folder, name)
-            dump.mkdir()
-            summary = launch_layout(nproc, threads, common + overrides + ["--job.dump_folder", str(dump)], dump / "out.json", args.timeout)
-            first_summary = first_summary or summary
-            results[name] = (nproc, threads, steady_state(summary, args.warmup_steps))
 
+def run_one(args: argparse.Namespace, name: str, setting: Setting, folder: Path, gpus: int) -> Result:
+    """One layout in one setting."""
+    label, nproc, overrides = LAYOUTS[name]
+    print(f"running {label}, {setting.name} ({nproc} process(es)) ...", file=sys.stderr, flush=True)
+    dump = folder / f"{name}-{setting.dtype}-{setting.compile}"
+    dump.mkdir()
+    trainer_args = common_overrides(args) + overrides + setting.overrides + ["--job.dump_folder", str(dump)]
+    summary = launch(nproc, trainer_args, dump / "out.json", args.timeout)
+    memory = max(max(h["memory_gib"] for h in history) for history in summary["ranks"])
+    threads = 1 if gpus else max(1, usable_cores() // nproc)
+    return Result(setting, nproc, threads, steady_tokens_per_s(summary, args.warmup_steps), summary["flops_per_token"], memory)
+
+
+def run_all(args: argparse.Namespace, settings: list[Setting], gpus: int) -> dict[str, list[Result]]:
+    """Every layout in every setting; a setting identical to an earlier one (best eager is
+    fp32 where auto picks float32) reuses its run."""
+    results: dict[str, list[Result]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in args.layouts:
+            if gpus and LAYOUTS[name][1] > gpus:
+                print(f"skipping {LAYOUTS[name][0]}: needs {LAYOUTS[name][1]} GPUs, this machine has {gpus}", file=sys.stderr)
+                continue
+            runs: dict[tuple[str, bool], Result] = {}
+            for setting in settings:
+                key = (setting.dtype, setting.compile)
+                runs[key] = dataclasses.replace(runs[key], setting=setting) if key in runs else run_one(args, name, setting, Path(folder), gpus)
+                results.setdefault(name, []).append(runs[key])
+    return results
+
+
+def best(runs: list[Result]) -> Result:
+    """The fastest best-setting candidate (or the fp32 run when only fp32 ran)."""
+    candidates = [r for r in runs if r.setting.name != "fp32"] or runs
+    return max(candidates, key=lambda r: r.tokens_per_s)
+
+
+def print_table(results: dict[str, list[Result]], peaks: dict[tuple[str, int], tuple[float, str]], gpus: int) -> None:
+    """One row per distinct run; a run that serves two settings (best eager = fp32 where auto
+    picks float32) is one row named after both."""
+    print("| layout | setting | processes x threads | global tokens/s | model GFLOP/s | % of matmul peak | peak memory per rank |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for name, runs in results.items():
+        winner = best(runs) if len(runs) > 1 else None
+        seen: set[tuple[str, bool]] = set()
+        for r in runs:
+            key = (r.setting.dtype, r.setting.compile)
+            if key in seen:
+                continue
+            seen.add(key)
+            names = " = ".join(s.setting.name for s in runs if (s.setting.dtype, s.setting.compile) == key)
+            mark = " (best)" if winner is not None and (winner.setting.dtype, winner.setting.compile) == key else ""
+            flops = r.tokens_per_s * r.flops_per_token
+            peak, _ = peaks[(r.setting.dtype, min(gpus, r.processes))]
+            print(f"| {LAYOUTS[name][0]} | {names}{mark} | {r.processes} x {r.threads} | {r.tokens_per_s:,.0f} | "
+                  f"{flops / 1e9:,.1f} | {100 * flops / peak:.1f}% {r.setting.dtype} | {r.memory_gib:.2f} GiB |")
+
+
+def print_ratios(results: dict[str, list[Result]]) -> None:
+    """Global tokens/s of each layout over FSDP 2's, in fp32 and in the best setting."""
+    if "fsdp2" not in results:
+        return
+    print()
+    picks = [(lambda runs: runs[0], "fp32")] if results["fsdp2"][0].setting.name == "fp32" else []
+    picks += [(best, "best")] if any(r.setting.name != "fp32" for r in results["fsdp2"]) else []
+    for pick, label in picks:
+        base = pick(results["fsdp2"]).tokens_per_s
+        ratios = [f"{LAYOUTS[name][0]} / FSDP 2 = {pick(runs).tokens_per_s / base:.2f}" for name, runs in results.items() if name != "fsdp2"]
+        print(f"{label}: " + "; ".join(ratios))
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        run_worker(sys.argv[2], sys.argv[3:])
+        return
+    args = parse_args()
+    gpus = torch.cuda.device_count()
+    device = torch.device("cuda" if gpus else "cpu")
+    settings = settings_for(device, args.settings)
+    results = run_all(args, settings, gpus)
     if not results:
         raise SystemExit("no layout ran")
-    device = first_summary["device"]
-    where = torch.cuda.get_device_name(0) if gpus else f"CPU, {cores} cores"
-    print(f"debug model ({first_summary['n_params'] / 1e6:.1f} M parameters), seq_len {args.seq_len}, local batch {args.local_batch_size}, "
-          f"{args.dtype}, {args.steps} steps (first {args.warmup_steps} left out); {device} ({where}); torch {torch.__version__}")
-    sources: dict[str, list[str]] = {}
-    for name, (_, _, figures) in results.items():
-        sources.setdefault(figures["peak_source"], []).append(LAYOUTS[name][0])
-    print("MFU peak (rank 0's): " + "; ".join(f"{source} ({', '.join(labels)})" for source, labels in sources.items()))
+    peaks = {(s.dtype, min(gpus, LAYOUTS[name][1])): None for name in results for s in settings}
+    peaks = {key: peak_flops(key[0], key[1]) for key in peaks}
+    where = torch.cuda.get_device_name(0) if gpus else f"CPU, {usable_cores()} cores"
+    print(f"debug model, seq_len {args.seq_len}, local batch {args.local_batch_size} per data-parallel rank, {args.steps} steps "
+          f"(first {args.warmup_steps} left out); {where}; torch {torch.__version__}")
+    print("matmul peaks: " + "; ".join(f"{dtype} {peak / 1e9:,.0f} GFLOP/s ({source})" for (dtype, _), (peak, source) in peaks.items()))
     print()
-    print("| layout | processes x threads | tokens/s per rank | vs 1 process | MFU | MFU peak per rank | peak memory per rank |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    baseline = results["one"][2]["tps"] if "one" in results else None
-    for name, (nproc, threads, figures) in results.items():
-        ratio = f"{figures['tps'] / baseline:.2f}" if baseline else "n/a"
-        print(f"| {LAYOUTS[name][0]} | {nproc} x {threads} | {figures['tps']:,.0f} | {ratio} | {figures['mfu']:.3g}% | "
-              f"{figures['peak_gflops']:,.0f} GFLOP/s | {figures['memory_gib']:.2f} GiB |")
+    print_table(results, peaks, gpus)
+    print_ratios(results)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def build(dp: int, tp: int, seed: int):
     with torch.device("meta"):
         model = Llama(args)
     if tp > 1:
-        llama3_spec.apply_tp(model, meshes.tp, False)
+        llama3_spec.apply_tp(model, meshes.tp, False, False)
     if dp > 1:
         apply_fsdp(model, meshes.fsdp, param_dtype="float32", reduce_dtype="float32", reshard_after_forward="default",
                    cpu_offload=False, prefetch_depth=0, shard_module_classes=[])

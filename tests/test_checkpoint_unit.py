@@ -156,7 +156,7 @@ def test_rope_permutation_maps_interleaved_rope_to_rotate_half_rope():
     cos_sin = rope_cos_sin(args, "cpu")
     ours = apply_rope((x @ wq.T).view(1, 5, args.n_heads, args.head_dim), cos_sin)
     q_hf = (x @ hf_llama.interleaved_to_half(wq, args.n_heads).T).view(1, 5, args.n_heads, args.head_dim)
-    cos, sin = cos_sin[:5, :, 0], cos_sin[:5, :, 1]
+    cos, sin = cos_sin[:5].real, cos_sin[:5].imag  # the table holds cos + i*sin
     cos, sin = torch.cat([cos, cos], -1)[None, :, None], torch.cat([sin, sin], -1)[None, :, None]
     half = args.head_dim // 2
     rotate_half = torch.cat([-q_hf[..., half:], q_hf[..., :half]], -1)

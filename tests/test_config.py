@@ -52,7 +52,7 @@ def test_debug_model_is_the_cpu_default():
     assert (cfg.model.name, cfg.model.flavor) == ("llama3", "debugmodel")
     assert (cfg.training.local_batch_size, cfg.training.seq_len, cfg.training.steps) == (8, 256, 100)
     assert cfg.training.dataset == "builtin"
-    assert cfg.training.mixed_precision_param == "float32"
+    assert cfg.training.mixed_precision_param == "auto"
     assert cfg.optimizer.lr == 8e-4 and cfg.lr_scheduler.warmup_steps == 10
     assert not cfg.checkpoint.enable_checkpoint and cfg.checkpoint.interval == 50
     assert cfg.metrics.enable_tensorboard and cfg.parallelism.data_parallel_shard_degree == -1

@@ -112,7 +112,8 @@ TRAINER_ARGS = EQUIVALENCE_ARGS + ["--model.name", "gpt2"]
 
 # name: (processes, overrides). Global batch 8 = local_batch_size x dp; TP 2 everywhere.
 TP_LAYOUTS = {
-    "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+    "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+             "--parallelism.sequence_parallel", "on"]),  # the GPU default, checked on gloo
     "fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
 }
 

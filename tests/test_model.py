@@ -10,9 +10,9 @@ from titanlite.models import get_model_spec
 from titanlite.models.llama import LlamaArgs, llama3_spec
 from titanlite.models.llama.model import Llama, apply_rope, rope_cos_sin, rope_frequencies
 
-# Meta's published parameter counts for Llama 3.1 (vocab 128256).
-PUBLISHED = {"8B": 8_030_261_248, "70B": 70_553_706_496, "405B": 405_853_388_800}
-FFN_HIDDEN = {"8B": 14336, "70B": 28672, "405B": 53248}
+# Meta's published parameter counts for Llama 3.1 and 3.2 (vocab 128256; 3.2 ties embeddings).
+PUBLISHED = {"8B": 8_030_261_248, "70B": 70_553_706_496, "405B": 405_853_388_800, "1B": 1_235_814_400, "3B": 3_212_749_824}
+FFN_HIDDEN = {"8B": 14336, "70B": 28672, "405B": 53248, "1B": 8192, "3B": 8192}
 
 
 def build_on_meta(args: LlamaArgs) -> Llama:
@@ -20,7 +20,7 @@ def build_on_meta(args: LlamaArgs) -> Llama:
         return Llama(args)
 
 
-@pytest.mark.parametrize("flavor", ["8B", "70B", "405B"])
+@pytest.mark.parametrize("flavor", ["1B", "3B", "8B", "70B", "405B"])
 def test_published_flavors_have_published_sizes(flavor):
     args = llama3_spec.args_for(flavor, vocab_size=128256)
     model = build_on_meta(args)
@@ -28,6 +28,14 @@ def test_published_flavors_have_published_sizes(flavor):
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED[flavor]
     assert args.ffn_hidden_dim == FFN_HIDDEN[flavor]
     assert model.layers["0"].attention.wk.weight.shape == (8 * args.head_dim, args.dim)  # GQA: 8 kv heads
+
+
+def test_llama_3_2_flavors_tie_and_scale_rope_by_32():
+    for flavor, (dim, layers, heads) in {"1B": (2048, 16, 32), "3B": (3072, 28, 24)}.items():
+        args = llama3_spec.flavors[flavor]
+        assert (args.dim, args.n_layers, args.n_heads, args.kv_heads) == (dim, layers, heads, 8)
+        assert args.tie_word_embeddings and args.rope_scaling == (32.0, 1.0, 4.0, 8192) and args.rope_theta == 500000.0
+    assert not any(llama3_spec.flavors[f].tie_word_embeddings for f in ("debugmodel", "8B", "70B", "405B"))
 
 
 def test_debug_model_size_matches_formula():

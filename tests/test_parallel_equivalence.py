@@ -17,6 +17,9 @@ LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
     "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+    # Sequence parallelism is the GPU default (off on CPU): the same plan checked on gloo.
+    "fsdp2_tp2_sp": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                         "--parallelism.sequence_parallel", "on"]),
     "hsdp2x2": (4, ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"]),
     "fsdp2_accum2": (2, ["--training.local_batch_size", "2", "--training.global_batch_size", "8"]),
     "fsdp2_ac": (2, ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"]),

@@ -24,6 +24,7 @@ from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.memory import check_training_state_fits
 from titanlite.parallel.mesh import Meshes, ParallelDims
+from titanlite.parallel.tensor_parallel import sequence_parallel_for
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ def parallelize(model: torch.nn.Module, plan: Plan, meshes: Meshes) -> None:
     """Apply the parallelisms in their fixed order: TP -> AC -> compile -> FSDP."""
     cfg, dims = plan.cfg, plan.dims
     if dims.tp_enabled:
-        plan.spec.apply_tp(model, meshes.tp, cfg.parallelism.enable_loss_parallel)
+        sequence_parallel = sequence_parallel_for(meshes.tp, cfg.parallelism.sequence_parallel)
+        plan.spec.apply_tp(model, meshes.tp, cfg.parallelism.enable_loss_parallel, sequence_parallel)
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(model)

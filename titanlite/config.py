@@ -63,8 +63,8 @@ class Optimizer:
     beta2: float = _opt(0.95, "AdamW second-moment decay", ge=0, lt=1)
     eps: float = _opt(1e-8, "AdamW denominator epsilon", gt=0)
     weight_decay: float = _opt(0.1, "decoupled weight decay", ge=0)
-    implementation: str = _opt("foreach", "AdamW kernels: one fused kernel, multi-tensor foreach, or a per-parameter loop",
-                               choices=("fused", "foreach", "for-loop"))
+    implementation: str = _opt("fused", "AdamW kernels: one fused kernel (CPU and GPU), multi-tensor foreach, or a "
+                               "per-parameter loop", choices=("fused", "foreach", "for-loop"))
 
 
 @dataclass
@@ -98,8 +98,9 @@ class Training:
     steps: int = _opt(10000, "optimizer steps to train for", gt=0)
     seed: int = _opt(42, "random seed for weight init and data order", ge=0)
     deterministic: bool = _opt(False, "use deterministic kernels (slower; for bitwise-reproducible runs)")
-    mixed_precision_param: str = _opt("bfloat16", "dtype of parameters in forward/backward (FSDP mixed precision)",
-                                      choices=("float32", "bfloat16"))
+    mixed_precision_param: str = _opt("auto", "compute dtype of forward/backward (FSDP mixed precision, or autocast "
+                                      "without FSDP); auto = bfloat16 on GPUs and on CPUs with fast native bf16 "
+                                      "matmuls, else float32", choices=("auto", "float32", "bfloat16"))
     mixed_precision_reduce: str = _opt("float32", "dtype of gradient reduce-scatter/all-reduce",
                                        choices=("float32", "bfloat16"))
     enable_cpu_offload: bool = _opt(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
@@ -131,6 +132,9 @@ class Parallelism:
     data_parallel_shard_degree: int = _opt(-1, "ways FSDP2 shards the model; -1 = the remaining ranks", ge=1, special=-1)
     tensor_parallel_degree: int = _opt(1, "ways each layer is split by tensor parallelism", ge=1)
     enable_loss_parallel: bool = _opt(True, "with TP: compute the loss on vocab-sharded logits without gathering them")
+    sequence_parallel: str = _opt("auto", "with TP: shard the residual stream by sequence between blocks (on), keep it "
+                                  "whole on every rank (off), or auto: on off the CPU (gloo has no native reduce-scatter)",
+                                  choices=("auto", "on", "off"))
     fsdp_reshard_after_forward: str = _opt("default", "free gathered parameters after forward: default (all but the "
                                            "root), always, or never (more memory, less communication)",
                                            choices=("default", "always", "never"))

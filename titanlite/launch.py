@@ -1,7 +1,17 @@
 """`python -m titanlite.launch [torchrun args] -m titanlite.train ...`: torchrun, with one-line endings.
 
 This is torchrun itself (`torch.distributed.run`): same flags, same c10d rendezvous, same
-elastic agent and `--max-restarts`. What it adds is how a run ends:
+elastic agent and `--max-restarts`. It adds CPU thread settings for the workers and how a run ends.
+
+On a host without GPUs the workers share its cores, so unless the caller set them:
+OMP_NUM_THREADS = cores / processes (torchrun's own default is 1 thread per process), and
+OMP_WAIT_POLICY = PASSIVE: torch's CPU wheels run intra-op parallelism on GNU OpenMP
+(libgomp, which MKL follows), whose idle threads otherwise spin after every parallel
+region and starve whatever else needs the cores (another rank, gloo's threads, the data
+prefetcher); docs/performance.md has the measurements. libgomp reads both once, at start,
+so they must be in the workers' environment.
+
+How a run ends:
 
 - A failure ends with one line naming the rank that failed first and how. A rank that
   exits with the user-error code has printed its own line, so the launcher exits with that
@@ -29,11 +39,13 @@ import signal
 import sys
 from types import FrameType
 
+import torch
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, USER_ERROR_EXIT_CODE
+from titanlite.parallel.distributed import usable_cores
 
 LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -134,6 +146,15 @@ def _signal_line(sig: signal.Signals) -> str:
     return f"titanlite: stopped by {sig.name}; the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 saves one first)"
 
 
+def set_cpu_thread_defaults(nproc_per_node: str) -> None:
+    """Thread settings for CPU workers (see the module docstring); values the caller set are kept."""
+    if torch.cuda.is_available():
+        return
+    if nproc_per_node.isdigit():
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // int(nproc_per_node))))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(sys.argv[1:] if argv is None else argv)
     problem = _args_problem(args)
@@ -145,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see module doc
     _take_stop_signals(args)
+    set_cpu_thread_defaults(str(args.nproc_per_node))
     try:
         run(args)
     except ChildFailedError as error:

@@ -149,7 +149,7 @@ def header(r: Report) -> list[str]:
         f"model: {cfg.model.name} {cfg.model.flavor}, {r.n_params:,} parameters ({r.vocab_note})",
         f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}; rank {r.rank} ({r.coordinate})",
         f"step: local_batch_size {cfg.training.local_batch_size} x seq_len {cfg.training.seq_len}, "
-        f"{cfg.training.mixed_precision_param} compute, activation checkpointing {ac}"
+        f"{cfg.training.mixed_precision_param.replace('auto', 'auto (bfloat16 on GPUs)')} compute, activation checkpointing {ac}"
         + (", loss parallel" if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else ""),
     ]
 

@@ -15,6 +15,10 @@ every `profile_freq` steps, and once more if the run runs out of memory, to
 says so once and the run goes on.
 
 Step numbers are the trainer's: a resumed run traces the same steps a fresh one would.
+
+Next to each Chrome trace goes a plain-text table of the recorded step's ops by self CPU
+time (`rank<r>_ops.txt`): the by-op share that docs/performance.md is written from, readable
+without a trace viewer.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ def _traces(cfg: JobConfig, rank: int, device: torch.device, start_step: int) ->
         step_folder = os.path.join(folder, f"iteration_{step}")
         os.makedirs(step_folder, exist_ok=True)
         prof.export_chrome_trace(os.path.join(step_folder, f"rank{rank}_trace.json"))
+        with open(os.path.join(step_folder, f"rank{rank}_ops.txt"), "w") as table:
+            table.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
         logger.info(f"profiler: trace of step {step} written to {step_folder}")
 
     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -8,15 +8,13 @@ parallelize -> optimizer -> checkpoint) and `train` runs a short loop of named s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from titanlite.build import Plan, build_model, plan_run
 from titanlite.checkpoint.manager import CheckpointManager
@@ -27,12 +25,14 @@ from titanlite.dtypes import DTYPES
 from titanlite.dump_folder import claim_dump_folder, parameter_count
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger
+from titanlite.loss import cross_entropy
 from titanlite.metrics import MetricsLogger, peak_flops
 from titanlite.numerics import NonFiniteSteps, StepAgreement, agree_on_step, inject_nan
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
+from titanlite.precision import resolve_compute_dtype
 from titanlite.preemption import die_with_launcher, received
 from titanlite.profiling import maybe_profile
 from titanlite.run_dir import start_run_dir
@@ -44,13 +44,13 @@ RANK0_REPORT_GRACE_S = 3.0
 
 class Trainer:
     def __init__(self, plan: Plan):
-        self.plan = plan
-        cfg = self.cfg = plan.cfg
         self.signals = received.install()  # first: a stop request during start-up is kept
-        self.dist = init_distributed(cfg.comm.init_timeout_seconds)
-        self.nonfinite = NonFiniteSteps(cfg.training.max_nan_skips, self.dist.rank)
+        self.dist = init_distributed(plan.cfg.comm.init_timeout_seconds)
+        self.nonfinite = NonFiniteSteps(plan.cfg.training.max_nan_skips, self.dist.rank)
         self.device = self.dist.device
-        init_logger(self.dist.rank, log_all_ranks=not cfg.metrics.rank_0_only)
+        init_logger(self.dist.rank, log_all_ranks=not plan.cfg.metrics.rank_0_only)
+        plan = self.plan = self._resolve_compute_dtype(plan)
+        cfg = self.cfg = plan.cfg
         if cfg.job.print_config:
             logger.info(f"config: {to_dict(cfg)}")
         self._seed(cfg.training.seed, cfg.training.deterministic)
@@ -82,6 +82,16 @@ class Trainer:
             f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
         )
 
+    def _resolve_compute_dtype(self, plan: Plan) -> Plan:
+        """The plan with `mixed_precision_param` made concrete ("auto" decided for this
+        device and agreed by every rank), said once at start-up."""
+        training = plan.cfg.training
+        choice = resolve_compute_dtype(training.mixed_precision_param, self.device)
+        logger.info(f"compute dtype {choice.name} ({choice.reason}); master weights and optimizer state float32, "
+                    f"gradient reductions {training.mixed_precision_reduce}")
+        training = dataclasses.replace(training, mixed_precision_param=choice.name)
+        return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, training=training))
+
     @staticmethod
     def _seed(seed: int, deterministic: bool) -> None:
         torch.manual_seed(seed)
@@ -108,16 +118,13 @@ class Trainer:
             tokenizer=self.plan.tokenizer,
         )
 
-    def _compute_context(self) -> contextlib.ExitStack:
-        """Loss parallel when the logits are vocab-sharded; autocast when FSDP (which owns
-        mixed precision otherwise) is not applied."""
-        stack = contextlib.ExitStack()
-        if self.plan.dims.tp_enabled and self.cfg.parallelism.enable_loss_parallel:
-            stack.enter_context(loss_parallel())
+    def _compute_context(self) -> contextlib.AbstractContextManager:
+        """Autocast when FSDP (which owns mixed precision otherwise) is not applied. (Loss
+        parallel needs no context: `cross_entropy` takes the vocab-sharded logits itself.)"""
         param_dtype = DTYPES[self.cfg.training.mixed_precision_param]
         if not self.plan.dims.fsdp_enabled and param_dtype != torch.float32:
-            stack.enter_context(torch.autocast(self.device.type, dtype=param_dtype))
-        return stack
+            return torch.autocast(self.device.type, dtype=param_dtype)
+        return contextlib.nullcontext()
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
         """Forward/backward over the microbatches, clip, agree with every rank on the step
@@ -129,11 +136,10 @@ class Trainer:
             set_gradient_sync(self.model, index == len(microbatches) - 1)
             inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
             with self._compute_context():
-                logits = self.model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / len(microbatches)
+                loss = cross_entropy(self.model(inputs), labels) / len(microbatches)
                 loss = inject_nan(self.state.step, loss)
                 loss.backward()
-            loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+            loss_sum += loss.detach()
         grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
         agreement = agree_on_step(self.signals.stop_signal, loss_sum, grad_norm)
         if self.nonfinite.allows_update(self.state.step, agreement, grad_norm):

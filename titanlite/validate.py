@@ -17,13 +17,12 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titanlite.config import Validation
 from titanlite.data.loader import TokenWindowLoader
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
+from titanlite.loss import cross_entropy
 from titanlite.metrics import MetricsLogger
 
 
@@ -62,8 +61,7 @@ class Validator:
                 inputs, labels = self.loader.batch_at(batch * self.loader.global_batch)
                 inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
                 with self.compute_context():
-                    loss = F.cross_entropy(self.model(inputs).flatten(0, 1).float(), labels.flatten())
-                total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+                    total += cross_entropy(self.model(inputs), labels)
         self.model.train(was_training)
         if self.dp_group is not None:
             dist.all_reduce(total, group=self.dp_group)

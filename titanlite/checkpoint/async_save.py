@@ -7,15 +7,20 @@ every rank's write results, so on rank 0 "my future resolved" means "every rank'
 and the index are on disk", with no barrier needed.
 
 - "disabled": `dcp.save` in the caller; the loop waits for the full write.
-- "async": `dcp.async_save` with DCP's thread executor. The storage writer stages the state
-  into fresh CPU tensors (the loop pays that copy), a thread writes them. Its collectives run
-  on a dedicated gloo group so they never interleave with training collectives.
-- "async_with_pinned_mem": DCP's process executor: `DefaultStager` copies into cached
-  shared-memory CPU buffers (pinned, with non-blocking copies, when CUDA exists; reused by
-  every later save), then a separate daemon process (spawned once, its own gloo group)
-  serializes and writes, so the trainer's Python thread and GIL never do the write.
-  Staging is synchronous on purpose: the trainer steps the optimizer right after `save`
-  returns, so the copy must be finished by then.
+- "async": `dcp.async_save` with DCP's thread executor: a thread plans and writes.
+- "async_with_pinned_mem": DCP's process executor: staging buffers in shared memory (pinned,
+  with non-blocking copies, when CUDA exists), then a separate daemon process (spawned once,
+  its own gloo group) serializes and writes, so the trainer's Python thread and GIL never
+  do the write.
+
+Both async strategies stage (copy the state off the live tensors) in the background too,
+into buffers a `DefaultStager` keeps across saves, so `save` returns after handing the state
+over and the loop's stall is not the copy (which was most of it: ~13% of a blocking save,
+into fresh, page-faulting memory each time). The live tensors change only in an optimizer
+step, so `StepGate` holds every optimizer step until the pending copy is done; the copy
+overlaps the next forward and backward and the loop never waits unless a step comes first.
+Each async strategy's collectives run on a dedicated gloo group so they never interleave
+with training collectives.
 
 The test hook `TITANLITE_TEST_SLOW_WRITE_S` makes every rank's writer pause after writing
 its shards and before reporting back, which holds a save in flight long enough for a test
@@ -26,14 +31,16 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from titanlite.checkpoint.integrity import ChecksummingWriter
 from titanlite.logging import logger
@@ -85,52 +92,102 @@ class Saver:
         """Release what the strategy holds; the manager waits for in-flight saves first."""
 
 
-class ThreadSaver(Saver):
-    """The "async" mode: DCP's thread executor."""
+class StepGate:
+    """Holds optimizer steps until a background staging copy has read the tensors.
 
-    def save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> Future:
-        # FileSystemWriter is also DCP's blocking stager: async_save copies the state into
-        # new CPU tensors before returning, so training may modify the originals at once.
-        return dcp.async_save(state_dict, storage_writer=make_storage_writer(path), process_group=self.process_group)
+    A global optimizer step pre-hook (torch.optim's `register_optimizer_step_pre_hook`), so
+    it covers whatever optimizer the trainer steps; installed at the first save, removed at
+    close (not from inside the hook: torch iterates the hook dict while calling it)."""
+
+    def __init__(self) -> None:
+        self._staged: Future | None = None
+        self._hook: RemovableHandle | None = None
+        self.held_s = 0.0  # total time steps waited here: part of the loop's stall (the bench adds it)
+
+    def hold_until(self, staged: Future) -> None:
+        self._staged = staged
+        if self._hook is None:
+            self._hook = register_optimizer_step_pre_hook(self._wait)
+
+    def _wait(self, *_: Any) -> None:
+        """Block until the copy is done; its failure, if any, is the save's to report."""
+        if self._staged is not None:
+            staged, self._staged = self._staged, None
+            started = time.perf_counter()
+            wait([staged])
+            self.held_s += time.perf_counter() - started
+
+    def close(self) -> None:
+        self._wait()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
-class ProcessSaver(Saver):
-    """The "async_with_pinned_mem" mode: DCP's process executor with a cached stager."""
+class BackgroundStager:
+    """A `DefaultStager` that copies in its own thread into buffers reused by every save.
 
-    def __init__(self, process_group: dist.ProcessGroup | None):
-        super().__init__(process_group)
+    torch 2.11's DefaultStager empties its copier after every stage (a fix for a reference
+    cycle; 2.13 moved that to close()), so there a stager stages only once and every save
+    needs a new one; 2.13's keeps its staging buffers across saves."""
+
+    def __init__(self, shared_memory: bool):
+        self.shared_memory = shared_memory
+        self.gate = StepGate()
         self.stager = self._new_stager()
 
-    @staticmethod
-    def _new_stager() -> DefaultStager:
+    def _new_stager(self) -> DefaultStager:
         cuda = torch.cuda.is_available()
-        # Pinning and non-blocking copies need CUDA; shared memory lets the writer process
+        # Pinning and non-blocking copies need CUDA; shared memory lets a writer process
         # read the staged tensors without another copy.
-        return DefaultStager(
-            StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=cuda)
-        )
+        return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=self.shared_memory,
+                                            use_async_staging=True, use_non_blocking_copy=cuda))
 
-    def _usable_stager(self) -> DefaultStager:
-        """torch 2.11's DefaultStager empties its copier after every stage (a fix for a
-        reference cycle; 2.13 moved that to close()), so there a stager stages only once and
-        every save needs a new one; 2.13's keeps its staging buffers across saves."""
+    def usable(self) -> DefaultStager:
         inner = getattr(self.stager, "_state_dict_stager", None)
         if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
             self.stager.close()
             self.stager = self._new_stager()
         return self.stager
 
+    def close(self) -> None:
+        self.gate.close()
+        self.stager.close()
+
+
+class ThreadSaver(Saver):
+    """The "async" mode: DCP's thread executor, staging in the background."""
+
+    shared_memory = False
+    executor = AsyncCheckpointerType.THREAD
+
+    def __init__(self, process_group: dist.ProcessGroup | None):
+        super().__init__(process_group)
+        self.staging = BackgroundStager(self.shared_memory)
+
     def save(self, state_dict: dict[str, Any], path: str | os.PathLike) -> Future:
-        return dcp.async_save(
+        response = dcp.async_save(
             state_dict,
             storage_writer=make_storage_writer(path),
             process_group=self.process_group,
-            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-            async_stager=self._usable_stager(),
+            async_checkpointer_type=self.executor,
+            async_stager=self.staging.usable(),
         )
+        self.staging.gate.hold_until(response.staging_completion)
+        return response.upload_completion
 
     def close(self) -> None:
-        self.stager.close()
+        self.staging.close()
+
+
+class ProcessSaver(ThreadSaver):
+    """The "async_with_pinned_mem" mode: DCP's process executor, staging into shared memory."""
+
+    shared_memory = True
+    executor = AsyncCheckpointerType.PROCESS
+
+    def close(self) -> None:
+        super().close()
         _stop_dcp_checkpoint_process()
 
 

@@ -24,8 +24,8 @@ class ModelSpec:
     name: str
     model_class: Callable[[Any], nn.Module]
     flavors: Mapping[str, Any]
-    # (model, tp_mesh, loss_parallel) -> None: parallelize_module the model in place.
-    apply_tp: Callable[[nn.Module, DeviceMesh, bool], None]
+    # (model, tp_mesh, loss_parallel, sequence_parallel) -> None: parallelize_module the model in place.
+    apply_tp: Callable[[nn.Module, DeviceMesh, bool, bool], None]
     # (args, tp_degree) -> one message per size that does not split tp_degree ways.
     tp_problems: Callable[[Any, int], list[str]]
     # (args, n_params, seq_len) -> training FLOPs per token (forward + backward).

@@ -1,9 +1,16 @@
-"""torch.compile per transformer block."""
+"""torch.compile per transformer block, on CPU (Inductor's C++ backend) and on GPU (Triton)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
+
+# Inductor has no code generation for complex numbers and warns once per graph; a complex
+# op (Llama's RoPE multiply) then runs as its eager kernel, one vectorized pass already,
+# and everything around it is still fused.
+warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex operators")
 
 
 def apply_compile(model: nn.Module) -> None:

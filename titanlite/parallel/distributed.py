@@ -63,6 +63,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, which containers narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_cpu_threads(local_world_size: int) -> None:
+    """Intra-op threads: OMP_NUM_THREADS when set (the launcher sets cores / processes),
+    else this host's cores split between its processes, since more threads than cores
+    halves matmul speed. Inter-op threads: one, since training runs no inter-op parallel
+    work (autograd on CPU runs in the calling thread; gloo and DCP have their own threads)
+    and idle pool threads only compete for the same cores."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, usable_cores() // local_world_size))
+    if torch.get_num_interop_threads() != 1:
+        torch.set_num_interop_threads(1)
+
+
 def init_distributed(init_timeout_seconds: int) -> DistInfo:
     """Join the process group and pick this rank's device and CPU threads."""
     if "MASTER_ADDR" not in os.environ:  # launched without torchrun: a world of one
@@ -77,9 +94,7 @@ def init_distributed(init_timeout_seconds: int) -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        if "OMP_NUM_THREADS" not in os.environ:
-            # Processes share the cores: more threads than cores halves matmul speed.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        set_cpu_threads(local_world_size)
     dist.init_process_group(backend, timeout=timedelta(seconds=init_timeout_seconds), device_id=device if backend == "nccl" else None)
     _timeouts.seconds, _timeouts.groups = init_timeout_seconds, [dist.group.WORLD]
     return DistInfo(rank, world_size, local_rank, local_world_size, device)

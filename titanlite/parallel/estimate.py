@@ -72,7 +72,9 @@ class StepShape:
 
     @classmethod
     def from_config(cls, cfg: Any, tp: int) -> StepShape:
-        act_bytes = torch_dtype(cfg.training.mixed_precision_param).itemsize
+        compute = cfg.training.mixed_precision_param
+        # "auto" is bfloat16 on the GPUs a plan is for (titanlite/precision.py).
+        act_bytes = torch_dtype("bfloat16" if compute == "auto" else compute).itemsize
         return cls(
             cfg.training.local_batch_size, cfg.training.seq_len, tp, cfg.parallelism.enable_loss_parallel and tp > 1,
             act_bytes, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,

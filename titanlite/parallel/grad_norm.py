@@ -16,7 +16,8 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
 def _replication(grad: torch.Tensor) -> int:
@@ -30,17 +31,34 @@ def _replication(grad: torch.Tensor) -> int:
 def align_grads_with_params_(parameters: list[torch.nn.Parameter]) -> None:
     """Give every DTensor gradient its parameter's placements before the norm and the step.
 
-    Two layouts reach here different from the parameter's: a replicated weight used on
-    sequence shards (norms under sequence parallel, with no FSDP to reduce it) gets a
-    Partial gradient, which must be summed once so the norm, the clipping and the optimizer
-    see the true gradient; and a vocab-sharded embedding table gets a Replicate gradient
-    (DTensor's embedding backward has no row-sharded rule), which is sliced back to the
-    parameter's shard, locally, so no rank keeps a full-table gradient.
+    Two layouts reach here different from the parameter's: a replicated weight that saw
+    only part of the computation on each rank (norm weights under tensor parallelism, with
+    no FSDP to reduce them) gets a Partial gradient, which must be summed once so the norm,
+    the clipping and the optimizer see the true gradient; and a vocab-sharded embedding
+    table gets a Replicate gradient (DTensor's embedding backward has no row-sharded rule),
+    which is sliced back to the parameter's shard, locally, so no rank keeps a full-table
+    gradient. The Partial sums on one mesh go out as one all-reduce, not one per weight.
     """
+    partial: dict[DeviceMesh, list[torch.nn.Parameter]] = {}
     for p in parameters:
         g = p.grad
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        if not (isinstance(g, DTensor) and isinstance(p, DTensor)) or g.placements == p.placements:
+            continue
+        if g.device_mesh.ndim == 1 and g.placements[0] == Partial("sum") and p.placements[0] == Replicate():
+            partial.setdefault(g.device_mesh, []).append(p)
+        else:
             p.grad = g.redistribute(g.device_mesh, p.placements)
+    for mesh, params in partial.items():
+        _sum_partial_grads_(mesh, params)
+
+
+def _sum_partial_grads_(mesh: DeviceMesh, params: list[torch.nn.Parameter]) -> None:
+    """Replace Partial(sum) gradients on a 1-D mesh by their Replicate sums, in one all-reduce."""
+    locals_ = [p.grad.to_local() for p in params]
+    flat = torch.cat([t.flatten() for t in locals_])
+    dist.all_reduce(flat, group=mesh.get_group())
+    for p, local, summed in zip(params, locals_, flat.split([t.numel() for t in locals_])):
+        p.grad = DTensor.from_local(summed.view_as(local), mesh, (Replicate(),), run_check=False)
 
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -1,58 +1,132 @@
-"""Building blocks for tensor-parallel plans with sequence parallelism.
+"""Building blocks for Megatron-style tensor-parallel plans, with or without sequence parallelism.
 
 A model's plan (e.g. `models/llama/parallelize.py`) is a dict for `parallelize_module`;
-these helpers name the few layouts every Megatron-style plan repeats, so a plan reads as
-"where activations are sequence-sharded and where they are replicated".
+these helpers name the few layouts every such plan repeats, so a plan reads as "where
+activations are sharded and where they are replicated".
 
-Activations between blocks are sharded on the sequence dimension (Shard(1)). Each
-attention / MLP sub-module gathers them to Replicate on entry, runs colwise-then-rowwise
-linears on local head / hidden shards, and reduce-scatters back to Shard(1) on exit.
+Each attention / MLP sub-module runs colwise-then-rowwise linears on local head / hidden
+shards; what differs is the residual stream between them:
+
+- with sequence parallelism (`Shard(1)` between blocks), sub-modules all-gather the sequence
+  on entry and reduce-scatter it on exit, and norms run on sequence shards: the activation
+  memory outside attention / MLP is split tp ways;
+- without it (`Replicate` between blocks), each rowwise exit all-reduces and every rank runs
+  the norms on the whole sequence (backward all-reduces the input gradient at the entry).
+
+Both move the same bytes on a backend with a native reduce-scatter (NCCL). Gloo has none:
+its reduce-scatter clones the input, all-reduces it and copies out a slice, and its
+all-gather goes through a flat buffer, so on CPU sequence parallelism costs an all-reduce
+*plus* an all-gather and their copies per sub-layer (measured on 2 gloo ranks, 4 MiB:
+reduce-scatter slower than all-reduce). `sequence_parallel_for` picks sequence parallelism
+where it pays, off the CPU, unless `parallelism.sequence_parallel` says on or off (the tests
+run it on gloo too, so the GPU plan is checked on this CPU).
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
+from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "ColwiseParallel",
-    "SequenceParallel",
-    "embedding_to_sequence_shards",
-    "gather_sequence_on_entry",
+    "ReplicateParallel",
+    "activations_layout",
+    "block_entry",
+    "norm",
     "output_projection",
-    "rowwise_to_sequence_shards",
+    "rowwise_exit",
+    "sequence_parallel_for",
+    "vocab_sharded_embedding",
 ]
 
 
-def embedding_to_sequence_shards() -> RowwiseParallel:
-    """Vocab-sharded embedding table whose output leaves sharded on the sequence."""
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+class ReplicateParallel(ParallelStyle):
+    """Every parameter a Replicate DTensor on the tp mesh, inputs read as replicated, the
+    output left a DTensor. For a module every rank computes in full: norms without sequence
+    parallelism, GPT-2's position table. The backward of reading a plain input as Replicate
+    all-reduces its Partial gradient, which is Megatron's entry all-reduce."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._replicate_inputs)
+
+    @staticmethod
+    def _replicate_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(
+            x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Replicate(),), run_check=False) for x in inputs
+        )
 
 
-def gather_sequence_on_entry(extra_inputs: int = 0) -> PrepareModuleInput:
-    """All-gather a sequence-sharded first input to Replicate; pass `extra_inputs` through."""
+class _WaitedRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel whose output collective has completed when the module returns.
+
+    For the embedding, whose output enters the first transformer block: under torch.compile
+    that block must not receive the AsyncCollectiveTensor RowwiseParallel returns (torch
+    2.13 then hands DTensor's Redistribute backward a plain tensor: "'Tensor' object has no
+    attribute '_local_tensor'"). Waiting costs nothing here, the block needs the activations
+    at once. Same signature as RowwiseParallel's (torch 2.11 and 2.13)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
+
+
+def sequence_parallel_for(tp_mesh: DeviceMesh, setting: str = "auto") -> bool:
+    """`parallelism.sequence_parallel`: "on", "off", or "auto" = where the backend
+    reduce-scatters natively (not gloo, on CPU)."""
+    if setting == "auto":
+        return tp_mesh.device_type != "cpu"
+    return setting == "on"
+
+
+def activations_layout(sequence_parallel: bool) -> Placement:
+    """The residual stream between blocks: sequence shards, or the whole sequence on every rank."""
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+def vocab_sharded_embedding(sequence_parallel: bool) -> RowwiseParallel:
+    """Vocab-sharded embedding table whose partial lookups leave in the residual layout."""
+    return _WaitedRowwiseParallel(input_layouts=Replicate(), output_layouts=activations_layout(sequence_parallel))
+
+
+def norm(sequence_parallel: bool) -> ParallelStyle:
+    """A norm (weights replicated) on sequence shards, or on the whole replicated sequence."""
+    return SequenceParallel() if sequence_parallel else ReplicateParallel()
+
+
+def block_entry(sequence_parallel: bool, extra_inputs: int = 0) -> PrepareModuleInput:
+    """Entry of attention / MLP: the first input as Replicate (an all-gather of sequence
+    shards, or nothing when the norm already left it replicated); `extra_inputs` pass through."""
     passthrough = (None,) * extra_inputs
     return PrepareModuleInput(
-        input_layouts=(Shard(1), *passthrough),
+        input_layouts=(activations_layout(sequence_parallel), *passthrough),
         desired_input_layouts=(Replicate(), *passthrough),
     )
 
 
-def rowwise_to_sequence_shards() -> RowwiseParallel:
-    """Rowwise linear whose partial sums are reduce-scattered onto sequence shards."""
-    return RowwiseParallel(output_layouts=Shard(1))
+def rowwise_exit(sequence_parallel: bool) -> RowwiseParallel:
+    """Last linear of attention / MLP: its partial sums reduce-scattered onto sequence shards,
+    or all-reduced."""
+    return RowwiseParallel(output_layouts=activations_layout(sequence_parallel))
 
 
-def output_projection(loss_parallel: bool) -> ColwiseParallel:
+def output_projection(loss_parallel: bool, sequence_parallel: bool) -> ColwiseParallel:
     """Vocab-sharded output head. With loss parallel the logits stay a vocab-sharded
     DTensor (never gathered); the loss must then run under `loss_parallel()`."""
     return ColwiseParallel(
-        input_layouts=Shard(1),
+        input_layouts=activations_layout(sequence_parallel),
         output_layouts=Shard(-1) if loss_parallel else Replicate(),
         use_local_output=not loss_parallel,
     )

@@ -7,10 +7,25 @@ from titanlite.models.spec import ModelSpec, transformer_flops_per_token
 
 # Llama 3.1 long-context RoPE scaling: factor, low/high frequency factors, original context.
 _LLAMA31_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
+# Llama 3.2 (1B, 3B) scales by 32 from the same 8192 context.
+_LLAMA32_ROPE_SCALING = (32.0, 1.0, 4.0, 8192)
 
 llama3_flavors: dict[str, LlamaArgs] = {
     # CPU-sized: trains on 2 cores in minutes with the bundled 4k-vocab tokenizer.
     "debugmodel": LlamaArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, rope_theta=500000.0, max_seq_len=2048),
+    # The same with one table for embedding and head, as Llama 3.2 has: tying on CPU layouts.
+    "debugmodel_tied": LlamaArgs(
+        dim=256, n_layers=6, n_heads=8, n_kv_heads=4, rope_theta=500000.0, max_seq_len=2048, tie_word_embeddings=True
+    ),
+    # The published Llama 3.2 hyperparameters (Meta's params.json; vocab 128256), for one GPU.
+    "1B": LlamaArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+        rope_theta=500000.0, rope_scaling=_LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_word_embeddings=True,
+    ),
+    "3B": LlamaArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+        rope_theta=500000.0, rope_scaling=_LLAMA32_ROPE_SCALING, max_seq_len=131072, tie_word_embeddings=True,
+    ),
     # The published Llama 3.1 hyperparameters (vocab 128256 with Meta's tokenizer).
     "8B": LlamaArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
@@ -33,8 +48,9 @@ llama3_spec = ModelSpec(
     apply_tp=apply_tp,
     tp_problems=tp_problems,
     hf_adapter=hf_adapter,
+    # The embedding lookup does no matmul; a tied table is counted once, as the head.
     flops_per_token=lambda args, n_params, seq_len: transformer_flops_per_token(
-        n_params - args.vocab_size * args.dim, args.n_layers, args.n_heads * args.head_dim, seq_len
+        n_params - (0 if args.tie_word_embeddings else args.vocab_size * args.dim), args.n_layers, args.n_heads * args.head_dim, seq_len
     ),
 )
 

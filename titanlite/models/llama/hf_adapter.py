@@ -69,9 +69,12 @@ def half_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face names and layout (new tensors, inputs untouched)."""
+    """Our full state dict -> Hugging Face names and layout (new tensors, inputs untouched).
+    A tied model's head is its embedding table: HF stores it once, as `embed_tokens`."""
     out = {}
     for key, value in state_dict.items():
+        if key == "output.weight" and args.tie_word_embeddings:
+            continue
         name = _rename(key, _TO_HF)
         if key.endswith("attention.wq.weight"):
             value = interleaved_to_half(value, args.n_heads)
@@ -83,7 +86,8 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Ten
 
 def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
     """Hugging Face names and layout -> our full state dict. HF's non-weight buffers
-    (`rotary_emb.inv_freq` in old exports) are dropped; anything else unknown is an error."""
+    (`rotary_emb.inv_freq` in old exports) are dropped; anything else unknown is an error.
+    A tied model's `output.weight` is the embedding table (HF files may omit `lm_head`)."""
     out = {}
     for key, value in state_dict.items():
         if key.endswith("rotary_emb.inv_freq"):
@@ -94,6 +98,8 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.T
         elif name.endswith("attention.wk.weight"):
             value = half_to_interleaved(value, args.kv_heads)
         out[name] = value.contiguous()
+    if args.tie_word_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
     return out
 
 
@@ -127,7 +133,7 @@ def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_word_embeddings,
         "initializer_range": 0.02,
         "torch_dtype": dtype_name(dtype),
     }
@@ -214,6 +220,7 @@ def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
         rope_theta=described["rope_theta"],
         rope_scaling=described["rope_scaling"],
         max_seq_len=config.get("max_position_embeddings", 8192),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
     args = dataclasses.replace(base, **values) if base is not None else LlamaArgs(**values)
     unsupported = [key for key in ("tie_word_embeddings", "attention_bias", "mlp_bias") if described[key]]

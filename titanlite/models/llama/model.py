@@ -37,6 +37,8 @@ class LlamaArgs:
     max_seq_len: int = 8192
     # Scale the init of each block's output projections by its depth (torchtitan's default).
     depth_init: bool = True
+    # One table for the token embedding and the output head (Llama 3.2 1B and 3B do this).
+    tie_word_embeddings: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -71,37 +73,32 @@ def rope_frequencies(args: LlamaArgs) -> torch.Tensor:
 
 
 def rope_cos_sin(args: LlamaArgs, device: torch.device | str) -> torch.Tensor:
-    """cos and sin for every position up to max_seq_len, stacked: [max_seq_len, head_dim/2, 2]."""
+    """cos + i*sin of every position's rotation angles, complex64: [max_seq_len, head_dim/2].
+
+    Complex, so that RoPE is one complex multiply (no stack/cat copies), and because FSDP's
+    mixed precision casts only floating-point block inputs: the angles stay in float32
+    precision even when the blocks compute in bf16.
+    """
     positions = torch.arange(args.max_seq_len, dtype=torch.float64)
     angles = torch.outer(positions, rope_frequencies(args))
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).float().to(device)
+    return torch.polar(torch.ones_like(angles), angles).to(device=device, dtype=torch.complex64)
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1) of x: [batch, seq, heads, head_dim]."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = pairs.unbind(-1)
-    cos, sin = cos_sin[: x.shape[1]].unsqueeze(1).unbind(-1)  # [seq, 1, head_dim/2]
-    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    """Rotate interleaved pairs (x0, x1) of x: [batch, seq, heads, head_dim], in float32.
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+    Each pair is the complex number x0 + i*x1; rotating it by an angle is multiplying by
+    cos + i*sin, which one vectorized kernel does forward and one backward."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    rotated = pairs * cos_sin[: x.shape[1]].unsqueeze(1)  # [seq, 1, head_dim/2] over the heads
+    return torch.view_as_real(rotated).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.kv_repeats = args.n_heads // args.kv_heads
+        self.grouped = args.kv_heads != args.n_heads
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
@@ -113,10 +110,13 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
-        # GQA: each kv head serves kv_repeats query heads (also true of a TP shard).
-        k = k.repeat_interleave(self.kv_repeats, dim=2)
-        v = v.repeat_interleave(self.kv_repeats, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # GQA inside SDPA: each kv head serves n_heads / kv_heads query heads (also true of a
+        # TP shard), read in place instead of copied by repeat_interleave. The transposes
+        # are views; the CPU and CUDA kernels take strided heads, and the output's
+        # [batch, seq, heads, head_dim] memory makes the reshape below a view too.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=self.grouped
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -134,9 +134,9 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_proj_std = 0.02 / (2 * depth) ** 0.5
@@ -168,8 +168,10 @@ class Llama(nn.Module):
         # A ModuleDict keyed "0".."n-1" keeps parameter names stable when blocks are
         # wrapped (activation checkpointing, compile) and lets plans address blocks by name.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", rope_cos_sin(args, "meta"), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -182,11 +184,18 @@ class Llama(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Fill this rank's shard of every parameter, with the values of the same elements in
         any other parallel layout (see models/init.py)."""
+        if self.args.tie_word_embeddings:
+            # `to_empty` gives each module a new Parameter for a plain tensor (DTensor ones
+            # are swapped in place and stay shared): tie again before filling the table.
+            self.output.weight = self.tok_embeddings.weight
         self.rope_cache = rope_cos_sin(self.args, self.output.weight.device)
         init = ShardInit(self, seed)
-        init.normal(self.tok_embeddings.weight, std=1.0)
+        if not self.args.tie_word_embeddings:
+            init.normal(self.tok_embeddings.weight, std=1.0)
         for block in self.layers.values():
             block.init_weights(init)
         init.ones(self.norm.weight)
+        # A tied table takes the head's init (std dim^-0.5): at the embedding's std 1 the
+        # first logits would be sqrt(dim) times too large.
         cutoff = 3 * self.args.dim**-0.5
         init.trunc_normal(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)

@@ -1,4 +1,4 @@
-"""The Llama tensor-parallel plan (Megatron-style, with sequence parallelism)."""
+"""The Llama tensor-parallel plan (Megatron-style; sequence parallel where it pays)."""
 
 from __future__ import annotations
 
@@ -10,32 +10,40 @@ from titanlite.models.llama.model import LlamaArgs
 from titanlite.parallel import tensor_parallel as tp
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    """Shard q/k/v, w1/w3 by columns and wo/w2 by rows over `tp_mesh`, norms on sequence shards."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """Shard q/k/v, w1/w3 by columns and wo/w2 by rows over `tp_mesh`, the embedding and the
+    head by vocab; the residual stream sequence-sharded or replicated (`sequence_parallel`).
+
+    With tied embeddings both modules shard the one table by vocab rows (Shard(0)), but each
+    style swaps in its own DTensor parameter, so the tie is restored on the embedding's.
+    """
+    sp = sequence_parallel
     parallelize_module(
         model,
         tp_mesh,
         {
-            "tok_embeddings": tp.embedding_to_sequence_shards(),
-            "norm": tp.SequenceParallel(),
-            "output": tp.output_projection(loss_parallel),
+            "tok_embeddings": tp.vocab_sharded_embedding(sp),
+            "norm": tp.norm(sp),
+            "output": tp.output_projection(loss_parallel, sp),
         },
     )
+    if model.args.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         parallelize_module(
             block,
             tp_mesh,
             {
-                "attention_norm": tp.SequenceParallel(),
-                "attention": tp.gather_sequence_on_entry(extra_inputs=1),  # (x, rope_cache)
+                "attention_norm": tp.norm(sp),
+                "attention": tp.block_entry(sp, extra_inputs=1),  # (x, rope_cache)
                 "attention.wq": tp.ColwiseParallel(),
                 "attention.wk": tp.ColwiseParallel(),
                 "attention.wv": tp.ColwiseParallel(),
-                "attention.wo": tp.rowwise_to_sequence_shards(),
-                "ffn_norm": tp.SequenceParallel(),
-                "feed_forward": tp.gather_sequence_on_entry(),
+                "attention.wo": tp.rowwise_exit(sp),
+                "ffn_norm": tp.norm(sp),
+                "feed_forward": tp.block_entry(sp),
                 "feed_forward.w1": tp.ColwiseParallel(),
-                "feed_forward.w2": tp.rowwise_to_sequence_shards(),
+                "feed_forward.w2": tp.rowwise_exit(sp),
                 "feed_forward.w3": tp.ColwiseParallel(),
             },
         )
