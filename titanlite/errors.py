@@ -9,7 +9,7 @@ exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 class TitanliteError(Exception):
@@ -39,16 +39,18 @@ def one_line(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def user_errors(what: str) -> Iterator[None]:
+def user_errors(what: str, keep: Callable[[BaseException], object] | None = None) -> Iterator[None]:
     """Turn any failure inside the block into `TitanliteError("<what>: <cause>")`.
 
     For calls into libraries that fail on bad input with their own exception types (DCP
-    raises CheckpointException, a BaseException; datasets raises many). Ctrl-C, exits and
-    our own errors pass through unchanged.
+    raises CheckpointException, a BaseException; datasets raises many). Ctrl-C, exits, our
+    own errors and those `keep` returns a truthy value for pass through unchanged.
     """
     try:
         yield
     except (TitanliteError, KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as error:
+        if keep is not None and keep(error):
+            raise
         raise TitanliteError(f"{what}: {one_line(error)}") from None

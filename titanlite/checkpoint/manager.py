@@ -19,6 +19,7 @@ rank 0's housekeeping thread (`housekeeping.py`), never while the other ranks wa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from titanlite.checkpoint.housekeeping import Housekeeper
 from titanlite.checkpoint.restore import Restorer
 from titanlite.errors import user_errors
 from titanlite.logging import logger
-from titanlite.parallel.distributed import new_group
+from titanlite.parallel.distributed import collective_failure, new_group
 
 if TYPE_CHECKING:
     from titanlite.config import Checkpoint
@@ -149,7 +150,7 @@ class CheckpointManager:
         path = self._prepare_folder(step)
         self._saved_steps.add(step)
         if plan.blocking:
-            with user_errors(f"checkpoint: saving {path} failed"):  # DCP raises CheckpointException, a BaseException
+            with _save_errors(path):
                 self.saver.blocking_save(state, path)
             self._commit(step, path, record, time.perf_counter() - started)
         else:
@@ -165,7 +166,7 @@ class CheckpointManager:
 
     def _finish(self, pending: _PendingSave) -> None:
         self._pending = None
-        with user_errors(f"checkpoint: saving {pending.path} failed"):  # DCP raises CheckpointException, a BaseException
+        with _save_errors(pending.path):
             pending.future.result()
         self._commit(pending.step, pending.path, pending.record, time.perf_counter() - pending.started)
 
@@ -222,3 +223,10 @@ class CheckpointManager:
             tokens_seen=self.contents.tokens_seen(),
             tokenizer=self.tokenizer,
         )
+
+
+def _save_errors(path: Path) -> contextlib.AbstractContextManager:
+    """A failed save is one line (DCP raises CheckpointException, a BaseException), except a
+    collective whose peer died or hung inside DCP: that stays the trainer's collective-failure
+    line and exit code, so the launcher names the rank that failed first, not this one."""
+    return user_errors(f"checkpoint: saving {path} failed", keep=collective_failure)
