@@ -157,6 +157,11 @@ class MetricsLogger:
         self._record(step, scalars, {"validation_loss": "validation/loss", "validation_perplexity": "validation/perplexity"})
         return scalars
 
+    def log_skipped_steps(self, step: int, skipped: int) -> None:
+        """The running count of optimizer steps skipped for a non-finite loss or grad norm
+        (`training.max_nan_skips`), at the step that was skipped."""
+        self._record(step, {"skipped_steps": float(skipped)})
+
     def _record(self, step: int, scalars: dict[str, float], tags: dict[str, str] | None = None) -> None:
         """To TensorBoard (under `tags[name]`, else the name) and metrics.jsonl, with the wall
         time (Unix seconds) and the seconds since this logger started (the start of training)."""

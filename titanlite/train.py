@@ -144,8 +144,8 @@ class Trainer:
         agreement = agree_on_step(self.signals.stop_signal, loss_sum, grad_norm)
         if self.nonfinite.allows_update(self.state.step, agreement, grad_norm):
             self.optimizer.step()
-        elif self.metrics.writer is not None:
-            self.metrics.writer.add_scalar("skipped_steps", self.nonfinite.skipped, self.state.step)
+        else:
+            self.metrics.log_skipped_steps(self.state.step, self.nonfinite.skipped)
         self.lr_scheduler.step()
         return loss_sum, grad_norm, agreement
 
