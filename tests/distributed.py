@@ -37,8 +37,9 @@ def torchrun(nproc: int, module_or_script: list[str], args: list[str], timeout: 
 
 
 def run_trainer_worker(nproc: int, args: list[str], out: Path, timeout: float = 240) -> dict:
-    """Train with `args` on `nproc` processes; returns the worker's JSON (history, per-rank bytes)."""
-    result = torchrun(nproc, [str(WORKER), str(out)], args, timeout)
+    """Train with `args` (`--key value` pairs, a later one replacing an earlier) on `nproc`
+    processes; returns the worker's JSON (history, per-rank bytes)."""
+    result = torchrun(nproc, [str(WORKER), str(out)], with_overrides(args), timeout)
     if result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return json.loads(out.read_text())

@@ -52,7 +52,10 @@ def test_packages_import_only_what_the_architecture_allows(folder, forbidden):
 def test_config_engine_and_launcher_stay_leaves():
     assert imports_of(PACKAGE / "config_engine.py") <= {"titanlite.errors", "titanlite.errors.TitanliteError",
                                                           "titanlite.errors.USER_ERROR_EXIT_CODE"}
-    assert {n.split(".")[1] for n in imports_of(PACKAGE / "launch.py")} == {"errors"}
+    # The launcher runs no training code: error codes, and the host's core count for threads.
+    launcher = imports_of(PACKAGE / "launch.py")
+    assert {n.split(".")[1] for n in launcher} == {"errors", "parallel"}
+    assert {n for n in launcher if ".parallel." in n} == {"titanlite.parallel.distributed", "titanlite.parallel.distributed.usable_cores"}
 
 
 def test_no_module_over_400_lines_and_no_class_over_200():

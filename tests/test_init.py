@@ -41,7 +41,7 @@ LAYOUTS = {
 
 
 def plan_for(model: str, overrides: list[str], world: int):
-    cfg = load_config(["--config", "debug_model", "--model.name", model, "--training.seed", str(SEED),
+    cfg = load_config(["--config", "debug_model", "--model.name", model, "--training.seed", str(SEED), "--training.mixed_precision_param", "float32",
                        "--training.local_batch_size", "16", *overrides])  # fmt: skip
     return plan_run(cfg, world, vocab_size=VOCAB)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -113,7 +114,9 @@ def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path):
 
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert sorted(os.listdir(run_dir)) == [CONFIG_FILE, METRICS_FILE]
-    assert load_config(["--config", str(run_dir / CONFIG_FILE)]) == load_config(argv)
+    # The saved config is the one used: "auto" compute dtype as decided on this host.
+    used = re.search(r"compute dtype (\w+) \(auto", run.stdout + run.stderr).group(1)
+    assert load_config(["--config", str(run_dir / CONFIG_FILE)]) == load_config([*argv, "--training.mixed_precision_param", used])
     assert [p.name for p in (tmp_path / "tb").iterdir()] == [run_dir.name]
 
     records = read_metrics(run_dir)

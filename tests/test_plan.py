@@ -141,7 +141,8 @@ def test_debug_model_figures_match_a_real_run(nproc, tmp_path, monkeypatch):
     """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds, and the
     estimated step working set (activations + FSDP buffers) is within 30% of the measured
     peak of a training step above everything else the process holds."""
-    args = ["--config", "debug_model", "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)]
+    args = ["--config", "debug_model", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false",
+            "--job.dump_folder", str(tmp_path)]
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors' pages go back: RSS follows live tensors
     measured = measure(nproc, args, tmp_path / "memory.json")
     for rank, real in enumerate(measured):

@@ -112,7 +112,8 @@ def test_two_process_run_traces_each_rank_with_forward_backward_and_collectives(
     assert run.output.count(CUDA_ONLY_LINE) == 1, run.describe()
     traces = tmp_path / "profile_traces"
     assert [p.name for p in traces.iterdir()] == ["iteration_2"]
-    assert sorted(p.name for p in (traces / "iteration_2").iterdir()) == ["rank0_trace.json", "rank1_trace.json"]
+    assert sorted(p.name for p in (traces / "iteration_2").iterdir()) == ["rank0_ops.txt", "rank0_trace.json", "rank1_ops.txt", "rank1_trace.json"]
+    assert "aten::mm" in (traces / "iteration_2" / "rank0_ops.txt").read_text()  # the by-op table
     for rank in (0, 1):
         events = json.loads((traces / "iteration_2" / f"rank{rank}_trace.json").read_text())["traceEvents"]
         steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]

@@ -9,6 +9,7 @@ is touched. `build_model` then builds on meta, applies the parallelisms in their
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,13 @@ class Plan:
     dims: ParallelDims
     grad_accum_steps: int
 
+    def with_compute_dtype(self, name: str) -> Plan:
+        """This plan with `training.mixed_precision_param` made concrete: "auto" is decided
+        per device (`precision.py`, by the trainer; the planner takes bfloat16, a GPU's)
+        before anything is built."""
+        training = dataclasses.replace(self.cfg.training, mixed_precision_param=name)
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, training=training))
+
 
 def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> Plan:
     """Resolve the model, mesh degrees and batch split; every user error surfaces here.
@@ -62,6 +70,8 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
 def parallelize(model: torch.nn.Module, plan: Plan, meshes: Meshes) -> None:
     """Apply the parallelisms in their fixed order: TP -> AC -> compile -> FSDP."""
     cfg, dims = plan.cfg, plan.dims
+    if cfg.training.mixed_precision_param == "auto":
+        raise ValueError("parallelize: decide mixed_precision_param 'auto' first (Plan.with_compute_dtype)")
     if dims.tp_enabled:
         sequence_parallel = sequence_parallel_for(meshes.tp, cfg.parallelism.sequence_parallel)
         plan.spec.apply_tp(model, meshes.tp, cfg.parallelism.enable_loss_parallel, sequence_parallel)

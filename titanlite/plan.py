@@ -11,6 +11,7 @@ this rank's parameters, gradients and AdamW state from its local shards (exact),
 of activations and FSDP's gathered buffers (formulas in titanlite/parallel/estimate.py and
 docs/planning.md), their total against the device memory, and a verdict. `--materialize`
 then allocates and initializes rank R's shards for real and measures the resident memory.
+`training.mixed_precision_param = "auto"` is planned as bfloat16, what a GPU run picks.
 
 Exit code: 0 fits, 1 does not fit, 2 a config or argument error.
 """
@@ -34,6 +35,8 @@ from titanlite.parallel.fake_world import ShardCensus, census, init_fake_world, 
 from titanlite.parallel.memory import DEFAULT_GPU, GPU_MEMORY_GIB, parse_memory, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 CENSUS_MAX_WORLD = 4096
+PLANNED_AUTO_DTYPE = "bfloat16"
+"""What `mixed_precision_param = "auto"` becomes on the GPUs a plan is for (precision.py)."""
 """Above this world size the every-rank count (milliseconds a rank) is skipped."""
 
 
@@ -78,6 +81,8 @@ def plan_config(config_argv: list[str], args: argparse.Namespace) -> tuple[Plan,
         if str(error).startswith("model.tokenizer_path:"):
             raise TitanliteError(f"{error}; or plan without it: --vocab-size N (128256 for Llama 3)") from None
         raise
+    if cfg.training.mixed_precision_param == "auto":
+        plan = plan.with_compute_dtype(PLANNED_AUTO_DTYPE)
     source = "--vocab-size" if args.vocab_size is not None else cfg.model.tokenizer_path
     return plan, f"vocab {plan.model_args.vocab_size:,} from {source}"
 
@@ -149,7 +154,7 @@ def header(r: Report) -> list[str]:
         f"model: {cfg.model.name} {cfg.model.flavor}, {r.n_params:,} parameters ({r.vocab_note})",
         f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}; rank {r.rank} ({r.coordinate})",
         f"step: local_batch_size {cfg.training.local_batch_size} x seq_len {cfg.training.seq_len}, "
-        f"{cfg.training.mixed_precision_param.replace('auto', 'auto (bfloat16 on GPUs)')} compute, activation checkpointing {ac}"
+        f"{cfg.training.mixed_precision_param} compute, activation checkpointing {ac}"
         + (", loss parallel" if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else ""),
     ]
 

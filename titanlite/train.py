@@ -8,7 +8,6 @@ parallelize -> optimizer -> checkpoint) and `train` runs a short loop of named s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 import time
@@ -89,8 +88,7 @@ class Trainer:
         choice = resolve_compute_dtype(training.mixed_precision_param, self.device)
         logger.info(f"compute dtype {choice.name} ({choice.reason}); master weights and optimizer state float32, "
                     f"gradient reductions {training.mixed_precision_reduce}")
-        training = dataclasses.replace(training, mixed_precision_param=choice.name)
-        return dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, training=training))
+        return plan.with_compute_dtype(choice.name)
 
     @staticmethod
     def _seed(seed: int, deterministic: bool) -> None:

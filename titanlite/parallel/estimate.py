@@ -8,15 +8,14 @@ backward in the Llama block as titanlite writes it. Notation: b = training.local
 s = seq_len, t = tensor-parallel degree, d = dim, k = n_kv_heads x head_dim, f = ffn hidden
 size, V = vocab, p = bytes of the compute dtype (mixed_precision_param), 4 = float32.
 
-    tokens          N = b s
-    one block       A = N (2 d/t (4 + p) + 2 d p + (d + k)/t 4 + 5 d/t p + 4 f/t p)
-    checkpointed    N d/t p  (only its input; sequence-parallel under TP)
-    logits and loss N V' (p + 12), V' = V/t with loss parallel, else V
-    peak            blocks kept + output head (N d/t (4 + p) + N d p) + N V' p
-                    + max(N V' 12, A if any block is checkpointed)
+    tokens          N = b s;  r = t under sequence parallelism, else 1
+    one block       A = N (2 d/r p + 2 d p + (d + k)/t 4 + (2 d + 2 k)/t p + 4 f/t p)
+    checkpointed    N d/r p  (only its input)
+    head            N d/r p + N d p + N V' 4, V' = V/t with loss parallel, else V
+    peak            blocks kept + head + max(N V' p, A if any block is checkpointed)
 
-The peak is the start of backward (every block's activations, the logits, and the loss's
-float32 gradients at once), or, with activation checkpointing, the recompute of one block.
+The peak is the loss (every block's activations, the logits and the loss's float32
+exponentials at once), or, with activation checkpointing, the recompute of one block.
 """
 
 from __future__ import annotations
@@ -66,18 +65,18 @@ class StepShape:
     seq_len: int
     tp: int
     loss_parallel: bool
+    sequence_parallel: bool
     act_bytes: int  # p: 2 for bfloat16, 4 for float32
     ac_mode: str
     ac_every: int
 
     @classmethod
     def from_config(cls, cfg: Any, tp: int) -> StepShape:
-        compute = cfg.training.mixed_precision_param
-        # "auto" is bfloat16 on the GPUs a plan is for (titanlite/precision.py).
-        act_bytes = torch_dtype("bfloat16" if compute == "auto" else compute).itemsize
+        act_bytes = torch_dtype(cfg.training.mixed_precision_param).itemsize
+        sequence_parallel = tp > 1 and cfg.parallelism.sequence_parallel != "off"  # "auto" is on, on the GPUs planned for
         return cls(
             cfg.training.local_batch_size, cfg.training.seq_len, tp, cfg.parallelism.enable_loss_parallel and tp > 1,
-            act_bytes, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
+            sequence_parallel, act_bytes, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
         )  # fmt: skip
 
 
@@ -111,12 +110,13 @@ def estimate_activations(args: Any, shape: StepShape) -> Activations:
     n, t, p = shape.batch * shape.seq_len, shape.tp, shape.act_bytes
     d, f = args.dim, args.ffn_hidden_dim
     k = getattr(args, "kv_heads", args.n_heads) * args.head_dim
-    block = n * (2 * d / t * (4 + p) + 2 * d * p + (d + k) / t * 4 + 5 * d / t * p + 4 * f / t * p)
+    r = t if shape.sequence_parallel else 1
+    block = n * (2 * d / r * p + 2 * d * p + (d + k) / t * 4 + (2 * d + 2 * k) / t * p + 4 * f / t * p)
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
     n_ckpt = checkpointed_blocks(args.n_layers, shape.ac_mode, shape.ac_every)
-    head = n * d / t * (4 + p) + n * d * p + n * vocab * p
-    extra = max(n * vocab * 12, block if n_ckpt else 0.0)
-    return Activations(block, n * d / t * p, n_ckpt, args.n_layers, head, extra)
+    head = n * d / r * p + n * d * p + n * vocab * 4
+    extra = max(n * vocab * p, block if n_ckpt else 0.0)
+    return Activations(block, n * d / r * p, n_ckpt, args.n_layers, head, extra)
 
 
 @dataclass(frozen=True)

@@ -223,9 +223,9 @@ def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
     args = dataclasses.replace(base, **values) if base is not None else LlamaArgs(**values)
-    unsupported = [key for key in ("tie_word_embeddings", "attention_bias", "mlp_bias") if described[key]]
+    unsupported = [key for key in ("attention_bias", "mlp_bias") if described[key]]
     if unsupported:
-        raise ValueError(f"{', '.join(unsupported)} true: this Llama has untied, bias-free weights")
+        raise ValueError(f"{', '.join(unsupported)} true: this Llama has bias-free weights")
     if args.ffn_hidden_dim != hidden or args.head_dim != described["head_dim"]:
         raise ValueError(f"intermediate_size {hidden} / head_dim {described['head_dim']} cannot be expressed as a Llama flavor")
     return args
