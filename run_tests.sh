@@ -5,7 +5,6 @@ cd "$(dirname "$0")"
 export TITANLITE_TESTS=1
 source scripts/ensure_env.sh
 # Two workers by default (TITANLITE_TEST_WORKERS; 0 = in this process), each taking whole
-# files so a module's fixtures run once, in collection order (tests/conftest.py puts the
-# longest files first): most tests start processes that spend their first seconds importing
-# and rendezvousing, which two at a time overlap on two cores.
-exec "$PYTHON" -m pytest -q -n "${TITANLITE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# files so a module's fixtures run once: most tests start processes that spend their first
+# seconds importing and rendezvousing, which two at a time overlap on two cores.
+exec "$PYTHON" -m pytest -q -n "${TITANLITE_TEST_WORKERS:-2}" --dist loadfile "$@"
