@@ -83,7 +83,7 @@ class _WaitedRowwiseParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def sequence_parallel_for(tp_mesh: DeviceMesh, setting: str = "auto") -> bool:
+def sequence_parallel_for(tp_mesh: DeviceMesh, setting: str) -> bool:
     """`parallelism.sequence_parallel`: "on", "off", or "auto" = where the backend
     reduce-scatters natively (not gloo, on CPU)."""
     if setting == "auto":
