@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -30,16 +33,72 @@ def with_overrides(*lists: list[str] | tuple[str, ...]) -> list[str]:
     return [word for pair in merged.items() for word in pair]
 
 
-def torchrun(nproc: int, module_or_script: list[str], args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """`python -m titanlite.launch --standalone --nproc-per-node N ...`; a hang fails the test."""
-    cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}", *module_or_script, *args]
-    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout)
+def run_ranks(nproc: int, entry: list[str], args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`nproc` processes of `python ENTRY ARGS` in the environment torchrun gives its workers
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT: the env:// rendezvous, a real TCPStore
+    and gloo), started here rather than by torchrun's agent, which costs every run ~3 s of
+    start-up and shutdown on two cores. The launcher itself is tested through
+    `python -m titanlite.launch` (test_launcher, test_trainer_cli, test_faults_runtime,
+    test_multinode, test_bad_input, test_checkpoint_train's kill test).
+
+    Each rank's output goes to its own file, read back in rank order (stdout, then stderr, as
+    one string each). When a rank fails, the others get `FAILED_RANK_GRACE_S` to end on their
+    own and are then killed; the result's return code is the first failure's. A run past
+    `timeout` is killed and raises `subprocess.TimeoutExpired`, so a hang fails the test."""
+    env = {**run_env(), **(env or {})}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as titanlite.launch sets for CPU workers
+    if nproc > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    command = [sys.executable, *entry, *args]
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        outputs = [(Path(folder) / f"{rank}.out", Path(folder) / f"{rank}.err") for rank in range(nproc)]
+        processes = []
+        try:
+            for rank, (out, err) in enumerate(outputs):
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if nproc > 1 else env
+                with open(out, "w") as stdout, open(err, "w") as stderr:
+                    processes.append(subprocess.Popen(command, cwd=REPO, env=rank_env, stdout=stdout, stderr=stderr))
+            returncode = _wait_for_ranks(processes, timeout, command)
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        stdout = "".join(out.read_text(errors="replace") for out, _ in outputs)
+        stderr = "".join(err.read_text(errors="replace") for _, err in outputs)
+    return subprocess.CompletedProcess(command, returncode, stdout, stderr)
+
+
+FAILED_RANK_GRACE_S = 10.0
+
+
+def _wait_for_ranks(processes: list[subprocess.Popen], timeout: float, command: list[str]) -> int:
+    deadline, failed_at, first_failure = time.monotonic() + timeout, None, 0
+    while any(p.poll() is None for p in processes):
+        now = time.monotonic()
+        if now > deadline:
+            raise subprocess.TimeoutExpired(command, timeout)
+        if not first_failure:
+            first_failure = next((p.returncode for p in processes if p.returncode not in (None, 0)), 0)
+            failed_at = now if first_failure else None
+        elif now - failed_at > FAILED_RANK_GRACE_S:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+        time.sleep(0.05)
+    return first_failure or next((p.returncode for p in processes if p.returncode != 0), 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_trainer_worker(nproc: int, args: list[str], out: Path, timeout: float = 240) -> dict:
     """Train with `args` (`--key value` pairs, a later one replacing an earlier) on `nproc`
     processes; returns the worker's JSON (history, per-rank bytes)."""
-    result = torchrun(nproc, [str(WORKER), str(out)], with_overrides(args), timeout)
+    result = run_ranks(nproc, [str(WORKER), str(out)], with_overrides(args), timeout)
     if result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return json.loads(out.read_text())

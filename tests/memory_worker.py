@@ -1,6 +1,6 @@
 """Measure what one training step really holds on each rank, for the planner's tests.
 
-Usage (by tests/test_plan.py): torchrun ... tests/memory_worker.py OUT.json --config ... [overrides]
+Usage (by tests/test_plan.py): run_ranks(N, [tests/memory_worker.py, OUT.json], [--config ...])
 Run under MALLOC_MMAP_THRESHOLD_=65536 so every tensor is its own mapping and freeing one
 returns its pages: resident memory then follows the live tensors.
 

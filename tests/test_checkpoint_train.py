@@ -1,13 +1,13 @@
-"""Checkpointing through the real trainer (`python -m titanlite.train`, torchrun for several
-processes, gloo on CPU), on the debug model, fp32, fixed seed, global batch 8:
+"""Checkpointing through the real trainer (`python -m titanlite.train`, on several gloo processes
+started as torchrun starts its workers, CPU), on the debug model, fp32, fixed seed, global batch 8:
 
 - resume is bit-exact: 10 steps straight == 5 steps, stop, resume to 10 (losses compared
   with ==, and every model and optimizer tensor of the final checkpoints with torch.equal),
   on FSDP 2 x TP 2 and on FSDP 2 (the FSDP 2 runs start from a 1-process seed checkpoint);
 - reshard: the FSDP 2 x TP 2 checkpoint resumes at FSDP 4 and on 1 process, matching the
   uninterrupted run within 1e-5 relative;
-- kill -9 of a rank during an async save: the restart ignores the half-written folder and
-  resumes from the previous complete step;
+- kill -9 of a rank during an async save (under the launcher): the restart ignores the
+  half-written folder and resumes from the previous complete step;
 - initial loads from a DCP folder and from a Hugging Face export give the same model;
 - bad input is one line naming the path, exit code 2, never a silent fresh start.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import REPO, run_env, with_overrides
+from tests.distributed import REPO, run_env, run_ranks, with_overrides
 from titanlite.checkpoint import export
 
 TRAIN_ENTRY = ["-m", "titanlite.train"]
@@ -65,16 +65,14 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _command(nproc: int, argv: list[str]) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, *TRAIN_ENTRY, *argv]
+def _launcher_command(nproc: int, argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}", *TRAIN_ENTRY, *argv]
 
 
 def train(layout: str, dump: Path, *args: str, timeout: float = 180, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     nproc, overrides = LAYOUTS[layout]
     argv = with_overrides(BASE, overrides, args, ["--job.dump_folder", str(dump)])
-    result = subprocess.run(_command(nproc, argv), cwd=REPO, env=_env(env), capture_output=True, text=True, timeout=timeout)
+    result = run_ranks(nproc, TRAIN_ENTRY, argv, timeout, env={"CUDA_VISIBLE_DEVICES": "", **(env or {})})
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
@@ -195,7 +193,7 @@ def test_kill_during_async_save_resumes_from_previous_complete_step(tmp_path):
     argv = with_overrides(BASE, overrides, ["--training.steps", "6", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)])
     # Every rank's writer pauses 4 s after writing its shards: a save stays in flight.
     env = _env({"TITANLITE_TEST_SLOW_WRITE_S": "4", "TITANLITE_TEST_RUN_ID": run_id})
-    process = subprocess.Popen(_command(nproc, argv), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(_launcher_command(nproc, argv), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed = None
     deadline = time.monotonic() + 150
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import REPO, read_tensorboard, run_env, torchrun, with_overrides
+from tests.distributed import REPO, read_tensorboard, run_env, run_ranks, with_overrides
 from tests.test_data_prepare import SHIPPED, folder_bytes, write_corpus
 from tests.test_tokenizer_kinds import write_rank_file
 from titanlite.data.prepare import prepare
@@ -48,7 +48,7 @@ def blend(tmp_path_factory) -> tuple[Path, str]:
 
 def train(dump: Path, dataset_path: str, steps: int) -> str:
     args = BASE + ["--training.dataset_path", dataset_path, "--training.steps", str(steps), "--job.dump_folder", str(dump)]
-    result = torchrun(2, ["-m", "titanlite.train"], args, timeout=240)
+    result = run_ranks(2, ["-m", "titanlite.train"], args, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.distributed import REPO, run_env, torchrun
+from tests.distributed import REPO, run_env, run_ranks
 
 TIMEOUT_S = 300  # generous: several test suites share 2 cores
 VOCAB = ["--vocab-size", "128256"]  # the presets' tokenizer is not shipped
@@ -153,7 +153,7 @@ def test_debug_model_figures_match_a_real_run(nproc, tmp_path, monkeypatch):
 
 
 def measure(nproc: int, args: list[str], out) -> list[dict]:
-    """Each rank's bytes and step peak, from tests/memory_worker.py under torchrun."""
-    result = torchrun(nproc, [str(REPO / "tests" / "memory_worker.py"), str(out)], args, timeout=TIMEOUT_S)
+    """Each rank's bytes and step peak, from tests/memory_worker.py on `nproc` gloo processes."""
+    result = run_ranks(nproc, [str(REPO / "tests" / "memory_worker.py"), str(out)], args, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())["ranks"]

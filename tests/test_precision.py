@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import torchrun
+from tests.distributed import run_ranks
 from titanlite import precision
 
 CPU = torch.device("cpu")
@@ -56,7 +56,7 @@ def test_auto_on_gpu_follows_bf16_support(monkeypatch):
 def test_the_trainer_resolves_auto_once_for_all_ranks(tmp_path):
     args = ["--config", "debug_model", "--training.steps", "1", "--training.seq_len", "64", "--training.local_batch_size", "1",
             "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)]
-    result = torchrun(2, ["-m", "titanlite.train"], args, timeout=240)
+    result = run_ranks(2, ["-m", "titanlite.train"], args, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "compute dtype" in line]
     assert len(lines) == 1 and "(auto: " in lines[0], lines

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import EQUIVALENCE_ARGS, read_tensorboard, torchrun
+from tests.distributed import EQUIVALENCE_ARGS, read_tensorboard, run_ranks
 
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
 ARGS = [a for a in EQUIVALENCE_ARGS if a not in ("--metrics.enable_tensorboard", "false")] + ["--metrics.peak_flops", "1e11"]
@@ -22,7 +22,7 @@ def train(tmp_path_factory, layout: str, validation: bool) -> tuple[str, dict]:
     nproc, overrides = LAYOUTS[layout]
     dump = tmp_path_factory.mktemp(f"{layout}-{'val' if validation else 'noval'}")
     args = ARGS + overrides + (VALIDATION if validation else []) + ["--job.dump_folder", str(dump)]
-    result = torchrun(nproc, ["-m", "titanlite.train"], args, timeout=240)
+    result = run_ranks(nproc, ["-m", "titanlite.train"], args, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout, read_tensorboard(dump / "tb")
 

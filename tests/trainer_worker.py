@@ -1,6 +1,6 @@
-"""Run the real trainer under torchrun and write what tests compare to a JSON file.
+"""Run the real trainer on several processes and write what tests compare to a JSON file.
 
-Usage (by tests/distributed.py): torchrun ... tests/trainer_worker.py OUT.json --config ... [overrides]
+Usage (by tests/distributed.py): run_ranks(N, [tests/trainer_worker.py, OUT.json], [--config ...])
 Rank 0 writes {"history": [...], "ranks": [{"param_bytes", "grad_bytes", "optim_bytes"}, ...]}:
 the logged scalars of every step and, per rank, the bytes it holds locally (DTensor shards
 counted by their local tensors), so tests can check both numerics and sharding.
