@@ -3,7 +3,7 @@
     python bench/throughput.py [--steps 20] [--warmup-steps 10] [--seq-len 512] [--local-batch-size 8]
                                [--layouts one,fsdp2,tp2,fsdp2_tp2] [-- extra trainer overrides]
 
-Each (layout, setting) is a real run of `titanlite.train`'s Trainer under `python -m
+Each (layout, setting) is a real run of `titanlite.trainer`'s Trainer under `python -m
 titanlite.launch --standalone` (gloo on CPU, NCCL on GPUs) on the debug model, with the same
 local batch per data-parallel rank, so FSDP 2 trains twice the tokens per step of 1 process
 or TP 2. Settings:
@@ -86,7 +86,7 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
     from titanlite.build import plan_run
     from titanlite.config import load_config
     from titanlite.parallel.distributed import world_from_env
-    from titanlite.train import Trainer
+    from titanlite.trainer import Trainer
 
     trainer = Trainer(plan_run(load_config(trainer_args), world_from_env()[1]))
     history = trainer.train()

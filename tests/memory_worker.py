@@ -24,7 +24,7 @@ from titanlite.build import plan_run
 from titanlite.config import load_config
 from titanlite.parallel.distributed import world_from_env
 from titanlite.parallel.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config import load_config
 from titanlite.build import plan_run
-from titanlite.train import Trainer
+from titanlite.trainer import Trainer
 from titanlite.parallel.distributed import world_from_env
 
 

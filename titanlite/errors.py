@@ -9,6 +9,9 @@ exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import time
 from collections.abc import Callable, Iterator
 
 
@@ -22,6 +25,25 @@ USER_ERROR_EXIT_CODE = 2
 COLLECTIVE_FAILURE_EXIT_CODE = 3
 # Stopped by Ctrl-C (128 + SIGINT, the shell's convention).
 INTERRUPTED_EXIT_CODE = 130
+# How long a rank other than 0 waits before exiting on an error that every rank meets, so
+# that rank 0's line is out before the launcher stops everyone.
+RANK0_REPORT_GRACE_S = 3.0
+
+
+def report_user_error(error: TitanliteError) -> int:
+    """One line on rank 0, nothing from the others; the exit code says it was the input.
+
+    Every rank meets the same error (validation is deterministic; checkpoint problems are
+    decided on rank 0 and broadcast). The other ranks wait a moment before exiting: torchrun
+    stops all processes as soon as one fails, which could kill rank 0 before its line is out.
+    The rank is read from torchrun's environment, as `world_from_env` does, because this
+    also runs before torch is imported (a config that does not load).
+    """
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"titanlite: error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(RANK0_REPORT_GRACE_S)
+    return USER_ERROR_EXIT_CODE
 
 
 def one_line(error: BaseException) -> str:

@@ -1,0 +1,285 @@
+"""The trainer: `Trainer` builds the pieces in DESIGN.md's order (dist -> mesh -> data ->
+model -> parallelize -> optimizer -> checkpoint) and `train` runs a short loop of named
+steps. The command line is `titanlite/train.py`, which checks the config before this module
+(and torch) is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from titanlite.build import Plan, build_model, plan_run
+from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.checkpoint.train_state import TrainState
+from titanlite.config import JobConfig, to_dict
+from titanlite.data import build_dataloader, open_corpus
+from titanlite.dtypes import DTYPES
+from titanlite.dump_folder import claim_dump_folder, parameter_count
+from titanlite.errors import (COLLECTIVE_FAILURE_EXIT_CODE, INTERRUPTED_EXIT_CODE, RANK0_REPORT_GRACE_S, USER_ERROR_EXIT_CODE,
+                              TitanliteError, report_user_error)
+from titanlite.logging import init_logger, logger
+from titanlite.loss import cross_entropy
+from titanlite.metrics import MetricsLogger, peak_flops
+from titanlite.numerics import NonFiniteSteps, StepAgreement, agree_on_step, inject_nan
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
+from titanlite.parallel.fsdp import set_gradient_sync
+from titanlite.parallel.grad_norm import clip_gradients_
+from titanlite.precision import resolve_compute_dtype
+from titanlite.preemption import die_with_launcher, received
+from titanlite.profiling import maybe_profile
+from titanlite.run_dir import start_run_dir
+from titanlite.validate import build_validator
+
+
+
+class Trainer:
+    def __init__(self, plan: Plan):
+        self.signals = received.install()  # first: a stop request during start-up is kept
+        self.dist = init_distributed(plan.cfg.comm.init_timeout_seconds)
+        self.nonfinite = NonFiniteSteps(plan.cfg.training.max_nan_skips, self.dist.rank)
+        self.device = self.dist.device
+        init_logger(self.dist.rank, log_all_ranks=not plan.cfg.metrics.rank_0_only)
+        plan = self.plan = self._resolve_compute_dtype(plan)
+        cfg = self.cfg = plan.cfg
+        if cfg.job.print_config:
+            logger.info(f"config: {to_dict(cfg)}")
+        self._seed(cfg.training.seed, cfg.training.deterministic)
+        self.run_lock = claim_dump_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD)
+        self.run_dir = start_run_dir(cfg)
+
+        self.meshes = plan.dims.build_mesh(self.device.type)
+        dp_mesh = self.meshes.dp
+        self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+        dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
+        self.data = build_dataloader(corpus.train, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device)
+        validation_data = None if corpus.validation is None else build_dataloader(
+            corpus.validation, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, prefetch=False)
+
+        self.model, self.size = build_model(plan, self.device, self.meshes, self.dist.local_world_size)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.state = TrainState()
+        self.checkpoint = self._build_checkpoint()
+
+        peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp, self.run_dir)
+        self.validator = build_validator(cfg.validation, validation_data, self.model, self._compute_context, self.dp_group, self.device, self.metrics)
+        logger.info(
+            f"model {cfg.model.name} {cfg.model.flavor}: {self.size.n_params:,} parameters, "
+            f"{self.size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.meshes.world}; "
+            f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
+        )
+
+    def _resolve_compute_dtype(self, plan: Plan) -> Plan:
+        """The plan with `mixed_precision_param` made concrete ("auto" decided for this
+        device and agreed by every rank), said once at start-up."""
+        training = plan.cfg.training
+        choice = resolve_compute_dtype(training.mixed_precision_param, self.device)
+        logger.info(f"compute dtype {choice.name} ({choice.reason}); master weights and optimizer state float32, "
+                    f"gradient reductions {training.mixed_precision_reduce}")
+        return plan.with_compute_dtype(choice.name)
+
+    @staticmethod
+    def _seed(seed: int, deterministic: bool) -> None:
+        torch.manual_seed(seed)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+
+    def _build_checkpoint(self):
+        if not (self.cfg.checkpoint.enable_checkpoint or self.cfg.checkpoint.initial_load_path):
+            return None
+        return CheckpointManager(
+            self.cfg.checkpoint,
+            self.cfg.job.dump_folder,
+            self.plan.spec,
+            self.cfg.model.flavor,
+            self.plan.model_args,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.data,
+            train_state=self.state,
+            tokenizer=self.plan.tokenizer,
+        )
+
+    def _compute_context(self) -> contextlib.AbstractContextManager:
+        """Autocast when FSDP (which owns mixed precision otherwise) is not applied. (Loss
+        parallel needs no context: `cross_entropy` takes the vocab-sharded logits itself.)"""
+        param_dtype = DTYPES[self.cfg.training.mixed_precision_param]
+        if not self.plan.dims.fsdp_enabled and param_dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=param_dtype)
+        return contextlib.nullcontext()
+
+    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
+        """Forward/backward over the microbatches, clip, agree with every rank on the step
+        (`numerics.agree_on_step`), step unless it is skipped. Returns (local loss, grad
+        norm, agreement)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for index, (inputs, labels) in enumerate(microbatches):
+            set_gradient_sync(self.model, index == len(microbatches) - 1)
+            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            with self._compute_context():
+                loss = cross_entropy(self.model(inputs), labels) / len(microbatches)
+                loss = inject_nan(self.state.step, loss)
+                loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
+        agreement = agree_on_step(self.signals.stop_signal, loss_sum, grad_norm)
+        if self.nonfinite.allows_update(self.state.step, agreement, grad_norm):
+            self.optimizer.step()
+        else:
+            self.metrics.log_skipped_steps(self.state.step, self.nonfinite.skipped)
+        self.lr_scheduler.step()
+        return loss_sum, grad_norm, agreement
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        """Average over data-parallel ranks (gloo has no AVG, so SUM / size)."""
+        if self.dp_group is not None:
+            value = value.clone()
+            dist.all_reduce(value, group=self.dp_group)
+            value /= dist.get_world_size(self.dp_group)
+        return value.item()
+
+    def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
+        return self.metrics.log(step, self._global_mean(loss), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], self.state.tokens_seen)
+
+    def train(self) -> list[dict[str, float]]:
+        """Run to `training.steps` (resuming from a checkpoint if there is one); returns the
+        logged scalars of each log step, for tests and benchmarks."""
+        cfg = self.cfg
+        if self.checkpoint is not None:
+            self.checkpoint.load()
+            if self.state.step:
+                logger.info(f"resumed at step {self.state.step}")
+        first_step = self.state.step + 1
+        batches = iter(self.data)  # after load(): the loader resumes from its restored position
+        history = []
+        tokens_per_microbatch = cfg.training.local_batch_size * cfg.training.seq_len
+        with maybe_profile(cfg, self.dist.rank, self.device, self.state.step) as profiler:
+            while self.state.step < cfg.training.steps:
+                self.state.step += 1
+                step = self.state.step
+                microbatches = [next(batches) for _ in range(self.plan.grad_accum_steps)]
+                loss, grad_norm, agreement = self.train_step(microbatches)
+                if step == first_step:  # start-up is over: compile, first all-gathers, load
+                    set_collective_timeout(cfg.comm.train_timeout_seconds)
+                self.state.tokens_seen += tokens_per_microbatch * len(microbatches) * self.plan.dims.dp
+                self.metrics.add_tokens(tokens_per_microbatch * len(microbatches))
+                last = step == cfg.training.steps
+                if step == 1 or step % cfg.metrics.log_freq == 0 or last:
+                    history.append({"step": step, **self.log(step, loss, grad_norm)})
+                if self.validator is not None:
+                    self.validator.maybe_run(step, last)
+                if self.checkpoint is not None:
+                    self.checkpoint.save(step, last=last)
+                profiler.step()
+                if agreement.stop:
+                    self._stop_on_signal(step, agreement.stop_signal_name())
+                    break
+        return history
+
+    def _stop_on_signal(self, step: int, signal_name: str) -> None:
+        """Every rank agreed to stop (SIGTERM or SIGUSR1 reached at least one): a blocking
+        checkpoint of the step just finished, and one line on rank 0 saying where."""
+        if self.checkpoint is not None and self.cfg.checkpoint.enable_checkpoint:
+            outcome = f"checkpoint saved to {self.checkpoint.save_now(step)}"
+        else:
+            outcome = "nothing saved (checkpoint.enable_checkpoint is false)"
+        if self.dist.rank == 0:
+            print(f"titanlite: stopped by {signal_name} after step {step}; {outcome}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.data.close()
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+        self.metrics.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
+        self.signals.restore()
+
+
+def create_seed_checkpoint(plan: Plan) -> None:
+    """`checkpoint.create_seed_checkpoint`: initialize the model on this one process and save
+    it as step 0, model only. A later run of any layout in the same folder starts from it
+    (DCP reshards), so a large model is initialized once instead of on every start."""
+    cfg = plan.cfg
+    info = init_distributed(cfg.comm.init_timeout_seconds)
+    init_logger(info.rank)
+    torch.manual_seed(cfg.training.seed)
+    lock = claim_dump_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD, weights_only=True)
+    model, _ = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size)
+    manager = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model)
+    try:
+        manager.save_seed()
+    finally:
+        manager.close()
+        lock.release()
+
+
+def run(plan: Plan) -> None:
+    """Train, or write the seed checkpoint: the two things this entry point does."""
+    if plan.cfg.checkpoint.create_seed_checkpoint:
+        create_seed_checkpoint(plan)
+        return
+    trainer = Trainer(plan)
+    try:
+        trainer.train()
+    except BaseException:
+        # The failure is what the user must read; a second one while closing (an in-flight
+        # save whose peer is gone) would replace it.
+        with contextlib.suppress(Exception):
+            trainer.close()
+        raise
+    trainer.close()
+
+
+def report_collective_failure(failure: CollectiveFailure) -> int:
+    """A rank whose collective timed out says which one. A rank whose peer died first waits
+    a moment for the launcher's stop (SIGTERM): when it comes, the launcher names the rank
+    that died (or that made a user error) and this one stays quiet; when it does not (the
+    dead rank ran under another node's launcher), this rank says it itself."""
+    deadline = time.monotonic() + RANK0_REPORT_GRACE_S
+    while not (failure.timed_out or received.stop_signal or received.interrupted) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not received.interrupted and (failure.timed_out or not received.stop_signal):
+        print(f"titanlite: rank {world_from_env()[0]}: {failure.line}", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT_CODE if received.interrupted else COLLECTIVE_FAILURE_EXIT_CODE
+
+
+def run_checked(cfg: JobConfig) -> int:
+    """Plan and run a loaded config; every way it ends is an exit code (see train.main)."""
+    die_with_launcher()
+    try:
+        run(plan_run(cfg, world_from_env()[1]))
+        return 0
+    except TitanliteError as error:
+        return report_user_error(error)
+    except torch.OutOfMemoryError as error:
+        # A config this hardware cannot hold, like a bad input: one line (the allocator's
+        # first sentence) and the user-error exit code, which the launcher passes on quietly.
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        print(f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
+              f"or seq_len, or enable activation_checkpoint", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        return INTERRUPTED_EXIT_CODE  # Ctrl-C: the launcher prints the one line
+    except Exception as error:
+        failure = collective_failure(error)
+        if failure is None:
+            raise
+        return report_collective_failure(failure)
+    finally:
+        shutdown()
