@@ -26,6 +26,36 @@ def plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+PLANS_DRIVER = """
+import contextlib, io, json, sys, traceback
+from titanlite.plan import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as stop:  # argparse's own errors
+            code = stop.code
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def plans(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
+    """Several planner runs in one interpreter, each through `titanlite.plan.main` (what
+    `python -m titanlite.plan` calls) with its own stdout, stderr and exit code: the imports
+    (~5 s of CPU a process) are paid once. Each run joins its own fake world, replacing the
+    previous one, as the planner's census does for every rank."""
+    cmd = [sys.executable, "-c", PLANS_DRIVER, json.dumps(argvs)]
+    result = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [subprocess.CompletedProcess(argv, code, out, err) for argv, (code, out, err) in zip(argvs, json.loads(result.stdout))]
+
+
 def figures(stdout: str) -> dict[str, float]:
     """The exact byte counts and the estimates (GiB) of a planner report."""
     out = {}
@@ -86,35 +116,40 @@ def test_census_agrees_with_building_the_least_rank():
     assert figures(built.stdout)["elements"] == int(least.replace(",", ""))
 
 
-@pytest.mark.parametrize(
-    "args, verdict",
-    [
-        (["--config", "llama_70b", "--world-size", "8"], "does not fit"),  # tp 8 alone: 131 GiB of fp32 state a rank
-        (["--config", "llama_8b", "--world-size", "1"], "does not fit"),  # 8B on one GPU
-        (["--config", "llama_8b", "--world-size", "8"], "fits"),
-    ],
-)
-def test_verdict_and_exit_code(args, verdict):
-    result = plan(*args, *VOCAB)
+VERDICTS = {
+    "70b_on_8": (["--config", "llama_70b", "--world-size", "8"], "does not fit"),  # tp 8 alone: 131 GiB of fp32 state a rank
+    "8b_on_1": (["--config", "llama_8b", "--world-size", "1"], "does not fit"),  # 8B on one GPU
+    "8b_on_8": (["--config", "llama_8b", "--world-size", "8"], "fits"),
+}
+REFUSALS = {
+    "tp_over_kv_heads": (["--config", "llama_405b", "--world-size", "512", *VOCAB, "--parallelism.tensor_parallel_degree", "16"],
+                         "parallelism.tensor_parallel_degree: n_kv_heads 8 is not divisible by tensor_parallel_degree 16"),
+    "no_tokenizer": (["--config", "llama_70b", "--world-size", "512"],
+                     "model.tokenizer_path: tokenizer file not found: assets/tokenizer/llama/tokenizer.model; or plan without it: --vocab-size N"),
+    "world_not_divisible": (["--config", "debug_model", "--world-size", "3", "--parallelism.tensor_parallel_degree", "2"],
+                            "parallelism: world size 3 is not divisible by data_parallel_replicate_degree 1 x tensor_parallel_degree 2"),
+    "rank_outside": (["--config", "debug_model", "--world-size", "2", "--rank", "2"], "--rank 2 is not a rank of --world-size 2"),
+    "memory_without_unit": (["--config", "debug_model", "--world-size", "2", "--device-memory", "80"], "--device-memory: expected a size with a unit"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_plans() -> dict[str, subprocess.CompletedProcess]:
+    """The verdict and refusal cases, run in one interpreter."""
+    argvs = {name: [*args, *VOCAB] for name, (args, _) in VERDICTS.items()} | {name: args for name, (args, _) in REFUSALS.items()}
+    return dict(zip(argvs, plans(*argvs.values())))
+
+
+@pytest.mark.parametrize("name", VERDICTS)
+def test_verdict_and_exit_code(name, small_plans):
+    result, verdict = small_plans[name], VERDICTS[name][1]
     assert result.returncode == (0 if verdict == "fits" else 1), result.stderr
     assert re.search(rf"^verdict: {verdict}: ", result.stdout, re.M)
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--config", "llama_405b", "--world-size", "512", *VOCAB, "--parallelism.tensor_parallel_degree", "16"],
-         "parallelism.tensor_parallel_degree: n_kv_heads 8 is not divisible by tensor_parallel_degree 16"),
-        (["--config", "llama_70b", "--world-size", "512"],
-         "model.tokenizer_path: tokenizer file not found: assets/tokenizer/llama/tokenizer.model; or plan without it: --vocab-size N"),
-        (["--config", "debug_model", "--world-size", "3", "--parallelism.tensor_parallel_degree", "2"],
-         "parallelism: world size 3 is not divisible by data_parallel_replicate_degree 1 x tensor_parallel_degree 2"),
-        (["--config", "debug_model", "--world-size", "2", "--rank", "2"], "--rank 2 is not a rank of --world-size 2"),
-        (["--config", "debug_model", "--world-size", "2", "--device-memory", "80"], "--device-memory: expected a size with a unit"),
-    ],
-)  # fmt: skip
-def test_refusals_are_one_line_and_exit_2(args, message):
-    result = plan(*args)
+@pytest.mark.parametrize("name", REFUSALS)
+def test_refusals_are_one_line_and_exit_2(name, small_plans):
+    result, message = small_plans[name], REFUSALS[name][1]
     assert result.returncode == 2
     assert result.stderr.startswith(f"titanlite: error: {message}") and result.stderr.count("\n") == 1, result.stderr
 
@@ -129,9 +164,9 @@ def test_config_errors_are_the_trainers():
 
 def test_device_memory_sources():
     base = ["--config", "debug_model", "--world-size", "1"]
-    assert "device: 80.00 GiB (H100, the default; --gpu or --device-memory to change)" in plan(*base).stdout
-    assert "device: 140.00 GiB (--gpu H200)" in plan(*base, "--gpu", "H200").stdout
-    tiny = plan(*base, "--device-memory", "256MiB")
+    default, h200, tiny = plans(base, [*base, "--gpu", "H200"], [*base, "--device-memory", "256MiB"])
+    assert "device: 80.00 GiB (H100, the default; --gpu or --device-memory to change)" in default.stdout
+    assert "device: 140.00 GiB (--gpu H200)" in h200.stdout
     assert tiny.returncode == 1 and "device: 0.25 GiB (--device-memory)" in tiny.stdout
 
 
@@ -145,8 +180,9 @@ def test_debug_model_figures_match_a_real_run(nproc, tmp_path, monkeypatch):
             "--job.dump_folder", str(tmp_path)]
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors' pages go back: RSS follows live tensors
     measured = measure(nproc, args, tmp_path / "memory.json")
-    for rank, real in enumerate(measured):
-        planned = figures(plan(*args, "--world-size", str(nproc), "--rank", str(rank)).stdout)
+    reports = plans(*([*args, "--world-size", str(nproc), "--rank", str(rank)] for rank in range(nproc)))
+    for rank, (real, report) in enumerate(zip(measured, reports)):
+        planned = figures(report.stdout)
         assert (planned["parameters"], planned["gradients"], planned["optimizer"]) == (real["param_bytes"], real["grad_bytes"], real["optim_bytes"])
         estimate = planned["activations"] + planned["FSDP gathered"]
         assert estimate == pytest.approx(real["step_peak_bytes"], rel=0.3), f"rank {rank}: {estimate:,.0f} vs {real['step_peak_bytes']:,}"
