@@ -10,7 +10,7 @@ import pytest
 from tests.distributed import EQUIVALENCE_ARGS, read_tensorboard, run_ranks
 
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
-ARGS = [a for a in EQUIVALENCE_ARGS if a not in ("--metrics.enable_tensorboard", "false")] + ["--metrics.peak_flops", "1e11"]
+ARGS = [a for a in EQUIVALENCE_ARGS if a not in ("--metrics.enable_tensorboard", "false")]
 LAYOUTS = {  # global batch 8 everywhere
     "single": (1, ["--training.local_batch_size", "8"]),
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
