@@ -2,7 +2,7 @@
 
 Top-level DCP keys:
 
-- "model", "optimizer": `get_model_state_dict` / `get_optimizer_state_dict`: this rank's
+- "model", "optimizer": `get_state_dict` (model and optimizer state dicts): this rank's
   DTensor shards, never gathered. DCP records each shard's place in the global tensor,
   which is what lets a checkpoint load at another mesh (resharding).
 - "lr_scheduler", "train_state" (step, tokens seen: identical on every rank, one copy;
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
-    get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -50,10 +50,14 @@ class Contents:
     train_state: Stateful | None
 
     def training_state(self) -> dict[str, Any]:
-        """The whole training state, as fresh state dicts (to save, or to load into)."""
+        """The whole training state, as fresh state dicts (to save, or to load into).
+        `get_state_dict` builds both after one check of the model (`_verify_options` walks
+        every module); the separate model and optimizer calls each did it, inside the loop's
+        stall of an async save."""
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {
-            "model": get_model_state_dict(self.model),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "dataloader": self.dataloader.state_dict(),
             "train_state": self.train_state.state_dict(),
