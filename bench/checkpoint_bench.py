@@ -100,7 +100,7 @@ def main() -> None:
             cfg = Checkpoint(enable_checkpoint=True, interval=1, async_mode=mode, keep_latest_k=2)
             manager = CheckpointManager(cfg, folder, spec, args.flavor, model_args, model=model, optimizer=optimizer,
                                         lr_scheduler=scheduler, dataloader=data, train_state=state)
-            stalls, writes = [], []
+            stalls, holds, writes = [], [], []
             for index in range(args.saves + 1):
                 for _ in range(args.steps_between):
                     train_step()
@@ -110,16 +110,19 @@ def main() -> None:
                 stall = time.perf_counter() - started
                 held_before = _held_s(manager)
                 train_step()  # the step the background copy overlaps
-                stall += _held_s(manager) - held_before
+                held = _held_s(manager) - held_before
+                stall += held
                 manager.wait()  # untimed for the loop: how long until the background write committed
                 total = time.perf_counter() - started
                 if index > 0:  # the first save is a warm-up
                     stalls.append(stall)
+                    holds.append(held)
                     writes.append(total)
             manager.close()
             reload = _reloads_exactly(cfg, folder, saved, spec, model_args, args.flavor)
         results[mode] = (statistics.median(stalls), statistics.median(writes))
-        print(f"{mode:>22}: loop stall {results[mode][0] * 1e3:8.1f} ms   save committed after {results[mode][1] * 1e3:8.1f} ms"
+        print(f"{mode:>22}: loop stall {results[mode][0] * 1e3:8.1f} ms (of which the step waited for staging "
+              f"{statistics.median(holds) * 1e3:.1f} ms)   save committed after {results[mode][1] * 1e3:8.1f} ms"
               f"   reload {'bit-exact' if reload else 'MISMATCH'}")
     if "disabled" in results:
         blocking = results["disabled"][0]
