@@ -17,13 +17,28 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE
-from titanlite.launch import failure_line, first_failure
+from titanlite.launch import failure_line, first_failure, set_cpu_thread_defaults
+from titanlite.parallel.distributed import usable_cores
 from tests.distributed import REPO, run_env
 from tests.live_run import LiveRun, running
 from tests.test_trainer_cli import assert_one_line_user_error, marked_processes, run_command
 
 SHORT = ["--config", "debug_model", "--training.steps", "200", "--training.seq_len", "64",
          "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+
+
+def test_cpu_workers_get_their_share_of_cores_and_a_short_openmp_spin(monkeypatch):
+    """What the launcher puts in CPU workers' environment, and that a caller's value wins."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    set_cpu_thread_defaults("2")
+    assert os.environ["OMP_NUM_THREADS"] == str(max(1, usable_cores() // 2))
+    assert (os.environ["OMP_WAIT_POLICY"], os.environ["GOMP_SPINCOUNT"]) == ("PASSIVE", "1000")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    set_cpu_thread_defaults("2")
+    assert (os.environ["OMP_NUM_THREADS"], os.environ["GOMP_SPINCOUNT"]) == ("7", "0")
 
 
 def failure(local_rank: int, exitcode: int, timestamp: int) -> ProcessFailure:

@@ -4,12 +4,15 @@ This is torchrun itself (`torch.distributed.run`): same flags, same c10d rendezv
 elastic agent and `--max-restarts`. It adds CPU thread settings for the workers and how a run ends.
 
 On a host without GPUs the workers share its cores, so unless the caller set them:
-OMP_NUM_THREADS = cores / processes (torchrun's own default is 1 thread per process), and
-OMP_WAIT_POLICY = PASSIVE: torch's CPU wheels run intra-op parallelism on GNU OpenMP
-(libgomp, which MKL follows), whose idle threads otherwise spin after every parallel
-region and starve whatever else needs the cores (another rank, gloo's threads, the data
-prefetcher); docs/performance.md has the measurements. libgomp reads both once, at start,
-so they must be in the workers' environment.
+OMP_NUM_THREADS = cores / processes (torchrun's own default is 1 thread per process),
+OMP_WAIT_POLICY = PASSIVE and GOMP_SPINCOUNT = 1000: torch's CPU wheels run intra-op
+parallelism on GNU OpenMP (libgomp, which MKL follows), whose idle threads by default spin
+~3 ms after every parallel region and starve whatever else needs the cores (another rank,
+gloo's threads, the data prefetcher), while never spinning (PASSIVE alone) puts every
+thread to sleep between two kernels that follow each other within microseconds. A short
+spin (1000 iterations, libgomp's GOMP_SPINCOUNT overrides the policy's count; other OpenMP
+runtimes read only the policy) keeps both: docs/performance.md has the measurements.
+libgomp reads these once, at start, so they must be in the workers' environment.
 
 How a run ends:
 
@@ -153,6 +156,7 @@ def set_cpu_thread_defaults(nproc_per_node: str) -> None:
     if nproc_per_node.isdigit():
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // int(nproc_per_node))))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
 def main(argv: list[str] | None = None) -> int:
