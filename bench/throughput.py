@@ -4,7 +4,8 @@
                                [--layouts one,fsdp2,tp2,fsdp2_tp2] [-- extra trainer overrides]
 
 Each (layout, setting) is a real run of `titanlite.trainer`'s Trainer under `python -m
-titanlite.launch --standalone` (gloo on CPU, NCCL on GPUs) on the debug model, with the same
+titanlite.launch --standalone` (gloo on CPU, NCCL on GPUs; on CPU with `--cpu-bind`, each
+rank on its own block of the cores, unless `--no-cpu-bind`) on the debug model, with the same
 local batch per data-parallel rank, so FSDP 2 trains twice the tokens per step of 1 process
 or TP 2. Settings:
 
@@ -85,9 +86,11 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
 
     from titanlite.build import plan_run
     from titanlite.config import load_config
+    from titanlite.cpu_binding import bind_from_env
     from titanlite.parallel.distributed import world_from_env
     from titanlite.trainer import Trainer
 
+    bind_from_env()  # as the trainer's command line does, before any thread of ours starts
     trainer = Trainer(plan_run(load_config(trainer_args), world_from_env()[1]))
     history = trainer.train()
     gathered = [None] * dist.get_world_size()
@@ -100,10 +103,11 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def launch(nproc: int, trainer_args: list[str], out: Path, timeout: float) -> dict:
-    """Start one run with the launcher (which sets CPU threads) and return rank 0's summary."""
+def launch(nproc: int, trainer_args: list[str], out: Path, timeout: float, cpu_bind: bool) -> dict:
+    """Start one run with the launcher (which sets CPU threads, and binds CPU workers to
+    their cores with `cpu_bind`) and return rank 0's summary."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}", *(["--cpu-bind"] if cpu_bind else []),
            str(Path(__file__).resolve()), "--worker", str(out), *trainer_args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -155,6 +159,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--local-batch-size", type=int, default=8, help="sequences per data-parallel rank per step")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
     parser.add_argument("--settings", default="fp32,best", help="comma-separated, from fp32, best (best = auto dtype, eager and compiled)")
+    parser.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
+                        help="CPU: leave the workers unbound (default: titanlite.launch --cpu-bind, one block of cores per rank)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it counts as hung")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides, after --")
     args = parser.parse_args()
@@ -188,7 +194,7 @@ def run_one(args: argparse.Namespace, name: str, setting: Setting, folder: Path,
     dump = folder / f"{name}-{setting.dtype}-{setting.compile}"
     dump.mkdir()
     trainer_args = common_overrides(args) + overrides + setting.overrides + ["--job.dump_folder", str(dump)]
-    summary = launch(nproc, trainer_args, dump / "out.json", args.timeout)
+    summary = launch(nproc, trainer_args, dump / "out.json", args.timeout, cpu_bind=not gpus and args.cpu_bind)
     memory = max(max(h["memory_gib"] for h in history) for history in summary["ranks"])
     threads = 1 if gpus else max(1, usable_cores() // nproc)
     return Result(setting, nproc, threads, steady_tokens_per_s(summary, args.warmup_steps), summary["flops_per_token"], memory)

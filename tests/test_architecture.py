@@ -52,9 +52,11 @@ def test_packages_import_only_what_the_architecture_allows(folder, forbidden):
 def test_config_engine_and_launcher_stay_leaves():
     assert imports_of(PACKAGE / "config_engine.py") <= {"titanlite.errors", "titanlite.errors.TitanliteError",
                                                           "titanlite.errors.USER_ERROR_EXIT_CODE"}
-    # The launcher runs no training code: error codes, and the host's core count for threads.
+    # The launcher runs no training code: error codes, the host's core count for threads, and
+    # the core blocks of --cpu-bind (a leaf the command line binds with before importing torch).
     launcher = imports_of(PACKAGE / "launch.py")
-    assert {n.split(".")[1] for n in launcher} == {"errors", "parallel"}
+    assert {n.split(".")[1] for n in launcher} == {"errors", "parallel", "cpu_binding"}
+    assert imports_of(PACKAGE / "cpu_binding.py") == set()
     assert {n for n in launcher if ".parallel." in n} == {"titanlite.parallel.distributed", "titanlite.parallel.distributed.usable_cores"}
 
 

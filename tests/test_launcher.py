@@ -17,6 +17,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE
+from titanlite.cpu_binding import core_blocks
 from titanlite.launch import failure_line, first_failure, set_cpu_thread_defaults
 from titanlite.parallel.distributed import usable_cores
 from tests.distributed import REPO, run_env
@@ -39,6 +40,30 @@ def test_cpu_workers_get_their_share_of_cores_and_a_short_openmp_spin(monkeypatc
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     set_cpu_thread_defaults("2")
     assert (os.environ["OMP_NUM_THREADS"], os.environ["GOMP_SPINCOUNT"]) == ("7", "0")
+
+
+def test_cpu_bind_splits_the_cores_into_one_block_per_rank():
+    assert core_blocks([0, 1], 2) == [[0], [1]]
+    assert core_blocks([4, 5, 6, 7], 2) == [[4, 5], [6, 7]]
+    assert core_blocks([0, 1, 2], 2) == [[0], [1]]
+    assert core_blocks([0, 1], 4) == [[0], [1], [0], [1]]  # more ranks than cores: shared round-robin
+
+
+@pytest.mark.timeout(120)
+def test_cpu_bind_puts_each_worker_on_its_own_cores(tmp_path):
+    """Two workers under `--cpu-bind` bind themselves (as the trainer's command line does)
+    and report their affinity; without the flag nothing is bound."""
+    worker = tmp_path / "affinity.py"
+    worker.write_text("import os\nfrom titanlite.cpu_binding import bind_from_env\nbind_from_env()\n"
+                      "print('rank', os.environ['LOCAL_RANK'], 'cores', sorted(os.sched_getaffinity(0)), flush=True)\n")
+    cores = sorted(os.sched_getaffinity(0))
+    expected = {str(rank): block for rank, block in enumerate(core_blocks(cores, 2))}
+    for flags, want in ((["--cpu-bind"], expected), ([], {"0": cores, "1": cores})):
+        command = [sys.executable, "-m", "titanlite.launch", "--standalone", "--nproc-per-node=2", *flags, str(worker)]
+        result = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=100)
+        assert result.returncode == 0, result.stderr
+        seen = {line.split()[1]: json.loads(line.split(" cores ")[1]) for line in result.stdout.splitlines() if line.startswith("rank ")}
+        assert seen == want, (flags, result.stdout)
 
 
 def failure(local_rank: int, exitcode: int, timestamp: int) -> ProcessFailure:

@@ -13,6 +13,7 @@ thread to sleep between two kernels that follow each other within microseconds. 
 spin (1000 iterations, libgomp's GOMP_SPINCOUNT overrides the policy's count; other OpenMP
 runtimes read only the policy) keeps both: docs/performance.md has the measurements.
 libgomp reads these once, at start, so they must be in the workers' environment.
+`--cpu-bind` (opt-in) also binds each CPU worker to its own block of cores (cpu_binding.py).
 
 How a run ends:
 
@@ -47,6 +48,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
+from titanlite.cpu_binding import CPU_BIND_ENV, core_blocks, encode
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, USER_ERROR_EXIT_CODE
 from titanlite.parallel.distributed import usable_cores
 
@@ -159,9 +161,29 @@ def set_cpu_thread_defaults(nproc_per_node: str) -> None:
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
+def _parser():
+    """torchrun's flags, plus titanlite's own."""
+    parser = get_args_parser()
+    parser.add_argument("--cpu-bind", "--cpu_bind", action="store_true",
+                        help="CPU workers only: bind each local rank (and the threads it starts) to its own block of this "
+                             "host's usable cores (titanlite/cpu_binding.py)")  # fmt: skip
+    return parser
+
+
+def set_cpu_binding(nproc_per_node: str) -> str | None:
+    """`--cpu-bind`: the workers' core blocks into their environment; what is wrong, if anything."""
+    if torch.cuda.is_available():
+        return "--cpu-bind: for CPU workers only (this host has GPUs; see torchrun's --numa-binding)"
+    if not nproc_per_node.isdigit():
+        return f"--cpu-bind: needs --nproc-per-node as a number (got {nproc_per_node!r})"
+    blocks = core_blocks(sorted(os.sched_getaffinity(0)), int(nproc_per_node))
+    os.environ[CPU_BIND_ENV] = encode(blocks)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = get_args_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    problem = _args_problem(args)
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    problem = _args_problem(args) or (set_cpu_binding(str(args.nproc_per_node)) if args.cpu_bind else None)
     if problem:
         print(f"titanlite: error: {problem}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

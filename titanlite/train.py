@@ -2,7 +2,8 @@
 
 The config is loaded and checked first, before torch and the trainer (`trainer.py`) are
 imported: a mistyped key or value is one line and exit code 2 in a fraction of a second
-instead of after seconds of imports on every rank.
+instead of after seconds of imports on every rank. A worker the launcher binds to its
+cores (`--cpu-bind`) binds here too, before torch starts any thread.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from titanlite.config import load_config
+from titanlite.cpu_binding import bind_from_env
 from titanlite.errors import TitanliteError, report_user_error
 
 
@@ -18,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
     except TitanliteError as error:
         return report_user_error(error)
+    bind_from_env()  # before torch starts a thread (`titanlite.launch --cpu-bind`)
     from titanlite.trainer import run_checked  # torch and everything it builds
 
     return run_checked(cfg)
