@@ -48,7 +48,7 @@ def run_ranks(nproc: int, entry: list[str], args: list[str], timeout: float, env
     env = {**run_env(), **(env or {})}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as titanlite.launch sets for CPU workers
     if nproc > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     command = [sys.executable, *entry, *args]
     with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
         outputs = [(Path(folder) / f"{rank}.out", Path(folder) / f"{rank}.err") for rank in range(nproc)]
@@ -89,10 +89,56 @@ def _wait_for_ranks(processes: list[subprocess.Popen], timeout: float, command: 
     return first_failure or next((p.returncode for p in processes if p.returncode != 0), 0)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous endpoint)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+MAINS_DRIVER = """
+import importlib, json, os, sys, traceback
+main = importlib.import_module(sys.argv[1]).main
+for index, argv in enumerate(json.loads(sys.argv[2])):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        os.environ.pop(key, None)
+    for stream in (sys.stdout, sys.stderr):
+        print(f"@@case {index}", file=stream, flush=True)
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        print(f"@@rc {index} {code}", file=stream, flush=True)
+"""
+
+
+def run_mains(module: str, argvs: list[list[str]], timeout: float, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Each argv through `module.main(argv)` (what `python -m module ARGV` calls), one after
+    the other in one interpreter, as a world of one: the imports (~5 s of CPU a process on
+    two cores) are paid once. One CompletedProcess per argv, with that run's exit code (an
+    argparse exit's, or 1 and the traceback for an exception) and its share of stdout and
+    stderr; a run that did not finish fails the test with the driver's output."""
+    command = [sys.executable, "-c", MAINS_DRIVER, module, json.dumps(argvs)]
+    result = subprocess.run(command, cwd=REPO, env=env or run_env(), capture_output=True, text=True, timeout=timeout)
+    outs, errs = _cases(result.stdout), _cases(result.stderr)
+    missing = [index for index in range(len(argvs)) if index not in errs or index not in outs]
+    assert not missing, f"{module}: runs {missing} did not finish (exit {result.returncode}):\n{result.stderr[-4000:]}"
+    return [subprocess.CompletedProcess(argv, errs[i][0], outs[i][1], errs[i][1]) for i, argv in enumerate(argvs)]
+
+
+def _cases(stream: str) -> dict[int, tuple[int, str]]:
+    """The driver's output split by its markers: index -> (exit code, text in between)."""
+    found = {}
+    for block in stream.split("@@case ")[1:]:
+        index, _, rest = block.partition("\n")
+        body, marker, tail = rest.partition(f"@@rc {index} ")
+        if marker:
+            found[int(index)] = (int(tail.split()[0]), body)
+    return found
 
 
 def run_trainer_worker(nproc: int, args: list[str], out: Path, timeout: float = 240) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import REPO, run_env, run_ranks, with_overrides
+from tests.distributed import REPO, run_env, run_mains, run_ranks, with_overrides
 from titanlite.checkpoint import export
 
 TRAIN_ENTRY = ["-m", "titanlite.train"]
@@ -72,7 +72,7 @@ def _launcher_command(nproc: int, argv: list[str]) -> list[str]:
 def train(layout: str, dump: Path, *args: str, timeout: float = 180, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     nproc, overrides = LAYOUTS[layout]
     argv = with_overrides(BASE, overrides, args, ["--job.dump_folder", str(dump)])
-    result = run_ranks(nproc, TRAIN_ENTRY, argv, timeout, env={"CUDA_VISIBLE_DEVICES": "", **(env or {})})
+    result = run_ranks(nproc, TRAIN_ENTRY, argv, timeout, env=_env(env))
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
@@ -218,32 +218,12 @@ def test_kill_during_async_save_resumes_from_previous_complete_step(tmp_path):
     assert all((ckpt(tmp_path, s) / "commit.json").is_file() for s in (2, 4, 6))
 
 
-DRIVER = """
-import json, os, sys
-from titanlite.train import main
-for name, argv in json.loads(sys.argv[1]):
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        os.environ.pop(key, None)
-    print(f"@@case {name}", file=sys.stderr, flush=True)
-    rc = main(argv)
-    print(f"@@rc {name} {rc}", file=sys.stderr, flush=True)
-"""
-
-
 def run_cases(cases: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
     """Several 1-process runs of the real entry point `titanlite.train.main`, in one
     interpreter to pay the imports once. Returns name -> (exit code, its stderr)."""
     nproc, overrides = LAYOUTS["single"]
-    payload = [(name, with_overrides(BASE, overrides, argv)) for name, argv in cases.items()]
-    result = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(payload)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
-    out: dict[str, tuple[int, str]] = {}
-    for block in result.stderr.split("@@case ")[1:]:
-        name, _, rest = block.partition("\n")
-        body, _, tail = rest.partition(f"@@rc {name} ")
-        assert tail, f"case {name} did not finish:\n{result.stderr[-4000:]}"
-        out[name] = (int(tail.split()[0]), body)
-    assert out.keys() == cases.keys(), result.stderr[-4000:]
-    return out
+    runs = run_mains("titanlite.train", [with_overrides(BASE, overrides, argv) for argv in cases.values()], 240, env=_env())
+    return {name: (run.returncode, run.stderr) for name, run in zip(cases, runs)}
 
 
 @pytest.mark.timeout(300)

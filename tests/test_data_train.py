@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import REPO, read_tensorboard, run_env, run_ranks, with_overrides
+from tests.distributed import read_tensorboard, run_mains, run_ranks, with_overrides
 from tests.test_data_prepare import SHIPPED, folder_bytes, write_corpus
 from tests.test_tokenizer_kinds import write_rank_file
 from titanlite.data.prepare import prepare
@@ -69,29 +67,11 @@ def test_exact_resume_with_shuffle_and_blend(tmp_path, blend):
     assert sorted(got) == list(range(1, 11)) and got == want  # exact, every step
 
 
-DRIVER = """
-import json, os, sys
-from titanlite.train import main
-for name, argv in json.loads(sys.argv[1]):
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
-        os.environ.pop(key, None)
-    print(f"@@case {name}", file=sys.stderr, flush=True)
-    print(f"@@rc {name} {main(argv)}", file=sys.stderr, flush=True)
-"""
-
-
 def run_cases(cases: dict[str, list[str]], dump: Path) -> dict[str, tuple[int, list[str]]]:
     """1-process runs of `titanlite.train.main`, in one interpreter: name -> (exit code, stderr lines)."""
-    payload = [(name, with_overrides(BASE, argv, ["--training.steps", "1", "--job.dump_folder", str(dump / name)])) for name, argv in cases.items()]
-    result = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(payload)], cwd=REPO, env=run_env(),
-                            capture_output=True, text=True, timeout=300)
-    out = {}
-    for block in result.stderr.split("@@case ")[1:]:
-        name, _, rest = block.partition("\n")
-        body, _, tail = rest.partition(f"@@rc {name} ")
-        assert tail, f"case {name} did not finish:\n{result.stderr[-4000:]}"
-        out[name] = (int(tail.split()[0]), [line for line in body.splitlines() if line.strip()])
-    return out
+    argvs = [with_overrides(BASE, argv, ["--training.steps", "1", "--job.dump_folder", str(dump / name)]) for name, argv in cases.items()]
+    runs = run_mains("titanlite.train", argvs, 300)
+    return {name: (run.returncode, [line for line in run.stderr.splitlines() if line.strip()]) for name, run in zip(cases, runs)}
 
 
 def damaged_copy(source: Path, folder: Path, damage: str) -> Path:

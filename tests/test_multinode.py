@@ -9,7 +9,6 @@ node 0), so no node rank is passed: the test reads the ranks the agents were giv
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import time
 import uuid
@@ -19,7 +18,7 @@ import pytest
 
 from titanlite.run_dir import read_metrics
 
-from tests.distributed import REPO, run_env
+from tests.distributed import REPO, free_port, run_env
 from tests.test_trainer_cli import ANY_STEP_LINE, MARKER_VAR, kill_marked
 
 RUN_TIMEOUT = 300  # seconds per launch; 4 processes share 2 cores with other suites
@@ -30,12 +29,6 @@ ARGS = [
     "--parallelism.tensor_parallel_degree", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
     "--metrics.peak_flops", "1e11",  # no start-up matmul measurement
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_nodes(node_envs: list[dict[str, str]], dump_folder: Path, logs: Path) -> list[str]:

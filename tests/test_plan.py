@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.distributed import REPO, run_env, run_ranks
+from tests.distributed import REPO, run_env, run_mains, run_ranks
 
 TIMEOUT_S = 300  # generous: several test suites share 2 cores
 VOCAB = ["--vocab-size", "128256"]  # the presets' tokenizer is not shipped
@@ -26,34 +26,12 @@ def plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-PLANS_DRIVER = """
-import contextlib, io, json, sys, traceback
-from titanlite.plan import main
-results = []
-for argv in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as stop:  # argparse's own errors
-            code = stop.code
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-    results.append([code, out.getvalue(), err.getvalue()])
-print(json.dumps(results))
-"""
-
-
 def plans(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
     """Several planner runs in one interpreter, each through `titanlite.plan.main` (what
     `python -m titanlite.plan` calls) with its own stdout, stderr and exit code: the imports
     (~5 s of CPU a process) are paid once. Each run joins its own fake world, replacing the
     previous one, as the planner's census does for every rank."""
-    cmd = [sys.executable, "-c", PLANS_DRIVER, json.dumps(argvs)]
-    result = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [subprocess.CompletedProcess(argv, code, out, err) for argv, (code, out, err) in zip(argvs, json.loads(result.stdout))]
+    return run_mains("titanlite.plan", list(argvs), TIMEOUT_S)
 
 
 def figures(stdout: str) -> dict[str, float]:
