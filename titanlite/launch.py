@@ -41,6 +41,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import MutableMapping
 from types import FrameType
 
 import torch
@@ -151,14 +152,15 @@ def _signal_line(sig: signal.Signals) -> str:
     return f"titanlite: stopped by {sig.name}; the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 saves one first)"
 
 
-def set_cpu_thread_defaults(nproc_per_node: str) -> None:
-    """Thread settings for CPU workers (see the module docstring); values the caller set are kept."""
+def set_cpu_thread_defaults(nproc_per_node: str, env: MutableMapping[str, str] = os.environ) -> None:
+    """Thread settings for CPU workers (see the module docstring) into `env` (this process's
+    environment, which torchrun hands to the workers); values the caller set are kept."""
     if torch.cuda.is_available():
         return
     if nproc_per_node.isdigit():
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // int(nproc_per_node))))
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // int(nproc_per_node))))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("GOMP_SPINCOUNT", "1000")
 
 
 def _parser():
