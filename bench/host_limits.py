@@ -74,13 +74,13 @@ def _allreduce_times() -> dict:
     return times
 
 
-def _lockstep_times(products_per_segment: int, segments: int) -> dict:
+def _lockstep_times(products_per_segment: int, segments: int, meeting_first: bool) -> dict:
     """Seconds for the same work free-running and meeting after each segment (the slower
-    rank's time, which is what a layout waits for)."""
+    rank's time, which is what a layout waits for); the order alternates between rounds."""
     a, b = torch.randn(MATMUL[0], MATMUL[1]), torch.randn(MATMUL[1], MATMUL[2])
     flag = torch.zeros(1)
     times = {}
-    for meet in (False, True):
+    for meet in (True, False) if meeting_first else (False, True):
         dist.barrier()
         start = time.perf_counter()
         for _ in range(segments):
@@ -164,11 +164,11 @@ def main() -> None:
     unit_ms = _product_ms()
     print(f"\nlockstep tax, 2 processes, {WORK_MS / 1e3:.0f} s of {MATMUL[0]}x{MATMUL[1]}x{MATMUL[2]} matmuls "
           f"({unit_ms:.1f} ms each) each:")
-    for _ in range(args.rounds):
+    for round_index in range(args.rounds):
         for segment_ms in SEGMENTS_MS:
             per_segment = max(1, round(segment_ms / unit_ms))
             segments = max(1, round(WORK_MS / (per_segment * unit_ms)))
-            times = _run_pair(_free_port(), cores, "lockstep", (per_segment, segments))
+            times = _run_pair(_free_port(), cores, "lockstep", (per_segment, segments, round_index % 2 == 1))
             print(f"  meeting every {per_segment * unit_ms:5.0f} ms ({segments} meetings): free {times[False]:.2f} s, "
                   f"meeting {times[True]:.2f} s, tax {times[True] / times[False] - 1:+.0%}")
 

@@ -106,6 +106,9 @@ class Training:
     enable_cpu_offload: bool = _opt(False, "keep sharded parameters, gradients and optimizer state in CPU memory")
     max_nan_skips: int = _opt(0, "steps whose loss or grad norm is inf/nan that may be skipped (no optimizer step) "
                               "before the run stops; 0 = stop at the first", ge=0)
+    gc_freq: int = _opt(50, "run Python's garbage collector every this many steps, on every rank at the same step "
+                        "(automatic collection off while training), so no rank stalls the others alone; 0 = "
+                        "Python's automatic collection", ge=0)
 
 
 @dataclass

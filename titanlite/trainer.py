@@ -23,6 +23,7 @@ from titanlite.dtypes import DTYPES
 from titanlite.dump_folder import claim_dump_folder, parameter_count
 from titanlite.errors import (COLLECTIVE_FAILURE_EXIT_CODE, INTERRUPTED_EXIT_CODE, RANK0_REPORT_GRACE_S, USER_ERROR_EXIT_CODE,
                               TitanliteError, report_user_error)
+from titanlite.gc_schedule import ScheduledGC
 from titanlite.logging import init_logger, logger
 from titanlite.loss import cross_entropy
 from titanlite.metrics import MetricsLogger, peak_flops
@@ -168,7 +169,8 @@ class Trainer:
         batches = iter(self.data)  # after load(): the loader resumes from its restored position
         history = []
         tokens_per_microbatch = cfg.training.local_batch_size * cfg.training.seq_len
-        with maybe_profile(cfg, self.dist.rank, self.device, self.state.step) as profiler:
+        with (maybe_profile(cfg, self.dist.rank, self.device, self.state.step) as profiler,
+              ScheduledGC(cfg.training.gc_freq) as collector):
             while self.state.step < cfg.training.steps:
                 self.state.step += 1
                 step = self.state.step
@@ -186,6 +188,7 @@ class Trainer:
                 if self.checkpoint is not None:
                     self.checkpoint.save(step, last=last)
                 profiler.step()
+                collector.after_step(step)
                 if agreement.stop:
                     self._stop_on_signal(step, agreement.stop_signal_name())
                     break
