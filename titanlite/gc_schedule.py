@@ -14,10 +14,7 @@ graph and DTensor specs make far more.
 from __future__ import annotations
 
 import gc
-import time
 from types import TracebackType
-
-from titanlite.logging import logger
 
 COLLECTED_GENERATION = 1
 """Young and middle generations: where one step's short-lived objects are (torchtitan's choice)."""
@@ -35,19 +32,13 @@ class ScheduledGC:
         if self.every:
             self._was_enabled = gc.isenabled()
             gc.disable()
-            self._collect("before the first step")
+            gc.collect(COLLECTED_GENERATION)  # what start-up left, before the first step
         return self
 
     def after_step(self, step: int) -> None:
         if self.every and step % self.every == 0:
-            self._collect(f"step {step}")
+            gc.collect(COLLECTED_GENERATION)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
         if self.every and self._was_enabled:
             gc.enable()
-
-    @staticmethod
-    def _collect(when: str) -> None:
-        start = time.perf_counter()
-        gc.collect(COLLECTED_GENERATION)
-        logger.debug(f"gc {when}: {1e3 * (time.perf_counter() - start):.1f} ms")
