@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -91,11 +92,33 @@ def _wait_for_ranks(processes: list[subprocess.Popen], timeout: float, command: 
     return first_failure or next((p.returncode for p in processes if p.returncode != 0), 0)
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a rendezvous endpoint)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, for a rendezvous endpoint that a rank binds later.
+
+    Drawn at random from below the kernel's ephemeral range, not by binding port 0: a port
+    the kernel hands out is also the pool of the local ends of outgoing connections, and in
+    the time between this call and rank 0's TCPStore binding it, any connection on the host
+    (the other xdist worker's ranks) may take it; rank 0 then fails and the other ranks get
+    "Connection reset by peer" (seen once in a full run)."""
+    ephemeral_low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0]) if EPHEMERAL_RANGE_FILE.exists() else 32768
+    lowest = max(1024, ephemeral_low - 20000)
+    if ephemeral_low - lowest < 1000:  # an ephemeral range reaching down to the reserved ports
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    draw = random.SystemRandom()  # independent of any seed a test sets
+    for _ in range(200):
+        port = draw.randrange(lowest, ephemeral_low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port on 127.0.0.1 below the ephemeral range ({ephemeral_low})")
 
 
 MAINS_DRIVER = """
