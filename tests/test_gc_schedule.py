@@ -26,9 +26,10 @@ def collections():
 
 
 def test_the_loop_collects_every_gc_freq_steps_with_automatic_collection_off(collections):
+    start = len(collections)  # pytest's own work may have triggered automatic ones before
     with ScheduledGC(every=3) as collector:
         assert not gc.isenabled()
-        assert collections == [COLLECTED_GENERATION]  # one before the first step
+        assert collections[start:] == [COLLECTED_GENERATION]  # one before the first step
         per_step = []
         for step in range(1, 8):
             before = len(collections)
@@ -37,7 +38,7 @@ def test_the_loop_collects_every_gc_freq_steps_with_automatic_collection_off(col
             collector.after_step(step)
             per_step.append(len(collections) - before)
     assert per_step == [0, 0, 1, 0, 0, 1, 0]
-    assert collections[1:] == [COLLECTED_GENERATION] * 2
+    assert collections[start + 1:] == [COLLECTED_GENERATION] * 2
     assert gc.isenabled()  # automatic collection is back after the loop
 
 
