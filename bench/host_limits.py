@@ -28,6 +28,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,11 +46,11 @@ WORK_MS = 4000  # per lockstep run
 MATMUL = (4096, 256, 256)  # the unit of lockstep work: [tokens, dim] x [dim, dim]
 
 
-def _worker(rank: int, port: int, cores: list[int], task: str, args: tuple, results: dict) -> None:
+def _worker(rank: int, rendezvous: str, cores: list[int], task: str, args: tuple, results: dict) -> None:
     """One of the 2 bound gloo processes; rank 0 stores its figures in `results`."""
     os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:
         figures = _allreduce_times() if task == "allreduce" else _lockstep_times(*args)
         if rank == 0:
@@ -94,31 +95,12 @@ def _lockstep_times(products_per_segment: int, segments: int, meeting_first: boo
     return times
 
 
-def _run_pair(port: int, cores: list[int], task: str, args: tuple = ()) -> dict:
-    with mp.Manager() as manager:
+def _run_pair(cores: list[int], task: str, args: tuple = ()) -> dict:
+    """`task` on 2 gloo processes that meet through a file store (no port to race for)."""
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
         results = manager.dict()
-        mp.spawn(_worker, args=(port, cores, task, args, results), nprocs=2)
+        mp.spawn(_worker, args=(f"{folder}/rendezvous", cores, task, args, results), nprocs=2)
         return dict(results)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _product_ms() -> float:
-    """One thread's time for the unit matmul, best of several."""
-    torch.set_num_threads(1)
-    a, b = torch.randn(MATMUL[0], MATMUL[1]), torch.randn(MATMUL[1], MATMUL[2])
-    best = float("inf")
-    for _ in range(20):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def model_matmuls(tokens: int, vocab: int) -> list[tuple[str, tuple[int, int], tuple[int, int]]]:
@@ -137,6 +119,7 @@ def model_matmuls(tokens: int, vocab: int) -> list[tuple[str, tuple[int, int], t
 
 
 def _mm_seconds(a: torch.Tensor, b: torch.Tensor, threads: int) -> float:
+    """Best of several `a @ b` on `threads` threads, after one to warm up."""
     torch.set_num_threads(threads)
     torch.mm(a, b)
     best = float("inf")
@@ -158,17 +141,17 @@ def main() -> None:
         raise SystemExit(f"bench/host_limits.py needs 2 usable cores; this process may use {len(cores)}")
 
     print("gloo all-reduce, 2 processes on cores", cores[:2])
-    for nbytes, seconds in sorted(_run_pair(_free_port(), cores, "allreduce").items()):
+    for nbytes, seconds in sorted(_run_pair(cores, "allreduce").items()):
         print(f"  {nbytes:>9,} B  {seconds * 1e3:6.2f} ms")
 
-    unit_ms = _product_ms()
+    unit_ms = 1e3 * _mm_seconds(torch.randn(MATMUL[0], MATMUL[1]), torch.randn(MATMUL[1], MATMUL[2]), threads=1)
     print(f"\nlockstep tax, 2 processes, {WORK_MS / 1e3:.0f} s of {MATMUL[0]}x{MATMUL[1]}x{MATMUL[2]} matmuls "
           f"({unit_ms:.1f} ms each) each:")
     for round_index in range(args.rounds):
         for segment_ms in SEGMENTS_MS:
             per_segment = max(1, round(segment_ms / unit_ms))
             segments = max(1, round(WORK_MS / (per_segment * unit_ms)))
-            times = _run_pair(_free_port(), cores, "lockstep", (per_segment, segments, round_index % 2 == 1))
+            times = _run_pair(cores, "lockstep", (per_segment, segments, round_index % 2 == 1))
             print(f"  meeting every {per_segment * unit_ms:5.0f} ms ({segments} meetings): free {times[False]:.2f} s, "
                   f"meeting {times[True]:.2f} s, tax {times[True] / times[False] - 1:+.0%}")
 
