@@ -4,6 +4,7 @@ that does not load is refused before torch is imported."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 
 from tests.distributed import REPO, run_env
 
-from titanlite.errors import TitanliteError, one_line, user_errors
+from titanlite.errors import TitanliteError, one_line, say, user_errors
 from titanlite.parallel.distributed import collective_failure
 
 
@@ -56,3 +57,29 @@ def test_a_config_that_does_not_load_is_refused_before_torch_is_imported():
     result = subprocess.run([sys.executable, "-c", CHECK_BEFORE_TORCH], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=60)
     assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
     assert result.stderr == "titanlite: error: training.steps: expected an integer, got 'ten'\n"
+
+
+class _RecordedWrites(io.RawIOBase):
+    """A file whose every write(2) is kept, as the file descriptor under stderr would see it."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_say_writes_a_line_in_one_write_where_print_would_take_two(monkeypatch):
+    """Unbuffered stderr (PYTHONUNBUFFERED) as Python sets it up: ranks sharing the launcher's
+    stderr interleave unless each line reaches the descriptor in one write."""
+    raw = _RecordedWrites()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, write_through=True))
+    print("titanlite: rank 1: printed", file=sys.stderr)
+    assert raw.writes == [b"titanlite: rank 1: printed", b"\n"]
+    raw.writes.clear()
+    say("titanlite: rank 1: said")
+    assert raw.writes == [b"titanlite: rank 1: said\n"]

@@ -52,10 +52,13 @@ def test_cpu_bind_splits_the_cores_into_one_block_per_rank():
 @pytest.mark.timeout(120)
 def test_cpu_bind_puts_each_worker_on_its_own_cores(tmp_path):
     """Two workers under `--cpu-bind` bind themselves (as the trainer's command line does)
-    and report their affinity; without the flag nothing is bound."""
+    and report their affinity; without the flag nothing is bound. Both workers share the one
+    stdout pipe, so each writes its line in a single `os.write` (atomic below PIPE_BUF): `print`
+    writes its pieces one by one when PYTHONUNBUFFERED is set, and the lines interleave."""
     worker = tmp_path / "affinity.py"
     worker.write_text("import os\nfrom titanlite.cpu_binding import bind_from_env\nbind_from_env()\n"
-                      "print('rank', os.environ['LOCAL_RANK'], 'cores', sorted(os.sched_getaffinity(0)), flush=True)\n")
+                      "line = f\"rank {os.environ['LOCAL_RANK']} cores {sorted(os.sched_getaffinity(0))}\\n\"\n"
+                      "os.write(1, line.encode())\n")
     cores = sorted(os.sched_getaffinity(0))
     expected = {str(rank): block for rank, block in enumerate(core_blocks(cores, 2))}
     for flags, want in ((["--cpu-bind"], expected), ([], {"0": cores, "1": cores})):

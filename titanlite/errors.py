@@ -30,6 +30,14 @@ INTERRUPTED_EXIT_CODE = 130
 RANK0_REPORT_GRACE_S = 3.0
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write. Every rank shares the launcher's stderr, and with
+    PYTHONUNBUFFERED set (common in job scripts) `print` writes the text and its newline as
+    two writes, so lines printed by two ranks at once could interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def report_user_error(error: TitanliteError) -> int:
     """One line on rank 0, nothing from the others; the exit code says it was the input.
 
@@ -40,7 +48,7 @@ def report_user_error(error: TitanliteError) -> int:
     also runs before torch is imported (a config that does not load).
     """
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"titanlite: error: {error}", file=sys.stderr, flush=True)
+        say(f"titanlite: error: {error}")
     else:
         time.sleep(RANK0_REPORT_GRACE_S)
     return USER_ERROR_EXIT_CODE

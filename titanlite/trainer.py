@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 
 import torch
@@ -22,7 +21,7 @@ from titanlite.data import build_dataloader, open_corpus
 from titanlite.dtypes import DTYPES
 from titanlite.dump_folder import claim_dump_folder, parameter_count
 from titanlite.errors import (COLLECTIVE_FAILURE_EXIT_CODE, INTERRUPTED_EXIT_CODE, RANK0_REPORT_GRACE_S, USER_ERROR_EXIT_CODE,
-                              TitanliteError, report_user_error)
+                              TitanliteError, report_user_error, say)
 from titanlite.gc_schedule import ScheduledGC
 from titanlite.logging import init_logger, logger
 from titanlite.loss import cross_entropy
@@ -202,7 +201,7 @@ class Trainer:
         else:
             outcome = "nothing saved (checkpoint.enable_checkpoint is false)"
         if self.dist.rank == 0:
-            print(f"titanlite: stopped by {signal_name} after step {step}; {outcome}", file=sys.stderr, flush=True)
+            say(f"titanlite: stopped by {signal_name} after step {step}; {outcome}")
 
     def close(self) -> None:
         self.data.close()
@@ -258,7 +257,7 @@ def report_collective_failure(failure: CollectiveFailure) -> int:
     while not (failure.timed_out or received.stop_signal or received.interrupted) and time.monotonic() < deadline:
         time.sleep(0.05)
     if not received.interrupted and (failure.timed_out or not received.stop_signal):
-        print(f"titanlite: rank {world_from_env()[0]}: {failure.line}", file=sys.stderr, flush=True)
+        say(f"titanlite: rank {world_from_env()[0]}: {failure.line}")
     return INTERRUPTED_EXIT_CODE if received.interrupted else COLLECTIVE_FAILURE_EXIT_CODE
 
 
@@ -274,8 +273,8 @@ def run_checked(cfg: JobConfig) -> int:
         # A config this hardware cannot hold, like a bad input: one line (the allocator's
         # first sentence) and the user-error exit code, which the launcher passes on quietly.
         rank = dist.get_rank() if dist.is_initialized() else 0
-        print(f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
-              f"or seq_len, or enable activation_checkpoint", file=sys.stderr, flush=True)
+        say(f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
+            f"or seq_len, or enable activation_checkpoint")
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         return INTERRUPTED_EXIT_CODE  # Ctrl-C: the launcher prints the one line
