@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -21,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed import REPO, free_port
 from tests.stand_ins import CountingLoader
 from titanlite.config import Checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
 ARGS = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=32)
 
 
@@ -162,9 +161,7 @@ def resume_worker(rank: int, world: int, port: int, folder: str, mode: str, stop
 
 
 def spawn(fn, world: int, *args, timeout: float = 120) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: see its docstring
     os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     context = mp.start_processes(fn, args=(world, port, *args), nprocs=world, start_method="spawn", join=False)
     deadline = time.monotonic() + timeout
