@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain s
 
 from titanlite.data.cache import ensure_prepared  # noqa: E402
 from titanlite.data.loader import TokenWindowLoader  # noqa: E402
-from titanlite.data.reader import TokenShards  # noqa: E402
-from titanlite.data.shards import FORMAT, FORMAT_VERSION, shard_name, write_manifest  # noqa: E402
-from titanlite.data.tokenizer import Tokenizer  # noqa: E402
+from titanlite.data.token_shards import TokenShards  # noqa: E402
+from titanlite.data.shard_format import FORMAT, FORMAT_VERSION, shard_name, write_manifest  # noqa: E402
+from titanlite.data.tokenizers import Tokenizer  # noqa: E402
 from titanlite.data.windows import DatasetWindows, WindowStream, window_count  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""What the per-step agreement (`numerics.agree_on_step`: stop requested, loss and grad norm
+"""What the per-step agreement (`step/agreement.agree_on_step`: stop requested, loss and grad norm
 finite) costs, next to the one scalar all-reduce every step already pays (the grad norm's).
 
     python bench/step_agreement.py [--nproc 2] [--iterations 2000]
@@ -36,7 +36,7 @@ def _per_call_us(calls: list, iterations: int) -> list[float]:
 
 
 def worker(iterations: int) -> None:
-    from titanlite.numerics import agree_on_step
+    from titanlite.step.agreement import agree_on_step
     from titanlite.parallel.distributed import init_distributed, shutdown
 
     info = init_distributed(300)

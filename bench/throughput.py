@@ -22,7 +22,7 @@ Figures, averaged over the steps after `--warmup-steps` (the trainer logs every 
   attention, PaLM's accounting);
 - % of peak: model FLOP/s over the matmul peak of the run's compute dtype on the hardware
   the layout uses: on CPU a 2048^3 `F.linear` measured here on all usable cores (every
-  layout shares those cores); on GPUs the table in metrics.py times the GPUs used.
+  layout shares those cores); on GPUs the table in observe/peak_flops.py times the GPUs used.
 
 Then the ratios TP / FSDP 2 and 1 process / FSDP 2 per setting. A layout needing more GPUs
 than the machine has is skipped. Nothing is asserted.
@@ -46,9 +46,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from titanlite.metrics import GPU_BF16_PEAK_FLOPS, measure_cpu_matmul_flops  # noqa: E402
+from titanlite.observe.peak_flops import GPU_BF16_PEAK_FLOPS, measure_cpu_matmul_flops  # noqa: E402
 from titanlite.parallel.distributed import usable_cores  # noqa: E402
-from titanlite.precision import decide_compute_dtype  # noqa: E402
+from titanlite.step.precision import decide_compute_dtype  # noqa: E402
 
 # name: (label, processes, trainer overrides). Data parallelism fills what TP leaves.
 LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
@@ -86,7 +86,7 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
 
     from titanlite.build import plan_run
     from titanlite.config import load_config
-    from titanlite.cpu_binding import bind_from_env
+    from titanlite.runtime.cpu_binding import bind_from_env
     from titanlite.parallel.distributed import world_from_env
     from titanlite.trainer import Trainer
 

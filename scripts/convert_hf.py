@@ -27,10 +27,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titanlite.checkpoint import commit, export, policy
-from titanlite.dtypes import DTYPE_NAMES, torch_dtype
+from titanlite.config.dtypes import DTYPE_NAMES, torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.models import get_model_spec
-from titanlite.models.spec import ModelSpec
+from titanlite.model_spec import ModelSpec
 
 
 def args_from_record(record: commit.CommitRecord) -> tuple[ModelSpec, Any]:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from titanlite.checkpoint import export, policy
-from titanlite.dtypes import DTYPE_NAMES, torch_dtype
+from titanlite.config.dtypes import DTYPE_NAMES, torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 
 

@@ -3,7 +3,7 @@
     python scripts/plot_run.py outputs/runs/20261123-101500 outputs/runs/20261123-111500 -o compare.png
     python scripts/plot_run.py outputs            # the newest run under outputs/runs
 
-Each RUN_DIR is a run folder (metrics.jsonl and config.toml, see titanlite/run_dir.py) or a
+Each RUN_DIR is a run folder (metrics.jsonl and config.toml, see titanlite/observe/run_dir.py) or a
 folder holding run folders, from which the newest is taken. Each run is labelled by its
 folder name plus the config values in which the runs differ (`lr=0.0003`,
 `tensor_parallel_degree=2`), so two learning rates or two layouts read apart at a glance.
@@ -26,7 +26,7 @@ else:  # Python 3.10: the parser titanlite.config uses there
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError  # noqa: E402
-from titanlite.run_dir import CONFIG_FILE, METRICS_FILE, read_metrics  # noqa: E402
+from titanlite.observe.run_dir import CONFIG_FILE, METRICS_FILE, read_metrics  # noqa: E402
 
 # Panel title -> (y-axis label, [(metrics.jsonl key, kind of line), ...]).
 PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {

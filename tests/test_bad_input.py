@@ -111,7 +111,7 @@ def another_tokenizer_in_the_record(case: Path) -> None:
 
 
 def hold_the_lock(case: Path, _checkpoint: Path) -> Callable[[], None]:
-    from titanlite.dump_folder import acquire_lock
+    from titanlite.runtime.dump_folder import acquire_lock
 
     (case / "out").mkdir(parents=True)
     return acquire_lock(case / "out").release  # held by this test process, a live job

@@ -93,12 +93,12 @@ def test_retention_keeps_latest_k_and_cleans_older_debris():
     assert policy.stale_incomplete([3, 9], 6) == [3]
 
 
-def test_save_plan_last_step_is_blocking_and_weights_only_when_asked():
+def test_save_kind_last_step_is_blocking_and_weights_only_when_asked():
     cfg = Checkpoint(async_mode="async", model_weights_only=True, export_dtype="bfloat16")
-    assert policy.plan_save(cfg, last=False) == policy.SavePlan(weights_only=False, export_dtype=None, blocking=False)
-    assert policy.plan_save(cfg, last=True) == policy.SavePlan(weights_only=True, export_dtype="bfloat16", blocking=True)
+    assert policy.save_kind(cfg, last=False) == policy.SaveKind(weights_only=False, export_dtype=None, blocking=False)
+    assert policy.save_kind(cfg, last=True) == policy.SaveKind(weights_only=True, export_dtype="bfloat16", blocking=True)
     full = Checkpoint(async_mode="disabled")
-    assert policy.plan_save(full, last=False).blocking and not policy.plan_save(full, last=True).weights_only
+    assert policy.save_kind(full, last=False).blocking and not policy.save_kind(full, last=True).weights_only
     seed = commit.CommitRecord(step=0, fingerprint={}, contents=["model"], model_weights_only=True)
     assert not policy.is_export(seed) and policy.is_export(dataclasses.replace(seed, step=5))
 

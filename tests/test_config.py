@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.config import JobConfig, help_text, load_config, to_dict, to_toml, validate
-from titanlite.config_engine import expected, sections
+from titanlite.config.engine import expected, sections
 from titanlite.errors import TitanliteError
 
 REPO = Path(__file__).resolve().parents[1]

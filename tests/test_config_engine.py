@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from titanlite import config_engine as E
-from titanlite.config_engine import option
+from titanlite.config import engine as E
+from titanlite.config.engine import option
 from titanlite.errors import TitanliteError
 
 if sys.version_info >= (3, 11):

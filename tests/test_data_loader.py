@@ -17,8 +17,8 @@ from titanlite.config import parse_blend
 from titanlite.data.blend import BlendPattern
 from titanlite.data.corpus import build_dataloader, open_corpus
 from titanlite.data.loader import TokenWindowLoader
-from titanlite.data.reader import TokenShards
-from titanlite.data.shards import write_manifest, write_shard
+from titanlite.data.token_shards import TokenShards
+from titanlite.data.shard_format import write_manifest, write_shard
 from titanlite.data.shuffle import FeistelPermutation
 from titanlite.data.windows import DatasetWindows, WindowStream
 from titanlite.errors import TitanliteError

@@ -19,10 +19,10 @@ import pytest
 from tests.distributed import REPO, run_env
 from titanlite.data.cache import ensure_prepared
 from titanlite.data.prepare import prepare
-from titanlite.data.reader import TokenShards
-from titanlite.data.shards import DTYPES, token_dtype, write_shard
+from titanlite.data.token_shards import TokenShards
+from titanlite.data.shard_format import DTYPES, token_dtype, write_shard
 from titanlite.data.sources import FilesSource
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokenizers import Tokenizer
 from titanlite.errors import TitanliteError
 
 SHIPPED = REPO / "assets" / "tokenizer" / "titanlite.model"
@@ -219,7 +219,7 @@ def test_first_use_cache_prepares_once_and_never_uses_half_written(tmp_path, pre
     cache = tmp_path / "cache"
     # Two processes race for the entry: one prepares, the other waits and reads the same folder.
     script = ("import sys; from titanlite.logging import init_logger; init_logger(0); from titanlite.data.cache import ensure_prepared; "
-              "from titanlite.data.tokenizer import Tokenizer; "
+              "from titanlite.data.tokenizers import Tokenizer; "
               "print('@@', ensure_prepared('files', sys.argv[1], Tokenizer(sys.argv[2]), sys.argv[3]))")
     racers = [subprocess.Popen([sys.executable, "-c", script, str(text), str(SHIPPED), str(cache)], cwd=REPO, env=run_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]

@@ -14,7 +14,7 @@ from tests.test_data_prepare import SHIPPED, folder_bytes, write_corpus
 from tests.test_tokenizer_kinds import write_rank_file
 from titanlite.data.prepare import prepare
 from titanlite.data.sources import FilesSource
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokenizers import Tokenizer
 
 BASE = [
     "--config", "debug_model",

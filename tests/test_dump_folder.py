@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from titanlite import dump_folder
+from titanlite.runtime import dump_folder
 from titanlite.config import JobConfig
 from titanlite.errors import TitanliteError
 
@@ -81,10 +81,10 @@ def test_free_disk_below_one_checkpoint_is_refused(tmp_path):
 
 
 def test_parameter_count_builds_on_meta():
-    from titanlite.models import get_model_spec
+    from titanlite.build import plan_run
+    from titanlite.config import load_config
 
-    spec = get_model_spec("llama3", "405B")
-    assert dump_folder.parameter_count(spec.model_class, spec.args_for("405B", 128256)) > 400e9
+    assert plan_run(load_config(["--model.flavor", "405B"]), 1, vocab_size=128256).n_params > 400e9
 
 
 # ------------------------------------------------------------------ the lock
@@ -104,7 +104,7 @@ def test_second_holder_is_refused_naming_the_first_until_released(tmp_path):
 HOLD = """
 import sys, time
 from pathlib import Path
-from titanlite.dump_folder import acquire_lock
+from titanlite.runtime.dump_folder import acquire_lock
 lock = acquire_lock(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(120)

@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from titanlite.config import load_config
-from titanlite.gc_schedule import COLLECTED_GENERATION, ScheduledGC
+from titanlite.runtime.gc_schedule import COLLECTED_GENERATION, ScheduledGC
 
 
 @pytest.fixture

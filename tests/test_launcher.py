@@ -17,7 +17,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE
-from titanlite.cpu_binding import core_blocks
+from titanlite.runtime.cpu_binding import core_blocks
 from titanlite.launch import failure_line, first_failure, set_cpu_thread_defaults
 from titanlite.parallel.distributed import usable_cores
 from tests.distributed import REPO, run_env
@@ -56,7 +56,7 @@ def test_cpu_bind_puts_each_worker_on_its_own_cores(tmp_path):
     stdout pipe, so each writes its line in a single `os.write` (atomic below PIPE_BUF): `print`
     writes its pieces one by one when PYTHONUNBUFFERED is set, and the lines interleave."""
     worker = tmp_path / "affinity.py"
-    worker.write_text("import os\nfrom titanlite.cpu_binding import bind_from_env\nbind_from_env()\n"
+    worker.write_text("import os\nfrom titanlite.runtime.cpu_binding import bind_from_env\nbind_from_env()\n"
                       "line = f\"rank {os.environ['LOCAL_RANK']} cores {sorted(os.sched_getaffinity(0))}\\n\"\n"
                       "os.write(1, line.encode())\n")
     cores = sorted(os.sched_getaffinity(0))

@@ -1,4 +1,4 @@
-"""`titanlite.loss.cross_entropy` is F.cross_entropy's mean loss and gradient (issue: throughput).
+"""`titanlite.step.loss.cross_entropy` is F.cross_entropy's mean loss and gradient (issue: throughput).
 Vocab-sharded logits (loss parallel) are covered through the trainer by the TP layouts of
 tests/test_parallel_equivalence.py and tests/test_gpt2.py (1e-5 against one process)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlite.loss import cross_entropy
+from titanlite.step.loss import cross_entropy
 
 
 def loss_and_grad(fn, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

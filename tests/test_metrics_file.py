@@ -13,8 +13,8 @@ import torch
 
 from titanlite.config import JobConfig, Metrics, load_config
 from titanlite.errors import TitanliteError
-from titanlite.metrics import MetricsLogger, PeakFlops
-from titanlite.run_dir import CONFIG_FILE, METRICS_FILE, create_run_dir, read_metrics, start_run_dir
+from titanlite.observe.metrics import MetricsLogger, PeakFlops
+from titanlite.observe.run_dir import CONFIG_FILE, METRICS_FILE, create_run_dir, read_metrics, start_run_dir
 
 from tests.test_trainer_cli import TEST_TIMEOUT, launch, printed_tolerance, printed_value, step_lines
 

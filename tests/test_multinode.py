@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.run_dir import read_metrics
+from titanlite.observe.run_dir import read_metrics
 
 from tests.distributed import REPO, free_port, run_env
 from tests.test_trainer_cli import ANY_STEP_LINE, MARKER_VAR, kill_marked

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from titanlite.optim import build_lr_scheduler, build_optimizer, lr_factor
+from titanlite.step.optim import build_lr_scheduler, build_optimizer, lr_factor
 
 
 def test_linear_warmup_then_linear_decay_to_lr_min():

@@ -15,8 +15,8 @@ import torch
 
 from titanlite.config import JobConfig, Metrics
 from titanlite.errors import TitanliteError
-from titanlite.metrics import MetricsLogger, PeakFlops
-from titanlite.run_dir import create_run_dir, read_metrics
+from titanlite.observe.metrics import MetricsLogger, PeakFlops
+from titanlite.observe.run_dir import create_run_dir, read_metrics
 
 from tests.distributed import REPO, run_env
 from tests.test_trainer_cli import TEST_TIMEOUT, train_single_process

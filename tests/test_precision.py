@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from titanlite import precision
+from titanlite.step import precision
 
 CPU = torch.device("cpu")
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerAction
 
-from titanlite import profiling
+from titanlite.observe import profiling
 from titanlite.config import JobConfig
-from titanlite.profiling import maybe_profile
+from titanlite.observe.profiling import maybe_profile
 
 from tests.test_trainer_cli import TEST_TIMEOUT, launch
 

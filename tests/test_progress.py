@@ -2,8 +2,8 @@
 
 import logging
 
-from titanlite import progress
-from titanlite.progress import Progress
+from titanlite.observe import progress
+from titanlite.observe.progress import Progress
 
 
 def test_line_says_what_how_far_and_time_left(monkeypatch):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.data.tiktoken_bpe import LLAMA3_PATTERN, SPECIAL_TOKENS, split_long_runs
-from titanlite.data.tokenizer import Tokenizer, detect_kind
+from titanlite.data.tokenizers.tiktoken_bpe import LLAMA3_PATTERN, SPECIAL_TOKENS, split_long_runs
+from titanlite.data.tokenizers import Tokenizer, detect_kind
 from titanlite.errors import TitanliteError
 
 SAMPLES = [

@@ -39,7 +39,7 @@ RUN_TIMEOUT = 180  # seconds per command; generous, other suites may share the 2
 TEST_TIMEOUT = RUN_TIMEOUT + 60
 MARKER_VAR = "TITANLITE_CLI_TEST_RUN"
 
-# One per-step line, as titanlite/metrics.py writes it (after the logger's timestamp).
+# One per-step line, as titanlite/observe/metrics.py writes it (after the logger's timestamp).
 STEP_LINE = re.compile(
     r"step +(?P<step>\d+)  loss +(?P<loss>\S+)  grad_norm +(?P<grad_norm>\S+)  lr (?P<lr>\S+)  "
     r"tps (?P<tps>[\d,]+)  mfu (?P<mfu>\S+)%  mem (?P<mem>\S+) GiB$"

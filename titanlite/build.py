@@ -10,6 +10,7 @@ is touched. `build_model` then builds on meta, applies the parallelisms in their
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from titanlite.config import JobConfig
 from titanlite.data import Tokenizer
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
-from titanlite.models.spec import ModelSpec
+from titanlite.model_spec import ModelSpec
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.fsdp import apply_fsdp
@@ -29,7 +30,7 @@ from titanlite.parallel.tensor_parallel import sequence_parallel_for
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunPlan:
     """Everything derived from the config and the world size, checked before any device use."""
 
     cfg: JobConfig
@@ -39,15 +40,22 @@ class Plan:
     dims: ParallelDims
     grad_accum_steps: int
 
-    def with_compute_dtype(self, name: str) -> Plan:
+    def with_compute_dtype(self, name: str) -> RunPlan:
         """This plan with `training.mixed_precision_param` made concrete: "auto" is decided
-        per device (`precision.py`, by the trainer; the planner takes bfloat16, a GPU's)
+        per device (`step/precision.py`, by the trainer; the planner takes bfloat16, a GPU's)
         before anything is built."""
         training = dataclasses.replace(self.cfg.training, mixed_precision_param=name)
         return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, training=training))
 
+    @functools.cached_property
+    def n_params(self) -> int:
+        """The model's parameter count, from a build on the meta device (no memory); the
+        same for every layout (a DTensor's numel is the global one)."""
+        with torch.device("meta"):
+            return sum(p.numel() for p in self.spec.model_class(self.model_args).parameters())
 
-def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> Plan:
+
+def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> RunPlan:
     """Resolve the model, mesh degrees and batch split; every user error surfaces here.
 
     `vocab_size` stands in for the tokenizer's, which is then not read: the dry-run
@@ -64,14 +72,14 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     grad_accum_steps = dims.grad_accum_steps(cfg.training.local_batch_size, cfg.training.global_batch_size)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
-    return Plan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
+    return RunPlan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
 
 
-def parallelize(model: torch.nn.Module, plan: Plan, meshes: Meshes) -> None:
+def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
     """Apply the parallelisms in their fixed order: TP -> AC -> compile -> FSDP."""
     cfg, dims = plan.cfg, plan.dims
     if cfg.training.mixed_precision_param == "auto":
-        raise ValueError("parallelize: decide mixed_precision_param 'auto' first (Plan.with_compute_dtype)")
+        raise ValueError("parallelize: decide mixed_precision_param 'auto' first (RunPlan.with_compute_dtype)")
     if dims.tp_enabled:
         sequence_parallel = sequence_parallel_for(meshes.tp, cfg.parallelism.sequence_parallel)
         plan.spec.apply_tp(model, meshes.tp, cfg.parallelism.enable_loss_parallel, sequence_parallel)
@@ -99,7 +107,7 @@ class ModelSize:
     flops_per_token: float
 
 
-def build_on_meta(plan: Plan, meshes: Meshes) -> torch.nn.Module:
+def build_on_meta(plan: RunPlan, meshes: Meshes) -> torch.nn.Module:
     """The configured model on the meta device (no memory), parallelized for this rank."""
     with torch.device("meta"):
         model = plan.spec.model_class(plan.model_args)
@@ -107,7 +115,7 @@ def build_on_meta(plan: Plan, meshes: Meshes) -> torch.nn.Module:
     return model
 
 
-def materialize(model: torch.nn.Module, plan: Plan, device: torch.device) -> None:
+def materialize(model: torch.nn.Module, plan: RunPlan, device: torch.device) -> None:
     """Allocate this rank's shards (on the host with CPU offload) and initialize them."""
     offload = plan.dims.fsdp_enabled and plan.cfg.training.enable_cpu_offload
     model.to_empty(device="cpu" if offload else device)
@@ -115,11 +123,11 @@ def materialize(model: torch.nn.Module, plan: Plan, device: torch.device) -> Non
     model.train()
 
 
-def build_model(plan: Plan, device: torch.device, meshes: Meshes, processes_per_host: int) -> tuple[torch.nn.Module, ModelSize]:
+def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_per_host: int) -> tuple[torch.nn.Module, ModelSize]:
     """Build on meta, parallelize, check the training state can fit, then materialize."""
     cfg = plan.cfg
     model = build_on_meta(plan, meshes)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = plan.n_params
     size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, cfg.training.seq_len))
     offload = plan.dims.fsdp_enabled and cfg.training.enable_cpu_offload
     check_training_state_fits(n_params, plan.dims.dp_shard * plan.dims.tp, device, offload, processes_per_host)

@@ -13,7 +13,7 @@ thread to sleep between two kernels that follow each other within microseconds. 
 spin (1000 iterations, libgomp's GOMP_SPINCOUNT overrides the policy's count; other OpenMP
 runtimes read only the policy) keeps both: docs/performance.md has the measurements.
 libgomp reads these once, at start, so they must be in the workers' environment.
-`--cpu-bind` (opt-in) also binds each CPU worker to its own block of cores (cpu_binding.py).
+`--cpu-bind` (opt-in) also binds each CPU worker to its own block of cores (runtime/cpu_binding.py).
 
 How a run ends:
 
@@ -25,7 +25,7 @@ How a run ends:
   timestamps (whole seconds), then by the order the agent saw them. The agent's own
   per-rank records are dropped: the ranks' lines and this one already say it.
 - SIGTERM and SIGUSR1 are forwarded to the workers, which finish their step, save a
-  checkpoint and exit 0 (titanlite/preemption.py); the launcher keeps supervising them, so
+  checkpoint and exit 0 (titanlite/runtime/preemption.py); the launcher keeps supervising them, so
   its exit code is theirs. torchrun's own handling would give them 30 s before SIGKILL,
   which a large checkpoint can outlast. A second one stops them the way torchrun does.
 - Ctrl-C (SIGINT), SIGHUP and SIGQUIT: torchrun stops the workers at once; one line.
@@ -49,12 +49,11 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
-from titanlite.cpu_binding import CPU_BIND_ENV, core_blocks, encode
+from titanlite.runtime.cpu_binding import CPU_BIND_ENV, core_blocks, encode
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, USER_ERROR_EXIT_CODE
 from titanlite.parallel.distributed import usable_cores
+from titanlite.runtime.preemption import FORWARDED_SIGNALS, LAUNCHER_PID_ENV
 
-LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
@@ -168,7 +167,7 @@ def _parser():
     parser = get_args_parser()
     parser.add_argument("--cpu-bind", "--cpu_bind", action="store_true",
                         help="CPU workers only: bind each local rank (and the threads it starts) to its own block of this "
-                             "host's usable cores (titanlite/cpu_binding.py)")  # fmt: skip
+                             "host's usable cores (titanlite/runtime/cpu_binding.py)")  # fmt: skip
     return parser
 
 

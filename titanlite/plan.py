@@ -26,18 +26,18 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanlite.build import Plan, build_on_meta, materialize, plan_run
+from titanlite.build import RunPlan, build_on_meta, materialize, plan_run
 from titanlite.config import load_config
-from titanlite.dtypes import torch_dtype
+from titanlite.config.dtypes import torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.parallel.estimate import GIB, Activations, FsdpWorkingSet, StateBytes, StepShape, estimate_activations, estimate_fsdp, state_bytes
 from titanlite.parallel.fake_world import ShardCensus, census, init_fake_world, shard_specs
 from titanlite.parallel.memory import DEFAULT_GPU, GPU_MEMORY_GIB, parse_memory, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 CENSUS_MAX_WORLD = 4096
-PLANNED_AUTO_DTYPE = "bfloat16"
-"""What `mixed_precision_param = "auto"` becomes on the GPUs a plan is for (precision.py)."""
 """Above this world size the every-rank count (milliseconds a rank) is skipped."""
+PLANNED_AUTO_DTYPE = "bfloat16"
+"""What `mixed_precision_param = "auto"` becomes on the GPUs a plan is for (step/precision.py)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,7 +72,7 @@ def device_memory(args: argparse.Namespace) -> tuple[int, str]:
     return int(GPU_MEMORY_GIB[gpu] * GIB), source
 
 
-def plan_config(config_argv: list[str], args: argparse.Namespace) -> tuple[Plan, str]:
+def plan_config(config_argv: list[str], args: argparse.Namespace) -> tuple[RunPlan, str]:
     """Validate as training does; the vocabulary from --vocab-size or the tokenizer file."""
     cfg = load_config(config_argv)
     try:
@@ -91,7 +91,7 @@ def plan_config(config_argv: list[str], args: argparse.Namespace) -> tuple[Plan,
 class Report:
     """Everything printed about one rank."""
 
-    plan: Plan
+    plan: RunPlan
     rank: int
     coordinate: str
     vocab_note: str
@@ -114,7 +114,7 @@ class Report:
         return (0 if self.offloaded else state) + self.state.buffers + self.activations.total + fsdp + self.autocast_copies
 
 
-def build_report(plan: Plan, args: argparse.Namespace, vocab_note: str, model: torch.nn.Module, world: DeviceMesh | None) -> Report:
+def build_report(plan: RunPlan, args: argparse.Namespace, vocab_note: str, model: torch.nn.Module, world: DeviceMesh | None) -> Report:
     """The figures of this rank's parallelized model (still on meta)."""
     cfg, dims = plan.cfg, plan.dims
     shape = StepShape.from_config(cfg, dims.tp)
@@ -132,7 +132,7 @@ def build_report(plan: Plan, args: argparse.Namespace, vocab_note: str, model: t
                   autocast, device_bytes, device_source, n_params)  # fmt: skip
 
 
-def measure_materialize(model: torch.nn.Module, plan: Plan) -> dict[str, float]:
+def measure_materialize(model: torch.nn.Module, plan: RunPlan) -> dict[str, float]:
     """Allocate and initialize this rank's shards on the CPU; seconds and resident bytes."""
     before = rss_bytes()
     reset_peak_rss()

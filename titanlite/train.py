@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from titanlite.config import load_config
-from titanlite.cpu_binding import bind_from_env
+from titanlite.runtime.cpu_binding import bind_from_env
 from titanlite.errors import TitanliteError, report_user_error
 
 

@@ -13,34 +13,36 @@ import time
 import torch
 import torch.distributed as dist
 
-from titanlite.build import Plan, build_model, plan_run
+from titanlite.build import RunPlan, build_model, plan_run
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.train_state import TrainState
 from titanlite.config import JobConfig, to_dict
+from titanlite.config.dtypes import DTYPES
 from titanlite.data import build_dataloader, open_corpus
-from titanlite.dtypes import DTYPES
-from titanlite.dump_folder import claim_dump_folder, parameter_count
 from titanlite.errors import (COLLECTIVE_FAILURE_EXIT_CODE, INTERRUPTED_EXIT_CODE, RANK0_REPORT_GRACE_S, USER_ERROR_EXIT_CODE,
                               TitanliteError, report_user_error, say)
-from titanlite.gc_schedule import ScheduledGC
 from titanlite.logging import init_logger, logger
-from titanlite.loss import cross_entropy
-from titanlite.metrics import MetricsLogger, peak_flops
-from titanlite.numerics import NonFiniteSteps, StepAgreement, agree_on_step, inject_nan
-from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.observe.metrics import MetricsLogger
+from titanlite.observe.peak_flops import peak_flops
+from titanlite.observe.profiling import maybe_profile
+from titanlite.observe.run_dir import start_run_dir
+from titanlite.parallel.collectives import mean_over
 from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
-from titanlite.precision import resolve_compute_dtype
-from titanlite.preemption import die_with_launcher, received
-from titanlite.profiling import maybe_profile
-from titanlite.run_dir import start_run_dir
-from titanlite.validate import build_validator
-
+from titanlite.runtime.dump_folder import claim_dump_folder
+from titanlite.runtime.gc_schedule import ScheduledGC
+from titanlite.runtime.preemption import die_with_launcher, received
+from titanlite.step.agreement import StepAgreement, agree_on_step
+from titanlite.step.loss import cross_entropy
+from titanlite.step.nonfinite import NonFiniteSteps, inject_nan
+from titanlite.step.optim import build_lr_scheduler, build_optimizer
+from titanlite.step.precision import resolve_compute_dtype
+from titanlite.step.validate import build_validator
 
 
 class Trainer:
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: RunPlan):
         self.signals = received.install()  # first: a stop request during start-up is kept
         self.dist = init_distributed(plan.cfg.comm.init_timeout_seconds)
         self.nonfinite = NonFiniteSteps(plan.cfg.training.max_nan_skips, self.dist.rank)
@@ -51,7 +53,7 @@ class Trainer:
         if cfg.job.print_config:
             logger.info(f"config: {to_dict(cfg)}")
         self._seed(cfg.training.seed, cfg.training.deterministic)
-        self.run_lock = claim_dump_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD)
+        self.run_lock = claim_dump_folder(cfg, lambda: plan.n_params, dist.group.WORLD)
         self.run_dir = start_run_dir(cfg)
 
         self.meshes = plan.dims.build_mesh(self.device.type)
@@ -79,7 +81,7 @@ class Trainer:
             f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
         )
 
-    def _resolve_compute_dtype(self, plan: Plan) -> Plan:
+    def _resolve_compute_dtype(self, plan: RunPlan) -> RunPlan:
         """The plan with `mixed_precision_param` made concrete ("auto" decided for this
         device and agreed by every rank), said once at start-up."""
         training = plan.cfg.training
@@ -124,7 +126,7 @@ class Trainer:
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
         """Forward/backward over the microbatches, clip, agree with every rank on the step
-        (`numerics.agree_on_step`), step unless it is skipped. Returns (local loss, grad
+        (`step/agreement.agree_on_step`), step unless it is skipped. Returns (local loss, grad
         norm, agreement)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
@@ -145,16 +147,8 @@ class Trainer:
         self.lr_scheduler.step()
         return loss_sum, grad_norm, agreement
 
-    def _global_mean(self, value: torch.Tensor) -> float:
-        """Average over data-parallel ranks (gloo has no AVG, so SUM / size)."""
-        if self.dp_group is not None:
-            value = value.clone()
-            dist.all_reduce(value, group=self.dp_group)
-            value /= dist.get_world_size(self.dp_group)
-        return value.item()
-
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
-        return self.metrics.log(step, self._global_mean(loss), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], self.state.tokens_seen)
+        return self.metrics.log(step, mean_over(self.dp_group, loss).item(), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], self.state.tokens_seen)
 
     def train(self) -> list[dict[str, float]]:
         """Run to `training.steps` (resuming from a checkpoint if there is one); returns the
@@ -213,7 +207,7 @@ class Trainer:
         self.signals.restore()
 
 
-def create_seed_checkpoint(plan: Plan) -> None:
+def create_seed_checkpoint(plan: RunPlan) -> None:
     """`checkpoint.create_seed_checkpoint`: initialize the model on this one process and save
     it as step 0, model only. A later run of any layout in the same folder starts from it
     (DCP reshards), so a large model is initialized once instead of on every start."""
@@ -221,7 +215,7 @@ def create_seed_checkpoint(plan: Plan) -> None:
     info = init_distributed(cfg.comm.init_timeout_seconds)
     init_logger(info.rank)
     torch.manual_seed(cfg.training.seed)
-    lock = claim_dump_folder(cfg, lambda: parameter_count(plan.spec.model_class, plan.model_args), dist.group.WORLD, weights_only=True)
+    lock = claim_dump_folder(cfg, lambda: plan.n_params, dist.group.WORLD, weights_only=True)
     model, _ = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size)
     manager = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model)
     try:
@@ -231,7 +225,7 @@ def create_seed_checkpoint(plan: Plan) -> None:
         lock.release()
 
 
-def run(plan: Plan) -> None:
+def run(plan: RunPlan) -> None:
     """Train, or write the seed checkpoint: the two things this entry point does."""
     if plan.cfg.checkpoint.create_seed_checkpoint:
         create_seed_checkpoint(plan)

@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from titanlite.checkpoint.export import cast_floating
-from titanlite.dtypes import torch_dtype
+from titanlite.config.dtypes import torch_dtype
 
 
 @dataclass

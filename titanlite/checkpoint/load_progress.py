@@ -2,7 +2,7 @@
 
 Loading a large checkpoint is minutes of silence otherwise: `dcp.load` is one call, and
 an 8B import reads 16 GB of safetensors before the first step. Both report through
-`titanlite.progress.Progress` (rank 0 prints): one line before (how much there is), a line
+`titanlite.observe.progress.Progress` (rank 0 prints): one line before (how much there is), a line
 at most every few seconds while reading (how far, time left), one after (how much, how
 long).
 
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from titanlite.logging import logger
-from titanlite.progress import Progress, amount_text
+from titanlite.observe.progress import Progress, amount_text
 
 
 class _CountingPlanner:

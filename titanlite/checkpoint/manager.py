@@ -43,7 +43,7 @@ from titanlite.parallel.distributed import collective_failure, new_group
 
 if TYPE_CHECKING:
     from titanlite.config import Checkpoint
-    from titanlite.models.spec import ModelSpec
+    from titanlite.model_spec import ModelSpec
 
 
 @dataclass
@@ -105,7 +105,7 @@ class CheckpointManager:
 
     def save(self, step: int, last: bool) -> None:
         """Called after every step: commit a finished async save, and start a save when
-        `policy.should_save` says so, as `policy.plan_save` says. At most one save is in
+        `policy.should_save` says so, as `policy.save_kind` says. At most one save is in
         flight: a new one first waits for the previous."""
         started = time.perf_counter()
         self._poll()
@@ -114,14 +114,14 @@ class CheckpointManager:
         if step in self._saved_steps:
             return
         self.wait()
-        self._save(step, policy.plan_save(self.cfg, last), started)
+        self._save(step, policy.save_kind(self.cfg, last), started)
 
     def save_now(self, step: int) -> Path:
         """A blocking save of the whole training state at `step` (a preemption), after the
         save in flight; nothing new when this run saved `step` already. Returns its folder."""
         self.wait()
         if step not in self._saved_steps:
-            self._save(step, policy.SavePlan(weights_only=False, export_dtype=None, blocking=True), time.perf_counter())
+            self._save(step, policy.SaveKind(weights_only=False, export_dtype=None, blocking=True), time.perf_counter())
         return commit.step_dir(self.root, step)
 
     def save_seed(self) -> None:
@@ -144,12 +144,12 @@ class CheckpointManager:
             if self.housekeeper is not None:
                 self.housekeeper.close()
 
-    def _save(self, step: int, plan: policy.SavePlan, started: float) -> None:
-        state = self.contents.weights_state(plan.export_dtype) if plan.weights_only else self.contents.training_state()
-        record = self._record(step, state, plan)
+    def _save(self, step: int, kind: policy.SaveKind, started: float) -> None:
+        state = self.contents.weights_state(kind.export_dtype) if kind.weights_only else self.contents.training_state()
+        record = self._record(step, state, kind)
         path = self._prepare_folder(step)
         self._saved_steps.add(step)
-        if plan.blocking:
+        if kind.blocking:
             with _save_errors(path):
                 self.saver.blocking_save(state, path)
             self._commit(step, path, record, time.perf_counter() - started)
@@ -210,13 +210,13 @@ class CheckpointManager:
             self._retire(step)
         return path
 
-    def _record(self, step: int, state: dict[str, Any], plan: policy.SavePlan) -> commit.CommitRecord:
+    def _record(self, step: int, state: dict[str, Any], kind: policy.SaveKind) -> commit.CommitRecord:
         return commit.CommitRecord(
             step=step,
             fingerprint=self.fingerprint,
             contents=sorted(state),
-            model_weights_only=plan.weights_only,
-            export_dtype=plan.export_dtype,
+            model_weights_only=kind.weights_only,
+            export_dtype=kind.export_dtype,
             model_args=self.model_args,
             world_size=self.world_size,
             mesh=self.contents.mesh(),

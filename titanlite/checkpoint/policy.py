@@ -33,7 +33,7 @@ def should_save(step: int, interval: int, last: bool) -> bool:
 
 
 @dataclass(frozen=True)
-class SavePlan:
+class SaveKind:
     """How one due save is done."""
 
     # Model only: the final save of a `model_weights_only` run (an export), or the seed.
@@ -46,15 +46,15 @@ class SavePlan:
 
 
 # `create_seed_checkpoint`: the freshly initialized weights as step 0, model only, as trained.
-SEED_SAVE = SavePlan(weights_only=True, export_dtype=None, blocking=True)
+SEED_SAVE = SaveKind(weights_only=True, export_dtype=None, blocking=True)
 
 
-def plan_save(cfg: Checkpoint, last: bool) -> SavePlan:
+def save_kind(cfg: Checkpoint, last: bool) -> SaveKind:
     """The save of a training step: the whole training state, in the background, except
     at the last step, which is blocking and holds only the model when
     `model_weights_only` (cast to `export_dtype`)."""
     weights_only = last and cfg.model_weights_only
-    return SavePlan(
+    return SaveKind(
         weights_only=weights_only,
         export_dtype=cfg.export_dtype if weights_only else None,
         blocking=last or cfg.async_mode == "disabled",

@@ -46,7 +46,7 @@ from titanlite.parallel.collectives import any_rank, on_rank0
 
 if TYPE_CHECKING:
     from titanlite.config import Checkpoint
-    from titanlite.models.spec import ModelSpec
+    from titanlite.model_spec import ModelSpec
 
 
 class Restorer:

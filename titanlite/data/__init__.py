@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Tokenizer": "titanlite.data.tokenizer",
+    "Tokenizer": "titanlite.data.tokenizers",
     "TokenWindowLoader": "titanlite.data.loader",
     "build_dataloader": "titanlite.data.corpus",
     "open_corpus": "titanlite.data.corpus",

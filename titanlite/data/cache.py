@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from titanlite.data.shards import FORMAT_VERSION, MANIFEST
+from titanlite.data.shard_format import FORMAT_VERSION, MANIFEST
 from titanlite.data.sources import build_source
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokenizers import Tokenizer
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 

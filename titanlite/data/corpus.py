@@ -19,8 +19,8 @@ import torch
 from titanlite.config import parse_blend
 from titanlite.data.cache import ensure_prepared
 from titanlite.data.loader import TokenWindowLoader
-from titanlite.data.reader import TokenShards
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.token_shards import TokenShards
+from titanlite.data.tokenizers import Tokenizer
 from titanlite.data.windows import DatasetWindows, WindowStream, window_count
 from titanlite.errors import TitanliteError
 

@@ -29,14 +29,14 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
-from titanlite.data.shards import (FORMAT, FORMAT_VERSION, MANIFEST, complete_shard, remove_temporaries, token_dtype,
+from titanlite.data.shard_format import (FORMAT, FORMAT_VERSION, MANIFEST, complete_shard, remove_temporaries, token_dtype,
                                    write_manifest, write_shard)
 from titanlite.data.hf_source import HFSource
 from titanlite.data.sources import BuiltinSource, FilesSource, Source
-from titanlite.data.tokenizer import Tokenizer
+from titanlite.data.tokenizers import Tokenizer
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.logging import init_logger, logger
-from titanlite.progress import Progress
+from titanlite.observe.progress import Progress
 
 JOB = "prepare.json"
 DEFAULT_TOKENIZER = "assets/tokenizer/titanlite.model"

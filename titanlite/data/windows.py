@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from titanlite.data.blend import BlendPattern
-from titanlite.data.reader import TokenShards
+from titanlite.data.token_shards import TokenShards
 from titanlite.data.shuffle import FeistelPermutation, derive_key
 
 

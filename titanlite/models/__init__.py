@@ -6,7 +6,7 @@ Adding a model is one folder under `models/` and one line here (see docs/adding_
 from __future__ import annotations
 
 from titanlite.errors import TitanliteError
-from titanlite.models.spec import ModelSpec
+from titanlite.model_spec import ModelSpec
 
 
 def _registry() -> dict[str, ModelSpec]:

@@ -65,3 +65,13 @@ def raise_first(group: dist.ProcessGroup | None, error: str | None) -> None:
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise TitanliteError(first)
+
+
+def mean_over(group: dist.ProcessGroup | None, value: torch.Tensor) -> torch.Tensor:
+    """`value` averaged over the group's ranks (a new tensor; gloo has no AVG, so SUM / size).
+    Group None: one rank, `value` itself."""
+    if group is None:
+        return value
+    total = value.clone()
+    dist.all_reduce(total, group=group)
+    return total / dist.get_world_size(group)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.dtypes import torch_dtype
+from titanlite.config.dtypes import torch_dtype
 
 GIB = 1024**3
 

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from titanlite.dtypes import DTYPES
+from titanlite.config.dtypes import DTYPES
 from titanlite.errors import TitanliteError
 
 

@@ -2,7 +2,7 @@
 
 from titanlite.models.gpt2.model import GPT2, GPT2Args
 from titanlite.models.gpt2.parallelize import apply_tp, tp_problems
-from titanlite.models.spec import ModelSpec, transformer_flops_per_token
+from titanlite.model_spec import ModelSpec, transformer_flops_per_token
 
 gpt2_flavors: dict[str, GPT2Args] = {
     # CPU-sized, like llama3's debugmodel.

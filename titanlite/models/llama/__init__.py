@@ -3,7 +3,7 @@
 from titanlite.models.llama import hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
 from titanlite.models.llama.parallelize import apply_tp, tp_problems
-from titanlite.models.spec import ModelSpec, transformer_flops_per_token
+from titanlite.model_spec import ModelSpec, transformer_flops_per_token
 
 # Llama 3.1 long-context RoPE scaling: factor, low/high frequency factors, original context.
 _LLAMA31_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from titanlite.dtypes import dtype_name
+from titanlite.config.dtypes import dtype_name
 
 # Our name (with {i} for the layer) -> Hugging Face name.
 _NAMES = {

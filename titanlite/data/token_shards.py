@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titanlite.data.shards import DTYPES, read_manifest
+from titanlite.data.shard_format import DTYPES, read_manifest
 from titanlite.errors import TitanliteError
 
 

@@ -17,25 +17,12 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Protocol
 
+from titanlite.data.tokenizers.base import FIELD, Backend
 from titanlite.errors import TitanliteError
 
-FIELD = "model.tokenizer_path"
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+\r?\n")
 KINDS = ("sentencepiece", "tiktoken", "tokenizer.json")
-
-
-class Backend(Protocol):
-    """What each kind implements: ids without bos/eos, and text from ids."""
-
-    vocab_size: int
-    bos_id: int  # -1 when the tokenizer has none
-    eos_id: int
-
-    def encode_plain(self, texts: list[str]) -> list[list[int]]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 def detect_kind(head: bytes) -> str:
@@ -50,14 +37,14 @@ def detect_kind(head: bytes) -> str:
 
 def _load_backend(kind: str, path: str) -> Backend:
     if kind == "tiktoken":
-        from titanlite.data.tiktoken_bpe import TiktokenBPE
+        from titanlite.data.tokenizers.tiktoken_bpe import TiktokenBPE
 
         return TiktokenBPE(path)
     if kind == "tokenizer.json":
-        from titanlite.data.hf_tokenizer import HFTokenizerJSON
+        from titanlite.data.tokenizers.hf_json import HFTokenizerJSON
 
         return HFTokenizerJSON(path)
-    from titanlite.data.sentencepiece_model import SentencePieceModel
+    from titanlite.data.tokenizers.sentencepiece_model import SentencePieceModel
 
     return SentencePieceModel(path)
 
@@ -109,9 +96,3 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.path!r}, kind={self.kind}, vocab_size={self.vocab_size})"
-
-
-def missing_extra(kind: str, package: str, extra: str, path: str) -> TitanliteError:
-    """The one line for a tokenizer file whose library is not installed."""
-    return TitanliteError(f"{FIELD}: {path} is a {kind} file; reading it needs the {package} package: "
-                          f"pip install titanlite[{extra}]")

@@ -22,8 +22,9 @@ from titanlite.config import Validation
 from titanlite.data.loader import TokenWindowLoader
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
-from titanlite.loss import cross_entropy
-from titanlite.metrics import MetricsLogger
+from titanlite.parallel.collectives import mean_over
+from titanlite.step.loss import cross_entropy
+from titanlite.observe.metrics import MetricsLogger
 
 
 class Validator:
@@ -63,10 +64,7 @@ class Validator:
                 with self.compute_context():
                     total += cross_entropy(self.model(inputs), labels)
         self.model.train(was_training)
-        if self.dp_group is not None:
-            dist.all_reduce(total, group=self.dp_group)
-            total /= dist.get_world_size(self.dp_group)
-        return total.item() / self.batches
+        return mean_over(self.dp_group, total).item() / self.batches
 
 
 def build_validator(cfg: Validation, loader: TokenWindowLoader | None, model: torch.nn.Module,

@@ -1,34 +1,16 @@
-"""The run configuration: one dataclass per TOML section, loaded, overridden and validated.
+"""The run configuration's sections: one dataclass per TOML section, and `JobConfig`, the whole.
 
-`load_config(["--config", "debug_model", "--training.steps", "100"])` reads the TOML file,
-applies `--section.key value` overrides on top and validates the result, so every rank
-agrees on one `JobConfig` before anything touches a device. The dataclasses below are the
-only description of the options: `titanlite.config_engine` derives parsing (from each
-field's type hint), the per-value checks (its `choices` and range), the help text and the
-TOML output from them. This module adds what is ours: where `--config NAME` is looked up
-and the rules that combine several keys. Section and key names follow torchtitan where the
-two overlap.
-
-Run `python -m titanlite.config --help` for every option, or
-`python -m titanlite.config --config NAME [overrides]` to print the resolved config.
+These dataclasses are the only description of the options: `titanlite.config.engine` derives
+parsing (from each field's type hint), the per-value checks (its `choices` and range), the
+help text and the TOML output from them. Section and key names follow torchtitan where the
+two overlap. Loading and the rules that combine several keys are in `load.py`.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from titanlite.config_engine import (Override, apply_toml, check_values, cli_pairs, help_lines, parse_override,
-                                     read_toml, refuse_repeats, to_dict, to_toml)
-from titanlite.config_engine import option as _opt
-from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
-
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "train_configs"
-"""Where a bare `--config NAME` is looked up: the repo's shipped presets."""
-
+from titanlite.config.engine import option as _opt
 
 # --------------------------------------------------------------------------------------
 # The sections. Field order is the order of help_text and of the printed config.
@@ -235,165 +217,3 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
 
 
-# --------------------------------------------------------------------------------------
-# Loading: the generic parts (names, types, help, TOML) are titanlite.config_engine's.
-# --------------------------------------------------------------------------------------
-
-_CLI_USAGE = "--config NAME and --section.key value"
-
-
-def _find_config(name: str) -> tuple[Path, str]:
-    """The file for `--config NAME` and how to name it in messages: as given, then in train_configs/."""
-    names = [name] if name.endswith(".toml") else [name, f"{name}.toml"]
-    for candidate in names:
-        if Path(candidate).is_file():
-            return Path(candidate), candidate
-    for candidate in names:
-        if (CONFIG_DIR / candidate).is_file():
-            return CONFIG_DIR / candidate, candidate
-    if Path(name).is_dir():
-        raise TitanliteError(f"--config: {name} is a folder, not a TOML file")
-    raise TitanliteError(f"config file not found: {name} (looked in ./ and train_configs/)")
-
-
-def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[Override]]:
-    """(--config value, [(section, key, parsed value), ...]) from the command line, in order."""
-    config: str | None = None
-    overrides: list[Override] = []
-    for name, value in cli_pairs(argv, _CLI_USAGE):
-        if name != "config":
-            overrides.append(parse_override(JobConfig, name, value))
-            continue
-        if not value:
-            raise TitanliteError("--config needs a value: a TOML path or a name in train_configs/")
-        if config is not None:
-            raise TitanliteError(f"--config given twice ({config} and {value})")
-        config = value
-    refuse_repeats(overrides)
-    return config, overrides
-
-
-def load_config(argv: Sequence[str]) -> JobConfig:
-    """Defaults <- `--config` TOML <- `--section.key value` overrides, then `validate`.
-
-    Without `--config` the dataclass defaults are the base. `-h`/`--help` prints `help_text()`
-    and raises SystemExit(0).
-    """
-    if "-h" in argv or "--help" in argv:
-        print(help_text())
-        raise SystemExit(0)
-    config, overrides = _split_argv(argv)
-    cfg = JobConfig()
-    if config is not None:
-        path, shown = _find_config(config)
-        apply_toml(cfg, read_toml(path, shown), shown)
-    for section, key, value in overrides:
-        setattr(getattr(cfg, section), key, value)
-    validate(cfg)
-    return cfg
-
-
-# --------------------------------------------------------------------------------------
-# Validation: each value against its field's rules, then the combinations that cannot work
-# --------------------------------------------------------------------------------------
-
-
-def validate(cfg: JobConfig) -> None:
-    """Raise TitanliteError on the first value or combination that cannot work.
-
-    Only checks that need neither a device nor the world size; mesh degrees against the
-    world size are ParallelDims' job, model/flavor names the registry's.
-    """
-    check_values(cfg)
-    training, parallelism = cfg.training, cfg.parallelism
-    if training.global_batch_size != -1 and training.global_batch_size % training.local_batch_size:
-        raise TitanliteError(
-            f"training.global_batch_size: must be -1 or a multiple of training.local_batch_size "
-            f"{training.local_batch_size} (got {training.global_batch_size})"
-        )
-    _validate_data(training.dataset, training.dataset_path, "training")
-    validation = cfg.validation
-    if validation.dataset:
-        _validate_data(validation.dataset, validation.dataset_path, "validation")
-    elif validation.enable and validation.holdout_fraction == 0:
-        raise TitanliteError("validation.holdout_fraction: 0 holds no window out for validation (validation.dataset "
-                             "is empty, so validation reads the held-out split; got 0)")
-    if training.enable_cpu_offload and parallelism.fsdp_reshard_after_forward == "never":
-        raise TitanliteError(
-            "training.enable_cpu_offload: CPU offload needs resharding after forward "
-            "(got parallelism.fsdp_reshard_after_forward = 'never')"
-        )
-    if cfg.checkpoint.load_step != -1 and not cfg.checkpoint.enable_checkpoint:
-        raise TitanliteError(
-            f"checkpoint.load_step: resuming from step {cfg.checkpoint.load_step} needs "
-            "checkpoint.enable_checkpoint = true"
-        )
-    for name in parallelism.fsdp_shard_modules:
-        if not name.isidentifier():
-            raise TitanliteError(f"parallelism.fsdp_shard_modules: {name!r} is not a class name "
-                                 f"(got {parallelism.fsdp_shard_modules!r})")
-
-
-def _validate_data(dataset: str, path: str, section: str) -> None:
-    if dataset in ("files", "prepared") and not path:
-        raise TitanliteError(f"{section}.dataset_path: dataset {dataset!r} needs a path (got '')")
-    if dataset == "prepared":
-        parse_blend(path, f"{section}.dataset_path")
-
-
-def parse_blend(value: str, field: str) -> list[tuple[str, float]]:
-    """`folder`, or `folder:weight,folder:weight,...` (weights >= 0, relative, summing above 0),
-    as (folder, weight) pairs; one line naming `field` for anything else."""
-    entries = [entry.strip() for entry in value.split(",")]
-    if len(entries) == 1 and ":" not in entries[0]:
-        return [(entries[0], 1.0)]
-    blend = []
-    for entry in entries:
-        folder, _, text = entry.rpartition(":")
-        try:
-            weight = float(text)
-        except ValueError:
-            weight = float("nan")
-        if not folder or not (weight >= 0 and weight != float("inf")):
-            raise TitanliteError(f"{field}: {entry!r} is not folder:weight with a weight >= 0 (got {value!r})")
-        blend.append((folder, weight))
-    if sum(w for _, w in blend) <= 0:
-        raise TitanliteError(f"{field}: the blend weights sum to 0 (got {value!r})")
-    return blend
-
-
-# --------------------------------------------------------------------------------------
-# Output and the module entry point (to_dict and to_toml come from the engine)
-# --------------------------------------------------------------------------------------
-
-_USAGE = [
-    "usage: python -m titanlite.train [--config NAME] [--section.key VALUE | --section.key=VALUE ...]",
-    "",
-    "  --config NAME   a TOML file path, or a name in train_configs/ (e.g. debug_model)",
-    "  Overrides win over the TOML file. Booleans: true/false/1/0/yes/no, or a bare --section.flag for true.",
-    "  Lists: a,b or [\"a\", \"b\"]. Optional numbers: none.",
-]
-
-
-def help_text() -> str:
-    """Every `--section.key`, its type, default and help, grouped by section."""
-    return "\n".join(_USAGE + help_lines(JobConfig))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m titanlite.config [--config NAME] [overrides]`: print the resolved config."""
-    try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv)
-        print(to_toml(cfg), end="")
-    except TitanliteError as error:
-        print(f"titanlite: error: {error}", file=sys.stderr)
-        return USER_ERROR_EXIT_CODE
-    except BrokenPipeError:  # `... --help | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
-
-
-__all__ = ["CONFIG_DIR", "JobConfig", "help_text", "load_config", "main", "parse_blend", "to_dict", "to_toml", "validate"]
-
-if __name__ == "__main__":
-    sys.exit(main())

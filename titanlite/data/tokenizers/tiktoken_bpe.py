@@ -14,7 +14,7 @@ import base64
 import binascii
 import re
 
-from titanlite.data.tokenizer import FIELD, missing_extra
+from titanlite.data.tokenizers.base import FIELD, missing_extra
 from titanlite.errors import TitanliteError
 
 # Llama 3's pre-tokenizer pattern (the one of its reference tokenizer).
@@ -62,7 +62,7 @@ def split_long_runs(text: str) -> list[str]:
 
 
 class TiktokenBPE:
-    """Backend for `titanlite.data.tokenizer.Tokenizer`."""
+    """Backend for `titanlite.data.tokenizers.Tokenizer`."""
 
     def __init__(self, path: str) -> None:
         try:

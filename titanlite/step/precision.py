@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanlite.metrics import measure_cpu_matmul_flops
+from titanlite.observe.peak_flops import measure_cpu_matmul_flops
+from titanlite.parallel.collectives import on_rank0
 
 MIN_BF16_SPEEDUP = 1.3
 """bf16 must beat float32 matmuls by this much to be worth its rounding."""
@@ -64,8 +65,5 @@ def decide_compute_dtype(setting: str, device: torch.device) -> ComputeDtype:
 
 def resolve_compute_dtype(setting: str, device: torch.device) -> ComputeDtype:
     """The one compute dtype every rank uses: rank 0's decision, broadcast when "auto"."""
-    if setting != "auto" or not (dist.is_initialized() and dist.get_world_size() > 1):
-        return decide_compute_dtype(setting, device)
-    choice = [decide_compute_dtype(setting, device) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+    spread = setting == "auto" and dist.is_initialized() and dist.get_world_size() > 1
+    return on_rank0(dist.group.WORLD if spread else None, lambda: decide_compute_dtype(setting, device))

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
 from titanlite.errors import TitanliteError
@@ -110,12 +109,6 @@ def check_creatable_folder(folder: Path, field: str) -> Path:
 def checkpoint_bytes(n_params: int, weights_only: bool) -> int:
     """One checkpoint's size: fp32 weights, plus AdamW's two fp32 moments unless weights only."""
     return n_params * 4 * (1 if weights_only else 3)
-
-
-def parameter_count(model_class: Callable, model_args: object) -> int:
-    """The model's parameter count, from a build on the meta device (no memory)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in model_class(model_args).parameters())
 
 
 def check_free_disk(folder: Path, n_params: int, weights_only: bool) -> None:

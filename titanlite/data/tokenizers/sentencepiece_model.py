@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import sentencepiece as spm
 
+from titanlite.data.tokenizers.base import FIELD
 from titanlite.errors import TitanliteError, one_line
-
-FIELD = "model.tokenizer_path"
 
 
 class SentencePieceModel:
-    """Backend for `titanlite.data.tokenizer.Tokenizer`."""
+    """Backend for `titanlite.data.tokenizers.Tokenizer`."""
 
     def __init__(self, path: str) -> None:
         self.sp = spm.SentencePieceProcessor()

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from titanlite.data.tokenizer import FIELD, missing_extra
+from titanlite.data.tokenizers.base import FIELD, missing_extra
 from titanlite.errors import TitanliteError, one_line
 
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
@@ -41,7 +41,7 @@ def _configured_names(path: str) -> tuple[str | None, str | None]:
 
 
 class HFTokenizerJSON:
-    """Backend for `titanlite.data.tokenizer.Tokenizer`."""
+    """Backend for `titanlite.data.tokenizers.Tokenizer`."""
 
     def __init__(self, path: str) -> None:
         try:

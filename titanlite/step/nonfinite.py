@@ -1,11 +1,5 @@
-"""Non-finite losses and gradient norms: found on any rank, agreed by all, then the run
-stops (or, within `training.max_nan_skips`, skips the step).
-
-Every step ends with one small all-reduce (MAX over the default group, one host sync)
-that every rank takes the same decision from: whether some rank's loss is inf/nan,
-whether the grad norm is, and whether some rank was asked to stop (`preemption.py`: a
-signal may reach only some ranks). It runs after clipping and before the optimizer step,
-so a bad step is never applied, and the stop check costs no collective of its own.
+"""Non-finite losses and gradient norms: found on any rank, agreed by all (`agreement.py`),
+then the run stops, or, within `training.max_nan_skips`, skips the step.
 
 A stopped run raises `NonFiniteError` (one line, exit 2) before the optimizer step and
 before that step's checkpoint, so the newest checkpoint holds the last finite state.
@@ -19,57 +13,19 @@ Nothing else reads it.
 from __future__ import annotations
 
 import os
-import signal
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
+from titanlite.step.agreement import StepAgreement
 
 FAULT_NAN_ENV = "TITANLITE_FAULT_NAN_AT_STEP"
 
 
 class NonFiniteError(TitanliteError):
     """The loss or grad norm became inf/nan and no skip is left: one line, exit 2."""
-
-
-@dataclass(frozen=True)
-class StepAgreement:
-    """What every rank agreed on at the end of a step's backward."""
-
-    stop_signal: int  # the number of a stop signal some rank got (0: none)
-    loss_nonfinite: bool  # on at least one rank
-    grad_norm_nonfinite: bool
-
-    @property
-    def finite(self) -> bool:
-        return not (self.loss_nonfinite or self.grad_norm_nonfinite)
-
-    @property
-    def stop(self) -> bool:
-        return self.stop_signal != 0
-
-    def stop_signal_name(self) -> str:
-        return signal.Signals(self.stop_signal).name
-
-
-def _world() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def agree_on_step(stop_signal: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> StepAgreement:
-    """One all-reduce (MAX) of [stop signal, loss not finite, grad norm not finite]."""
-    flags = torch.stack([
-        torch.tensor(float(stop_signal), device=loss.device),
-        (~torch.isfinite(loss)).float(),
-        (~torch.isfinite(grad_norm.to(loss.device))).float(),
-    ])  # fmt: skip
-    if _world():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    stop, loss_bad, norm_bad = flags.tolist()
-    return StepAgreement(int(stop), bool(loss_bad), bool(norm_bad))
 
 
 class NonFiniteSteps:
