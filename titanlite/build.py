@@ -2,8 +2,9 @@
 the dry-run planner (`titanlite.plan`), so both build exactly the same thing.
 
 `plan_run` resolves everything that needs only the config and the world size (model spec,
-tokenizer vocabulary, mesh degrees, batch split) and raises every user error before a device
-is touched. `build_model` then builds on meta, applies the parallelisms in their fixed order
+tokenizer vocabulary, mesh degrees, batch split, pipeline stages) and raises every user error
+before a device is touched. `build_model` then builds on meta, splits the model into this
+rank's pipeline stages (when pp > 1), applies the parallelisms to each in their fixed order
 (`parallelize`: TP -> AC -> compile -> FSDP) and materializes this rank's shards.
 """
 
@@ -26,6 +27,7 @@ from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.memory import check_training_state_fits
 from titanlite.parallel.mesh import Meshes, ParallelDims
+from titanlite.parallel.pipeline import ModelParts, PipelineLayout, plan_layout, shared_parameters, split_stage
 from titanlite.parallel.tensor_parallel import sequence_parallel_for
 
 
@@ -39,6 +41,7 @@ class RunPlan:
     tokenizer: Tokenizer | None  # None when planned from a given vocab_size
     dims: ParallelDims
     grad_accum_steps: int
+    pipeline: PipelineLayout | None = None  # the stages when pipeline_parallel_degree > 1
 
     def with_compute_dtype(self, name: str) -> RunPlan:
         """This plan with `training.mixed_precision_param` made concrete: "auto" is decided
@@ -72,7 +75,19 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     grad_accum_steps = dims.grad_accum_steps(cfg.training.local_batch_size, cfg.training.global_batch_size)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
-    return RunPlan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
+    plan = RunPlan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
+    return dataclasses.replace(plan, pipeline=_plan_pipeline(plan)) if dims.pp_enabled else plan
+
+
+def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
+    """The stages of a pipelined run, from a meta build of the model (no memory)."""
+    with torch.device("meta"):
+        model = plan.spec.model_class(plan.model_args)
+    shared = shared_parameters(model)
+    if shared:
+        raise TitanliteError(f"parallelism.pipeline_parallel_degree: the {plan.cfg.model.flavor} flavor shares one tensor between "
+                             f"{shared[0]}, which sit on the first and the last stage; pipeline an untied flavor")
+    return plan_layout(plan.cfg.parallelism, len(model.layers), plan.cfg.training.local_batch_size)
 
 
 def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
@@ -96,6 +111,7 @@ def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
             cpu_offload=cfg.training.enable_cpu_offload,
             prefetch_depth=cfg.parallelism.fsdp_prefetch_depth,
             shard_module_classes=cfg.parallelism.fsdp_shard_modules,
+            pipelined=dims.pp_enabled,
         )
 
 
@@ -107,29 +123,59 @@ class ModelSize:
     flops_per_token: float
 
 
-def build_on_meta(plan: RunPlan, meshes: Meshes) -> torch.nn.Module:
-    """The configured model on the meta device (no memory), parallelized for this rank."""
+@dataclass(frozen=True)
+class BuiltModel:
+    """This rank's model: `parts` are what runs forward (the whole model, or this rank's
+    pipeline stages), `model` what the optimizer, gradient clipping and checkpoints read
+    (the one part, or all of them under the whole model's names)."""
+
+    parts: list[torch.nn.Module]
+    model: torch.nn.Module
+    size: ModelSize
+
+
+def build_parts_on_meta(plan: RunPlan, meshes: Meshes) -> list[torch.nn.Module]:
+    """The configured model on the meta device (no memory), split into this rank's pipeline
+    stages when there are several, each parallelized for this rank."""
     with torch.device("meta"):
         model = plan.spec.model_class(plan.model_args)
-    parallelize(model, plan, meshes)
-    return model
+    if plan.pipeline is None:
+        parts = [model]
+    else:
+        indices = plan.pipeline.stage_indices(meshes.pp.get_local_rank())
+        parts = [split_stage(model, plan.pipeline.stages[index]) for index in indices]
+    for part in parts:
+        parallelize(part, plan, meshes)
+    return parts
+
+
+def local_model(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """One module over this rank's parts (see BuiltModel.model)."""
+    return parts[0] if len(parts) == 1 else ModelParts(parts)
+
+
+def build_on_meta(plan: RunPlan, meshes: Meshes) -> torch.nn.Module:
+    """This rank's parallelized model on meta, as one module (the planner's view)."""
+    return local_model(build_parts_on_meta(plan, meshes))
 
 
 def materialize(model: torch.nn.Module, plan: RunPlan, device: torch.device) -> None:
     """Allocate this rank's shards (on the host with CPU offload) and initialize them."""
     offload = plan.dims.fsdp_enabled and plan.cfg.training.enable_cpu_offload
-    model.to_empty(device="cpu" if offload else device)
-    model.init_weights(seed=plan.cfg.training.seed)
-    model.train()
+    for part in model.parts if isinstance(model, ModelParts) else [model]:
+        part.to_empty(device="cpu" if offload else device)
+        part.init_weights(seed=plan.cfg.training.seed)
+        part.train()
 
 
-def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_per_host: int) -> tuple[torch.nn.Module, ModelSize]:
+def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_per_host: int) -> BuiltModel:
     """Build on meta, parallelize, check the training state can fit, then materialize."""
     cfg = plan.cfg
-    model = build_on_meta(plan, meshes)
+    parts = build_parts_on_meta(plan, meshes)
+    model = local_model(parts)
     n_params = plan.n_params
     size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, cfg.training.seq_len))
     offload = plan.dims.fsdp_enabled and cfg.training.enable_cpu_offload
-    check_training_state_fits(n_params, plan.dims.dp_shard * plan.dims.tp, device, offload, processes_per_host)
+    check_training_state_fits(n_params, plan.dims.shards, device, offload, processes_per_host)
     materialize(model, plan, device)
-    return model, size
+    return BuiltModel(parts, model, size)

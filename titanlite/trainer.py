@@ -26,16 +26,15 @@ from titanlite.observe.metrics import MetricsLogger
 from titanlite.observe.peak_flops import peak_flops
 from titanlite.observe.profiling import maybe_profile
 from titanlite.observe.run_dir import start_run_dir
-from titanlite.parallel.collectives import mean_over
+from titanlite.parallel.collectives import mean_over, sum_over
 from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
-from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.runtime.dump_folder import claim_dump_folder
 from titanlite.runtime.gc_schedule import ScheduledGC
 from titanlite.runtime.preemption import die_with_launcher, received
 from titanlite.step.agreement import StepAgreement, agree_on_step
-from titanlite.step.loss import cross_entropy
-from titanlite.step.nonfinite import NonFiniteSteps, inject_nan
+from titanlite.step.forward_backward import Pipelined, Unpipelined
+from titanlite.step.nonfinite import NonFiniteSteps
 from titanlite.step.optim import build_lr_scheduler, build_optimizer
 from titanlite.step.precision import resolve_compute_dtype
 from titanlite.step.validate import build_validator
@@ -65,7 +64,10 @@ class Trainer:
         validation_data = None if corpus.validation is None else build_dataloader(
             corpus.validation, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, prefetch=False)
 
-        self.model, self.size = build_model(plan, self.device, self.meshes, self.dist.local_world_size)
+        built = build_model(plan, self.device, self.meshes, self.dist.local_world_size)
+        self.model_parts, self.model, self.size = built.parts, built.model, built.size
+        self.pp_group = self.meshes.pp.get_group() if self.meshes.pp is not None else None
+        self.forward_backward = self._build_forward_backward()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -73,13 +75,15 @@ class Trainer:
         self.checkpoint = self._build_checkpoint()
 
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp, self.run_dir)
-        self.validator = build_validator(cfg.validation, validation_data, self.model, self._compute_context, self.dp_group, self.device, self.metrics)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp * plan.dims.pp, self.run_dir)
+        self.validator = build_validator(cfg.validation, validation_data, self.model, self.forward_backward.evaluate, self._reported, self.device, self.metrics)
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor}: {self.size.n_params:,} parameters, "
             f"{self.size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.meshes.world}; "
             f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
         )
+        if plan.pipeline is not None:
+            logger.info(plan.pipeline.describe())
 
     def _resolve_compute_dtype(self, plan: RunPlan) -> RunPlan:
         """The plan with `mixed_precision_param` made concrete ("auto" decided for this
@@ -124,31 +128,39 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=param_dtype)
         return contextlib.nullcontext()
 
+    def _build_forward_backward(self) -> Unpipelined | Pipelined:
+        """The step's forward and backward: on the whole model, or through the pipeline
+        schedule over this rank's stages. The NaN fault (tests) goes to global rank 0, or
+        under pipeline parallelism to the lowest rank that computes a loss."""
+        layout = self.plan.pipeline
+        if layout is None:
+            return Unpipelined(self.model, self._compute_context, self.device, nan_fault_here=self.dist.rank == 0)
+        loss_rank = int(self.meshes.world.mesh[layout.last_stage_pp_rank()].min())
+        return Pipelined(layout, self.model_parts, self.meshes.pp, self._compute_context, self.device,
+                         nan_fault_here=self.dist.rank == loss_rank)
+
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
         """Forward/backward over the microbatches, clip, agree with every rank on the step
-        (`step/agreement.agree_on_step`), step unless it is skipped. Returns (local loss, grad
-        norm, agreement)."""
+        (`step/agreement.agree_on_step`), step unless it is skipped. Returns (this rank's
+        loss, grad norm, agreement)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
-        for index, (inputs, labels) in enumerate(microbatches):
-            set_gradient_sync(self.model, index == len(microbatches) - 1)
-            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-            with self._compute_context():
-                loss = cross_entropy(self.model(inputs), labels) / len(microbatches)
-                loss = inject_nan(self.state.step, loss)
-                loss.backward()
-            loss_sum += loss.detach()
+        loss = self.forward_backward.train(microbatches, self.state.step)
         grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
-        agreement = agree_on_step(self.signals.stop_signal, loss_sum, grad_norm)
+        agreement = agree_on_step(self.signals.stop_signal, loss, grad_norm)
         if self.nonfinite.allows_update(self.state.step, agreement, grad_norm):
             self.optimizer.step()
         else:
             self.metrics.log_skipped_steps(self.state.step, self.nonfinite.skipped)
         self.lr_scheduler.step()
-        return loss_sum, grad_norm, agreement
+        return loss, grad_norm, agreement
+
+    def _reported(self, loss: torch.Tensor) -> float:
+        """A loss as every rank reports it: summed over the pipeline ranks (only those with
+        the last stage hold it), averaged over the data-parallel ranks."""
+        return mean_over(self.dp_group, sum_over(self.pp_group, loss)).item()
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
-        return self.metrics.log(step, mean_over(self.dp_group, loss).item(), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], self.state.tokens_seen)
+        return self.metrics.log(step, self._reported(loss), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], self.state.tokens_seen)
 
     def train(self) -> list[dict[str, float]]:
         """Run to `training.steps` (resuming from a checkpoint if there is one); returns the
@@ -216,7 +228,7 @@ def create_seed_checkpoint(plan: RunPlan) -> None:
     init_logger(info.rank)
     torch.manual_seed(cfg.training.seed)
     lock = claim_dump_folder(cfg, lambda: plan.n_params, dist.group.WORLD, weights_only=True)
-    model, _ = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size)
+    model = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size).model
     manager = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model)
     try:
         manager.save_seed()

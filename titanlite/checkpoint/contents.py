@@ -4,7 +4,10 @@ Top-level DCP keys:
 
 - "model", "optimizer": `get_state_dict` (model and optimizer state dicts): this rank's
   DTensor shards, never gathered. DCP records each shard's place in the global tensor,
-  which is what lets a checkpoint load at another mesh (resharding).
+  which is what lets a checkpoint load at another mesh (resharding). The optimizer's state
+  is flattened to one key per parameter (`state.<name>.exp_avg`, `param_groups.<name>.lr`):
+  pipeline stages hold different parameters, and a per-parameter key is what each rank of
+  any later layout finds its own by (a `param_groups` list would be one rank's list).
 - "lr_scheduler", "train_state" (step, tokens seen: identical on every rank, one copy;
   plus `rng_rank{r}`: each rank's RNG state under its own key).
 - "dataloader": the loader's state under one common key. By design it is identical on
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -36,6 +40,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from titanlite.checkpoint.export import cast_floating
 from titanlite.config.dtypes import torch_dtype
+
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -54,7 +60,7 @@ class Contents:
         `get_state_dict` builds both after one check of the model (`_verify_options` walks
         every module); the separate model and optimizer calls each did it, inside the loop's
         stall of an async save."""
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIMIZER)
         return {
             "model": model_state,
             "optimizer": optimizer_state,
@@ -66,7 +72,7 @@ class Contents:
     def apply_training_state(self, state: dict[str, Any]) -> None:
         """Put a loaded `training_state()` back into the live objects."""
         set_model_state_dict(self.model, state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FLAT_OPTIMIZER)
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.dataloader.load_state_dict(state["dataloader"])
         self.train_state.load_state_dict(state["train_state"])

@@ -111,7 +111,7 @@ class Validation:
 
 @dataclass
 class Parallelism:
-    """Mesh degrees and FSDP2 / tensor-parallel options."""
+    """Mesh degrees and FSDP2 / tensor-parallel / pipeline-parallel options."""
 
     data_parallel_replicate_degree: int = _opt(1, "replicas of the model (HSDP's replicate dim; DDP-like)", ge=1)
     data_parallel_shard_degree: int = _opt(-1, "ways FSDP2 shards the model; -1 = the remaining ranks", ge=1, special=-1)
@@ -126,6 +126,25 @@ class Parallelism:
     fsdp_prefetch_depth: int = _opt(0, "0 = FSDP2's implicit prefetch; N > 0 explicitly prefetches the next N blocks "
                                     "in forward and backward", ge=0)
     fsdp_shard_modules: list[str] = _opt([], "module class names to fully_shard; empty = the model's transformer blocks")
+    pipeline_parallel_degree: int = _opt(1, "pipeline stages' ranks: the model split into consecutive stages, each on "
+                                         "its own ranks (the outermost mesh dim)", ge=1)
+    pipeline_parallel_schedule: str = _opt("1F1B", "pipeline schedule (torch's pipelining): one stage per rank (1F1B, "
+                                           "GPipe), several (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble), or two "
+                                           "in a V (ZBVZeroBubble, DualPipeV)",
+                                           choices=("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS",
+                                                    "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"))
+    pipeline_parallel_microbatch_size: int = _opt(1, "sequences per pipeline microbatch; training.local_batch_size / this "
+                                                  "= microbatches per schedule step", gt=0)
+    pipeline_parallel_layers_per_stage: int | None = _opt(None, "transformer blocks per stage (the embedding and the "
+                                                          "output count as the *_less_layers below); none = 1 stage per "
+                                                          "rank, or 2 for multi-stage schedules", gt=0, special=None)
+    pipeline_parallel_split_points: list[str] = _opt([], "explicit stage boundaries, each the first block of a stage "
+                                                     "after the first: e.g. layers.3,layers.6 (3 stages); empty = "
+                                                     "balanced automatically")
+    pipeline_parallel_first_stage_less_layers: int = _opt(1, "automatic split: the first stage takes this many blocks "
+                                                          "fewer, for the embedding", ge=0)
+    pipeline_parallel_last_stage_less_layers: int = _opt(1, "automatic split: the last stage takes this many blocks "
+                                                         "fewer, for the final norm, the output and the loss", ge=0)
 
 
 @dataclass

@@ -75,3 +75,12 @@ def mean_over(group: dist.ProcessGroup | None, value: torch.Tensor) -> torch.Ten
     total = value.clone()
     dist.all_reduce(total, group=group)
     return total / dist.get_world_size(group)
+
+
+def sum_over(group: dist.ProcessGroup | None, value: torch.Tensor) -> torch.Tensor:
+    """`value` summed over the group's ranks (a new tensor). Group None: `value` itself."""
+    if group is None:
+        return value
+    total = value.clone()
+    dist.all_reduce(total, group=group)
+    return total

@@ -34,12 +34,15 @@ def apply_fsdp(
     cpu_offload: bool,
     prefetch_depth: int,
     shard_module_classes: list[str],
+    pipelined: bool = False,
 ) -> None:
     """Shard parameters over `dp_mesh` (2D replicate x shard means HSDP).
 
     reshard_after_forward: "always" frees every unit's gathered weights after forward (least
     memory), "never" keeps them to backward (no re-gather), "default" reshards all but the
-    last unit, whose weights backward needs first anyway.
+    last unit, whose weights backward needs first anyway; in a pipeline stage (`pipelined`)
+    "default" keeps them all, as torchtitan does: the schedule runs several microbatches'
+    forwards before their backwards, and resharding would all-gather again for each.
     """
     config = {
         "mesh": dp_mesh,
@@ -51,7 +54,7 @@ def apply_fsdp(
     units = shard_units(model, shard_module_classes)
     for index, unit in enumerate(units):
         last = index == len(units) - 1
-        reshard = {"always": True, "never": False, "default": not last}[reshard_after_forward]
+        reshard = {"always": True, "never": False, "default": not (last or pipelined)}[reshard_after_forward]
         fully_shard(unit, reshard_after_forward=reshard, **config)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **config)
     if prefetch_depth > 0:

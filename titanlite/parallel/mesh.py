@@ -1,9 +1,11 @@
 """Parallel degrees and the device mesh: every degree check lives here.
 
-The mesh is one named `DeviceMesh` over all ranks with dims ("dp_replicate", "dp_shard",
-"tp") in that order (size-1 dims dropped), so tensor-parallel ranks are neighbours (the
-fastest links) and FSDP shards across them. Data loading and loss averaging use "dp", the
-flattened (dp_replicate, dp_shard) submesh; gradient norms are reduced over the whole mesh.
+The mesh is one named `DeviceMesh` over all ranks with dims ("pp", "dp_replicate",
+"dp_shard", "tp") in that order (size-1 dims dropped), so tensor-parallel ranks are
+neighbours (the fastest links), FSDP shards across them, and pipeline stages, which only
+pass activations to the next stage, are farthest apart. Data loading and loss averaging use
+"dp", the flattened (dp_replicate, dp_shard) submesh (every pipeline stage of one dp rank
+reads the same batches); gradient norms are reduced over the whole mesh.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    pp: int = 1
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
@@ -29,24 +32,24 @@ class ParallelDims:
         replicate = parallelism.data_parallel_replicate_degree
         shard = parallelism.data_parallel_shard_degree
         tp = parallelism.tensor_parallel_degree
+        pp = parallelism.pipeline_parallel_degree
+        with_pp = f" x pipeline_parallel_degree {pp}" if pp > 1 else ""
+        others = f"data_parallel_replicate_degree {replicate} x tensor_parallel_degree {tp}{with_pp}"
         if shard == -1:
-            if world_size % (replicate * tp):
-                raise TitanliteError(
-                    f"parallelism: world size {world_size} is not divisible by "
-                    f"data_parallel_replicate_degree {replicate} x tensor_parallel_degree {tp}"
-                )
-            shard = world_size // (replicate * tp)
+            if world_size % (replicate * tp * pp):
+                raise TitanliteError(f"parallelism: world size {world_size} is not divisible by {others}")
+            shard = world_size // (replicate * tp * pp)
         if replicate > 1 and shard == 1:
             raise TitanliteError(
                 "parallelism.data_parallel_replicate_degree: replication needs data_parallel_shard_degree > 1 "
                 "(HSDP); for plain data parallelism set data_parallel_shard_degree instead"
             )
-        if replicate * shard * tp != world_size:
+        if replicate * shard * tp * pp != world_size:
             raise TitanliteError(
                 f"parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} "
-                f"x tensor_parallel_degree {tp} = {replicate * shard * tp}, but the world size is {world_size}"
+                f"x tensor_parallel_degree {tp}{with_pp} = {replicate * shard * tp * pp}, but the world size is {world_size}"
             )
-        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size)
+        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp)
 
     @property
     def dp(self) -> int:
@@ -59,6 +62,20 @@ class ParallelDims:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def shards(self) -> int:
+        """Ways one model's training state is split: FSDP shards x TP x pipeline stages."""
+        return self.dp_shard * self.tp * self.pp
+
+    def named_degrees(self) -> list[tuple[str, int]]:
+        """The mesh dims, outermost first, size-1 ones dropped."""
+        dims = (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
+        return [(name, size) for name, size in dims if size > 1]
 
     def check_model(self, tp_problems: list[str], seq_len: int) -> None:
         """Shapes that must split evenly across tp ranks (sequence parallel shards seq_len too)."""
@@ -87,7 +104,7 @@ class ParallelDims:
         """The named world mesh and the submeshes each parallelism uses (all None for one process)."""
         if self.world_size == 1:
             return Meshes(None, None, None, None)
-        dims = [(name, size) for name, size in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)) if size > 1]
+        dims = self.named_degrees()
         world = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
         dp_names = tuple(name for name, _ in dims if name.startswith("dp_"))
         if len(dp_names) == 2:
@@ -100,6 +117,7 @@ class ParallelDims:
             dp=dp,
             fsdp=world[dp_names] if dp_names else None,
             tp=world["tp"] if self.tp_enabled else None,
+            pp=world["pp"] if self.pp_enabled else None,
         )
 
 
@@ -111,9 +129,11 @@ class Meshes:
           one dp dim present.
     fsdp: what `fully_shard` gets: (dp_replicate, dp_shard) is 2D, which means HSDP.
     tp:   the tensor-parallel dim.
+    pp:   the pipeline-parallel dim (stages pass activations along it).
     """
 
     world: DeviceMesh | None
     dp: DeviceMesh | None
     fsdp: DeviceMesh | None
     tp: DeviceMesh | None
+    pp: DeviceMesh | None = None

@@ -45,6 +45,7 @@ __all__ = [
     "block_entry",
     "norm",
     "output_projection",
+    "present",
     "rowwise_exit",
     "sequence_parallel_for",
     "vocab_sharded_embedding",
@@ -130,3 +131,17 @@ def output_projection(loss_parallel: bool, sequence_parallel: bool) -> ColwisePa
         output_layouts=Shard(-1) if loss_parallel else Replicate(),
         use_local_output=not loss_parallel,
     )
+
+
+def present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The entries of a `parallelize_module` plan whose module this model holds: a pipeline
+    stage (parallel/pipeline.py) has None where another stage's embedding or head would be."""
+    def held(path: str) -> bool:
+        module = model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                return False
+        return True
+
+    return {path: style for path, style in plan.items() if held(path)}

@@ -4,9 +4,10 @@ then the run stops, or, within `training.max_nan_skips`, skips the step.
 A stopped run raises `NonFiniteError` (one line, exit 2) before the optimizer step and
 before that step's checkpoint, so the newest checkpoint holds the last finite state.
 
-Fault injection, for tests: `TITANLITE_FAULT_NAN_AT_STEP=k` multiplies global rank 0's
-loss by NaN at step k before backward (its gradients, then everyone's grad norm, follow).
-Only rank 0's loss is touched, so the other ranks learn of it through the agreement.
+Fault injection, for tests: `TITANLITE_FAULT_NAN_AT_STEP=k` multiplies one rank's loss by
+NaN at step k before backward (its gradients, then everyone's grad norm, follow): global
+rank 0's, or under pipeline parallelism the lowest rank's that computes a loss. Only that
+loss is touched, so the other ranks learn of it through the agreement.
 Nothing else reads it.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
@@ -55,8 +55,10 @@ class NonFiniteSteps:
         return False
 
 
-def inject_nan(step: int, loss: torch.Tensor) -> torch.Tensor:
-    """The fault-injection hook of the module doc: NaN into global rank 0's loss at step k."""
+def inject_nan(step: int, loss: torch.Tensor, here: bool) -> torch.Tensor:
+    """The fault-injection hook of the module doc: NaN into the loss at step k on the one
+    rank the caller says (`here`): global rank 0, or under pipeline parallelism the lowest
+    rank that computes a loss."""
     value = os.environ.get(FAULT_NAN_ENV)
     if not value:
         return loss
@@ -64,5 +66,4 @@ def inject_nan(step: int, loss: torch.Tensor) -> torch.Tensor:
         at_step = int(value)
     except ValueError:
         raise TitanliteError(f"{FAULT_NAN_ENV}: expected a step number (got {value!r})") from None
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return loss * float("nan") if step == at_step and rank == 0 else loss
+    return loss * float("nan") if step == at_step and here else loss

@@ -2,8 +2,8 @@
 
 Each evaluation reads the same windows (the first `batches` global batches of the
 validation stream; dp rank r its share of each), with the model in eval mode and no
-gradient, under the training step's compute context (loss parallel under TP, autocast
-where FSDP does not own mixed precision). The loss is the mean over every validation
+gradient, through the training step's forward (step/forward_backward.py: its compute
+context, loss parallel under TP, the pipeline schedule's forward-only pass under PP). The loss is the mean over every validation
 window of every dp rank. It reads batches by position, not through the training loader,
 and forks the RNG around the forward passes, so the training data position and random
 state are exactly what they would be without validation.
@@ -11,30 +11,30 @@ state are exactly what they would be without validation.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from titanlite.config import Validation
 from titanlite.data.loader import TokenWindowLoader
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
-from titanlite.parallel.collectives import mean_over
-from titanlite.step.loss import cross_entropy
 from titanlite.observe.metrics import MetricsLogger
+
+BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(inputs, labels) -> this rank's mean loss of the batch, without gradients."""
+Reduce = Callable[[torch.Tensor], float]
+"""This rank's loss -> the loss over every rank (pipeline ranks summed, dp ranks averaged)."""
 
 
 class Validator:
     """Evaluates the first `batches` global batches of the validation stream on demand."""
 
-    def __init__(self, cfg: Validation, loader: TokenWindowLoader, model: torch.nn.Module,
-                 compute_context: Callable[[], contextlib.AbstractContextManager], dp_group: dist.ProcessGroup | None,
-                 device: torch.device, metrics: MetricsLogger) -> None:
+    def __init__(self, cfg: Validation, loader: TokenWindowLoader, model: torch.nn.Module, batch_loss: BatchLoss,
+                 reduce: Reduce, device: torch.device, metrics: MetricsLogger) -> None:
         self.freq, self.loader, self.model = cfg.freq, loader, model
-        self.compute_context, self.dp_group, self.device, self.metrics = compute_context, dp_group, device, metrics
+        self.batch_loss, self.reduce, self.device, self.metrics = batch_loss, reduce, device, metrics
         windows, per_batch = len(loader.stream), loader.global_batch
         available = windows // per_batch
         if available < 1:
@@ -60,20 +60,17 @@ class Validator:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for batch in range(self.batches):
                 inputs, labels = self.loader.batch_at(batch * self.loader.global_batch)
-                inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-                with self.compute_context():
-                    total += cross_entropy(self.model(inputs), labels)
+                total += self.batch_loss(inputs, labels)
         self.model.train(was_training)
-        return mean_over(self.dp_group, total).item() / self.batches
+        return self.reduce(total) / self.batches
 
 
-def build_validator(cfg: Validation, loader: TokenWindowLoader | None, model: torch.nn.Module,
-                    compute_context: Callable[[], contextlib.AbstractContextManager], dp_group: dist.ProcessGroup | None,
-                    device: torch.device, metrics: MetricsLogger) -> Validator | None:
+def build_validator(cfg: Validation, loader: TokenWindowLoader | None, model: torch.nn.Module, batch_loss: BatchLoss,
+                    reduce: Reduce, device: torch.device, metrics: MetricsLogger) -> Validator | None:
     """None when validation is off; a one-line error when it is on with nothing to validate on."""
     if not cfg.enable:
         return None
     if loader is None:
         raise TitanliteError(f"validation.holdout_fraction: {cfg.holdout_fraction} of the training windows holds out no "
                              "window (too little data); raise it or set validation.dataset")
-    return Validator(cfg, loader, model, compute_context, dp_group, device, metrics)
+    return Validator(cfg, loader, model, batch_loss, reduce, device, metrics)

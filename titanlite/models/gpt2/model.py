@@ -127,20 +127,27 @@ class GPT2(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embeddings(tokens)
+        """A pipeline stage holds None for the modules of other stages and passes the
+        activations through (parallel/pipeline.py)."""
+        h = self.embeddings(tokens) if self.embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h)
-        return self.lm_head(self.ln_f(h))
+        if self.ln_f is not None:
+            h = self.ln_f(h)
+        return self.lm_head(h) if self.lm_head is not None else h
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Fill this rank's shard of every parameter, with the values of the same elements in
         any other parallel layout (see models/init.py)."""
         init = ShardInit(self, seed)
-        init.normal(self.embeddings.wte.weight, std=0.02)
-        init.normal(self.embeddings.wpe.weight, std=0.02)
+        if self.embeddings is not None:
+            init.normal(self.embeddings.wte.weight, std=0.02)
+            init.normal(self.embeddings.wpe.weight, std=0.02)
         for block in self.layers.values():
             block.init_weights(init)
-        init.ones(self.ln_f.weight)
-        init.zeros(self.ln_f.bias)
-        init.normal(self.lm_head.weight, std=0.02)
+        if self.ln_f is not None:
+            init.ones(self.ln_f.weight)
+            init.zeros(self.ln_f.bias)
+        if self.lm_head is not None:
+            init.normal(self.lm_head.weight, std=0.02)

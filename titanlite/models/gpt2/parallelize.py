@@ -31,7 +31,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     parallelize_module(
         model,
         tp_mesh,
-        {
+        tp.present(model, {
             # wte: vocab-sharded lookup leaving in the residual layout, kept a DTensor so adding
             # the replicated wpe output works (and slices it under sequence parallelism); the
             # sum leaves as a local tensor.
@@ -40,7 +40,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
             "embeddings.wpe": tp.ReplicateParallel(),
             "ln_f": tp.norm(sp),
             "lm_head": tp.output_projection(loss_parallel, sp),
-        },
+        }),
     )
     for block in model.layers.values():
         parallelize_module(

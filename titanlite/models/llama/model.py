@@ -175,10 +175,14 @@ class Llama(nn.Module):
         self.register_buffer("rope_cache", rope_cos_sin(args, "meta"), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        """A pipeline stage holds None for the modules of other stages and passes the
+        activations through (parallel/pipeline.py)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.rope_cache)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -188,14 +192,16 @@ class Llama(nn.Module):
             # `to_empty` gives each module a new Parameter for a plain tensor (DTensor ones
             # are swapped in place and stay shared): tie again before filling the table.
             self.output.weight = self.tok_embeddings.weight
-        self.rope_cache = rope_cos_sin(self.args, self.output.weight.device)
+        self.rope_cache = rope_cos_sin(self.args, next(self.parameters()).device)
         init = ShardInit(self, seed)
-        if not self.args.tie_word_embeddings:
+        if self.tok_embeddings is not None and not self.args.tie_word_embeddings:
             init.normal(self.tok_embeddings.weight, std=1.0)
         for block in self.layers.values():
             block.init_weights(init)
-        init.ones(self.norm.weight)
-        # A tied table takes the head's init (std dim^-0.5): at the embedding's std 1 the
-        # first logits would be sqrt(dim) times too large.
-        cutoff = 3 * self.args.dim**-0.5
-        init.trunc_normal(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)
+        if self.norm is not None:
+            init.ones(self.norm.weight)
+        if self.output is not None:
+            # A tied table takes the head's init (std dim^-0.5): at the embedding's std 1 the
+            # first logits would be sqrt(dim) times too large.
+            cutoff = 3 * self.args.dim**-0.5
+            init.trunc_normal(self.output.weight, std=self.args.dim**-0.5, a=-cutoff, b=cutoff)

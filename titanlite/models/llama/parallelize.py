@@ -14,6 +14,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     """Shard q/k/v, w1/w3 by columns and wo/w2 by rows over `tp_mesh`, the embedding and the
     head by vocab; the residual stream sequence-sharded or replicated (`sequence_parallel`).
 
+    A pipeline stage holds some of the blocks and the embedding or head only where it has them.
     With tied embeddings both modules shard the one table by vocab rows (Shard(0)), but each
     style swaps in its own DTensor parameter, so the tie is restored on the embedding's.
     """
@@ -21,11 +22,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     parallelize_module(
         model,
         tp_mesh,
-        {
+        tp.present(model, {
             "tok_embeddings": tp.vocab_sharded_embedding(sp),
             "norm": tp.norm(sp),
             "output": tp.output_projection(loss_parallel, sp),
-        },
+        }),
     )
     if model.args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
