@@ -19,6 +19,7 @@ Exit code: 0 fits, 1 does not fit, 2 a config or argument error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from titanlite.build import RunPlan, build_on_meta, materialize, plan_run
 from titanlite.config import load_config
 from titanlite.config.dtypes import torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
-from titanlite.parallel.estimate import GIB, Activations, FsdpWorkingSet, StateBytes, StepShape, estimate_activations, estimate_fsdp, state_bytes
+from titanlite.parallel.estimate import (GIB, Activations, FsdpWorkingSet, StateBytes, StepShape, estimate_activations, estimate_fsdp,
+                                         in_flight_microbatches, state_bytes)
 from titanlite.parallel.fake_world import ShardCensus, census, init_fake_world, shard_specs
 from titanlite.parallel.memory import DEFAULT_GPU, GPU_MEMORY_GIB, parse_memory, peak_rss_bytes, reset_peak_rss, rss_bytes
 
@@ -118,6 +120,7 @@ def build_report(plan: RunPlan, args: argparse.Namespace, vocab_note: str, model
     """The figures of this rank's parallelized model (still on meta)."""
     cfg, dims = plan.cfg, plan.dims
     shape = StepShape.from_config(cfg, dims.tp)
+    activations = estimate_activations(plan.model_args, shape) if plan.pipeline is None else _stage_activations(plan, model, shape, world)
     fsdp = None
     if dims.fsdp_enabled:
         reduce_bytes = torch_dtype(cfg.training.mixed_precision_reduce).itemsize
@@ -127,9 +130,19 @@ def build_report(plan: RunPlan, args: argparse.Namespace, vocab_note: str, model
     autocast = state.n_params * shape.act_bytes if not dims.fsdp_enabled and shape.act_bytes < 4 else 0
     coordinate = ", ".join(f"{n} {c}" for n, c in zip(world.mesh_dim_names, world.get_coordinate())) if world else "the only rank"
     device_bytes, device_source = device_memory(args)
-    n_params = sum(p.numel() for p in model.parameters())
-    return Report(plan, args.rank, coordinate, vocab_note, state, estimate_activations(plan.model_args, shape), fsdp,
-                  autocast, device_bytes, device_source, n_params)  # fmt: skip
+    return Report(plan, args.rank, coordinate, vocab_note, state, activations, fsdp, autocast, device_bytes, device_source,
+                  plan.n_params)  # fmt: skip
+
+
+def _stage_activations(plan: RunPlan, model: torch.nn.Module, shape: StepShape, world: DeviceMesh) -> Activations:
+    """This rank's pipeline stages: their blocks (and the head on the last stage's rank), one
+    pipeline microbatch each, as many microbatches as the schedule holds at its peak."""
+    layout = plan.pipeline
+    pp_rank = world.get_coordinate()[world.mesh_dim_names.index("pp")]
+    held = layout.stage_indices(pp_rank)
+    in_flight = in_flight_microbatches(layout.schedule, layout.degree, layout.n_microbatches, layout.stages_per_rank, pp_rank)
+    microbatch = dataclasses.replace(shape, batch=plan.cfg.parallelism.pipeline_parallel_microbatch_size)
+    return estimate_activations(plan.model_args, microbatch, len(model.layers), len(layout.stages) - 1 in held, in_flight)
 
 
 def measure_materialize(model: torch.nn.Module, plan: RunPlan) -> dict[str, float]:
@@ -148,7 +161,7 @@ def gib(n: float) -> str:
 
 def header(r: Report) -> list[str]:
     cfg, dims = r.plan.cfg, r.plan.dims
-    degrees = [f"{name} {size}" for name, size in (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard), ("tp", dims.tp)) if size > 1]
+    degrees = [f"{name} {size}" for name, size in dims.named_degrees()]
     ac = cfg.activation_checkpoint.mode + (f" (every {cfg.activation_checkpoint.selective_ac_option})" if cfg.activation_checkpoint.mode == "selective" else "")
     return [
         f"model: {cfg.model.name} {cfg.model.flavor}, {r.n_params:,} parameters ({r.vocab_note})",
@@ -156,7 +169,7 @@ def header(r: Report) -> list[str]:
         f"step: local_batch_size {cfg.training.local_batch_size} x seq_len {cfg.training.seq_len}, "
         f"{cfg.training.mixed_precision_param} compute, activation checkpointing {ac}"
         + (", loss parallel" if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else ""),
-    ]
+    ] + ([r.plan.pipeline.describe()] if r.plan.pipeline is not None else [])
 
 
 def holdings(r: Report) -> list[str]:
@@ -167,8 +180,8 @@ def holdings(r: Report) -> list[str]:
         ("gradients", r.state.grads, f"{r.state.grads:,} bytes{place}"),
         ("optimizer", r.state.optimizer, f"{r.state.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
         ("buffers", r.state.buffers, f"{r.state.buffers:,} bytes"),
-        ("activations", a.total, f"estimate: {a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} "
-         f"checkpointed x {gib(a.checkpointed_block)}, head {gib(a.head)}, peak extra {gib(a.peak_extra)}"),
+        ("activations", a.total, f"estimate: {_in_flight(a)}{a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} "
+         f"checkpointed x {gib(a.checkpointed_block)}, head {gib(a.head)}{')' if a.in_flight > 1 else ''}, peak extra {gib(a.peak_extra)}"),
     ]  # fmt: skip
     if r.fsdp:
         rows.append(("FSDP gathered", r.fsdp.total, f"estimate: root weights and grads {gib(r.fsdp.root)}, blocks {gib(r.fsdp.blocks)}"))
@@ -176,6 +189,10 @@ def holdings(r: Report) -> list[str]:
         rows.append(("autocast copies", r.autocast_copies, "estimate: a low-precision copy of each weight"))
     rows.append(("total", r.total, "on the device"))
     return [f"rank {r.rank} holds"] + [f"  {name:<16}{gib(size):>14}   {note}" for name, size, note in rows]
+
+
+def _in_flight(a: Activations) -> str:
+    return f"{a.in_flight} microbatches in flight x (" if a.in_flight > 1 else ""
 
 
 def verdict(r: Report) -> list[str]:
@@ -193,7 +210,9 @@ def verdict(r: Report) -> list[str]:
 def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
     if shards is None:
         world = r.plan.dims.world_size
-        why = "one process" if world == 1 else f"not counted above {CENSUS_MAX_WORLD} ranks" if world > CENSUS_MAX_WORLD else "not counted (parameters on part of the mesh)"
+        why = ("one process" if world == 1 else f"not counted above {CENSUS_MAX_WORLD} ranks" if world > CENSUS_MAX_WORLD
+               else "each pipeline rank holds other stages: plan them with --rank" if r.plan.pipeline is not None
+               else "not counted (parameters on part of the mesh)")
         return [f"shards: {why}"]
     most, least = max(shards.per_rank), min(shards.per_rank)
     check = "=" if shards.covered == r.n_params else "!="
@@ -228,7 +247,7 @@ def run(argv: list[str]) -> int:
     report = build_report(plan, args, vocab_note, model, meshes.world)
     measured = measure_materialize(model, plan) if args.materialize else None
     shards = None
-    if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD:  # last: it leaves rank r's world
+    if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None:  # last: it leaves rank r's world
         shards = census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape))
     print("\n".join(header(report) + holdings(report) + verdict(report) + shard_lines(report, shards) + measured_lines(report, measured)))
     return 0 if report.total <= report.device_bytes else 1

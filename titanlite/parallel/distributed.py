@@ -81,23 +81,31 @@ def set_cpu_threads(local_world_size: int) -> None:
 
 
 def init_distributed(init_timeout_seconds: int) -> DistInfo:
-    """Join the process group and pick this rank's device and CPU threads."""
-    if "MASTER_ADDR" not in os.environ:  # launched without torchrun: a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-    rank, world_size = world_from_env()
+    """Join the process group and pick this rank's device and CPU threads. A process group
+    that is already up (the caller's own, or a previous run's in the same process) is
+    joined as it is, with its timeout moved to `init_timeout_seconds`."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = _take_device(local_rank, local_world_size)
+    if dist.is_initialized():
+        _apply_timeout(dist.group.WORLD, init_timeout_seconds)
+    else:
+        if "MASTER_ADDR" not in os.environ:  # launched without torchrun: a world of one
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=init_timeout_seconds), device_id=device if backend == "nccl" else None)
+    _timeouts.seconds, _timeouts.groups = init_timeout_seconds, [dist.group.WORLD]
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
+
+
+def _take_device(local_rank: int, local_world_size: int) -> torch.device:
+    """This rank's GPU (made current), or the CPU with its share of the host's threads."""
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-        set_cpu_threads(local_world_size)
-    dist.init_process_group(backend, timeout=timedelta(seconds=init_timeout_seconds), device_id=device if backend == "nccl" else None)
-    _timeouts.seconds, _timeouts.groups = init_timeout_seconds, [dist.group.WORLD]
-    return DistInfo(rank, world_size, local_rank, local_world_size, device)
+        return device
+    set_cpu_threads(local_world_size)
+    return torch.device("cpu")
 
 
 def _apply_timeout(group: dist.ProcessGroup, seconds: int) -> None:

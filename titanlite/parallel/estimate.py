@@ -16,10 +16,16 @@ size, V = vocab, p = bytes of the compute dtype (mixed_precision_param), 4 = flo
 
 The peak is the loss (every block's activations, the logits and the loss's float32
 exponentials at once), or, with activation checkpointing, the recompute of one block.
+
+Under pipeline parallelism N is one pipeline microbatch's tokens, the blocks are this rank's
+stages' blocks, the head is counted on the rank of the last stage only, and blocks and head
+are held for `in_flight` microbatches at once: those a schedule has run forward but not yet
+backward at its peak on this rank (`in_flight_microbatches`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,14 +96,16 @@ class Activations:
     n_blocks: int
     head: float  # final norm and output projection inputs, and the logits
     peak_extra: float  # on top at the peak: loss gradients or one block's recompute
+    in_flight: int = 1  # microbatches held at once (pipeline schedules)
 
     @property
     def kept(self) -> float:
-        return (self.n_blocks - self.n_checkpointed) * self.block + self.n_checkpointed * self.checkpointed_block
+        one = (self.n_blocks - self.n_checkpointed) * self.block + self.n_checkpointed * self.checkpointed_block + self.head
+        return self.in_flight * one
 
     @property
     def total(self) -> float:
-        return self.kept + self.head + self.peak_extra
+        return self.kept + self.peak_extra
 
 
 def checkpointed_blocks(n_layers: int, mode: str, every: int) -> int:
@@ -105,18 +113,40 @@ def checkpointed_blocks(n_layers: int, mode: str, every: int) -> int:
     return {"full": n_layers, "selective": n_layers // every}.get(mode, 0)
 
 
-def estimate_activations(args: Any, shape: StepShape) -> Activations:
-    """The formula of the module docstring for one microbatch on one rank."""
+def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = None, holds_head: bool = True,
+                         in_flight: int = 1) -> Activations:
+    """The formula of the module docstring for one microbatch on one rank: `n_blocks` of the
+    model's blocks (all by default), the head where `holds_head`, `in_flight` microbatches."""
     n, t, p = shape.batch * shape.seq_len, shape.tp, shape.act_bytes
     d, f = args.dim, args.ffn_hidden_dim
     k = getattr(args, "kv_heads", args.n_heads) * args.head_dim
     r = t if shape.sequence_parallel else 1
     block = n * (2 * d / r * p + 2 * d * p + (d + k) / t * 4 + (2 * d + 2 * k) / t * p + 4 * f / t * p)
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
-    n_ckpt = checkpointed_blocks(args.n_layers, shape.ac_mode, shape.ac_every)
-    head = n * d / r * p + n * d * p + n * vocab * 4
-    extra = max(n * vocab * p, block if n_ckpt else 0.0)
-    return Activations(block, n * d / r * p, n_ckpt, args.n_layers, head, extra)
+    n_blocks = args.n_layers if n_blocks is None else n_blocks
+    n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_every)
+    head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
+    extra = max(n * vocab * p if holds_head else 0.0, block if n_ckpt else 0.0)
+    return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight)
+
+
+def in_flight_microbatches(schedule: str, degree: int, n_microbatches: int, stages_per_rank: int, pp_rank: int) -> int:
+    """Microbatches each of this rank's stages holds activations of at the schedule's peak
+    (run forward, backward not yet): GPipe and LoopedBFS run every forward first (all of
+    them); 1F1B starts backward after `degree - pp_rank` forwards; the V schedules hold about
+    `degree` per stage (1F1B's memory, the zero-bubble papers' claim); interleaved 1F1B
+    warms up with Megatron's (degree - pp_rank - 1) x 2 + (stages_per_rank - 1) x degree
+    forwards, spread over the rank's stages."""
+    if schedule in ("GPipe", "LoopedBFS"):
+        held = n_microbatches
+    elif schedule == "1F1B":
+        held = degree - pp_rank
+    elif schedule in ("ZBVZeroBubble", "DualPipeV"):
+        held = degree
+    else:
+        warmup = (degree - pp_rank - 1) * 2 + (stages_per_rank - 1) * degree + 1
+        held = math.ceil(warmup / stages_per_rank)
+    return max(1, min(n_microbatches, held))
 
 
 @dataclass(frozen=True)
@@ -134,11 +164,13 @@ class FsdpWorkingSet:
 def estimate_fsdp(model: nn.Module, dp_shard: int, param_bytes: int, reduce_bytes: int, parallelism: Any) -> FsdpWorkingSet:
     """Unsharded = local x dp_shard elements, in the compute dtype. The root stays gathered
     from forward through backward and its gradients from the output layer's backward to the
-    end; blocks are gathered one at a time plus the prefetched ones (all with "never")."""
+    end; blocks are gathered one at a time plus the prefetched ones (all with "never", and in
+    a pipeline stage, which keeps them between its microbatches' forwards and backwards)."""
     per_layer = [sum(local_tensor(p).numel() for p in layer.parameters()) for layer in model.layers.values()]
     root = (sum(local_tensor(p).numel() for p in model.parameters()) - sum(per_layer)) * dp_shard
     block = max(per_layer) * dp_shard
     in_flight = 1 + max(1, parallelism.fsdp_prefetch_depth)
-    if parallelism.fsdp_reshard_after_forward == "never":
+    pipelined = parallelism.pipeline_parallel_degree > 1 and parallelism.fsdp_reshard_after_forward != "always"
+    if parallelism.fsdp_reshard_after_forward == "never" or pipelined:
         in_flight = len(per_layer) + 1
     return FsdpWorkingSet(2 * root * param_bytes, block * (in_flight * param_bytes + max(param_bytes, reduce_bytes)))
