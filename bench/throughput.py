@@ -25,7 +25,9 @@ Figures, averaged over the steps after `--warmup-steps` (the trainer logs every 
   layout shares those cores); on GPUs the table in observe/peak_flops.py times the GPUs used.
 
 Then the ratios TP / FSDP 2 and 1 process / FSDP 2 per setting. A layout needing more GPUs
-than the machine has is skipped. Nothing is asserted.
+than the machine has is skipped. Nothing is asserted. The pipeline layouts (pp2, pp2_gpipe,
+pp2_interleaved, pp2_zbv) are not in the default list; `bench/pipeline_bubble.py` measures
+their bubble.
 """
 
 from __future__ import annotations
@@ -56,7 +58,15 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "fsdp2": ("FSDP 2", 2, []),
     "tp2": ("TP 2", 2, ["--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2_tp2": ("FSDP 2 x TP 2", 4, ["--parallelism.tensor_parallel_degree", "2"]),
+    # Pipelines: the same local batch in microbatches of 1 sequence (8 per schedule step).
+    "pp2": ("PP 2 (1F1B)", 2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "pp2_gpipe": ("PP 2 (GPipe)", 2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"]),
+    "pp2_interleaved": ("PP 2 (Interleaved1F1B)", 2, ["--parallelism.pipeline_parallel_degree", "2",
+                                                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    "pp2_zbv": ("PP 2 (ZBVZeroBubble)", 2, ["--parallelism.pipeline_parallel_degree", "2",
+                                           "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
 }
+DEFAULT_LAYOUTS = ("one", "fsdp2", "tp2", "fsdp2_tp2")
 
 
 @dataclass(frozen=True)
@@ -157,7 +167,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=10, help="first steps left out of the averages (compile, allocator)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--local-batch-size", type=int, default=8, help="sequences per data-parallel rank per step")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
     parser.add_argument("--settings", default="fp32,best", help="comma-separated, from fp32, best (best = auto dtype, eager and compiled)")
     parser.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
                         help="CPU: leave the workers unbound (default: titanlite.launch --cpu-bind, one block of cores per rank)")

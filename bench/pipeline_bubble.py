@@ -1,0 +1,132 @@
+"""The pipeline bubble, measured: the share of a schedule step each rank spends not computing.
+
+    python bench/pipeline_bubble.py [--microbatches 2,4,8,16] [--schedules 1F1B,GPipe] [--steps 8]
+                                    [--seq-len 256] [--timeout 600]
+
+Each (schedule, microbatches) is a real 2-rank run of the trainer on the debug model (pp 2,
+gloo on CPU, each rank bound to its own core by `titanlite.launch --cpu-bind`), one sequence
+per microbatch. In every rank the stage's compute (torch's `PipelineStage` forward, backward
+and weight-gradient chunks) is timed; the rest of the schedule step's wall time is the bubble
+plus the time spent moving activations. Printed per run, averaged over the steps after the
+first two and over the ranks:
+
+    measured idle = 1 - compute time / schedule-step time
+
+next to the bubble of the textbook schedule, (p - 1) / (m + p - 1) for 1F1B and GPipe (p
+stages, m microbatches). The measured figure includes the sends and receives, so it sits
+above the textbook one by their cost; both fall as m grows. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+DEGREE = 2
+
+
+def time_stage_compute() -> list[float]:
+    """Wrap the stage's compute chunks with a clock; returns the list the seconds go into."""
+    from torch.distributed.pipelining import stage
+
+    spent: list[float] = [0.0]
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        original = getattr(stage._PipelineStageBase, name)
+
+        def timed(self, *args, __original=original, **kwargs):
+            start = time.perf_counter()
+            try:
+                return __original(self, *args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        setattr(stage._PipelineStageBase, name, timed)
+    return spent
+
+
+def run_worker(out_path: str, trainer_args: list[str]) -> None:
+    """One rank: train step by step, recording the compute and wall time of each step."""
+    import torch.distributed as dist
+
+    from titanlite.build import plan_run
+    from titanlite.config import load_config
+    from titanlite.parallel.distributed import world_from_env
+    from titanlite.runtime.cpu_binding import bind_from_env
+    from titanlite.trainer import Trainer
+
+    bind_from_env()
+    spent = time_stage_compute()
+    trainer = Trainer(plan_run(load_config(trainer_args), world_from_env()[1]))
+    batches, steps = iter(trainer.data), []
+    for step in range(1, trainer.cfg.training.steps + 1):
+        trainer.state.step = step
+        microbatches = [next(batches) for _ in range(trainer.plan.grad_accum_steps)]
+        dist.barrier()
+        spent[0], start = 0.0, time.perf_counter()
+        trainer.forward_backward.train(microbatches, step)
+        wall = time.perf_counter() - start
+        steps.append({"wall": wall, "compute": spent[0]})
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, steps)
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(gathered))
+    trainer.close()
+    dist.destroy_process_group()
+
+
+def launch(trainer_args: list[str], out: Path, timeout: float) -> list[list[dict]]:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={DEGREE}", "--cpu-bind",
+           str(Path(__file__).resolve()), "--worker", str(out), *trainer_args]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        run_worker(sys.argv[2], sys.argv[3:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--microbatches", default="2,4,8,16")
+    parser.add_argument("--schedules", default="1F1B,GPipe")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+    print(f"debug model, pp {DEGREE}, seq_len {args.seq_len}, 1 sequence per microbatch, {args.steps} steps (first 2 left out)")
+    print("| schedule | microbatches | step time | compute share | measured idle | textbook bubble (p-1)/(m+p-1) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as folder:
+        for schedule in args.schedules.split(","):
+            for m in (int(x) for x in args.microbatches.split(",")):
+                dump = Path(folder) / f"{schedule}-{m}"
+                trainer_args = [
+                    "--config", "debug_model", "--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len),
+                    "--training.local_batch_size", str(m), "--training.mixed_precision_param", "float32",
+                    "--parallelism.pipeline_parallel_degree", str(DEGREE), "--parallelism.pipeline_parallel_schedule", schedule,
+                    "--metrics.enable_tensorboard", "false", "--metrics.peak_flops", "1e11", "--job.dump_folder", str(dump),
+                ]  # fmt: skip
+                ranks = launch(trainer_args, dump.with_suffix(".json"), args.timeout)
+                steady = [s for rank in ranks for s in rank[2:]]
+                wall = statistics.mean(s["wall"] for s in steady)
+                compute = statistics.mean(s["compute"] / s["wall"] for s in steady)
+                textbook = (DEGREE - 1) / (m + DEGREE - 1)
+                print(f"| {schedule} | {m} | {wall * 1000:,.0f} ms | {compute:.1%} | {1 - compute:.1%} | {textbook:.1%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
