@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-# Where torch issues or awaits a collective, and where our own code is.
-_COLLECTIVE_FILES = tuple(os.path.join("torch", "distributed", name) for name in ("distributed_c10d.py", "_functional_collectives.py"))
+# Where torch issues or awaits a collective (or a pipeline's sends and receives), and where our own code is.
+_COLLECTIVE_FILES = tuple(os.path.join("torch", "distributed", name) for name in (
+    "distributed_c10d.py", "_functional_collectives.py", os.path.join("pipelining", "schedules.py"), os.path.join("pipelining", "stage.py")))
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What gloo and NCCL say when a peer stopped answering or went away.
 _PEER_TROUBLE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|peer", re.IGNORECASE)
@@ -140,6 +141,11 @@ def new_group(**kwargs: Any) -> dist.ProcessGroup:
     return group
 
 
+def collective_timeout() -> timedelta | None:
+    """The timeout every group of this run has now (None: not managed by `init_distributed`)."""
+    return timedelta(seconds=_timeouts.seconds) if _timeouts.groups is not None else None
+
+
 def set_collective_timeout(seconds: int) -> None:
     """Move every group of this run to a new timeout: after start-up (slow: compile, first
     all-gathers, checkpoint load) the tighter one that turns a hung collective into an error."""
@@ -170,7 +176,9 @@ def collective_failure(error: BaseException) -> CollectiveFailure | None:
     text = str(error)
     if not isinstance(error, dist.DistError) and (torch_frame is None or not _PEER_TROUBLE.search(text)):
         return None
-    what = _describe(torch_frame, next((f for f in reversed(frames) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None))
+    # Our frame: the last of ours that called into torch (a pipeline's wait is ours, inside torch's schedule).
+    callers = frames[: frames.index(torch_frame)] if torch_frame is not None else frames
+    what = _describe(torch_frame, next((f for f in reversed(callers) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None))
     if re.search(r"timed out|timeout", text, re.IGNORECASE):
         return CollectiveFailure(f"{what} timed out after {_timeouts.seconds} s: a peer rank stopped answering", True)
     if re.search(r"connection (closed|reset)|broken pipe", text, re.IGNORECASE):
@@ -181,7 +189,9 @@ def collective_failure(error: BaseException) -> CollectiveFailure | None:
 def _describe(torch_frame: FrameType | None, our_frame: FrameType | None) -> str:
     """"all_gather_single on group mesh_tp (waited for in forward, titanlite/models/...:146)"."""
     what = "a collective"
-    if torch_frame is not None:
+    if torch_frame is not None and os.path.join("distributed", "pipelining") in torch_frame.f_code.co_filename:
+        what = f"a pipeline send/receive in {torch_frame.f_code.co_name}"
+    elif torch_frame is not None:
         what = torch_frame.f_code.co_name
         if "group" in torch_frame.f_locals:
             what += f" on group {_group_name(torch_frame.f_locals['group'])}"

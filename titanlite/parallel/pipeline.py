@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from titanlite.errors import TitanliteError
+from titanlite.parallel.distributed import collective_timeout
 
 FIELD = "parallelism.pipeline_parallel"
 # How each schedule places stages on ranks: "single" (one per rank), "loop" (round-robin,
@@ -246,8 +247,35 @@ def build_schedule(layout: PipelineLayout, parts: list[nn.Module], pp_rank: int,
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     schedule_class = get_schedule_class(layout.schedule)
+    if device.type == "cpu":
+        bound_p2p_waits()
     indices = layout.stage_indices(pp_rank)
     stages = [PipelineStage(part, index, len(layout.stages), device, group=pp_group) for part, index in zip(parts, indices)]
     if issubclass(schedule_class, PipelineScheduleSingle):
         return schedule_class(stages[0], n_microbatches=layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule_class(stages, n_microbatches=layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def bound_p2p_waits() -> None:
+    """Give the schedules' send/receive waits the run's collective timeout, on gloo.
+
+    torch's schedules wait for their batched sends and receives with `Work.wait()`, which on
+    gloo never times out (the group's timeout covers collectives only): a stopped peer stage
+    would hang the others forever. With a timeout the wait raises like a collective does and
+    the trainer turns it into its one line. NCCL is left alone: its watchdog already times
+    out sends and receives, and a wait with a timeout would block the CPU on every one.
+    This is the one place titanlite reaches into the pipelining module's internals; where the
+    installed torch has no such function, waits stay as torch has them."""
+    from torch.distributed.pipelining import schedules
+
+    if hasattr(schedules, "_wait_batch_p2p") and not getattr(schedules._wait_batch_p2p, "bounded", False):
+        schedules._wait_batch_p2p = _wait_with_timeout
+
+
+def _wait_with_timeout(work: list) -> None:
+    timeout = collective_timeout()
+    for handle in work:
+        handle.wait(timeout) if timeout is not None else handle.wait()
+
+
+_wait_with_timeout.bounded = True
