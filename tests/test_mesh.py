@@ -11,7 +11,7 @@ from titanlite.parallel.mesh import ParallelDims
 
 def parallelism(replicate=1, shard=-1, tp=1):
     return SimpleNamespace(data_parallel_replicate_degree=replicate, data_parallel_shard_degree=shard, tensor_parallel_degree=tp,
-                           pipeline_parallel_degree=1)
+                           pipeline_parallel_degree=1, context_parallel_degree=1)
 
 
 def test_shard_degree_fills_the_world():

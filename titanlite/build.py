@@ -24,6 +24,7 @@ from titanlite.models import get_model_spec
 from titanlite.model_spec import ModelSpec
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
+from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.fsdp import apply_fsdp
 from titanlite.parallel.memory import check_training_state_fits
 from titanlite.parallel.mesh import Meshes, ParallelDims
@@ -66,9 +67,13 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     """
     spec = get_model_spec(cfg.model.name, cfg.model.flavor)
     tokenizer = Tokenizer(cfg.model.tokenizer_path) if vocab_size is None else None
-    args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size)
+    args = _with_mask_type(spec, spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size),
+                           cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
+    if dims.cp_enabled and not hasattr(spec.model_class, "enable_context_parallel"):
+        raise TitanliteError(f"parallelism.context_parallel_degree: model {spec.name} has no context-parallel attention "
+                             "(a model gets it with an enable_context_parallel method, see model_spec.py)")
     max_seq_len = getattr(args, "max_seq_len", None)
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
         raise TitanliteError(f"training.seq_len: {cfg.training.seq_len} exceeds the {cfg.model.flavor} flavor's max_seq_len {max_seq_len}")
@@ -77,6 +82,16 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
         raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
     plan = RunPlan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
     return dataclasses.replace(plan, pipeline=_plan_pipeline(plan)) if dims.pp_enabled else plan
+
+
+def _with_mask_type(spec: ModelSpec, args: Any, mask_type: str) -> Any:
+    """The flavor's hyperparameters with `model.attn_mask_type`; refused for a model whose
+    attention has only the causal mask."""
+    if hasattr(args, "attn_mask_type"):
+        return dataclasses.replace(args, attn_mask_type=mask_type)
+    if mask_type != "causal":
+        raise TitanliteError(f"model.attn_mask_type: model {spec.name} has only causal attention (got {mask_type!r})")
+    return args
 
 
 def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
@@ -91,13 +106,16 @@ def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
 
 
 def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
-    """Apply the parallelisms in their fixed order: TP -> AC -> compile -> FSDP."""
+    """Apply the parallelisms in their fixed order: TP -> CP (the model's attention learns its
+    sequence layout) -> AC -> compile -> FSDP."""
     cfg, dims = plan.cfg, plan.dims
     if cfg.training.mixed_precision_param == "auto":
         raise ValueError("parallelize: decide mixed_precision_param 'auto' first (RunPlan.with_compute_dtype)")
     if dims.tp_enabled:
         sequence_parallel = sequence_parallel_for(meshes.tp, cfg.parallelism.sequence_parallel)
         plan.spec.apply_tp(model, meshes.tp, cfg.parallelism.enable_loss_parallel, sequence_parallel)
+    if dims.cp_enabled:
+        model.enable_context_parallel(ContextParallel(meshes.cp))
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable:
         apply_compile(model)

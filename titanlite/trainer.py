@@ -27,6 +27,7 @@ from titanlite.observe.peak_flops import peak_flops
 from titanlite.observe.profiling import maybe_profile
 from titanlite.observe.run_dir import start_run_dir
 from titanlite.parallel.collectives import mean_over, sum_over
+from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.runtime.dump_folder import claim_dump_folder
@@ -56,13 +57,14 @@ class Trainer:
         self.run_dir = start_run_dir(cfg)
 
         self.meshes = plan.dims.build_mesh(self.device.type)
-        dp_mesh = self.meshes.dp
-        self.dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+        dp_mesh, loss_mesh = self.meshes.dp, self.meshes.loss
+        self.loss_group = loss_mesh.get_group() if loss_mesh is not None else None
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
-        self.data = build_dataloader(corpus.train, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device)
+        documents = cfg.model.attn_mask_type == "block_causal"
+        self.data = build_dataloader(corpus.train, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, documents=documents)
         validation_data = None if corpus.validation is None else build_dataloader(
-            corpus.validation, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, prefetch=False)
+            corpus.validation, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, prefetch=False, documents=documents)
 
         built = build_model(plan, self.device, self.meshes, self.dist.local_world_size)
         self.model_parts, self.model, self.size = built.parts, built.model, built.size
@@ -133,11 +135,13 @@ class Trainer:
         schedule over this rank's stages. The NaN fault (tests) goes to global rank 0, or
         under pipeline parallelism to the lowest rank that computes a loss."""
         layout = self.plan.pipeline
+        context_parallel = ContextParallel(self.meshes.cp) if self.meshes.cp is not None else None
         if layout is None:
-            return Unpipelined(self.model, self._compute_context, self.device, nan_fault_here=self.dist.rank == 0)
+            return Unpipelined(self.model, self._compute_context, self.device, nan_fault_here=self.dist.rank == 0,
+                               context_parallel=context_parallel)
         loss_rank = int(self.meshes.world.mesh[layout.last_stage_pp_rank()].min())
         return Pipelined(layout, self.model_parts, self.meshes.pp, self._compute_context, self.device,
-                         nan_fault_here=self.dist.rank == loss_rank)
+                         nan_fault_here=self.dist.rank == loss_rank, context_parallel=context_parallel)
 
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
         """Forward/backward over the microbatches, clip, agree with every rank on the step
@@ -156,8 +160,8 @@ class Trainer:
 
     def _reported(self, loss: torch.Tensor) -> float:
         """A loss as every rank reports it: summed over the pipeline ranks (only those with
-        the last stage hold it), averaged over the data-parallel ranks."""
-        return mean_over(self.dp_group, sum_over(self.pp_group, loss)).item()
+        the last stage hold it), averaged over the data- and context-parallel ranks."""
+        return mean_over(self.loss_group, sum_over(self.pp_group, loss)).item()
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
         return self.metrics.log(step, self._reported(loss), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], self.state.tokens_seen)

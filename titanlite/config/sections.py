@@ -33,6 +33,9 @@ class Model:
     name: str = _opt("llama3", "model name in the registry (titanlite.models)", nonempty=True)
     flavor: str = _opt("debugmodel", "size preset of the model, e.g. debugmodel, 8B, 70B, 405B", nonempty=True)
     tokenizer_path: str = _opt("assets/tokenizer/titanlite.model", "tokenizer model file (relative paths are from the working directory)", nonempty=True)
+    attn_mask_type: str = _opt("causal", "attention mask: causal (every earlier token of the window), or block_causal "
+                               "(only earlier tokens of the same document, as Llama 3 pretrained)",
+                               choices=("causal", "block_causal"))
 
 
 @dataclass
@@ -126,6 +129,8 @@ class Parallelism:
     fsdp_prefetch_depth: int = _opt(0, "0 = FSDP2's implicit prefetch; N > 0 explicitly prefetches the next N blocks "
                                     "in forward and backward", ge=0)
     fsdp_shard_modules: list[str] = _opt([], "module class names to fully_shard; empty = the model's transformer blocks")
+    context_parallel_degree: int = _opt(1, "ways each training window's sequence is split (keys and values "
+                                        "all-gathered in attention; load-balanced for the causal mask)", ge=1)
     pipeline_parallel_degree: int = _opt(1, "pipeline stages' ranks: the model split into consecutive stages, each on "
                                          "its own ranks (the outermost mesh dim)", ge=1)
     pipeline_parallel_schedule: str = _opt("1F1B", "pipeline schedule (torch's pipelining): one stage per rank (1F1B, "

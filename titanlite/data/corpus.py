@@ -100,8 +100,10 @@ def _validation_stream(validation: Validation, tokenizer: Tokenizer, window: int
 
 
 def build_dataloader(stream: WindowStream, local_batch_size: int, dp_rank: int, dp_degree: int,
-                     device: torch.device, prefetch: bool = True) -> TokenWindowLoader:
-    """This dp rank's loader over `stream`; batches pinned for fast copies on CUDA."""
-    return TokenWindowLoader(stream, local_batch_size, dp_rank, dp_degree, pin_memory=device.type == "cuda", prefetch=prefetch)
+                     device: torch.device, prefetch: bool = True, documents: bool = False) -> TokenWindowLoader:
+    """This dp rank's loader over `stream`; batches pinned for fast copies on CUDA; with
+    `documents`, each window's document ids too (block-causal attention)."""
+    return TokenWindowLoader(stream, local_batch_size, dp_rank, dp_degree, pin_memory=device.type == "cuda",
+                             prefetch=prefetch, documents=documents)
 
 

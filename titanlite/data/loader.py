@@ -30,18 +30,20 @@ PREFETCH_DEPTH = 2
 
 
 class TokenWindowLoader:
-    """Yields `(inputs, labels)`, LongTensors of shape `[local_batch_size, seq_len]`,
-    forever. Stateful: `state_dict()` / `load_state_dict()` = {"windows", "data", "seq_len"}."""
+    """Yields `(inputs, labels)`, LongTensors of shape `[local_batch_size, seq_len]`, forever;
+    with `documents`, `(inputs, labels, document_ids)`: the inputs' document numbers within
+    each window (int32, same shape), for block-causal attention. Stateful: `state_dict()` /
+    `load_state_dict()` = {"windows", "data", "seq_len"}."""
 
     def __init__(self, stream: WindowStream, local_batch_size: int, dp_rank: int, dp_degree: int,
-                 pin_memory: bool = False, prefetch: bool = True) -> None:
+                 pin_memory: bool = False, prefetch: bool = True, documents: bool = False) -> None:
         """`dp_rank` in [0, dp_degree) from the mesh, a ValueError otherwise (a caller's bug)."""
         if not (isinstance(dp_degree, int) and dp_degree >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_degree):
             raise ValueError(f"dp_rank {dp_rank!r} must be in [0, dp_degree {dp_degree!r})")
         self.stream, self.local_batch_size = stream, local_batch_size
         self.seq_len = stream.window - 1
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.pin_memory, self.prefetch = pin_memory, prefetch
+        self.pin_memory, self.prefetch, self.documents = pin_memory, prefetch, documents
         self.windows = 0  # global windows consumed (all ranks together)
         self._prefetcher: Prefetcher | None = None
 
@@ -49,14 +51,15 @@ class TokenWindowLoader:
     def global_batch(self) -> int:
         return self.dp_degree * self.local_batch_size
 
-    def batch_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch_at(self, position: int) -> tuple[torch.Tensor, ...]:
         """This rank's batch of the global microbatch that starts at global window `position`."""
         first = position + self.dp_rank * self.local_batch_size
-        block = torch.from_numpy(np.stack([self.stream.tokens(g) for g in range(first, first + self.local_batch_size)]))
-        inputs, labels = block[:, :-1].contiguous(), block[:, 1:].contiguous()
-        if self.pin_memory:
-            inputs, labels = inputs.pin_memory(), labels.pin_memory()
-        return inputs, labels
+        windows = range(first, first + self.local_batch_size)
+        block = torch.from_numpy(np.stack([self.stream.tokens(g) for g in windows]))
+        batch = [block[:, :-1].contiguous(), block[:, 1:].contiguous()]
+        if self.documents:
+            batch.append(torch.from_numpy(np.stack([self.stream.documents(g)[:-1] for g in windows])))
+        return tuple(t.pin_memory() for t in batch) if self.pin_memory else tuple(batch)
 
     def __iter__(self) -> TokenWindowLoader:
         return self

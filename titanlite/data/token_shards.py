@@ -34,6 +34,7 @@ class TokenShards:
             self.starts.append(self.starts[-1] + tokens)
         self.num_tokens = self.starts[-1]
         self._maps: dict[int, np.memmap] = {}
+        self._offsets: dict[int, np.memmap] = {}
 
     def _check_files(self, name: str, tokens: int, documents: int) -> None:
         for suffix, size in ((".bin", tokens * self.dtype.itemsize), (".idx", (documents + 1) * 8)):
@@ -79,5 +80,27 @@ class TokenShards:
             )
 
     def document_offsets(self, shard: int) -> np.ndarray:
-        """Token offsets of shard `shard`'s documents within it (documents + 1 entries)."""
-        return np.fromfile(self.folder / f"{self.names[shard]}.idx", dtype="<u8")
+        """Token offsets of shard `shard`'s documents within it (documents + 1 entries), mapped."""
+        if shard not in self._offsets:
+            self._offsets[shard] = np.memmap(self.folder / f"{self.names[shard]}.idx", dtype="<u8", mode="r")
+        return self._offsets[shard]
+
+    def document_ids(self, start: int, length: int) -> np.ndarray:
+        """For tokens [start, start + length): which document each belongs to, numbered from 0
+        at `start` (int32). Read from the shards' document indexes, only the entries inside the
+        range; a shard boundary is a document boundary (shards hold whole documents)."""
+        starts = np.zeros(length, dtype=np.int32)
+        done = 0
+        shard = bisect.bisect_right(self.starts, start) - 1
+        while done < length:
+            offset = start + done - self.starts[shard]
+            take = min(length - done, self.starts[shard + 1] - self.starts[shard] - offset)
+            if take > 0:
+                offsets = self.document_offsets(shard)
+                lo, hi = np.searchsorted(offsets, [offset + 1, offset + take])  # document starts inside (offset, offset + take)
+                starts[done + offsets[lo:hi].astype(np.int64) - offset] = 1
+                if done:
+                    starts[done] = 1  # the next shard starts a document
+                done += take
+            shard += 1
+        return np.cumsum(starts, dtype=np.int32)

@@ -47,6 +47,10 @@ class DatasetWindows:
     def tokens(self, k: int) -> np.ndarray:
         return self.shards.read(self.index(k) * self.window, self.window)
 
+    def documents(self, k: int) -> np.ndarray:
+        """Which document each token of window k belongs to, from 0 (see TokenShards.document_ids)."""
+        return self.shards.document_ids(self.index(k) * self.window, self.window)
+
 
 class WindowStream:
     """Several datasets' windows blended by weight (see blend.py); one dataset is the identity."""
@@ -63,6 +67,10 @@ class WindowStream:
     def tokens(self, g: int) -> np.ndarray:
         d, k = self.locate(g)
         return self.parts[d].tokens(k)
+
+    def documents(self, g: int) -> np.ndarray:
+        d, k = self.locate(g)
+        return self.parts[d].documents(k)
 
     def __len__(self) -> int:
         """Windows in one pass over every part (for validation: how many there are)."""

@@ -1,11 +1,13 @@
 """Parallel degrees and the device mesh: every degree check lives here.
 
 The mesh is one named `DeviceMesh` over all ranks with dims ("pp", "dp_replicate",
-"dp_shard", "tp") in that order (size-1 dims dropped), so tensor-parallel ranks are
-neighbours (the fastest links), FSDP shards across them, and pipeline stages, which only
-pass activations to the next stage, are farthest apart. Data loading and loss averaging use
-"dp", the flattened (dp_replicate, dp_shard) submesh (every pipeline stage of one dp rank
-reads the same batches); gradient norms are reduced over the whole mesh.
+"dp_shard", "cp", "tp") in that order (size-1 dims dropped), so tensor-parallel ranks are
+neighbours (the fastest links), context-parallel ranks next (they all-gather keys and values
+in every layer), FSDP shards across them, and pipeline stages, which only pass activations
+to the next stage, are farthest apart. Data loading uses "dp", the flattened (dp_replicate,
+dp_shard) submesh (every pipeline stage and cp rank of one dp rank reads the same batches);
+FSDP shards over dp_shard x cp (cp ranks hold different tokens of the same model, like dp
+ranks); the loss is averaged over dp x cp; gradient norms are reduced over the whole mesh.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class ParallelDims:
     tp: int
     world_size: int
     pp: int = 1
+    cp: int = 1
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
@@ -33,23 +36,25 @@ class ParallelDims:
         shard = parallelism.data_parallel_shard_degree
         tp = parallelism.tensor_parallel_degree
         pp = parallelism.pipeline_parallel_degree
-        with_pp = f" x pipeline_parallel_degree {pp}" if pp > 1 else ""
+        cp = parallelism.context_parallel_degree
+        with_pp = (f" x context_parallel_degree {cp}" if cp > 1 else "") + (f" x pipeline_parallel_degree {pp}" if pp > 1 else "")
         others = f"data_parallel_replicate_degree {replicate} x tensor_parallel_degree {tp}{with_pp}"
+        model_ranks = tp * pp * cp
         if shard == -1:
-            if world_size % (replicate * tp * pp):
+            if world_size % (replicate * model_ranks):
                 raise TitanliteError(f"parallelism: world size {world_size} is not divisible by {others}")
-            shard = world_size // (replicate * tp * pp)
-        if replicate > 1 and shard == 1:
+            shard = world_size // (replicate * model_ranks)
+        if replicate > 1 and shard * cp == 1:
             raise TitanliteError(
                 "parallelism.data_parallel_replicate_degree: replication needs data_parallel_shard_degree > 1 "
                 "(HSDP); for plain data parallelism set data_parallel_shard_degree instead"
             )
-        if replicate * shard * tp * pp != world_size:
+        if replicate * shard * model_ranks != world_size:
             raise TitanliteError(
                 f"parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} "
-                f"x tensor_parallel_degree {tp}{with_pp} = {replicate * shard * tp * pp}, but the world size is {world_size}"
+                f"x tensor_parallel_degree {tp}{with_pp} = {replicate * shard * model_ranks}, but the world size is {world_size}"
             )
-        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp)
+        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp)
 
     @property
     def dp(self) -> int:
@@ -57,7 +62,13 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp > 1
+        """FSDP shards over dp_shard x cp (and replicates over dp_replicate): it is what reduces
+        the gradients of context-parallel ranks too."""
+        return self.dp > 1 or self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -69,21 +80,26 @@ class ParallelDims:
 
     @property
     def shards(self) -> int:
-        """Ways one model's training state is split: FSDP shards x TP x pipeline stages."""
-        return self.dp_shard * self.tp * self.pp
+        """Ways one model's training state is split: FSDP shards (dp_shard x cp) x TP x pipeline stages."""
+        return self.dp_shard * self.cp * self.tp * self.pp
 
     def named_degrees(self) -> list[tuple[str, int]]:
         """The mesh dims, outermost first, size-1 ones dropped."""
-        dims = (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
+        dims = (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp))
         return [(name, size) for name, size in dims if size > 1]
 
     def check_model(self, tp_problems: list[str], seq_len: int) -> None:
-        """Shapes that must split evenly across tp ranks (sequence parallel shards seq_len too)."""
+        """Shapes that must split evenly across tp ranks (sequence parallel shards seq_len too)
+        and cp ranks (2 x cp load-balanced chunks)."""
+        if self.cp_enabled and seq_len % (2 * self.cp):
+            raise TitanliteError(f"parallelism.context_parallel_degree: training.seq_len {seq_len} is not divisible by "
+                                 f"2 x context_parallel_degree = {2 * self.cp} (each cp rank holds two chunks of the window)")
         if not self.tp_enabled:
             return
         problems = list(tp_problems)
-        if seq_len % self.tp:
-            problems.append(f"training.seq_len {seq_len} is not divisible by tensor_parallel_degree {self.tp}")
+        if (seq_len // self.cp) % self.tp:
+            local = f" (its {seq_len // self.cp}-token part on each cp rank)" if self.cp_enabled else ""
+            problems.append(f"training.seq_len {seq_len}{local} is not divisible by tensor_parallel_degree {self.tp}")
         if problems:
             raise TitanliteError("parallelism.tensor_parallel_degree: " + "; ".join(problems))
 
@@ -106,18 +122,29 @@ class ParallelDims:
             return Meshes(None, None, None, None)
         dims = self.named_degrees()
         world = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
-        dp_names = tuple(name for name, _ in dims if name.startswith("dp_"))
-        if len(dp_names) == 2:
-            dp = world[dp_names]._flatten("dp")
-        else:
-            dp = world[dp_names[0]] if dp_names else None
-        adopt_groups([*world.get_all_groups(), dp.get_group() if dp is not None else None])  # the run's timeouts
+        names = [name for name, _ in dims]
+
+        def view(wanted: tuple[str, ...], flat_name: str) -> tuple[DeviceMesh | None, str | None]:
+            """The present dims of `wanted` as one dim (flattened when several), and its name."""
+            present = tuple(name for name in wanted if name in names)
+            if len(present) < 2:
+                return (world[present[0]], present[0]) if present else (None, None)
+            return world[present]._flatten(flat_name), flat_name
+
+        dp, _ = view(("dp_replicate", "dp_shard"), "dp")
+        shard, shard_name = view(("dp_shard", "cp"), "dp_shard_cp")
+        loss, _ = view(("dp_replicate", "dp_shard", "cp"), "dp_cp")
+        fsdp = world[("dp_replicate", shard_name)] if "dp_replicate" in names and shard is not None else shard
+        flat = [mesh.get_group() for mesh in (dp, shard, loss) if mesh is not None]
+        adopt_groups([*world.get_all_groups(), *flat])  # the run's timeouts
         return Meshes(
             world=world,
             dp=dp,
-            fsdp=world[dp_names] if dp_names else None,
+            fsdp=fsdp,
             tp=world["tp"] if self.tp_enabled else None,
             pp=world["pp"] if self.pp_enabled else None,
+            cp=world["cp"] if self.cp_enabled else None,
+            loss=loss,
         )
 
 
@@ -125,11 +152,13 @@ class ParallelDims:
 class Meshes:
     """The world mesh and the views of it each parallelism uses; None where a dim is absent.
 
-    dp:   data loading and loss averaging: "dp" (flattened dp_replicate x dp_shard) or the
-          one dp dim present.
-    fsdp: what `fully_shard` gets: (dp_replicate, dp_shard) is 2D, which means HSDP.
+    dp:   data loading: "dp" (flattened dp_replicate x dp_shard) or the one dp dim present.
+    fsdp: what `fully_shard` gets: dp_shard x cp (flattened), with dp_replicate before it a
+          2D mesh, which means HSDP.
     tp:   the tensor-parallel dim.
     pp:   the pipeline-parallel dim (stages pass activations along it).
+    cp:   the context-parallel dim (the sequence split, keys and values all-gathered).
+    loss: loss averaging: dp x cp (every rank that holds different tokens of one step).
     """
 
     world: DeviceMesh | None
@@ -137,3 +166,5 @@ class Meshes:
     fsdp: DeviceMesh | None
     tp: DeviceMesh | None
     pp: DeviceMesh | None = None
+    cp: DeviceMesh | None = None
+    loss: DeviceMesh | None = None

@@ -2,6 +2,10 @@
 on the whole model (`Unpipelined`), or through a pipeline schedule over this rank's stages
 (`Pipelined`).
 
+A microbatch is (inputs, labels) or, for block-causal attention, (inputs, labels,
+document_ids); under context parallelism each rank keeps its load-balanced share of the
+inputs and labels (the document ids stay whole: attention needs every key's).
+
 Both return this rank's loss of the step: the mean over the tokens of this dp rank's
 microbatches where the loss is computed, 0 on pipeline ranks that hold no last stage (the
 trainer sums over the pipeline ranks, then averages over the dp ranks). Gradients are those of
@@ -19,38 +23,53 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.pipeline import PipelineLayout, build_schedule
 from titanlite.step.loss import cross_entropy
 from titanlite.step.nonfinite import inject_nan
 
-Microbatch = tuple[torch.Tensor, torch.Tensor]
+Microbatch = tuple[torch.Tensor, ...]
 ComputeContext = Callable[[], contextlib.AbstractContextManager]
+
+
+def _on_device(batch: Microbatch, device: torch.device, context_parallel: ContextParallel | None) -> tuple:
+    """(inputs, labels, document ids or None) on the device, cut to this cp rank's tokens."""
+    inputs, labels, *documents = (t.to(device, non_blocking=True) for t in batch)
+    if context_parallel is not None:
+        inputs, labels = context_parallel.shard(inputs), context_parallel.shard(labels)
+    return inputs, labels, (documents[0] if documents else None)
+
+
+def _model_kwargs(documents: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {} if documents is None else {"document_ids": documents}
 
 
 class Unpipelined:
     """Gradient accumulation on one model: FSDP reduces gradients once, after the last microbatch."""
 
-    def __init__(self, model: nn.Module, compute_context: ComputeContext, device: torch.device, nan_fault_here: bool):
+    def __init__(self, model: nn.Module, compute_context: ComputeContext, device: torch.device, nan_fault_here: bool,
+                 context_parallel: ContextParallel | None = None):
         self.model, self.compute_context, self.device, self.nan_fault_here = model, compute_context, device, nan_fault_here
+        self.context_parallel = context_parallel
 
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
-        for index, (inputs, labels) in enumerate(microbatches):
+        for index, batch in enumerate(microbatches):
             set_gradient_sync(self.model, index == len(microbatches) - 1)
-            inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
             with self.compute_context():
-                loss = cross_entropy(self.model(inputs), labels) / len(microbatches)
+                loss = cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels) / len(microbatches)
                 loss = inject_nan(step, loss, self.nan_fault_here)
                 loss.backward()
             loss_sum += loss.detach()
         return loss_sum
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one batch, no gradient (the caller sets eval mode)."""
-        inputs, labels = inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
         with torch.no_grad(), self.compute_context():
-            return cross_entropy(self.model(inputs), labels)
+            return cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels)
 
 
 class Pipelined:
@@ -59,12 +78,12 @@ class Pipelined:
     holding neither (a middle stage) only passes activations on."""
 
     def __init__(self, layout: PipelineLayout, parts: list[nn.Module], pp_mesh: DeviceMesh, compute_context: ComputeContext,
-                 device: torch.device, nan_fault_here: bool):
+                 device: torch.device, nan_fault_here: bool, context_parallel: ContextParallel | None = None):
         pp_rank = pp_mesh.get_local_rank()
         held = layout.stage_indices(pp_rank)
         self.has_first, self.has_last = 0 in held, len(layout.stages) - 1 in held
         self.n_microbatches, self.compute_context, self.device = layout.n_microbatches, compute_context, device
-        self.nan_fault_here = nan_fault_here
+        self.nan_fault_here, self.context_parallel = nan_fault_here, context_parallel
         self._scale, self._step = 1.0, 0
         self.schedule = build_schedule(layout, parts, pp_rank, pp_mesh.get_group(), device, self.loss_fn)
 
@@ -75,21 +94,23 @@ class Pipelined:
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
         self._scale, self._step = 1.0 / (self.n_microbatches * len(microbatches)), step
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in microbatches:
-            loss_sum += self._run(self.schedule.step, inputs, labels)
+        for batch in microbatches:
+            loss_sum += self._run(self.schedule.step, batch)
         return loss_sum
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
         self._scale, self._step = 1.0 / self.n_microbatches, 0
         with torch.no_grad():
-            return self._run(self.schedule.eval, inputs, labels)
+            return self._run(self.schedule.eval, batch)
 
-    def _run(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        args = (inputs.to(self.device, non_blocking=True),) if self.has_first else ()
+    def _run(self, run: Callable, batch: Microbatch) -> torch.Tensor:
+        """One schedule step; every stage gets the document ids (each of its blocks needs them)."""
+        inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
+        args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
-        kwargs = {"target": labels.to(self.device, non_blocking=True), "losses": losses} if self.has_last else {}
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         with self.compute_context():
-            run(*args, **kwargs)
+            run(*args, **kwargs, **_model_kwargs(documents))
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float().to(self.device) for loss in losses]).sum()

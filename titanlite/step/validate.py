@@ -22,8 +22,8 @@ from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 from titanlite.observe.metrics import MetricsLogger
 
-BatchLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(inputs, labels) -> this rank's mean loss of the batch, without gradients."""
+BatchLoss = Callable[..., torch.Tensor]
+"""(inputs, labels[, document ids]) -> this rank's mean loss of the batch, without gradients."""
 Reduce = Callable[[torch.Tensor], float]
 """This rank's loss -> the loss over every rank (pipeline ranks summed, dp ranks averaged)."""
 
@@ -59,8 +59,7 @@ class Validator:
         total = torch.zeros((), device=self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for batch in range(self.batches):
-                inputs, labels = self.loader.batch_at(batch * self.loader.global_batch)
-                total += self.batch_loss(inputs, labels)
+                total += self.batch_loss(*self.loader.batch_at(batch * self.loader.global_batch))
         self.model.train(was_training)
         return self.reduce(total) / self.batches
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlite.models.attention import Mask, attend, build_mask
 from titanlite.models.init import ShardInit
 
 
@@ -36,6 +37,8 @@ class GPT2Args:
     vocab_size: int = -1
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
+    # "causal" or "block_causal" (each token sees only its own document): models/attention.py.
+    attn_mask_type: str = "causal"
 
     @property
     def head_dim(self) -> int:
@@ -67,11 +70,11 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(args.dim, 3 * args.dim, bias=True)
         self.c_proj = nn.Linear(args.dim, args.dim, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         qkv = self.c_attn(x).view(batch, seq, -1, 3, self.head_dim)  # -1: local heads
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each [b, heads, s, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = attend(q, k, v, mask, grouped=False)
         return self.c_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -95,8 +98,8 @@ class Block(nn.Module):
         # GPT-2's residual scaling: each block adds two projections to the residual stream.
         self.out_proj_std = 0.02 / (2 * args.n_layers) ** 0.5
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        h = x + self.attn(self.ln_1(x), mask)
         return h + self.mlp(self.ln_2(h))
 
     def init_weights(self, init: ShardInit) -> None:
@@ -126,12 +129,14 @@ class GPT2(nn.Module):
         self.ln_f = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """A pipeline stage holds None for the modules of other stages and passes the
-        activations through (parallel/pipeline.py)."""
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] (or a later pipeline stage's input activations); document_ids
+        [batch, seq] with block_causal attention. A pipeline stage holds None for the modules
+        of other stages and passes the activations through (parallel/pipeline.py)."""
         h = self.embeddings(tokens) if self.embeddings is not None else tokens
+        mask = build_mask(self.args.attn_mask_type, document_ids, None, None, flex=h.is_cuda)
         for block in self.layers.values():
-            h = block(h)
+            h = block(h, mask)
         if self.ln_f is not None:
             h = self.ln_f(h)
         return self.lm_head(h) if self.lm_head is not None else h

@@ -48,7 +48,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
             tp_mesh,
             {
                 "ln_1": tp.norm(sp),
-                "attn": tp.block_entry(sp),
+                "attn": tp.block_entry(sp, extra_inputs=1),  # (x, mask)
                 "attn.c_attn": tp.ColwiseParallel(),  # per-head [q k v] rows: whole heads per rank
                 "attn.c_proj": tp.rowwise_exit(sp),
                 "ln_2": tp.norm(sp),

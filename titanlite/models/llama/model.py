@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlite.models.attention import Mask, attend, build_mask
 from titanlite.models.init import ShardInit
+from titanlite.parallel.context_parallel import ContextParallel
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class LlamaArgs:
     depth_init: bool = True
     # One table for the token embedding and the output head (Llama 3.2 1B and 3B do this).
     tie_word_embeddings: bool = False
+    # "causal" or "block_causal" (each token sees only its own document): models/attention.py.
+    attn_mask_type: str = "causal"
 
     @property
     def kv_heads(self) -> int:
@@ -103,20 +107,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.context_parallel: ContextParallel | None = None  # set by Llama.enable_context_parallel
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
-        # GQA inside SDPA: each kv head serves n_heads / kv_heads query heads (also true of a
-        # TP shard), read in place instead of copied by repeat_interleave. The transposes
+        if self.context_parallel is not None:  # every cp rank's keys and values
+            k, v = self.context_parallel.gather(k, dim=1), self.context_parallel.gather(v, dim=1)
+        # GQA inside the kernel: each kv head serves n_heads / kv_heads query heads (also true
+        # of a TP shard), read in place instead of copied by repeat_interleave. The transposes
         # are views; the CPU and CUDA kernels take strided heads, and the output's
         # [batch, seq, heads, head_dim] memory makes the reshape below a view too.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=self.grouped
-        )
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.grouped)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -141,8 +146,8 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_proj_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos_sin)
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos_sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, init: ShardInit) -> None:
@@ -173,13 +178,32 @@ class Llama(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", rope_cos_sin(args, "meta"), persistent=False)
+        self.context_parallel: ContextParallel | None = None
+        # Sequence shards of the activations between blocks: tp under sequence parallelism
+        # (set by the TP plan), so a stage's input tells the local sequence length.
+        self.sequence_shards = 1
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """A pipeline stage holds None for the modules of other stages and passes the
-        activations through (parallel/pipeline.py)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+    def enable_context_parallel(self, context_parallel: ContextParallel) -> None:
+        """Context parallelism (parallel/context_parallel.py): this rank's tokens sit at global
+        positions and attention gathers every rank's keys and values."""
+        self.context_parallel = context_parallel
         for block in self.layers.values():
-            h = block(h, self.rope_cache)
+            block.attention.context_parallel = context_parallel
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] (or, on a pipeline stage after the first, the previous stage's
+        activations); document_ids [batch, window] with block_causal attention. A pipeline
+        stage holds None for the modules of other stages (parallel/pipeline.py)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = tokens.shape[1] if self.tok_embeddings is not None else h.shape[1] * self.sequence_shards
+        positions = key_positions = None
+        if self.context_parallel is not None:
+            positions = self.context_parallel.positions(seq, h.device)
+            key_positions = self.context_parallel.key_positions(seq, h.device)
+        cos_sin = self.rope_cache[:seq] if positions is None else self.rope_cache[positions]
+        mask = build_mask(self.args.attn_mask_type, document_ids, positions, key_positions, flex=h.is_cuda)
+        for block in self.layers.values():
+            h = block(h, cos_sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

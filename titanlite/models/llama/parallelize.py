@@ -30,13 +30,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     )
     if model.args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    model.sequence_shards = tp_mesh.size() if sp else 1
     for block in model.layers.values():
         parallelize_module(
             block,
             tp_mesh,
             {
                 "attention_norm": tp.norm(sp),
-                "attention": tp.block_entry(sp, extra_inputs=1),  # (x, rope_cache)
+                "attention": tp.block_entry(sp, extra_inputs=2),  # (x, cos_sin, mask)
                 "attention.wq": tp.ColwiseParallel(),
                 "attention.wk": tp.ColwiseParallel(),
                 "attention.wv": tp.ColwiseParallel(),

@@ -1,0 +1,97 @@
+"""Attention under a causal or a block-causal (document) mask, for every model of the registry.
+
+`model.attn_mask_type` (torchtitan's names):
+
+- "causal": a token attends to every earlier token of the window, across the documents
+  packed into it (SDPA's `is_causal`, the fast path, when the whole sequence is local);
+- "block_causal": a token attends only to earlier tokens of its own document, as Llama 3 was
+  pretrained. The loader hands each window's document ids (`data/loader.py`).
+
+Under context parallelism (parallel/context_parallel.py) the local queries sit at global
+positions and the keys are every rank's, so the mask is built from positions even for
+"causal". Positions and RoPE stay the window's: a document that starts mid-window keeps its
+window positions, as in torchtitan and Meta's reference (block masking changes what a token
+sees, not where it is).
+
+One mask, two kernels, chosen by device: on CPU a boolean mask for SDPA; on CUDA a
+`flex_attention` BlockMask (compiled, sparse: blocks outside every document are skipped,
+which is what makes long packed windows affordable). Both compute the same attention.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+MASK_TYPES = ("causal", "block_causal")
+Mask = Union[torch.Tensor, BlockMask, None]
+
+_compiled_flex = None
+_compiled_block_mask = None
+
+
+def build_mask(mask_type: str, document_ids: torch.Tensor | None, q_positions: torch.Tensor | None,
+               k_positions: torch.Tensor | None, flex: bool) -> Mask:
+    """The mask of a forward: None for plain causal attention over a local whole sequence,
+    else a boolean [batch or 1, 1, queries, keys] tensor (SDPA) or a BlockMask (`flex`).
+
+    document_ids: [batch, seq_len] over the whole window (block_causal only); positions: the
+    global positions of the local queries and of the keys (None: the whole window, in order).
+    """
+    if mask_type == "causal" and q_positions is None:
+        return None
+    if mask_type == "block_causal" and document_ids is None:
+        raise ValueError("block_causal attention needs the windows' document ids")
+    seq_len = document_ids.shape[1] if document_ids is not None else int(k_positions.numel())
+    device = document_ids.device if document_ids is not None else q_positions.device
+    if q_positions is None:
+        q_positions = k_positions = torch.arange(seq_len, device=device)
+    docs = document_ids if mask_type == "block_causal" else None
+    if flex:
+        return _block_mask(docs, q_positions, k_positions)
+    allowed = q_positions[:, None] >= k_positions[None, :]
+    if docs is not None:
+        allowed = allowed & (docs[:, q_positions, None] == docs[:, None, k_positions])
+    return allowed[None, None] if allowed.dim() == 2 else allowed[:, None]
+
+
+def _block_mask(docs: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor) -> BlockMask:
+    """The same rule as a flex_attention mask_mod, over query and key indices."""
+
+    def causal(b, h, q, k):
+        return q_positions[q] >= k_positions[k]
+
+    def block_causal(b, h, q, k):
+        return (q_positions[q] >= k_positions[k]) & (docs[b, q_positions[q]] == docs[b, k_positions[k]])
+
+    batch = docs.shape[0] if docs is not None else None
+    make = create_block_mask
+    if q_positions.is_cuda:
+        global _compiled_block_mask
+        _compiled_block_mask = _compiled_block_mask or torch.compile(create_block_mask)
+        make = _compiled_block_mask
+    return make(causal if docs is None else block_causal, batch, None, len(q_positions), len(k_positions),
+                device=q_positions.device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, grouped: bool) -> torch.Tensor:
+    """Attention of q [batch, heads, queries, head_dim] over k, v [batch, kv_heads, keys,
+    head_dim] (GQA when `grouped`): SDPA causal, SDPA with a boolean mask, or flex."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+    if isinstance(mask, BlockMask):
+        return _flex(q)(q, k, v, block_mask=mask, enable_gqa=grouped)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+
+
+def _flex(q: torch.Tensor):
+    """Compiled flex_attention on CUDA (torchtitan's use; eager flex is a slow reference);
+    eager elsewhere, which unit tests use to check the kernel against SDPA."""
+    if not q.is_cuda:
+        return flex_attention
+    global _compiled_flex
+    _compiled_flex = _compiled_flex or torch.compile(flex_attention)
+    return _compiled_flex

@@ -1,0 +1,79 @@
+"""Context parallelism: each training window's sequence split over the "cp" mesh dim.
+
+The Llama 3 paper's all-gather method: every cp rank holds a part of the sequence for every
+layer; attention all-gathers the keys and values over cp (with autograd: the backward is the
+matching reduce-scatter) and attends its own queries to all of them under the causal (and,
+with documents, block-causal) mask at global positions. Everything else in a block is
+per-token and runs on the local part unchanged; RoPE rotates at global positions; the loss
+is each rank's mean over its tokens, averaged over cp with the dp ranks (FSDP shards and
+reduces over dp_shard x cp, and the logged loss is averaged over both).
+
+Load balancing: the window's tokens are cut into 2 x cp chunks and cp rank r holds chunks r
+and 2cp-1-r. Under a causal mask a query's work grows with its position, so pairing an early
+chunk with a late one gives every rank the same attention work (torchtitan's "head-tail").
+The gathered keys stay in rank order; the mask is built from their global positions, so no
+reordering is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def chunk_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """Global positions of cp rank `cp_rank`'s tokens: chunks r and 2cp-1-r of 2cp."""
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    last = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
+    return torch.cat([first, last])
+
+
+class ContextParallel:
+    """This rank's place on the cp dim, and the sequence operations attention needs."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of this rank's `local_len` tokens."""
+        return chunk_positions(local_len * self.size, self.rank, self.size).to(device)
+
+    def key_positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of the gathered keys: every rank's tokens, in rank order."""
+        seq_len = local_len * self.size
+        return torch.cat([chunk_positions(seq_len, r, self.size) for r in range(self.size)]).to(device)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a whole-sequence tensor (inputs, labels), along `dim`."""
+        return x.index_select(dim, chunk_positions(x.shape[dim], self.rank, self.size).to(x.device))
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's part of `x` along `dim`, in rank order; gradients reduce-scatter back."""
+        return _GatherAlong.apply(x, dim, self.mesh.get_group())
+
+
+class _GatherAlong(torch.autograd.Function):
+    """All-gather along a dim, whose backward reduce-scatters (sums) the gradient back to
+    each rank's part: torch's own collectives in an autograd.Function. (torch 2.13's
+    `all_gather_tensor_autograd` with gather_dim=1 on a [batch, seq, heads, head_dim] key
+    returned a tensor that does not require grad, so wk and wv silently got no gradient;
+    gather_dim=0 keeps the graph. Checked on gloo, see TORCH_NOTES.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        front = x.movedim(dim, 0).contiguous()
+        out = front.new_empty((front.shape[0] * dist.get_world_size(group), *front.shape[1:]))
+        dist.all_gather_into_tensor(out, front, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        front = grad.movedim(ctx.dim, 0).contiguous()
+        out = front.new_empty((front.shape[0] // dist.get_world_size(ctx.group), *front.shape[1:]))
+        dist.reduce_scatter_tensor(out, front, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
