@@ -1,0 +1,94 @@
+"""One rank of a training *session*: several trainer runs, one after another, in one process
+group (tests/helpers/sessions.py starts the ranks).
+
+Usage: python tests/helpers/session_worker.py OUT.json CASES.json
+
+CASES.json is a list of {"name", "argv", "copy_checkpoint": [folder, step] or null}. Each case
+builds a `Trainer` from its argv (its own dump folder), trains, records every logged step and
+each rank's local bytes, and closes; `init_distributed` joins the group the first case
+started, so a case costs its model build and steps, not a process start and a rendezvous.
+`copy_checkpoint` puts `folder/checkpoint/step-N` into the case's checkpoint folder first
+(rank 0), so the case resumes from it. A case that fails records its error and the session
+goes on with the next. Rank 0 writes {name: {"history", "ranks", "error"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from titanlite.build import plan_run
+from titanlite.config import load_config
+from titanlite.parallel.distributed import world_from_env
+from titanlite.trainer import Trainer
+
+
+def local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def held_bytes(trainer: Trainer) -> dict[str, int]:
+    """What this rank holds: its shards of parameters, gradients and AdamW state."""
+    params = trainer.params
+    optim = [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {
+        "param_bytes": local_bytes(params),
+        "grad_bytes": local_bytes(p.grad for p in params),
+        "optim_bytes": local_bytes(optim),
+        "full_param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "norm_param_bytes": sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "norm" in n),
+    }
+
+
+def copy_checkpoint(source: str, step: int, cfg) -> None:
+    target = Path(cfg.job.dump_folder) / cfg.checkpoint.folder / f"step-{step}"
+    shutil.rmtree(target.parent, ignore_errors=True)
+    shutil.copytree(Path(source) / "checkpoint" / f"step-{step}", target)
+
+
+def run_case(case: dict) -> dict:
+    cfg = load_config(case["argv"])
+    if case.get("copy_checkpoint") and int(world_from_env()[0]) == 0:
+        copy_checkpoint(*case["copy_checkpoint"], cfg)
+    if dist.is_initialized():
+        dist.barrier()
+    trainer = Trainer(plan_run(cfg, world_from_env()[1]))
+    try:
+        history = trainer.train()
+        sizes = held_bytes(trainer)
+    finally:
+        trainer.close()
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, sizes)
+    return {"history": history, "ranks": ranks, "error": None}
+
+
+def main() -> None:
+    out_path, cases_path = sys.argv[1], sys.argv[2]
+    results = {}
+    for case in json.loads(Path(cases_path).read_text()):
+        try:
+            results[case["name"]] = run_case(case)
+        except BaseException as error:  # recorded; the next case runs on
+            results[case["name"]] = {"history": [], "ranks": [], "error": f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"}
+        print(f"@@session case {case['name']} done", flush=True)
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
