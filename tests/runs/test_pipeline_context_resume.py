@@ -1,0 +1,87 @@
+"""Checkpoints of pipeline- and context-parallel runs: exact resume at the same layout, and
+resharding to and from other layouts (the stages keep every parameter's name, the sequence
+split holds no state, so DCP loads a checkpoint at any layout).
+
+On the debug model, fp32, the global batch 8: an uninterrupted 6-step run per layout saves
+step 3 (and 6); each resume starts from a copy of step 3 and must log steps 4-6
+- equal (==) to the uninterrupted run of its own layout: pp 2 and cp 2 resumed at pp 2 and cp 2;
+- within 1e-6 (relative) of it when the checkpoint came from another layout: pp 2 -> 1 process,
+  pp 2 -> FSDP 2 x TP 2, cp 2 -> 1 process, and the reverse, 1 process -> pp 2 and
+  FSDP 2 x TP 2 -> pp 2.
+Runs of one world size are cases of one training session (tests/helpers/sessions.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import EQUIVALENCE_ARGS
+from tests.helpers.sessions import Case, run_session
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+ARGS = [
+    *EQUIVALENCE_ARGS, "--training.steps", str(STEPS),
+    # Constant lr after warmup: a resumed run follows the same schedule as the uninterrupted one.
+    "--lr_scheduler.decay_ratio", "0",
+    "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
+]  # fmt: skip
+LAYOUTS = {
+    "single": (1, ["--training.local_batch_size", "8"]),
+    "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
+    "cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
+    "fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+}
+# resume case: (layout it runs at, layout whose step-3 checkpoint it starts from)
+RESUMES = {
+    "pp2_from_pp2": ("pp2", "pp2"),
+    "cp2_from_cp2": ("cp2", "cp2"),
+    "single_from_pp2": ("single", "pp2"),
+    "fsdp2_tp2_from_pp2": ("fsdp2_tp2", "pp2"),
+    "single_from_cp2": ("single", "cp2"),
+    "pp2_from_single": ("pp2", "single"),
+    "pp2_from_fsdp2_tp2": ("pp2", "fsdp2_tp2"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """name -> logged history, for every uninterrupted run and every resume. Sessions in the
+    order the checkpoints are needed: 1 and 4 processes save, 2 processes save and resume,
+    then 1 and 4 processes resume from the 2-process checkpoints."""
+    root = tmp_path_factory.mktemp("resume")
+    histories: dict[str, list[dict]] = {}
+
+    def uninterrupted(layout: str) -> Case:
+        return Case(layout, [*ARGS, *LAYOUTS[layout][1]])
+
+    def resume(name: str) -> Case:
+        layout, source = RESUMES[name]
+        return Case(name, [*ARGS, *LAYOUTS[layout][1]], copy_checkpoint=(str(root / f"world{LAYOUTS[source][0]}" / source), 3))
+
+    plan = [
+        (1, [uninterrupted("single")]),
+        (4, [uninterrupted("fsdp2_tp2")]),
+        (2, [uninterrupted("pp2"), uninterrupted("cp2"), *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 2]]),
+        (1, [resume(n) for n, (at, _) in RESUMES.items() if at == "single"]),
+        (4, [resume(n) for n, (at, _) in RESUMES.items() if at == "fsdp2_tp2"]),
+    ]
+    for nproc, cases in plan:
+        session = run_session(nproc, cases, root / f"world{nproc}", timeout=600)
+        histories.update({case.name: session[case.name]["history"] for case in cases})
+    return histories
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", RESUMES)
+def test_resume_continues_the_uninterrupted_run(runs, name):
+    layout, source = RESUMES[name]
+    resumed, straight = runs[name], runs[layout]
+    assert [h["step"] for h in resumed] == [4, 5, 6]
+    for ours, ref in zip(resumed, straight[3:]):
+        if layout == source:  # the same layout: exactly the same numbers
+            assert (ours["loss"], ours["grad_norm"]) == (ref["loss"], ref["grad_norm"]), (name, ours, ref)
+        else:
+            assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-6), (name, ours, ref)
+            assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), (name, ours, ref)
