@@ -2,7 +2,7 @@
 `titanlite: error:` line on stderr naming what is wrong, no traceback, no process left.
 
 A table of cases: wrong types, zero and negative degrees, unknown keys and sections,
-impossible meshes, bad paths, TOML files that are broken, empty or folders, bad dtypes and
+impossible meshes and pipeline or context-parallel layouts, bad paths, TOML files that are broken, empty or folders, bad dtypes and
 enum values, overrides without values or given twice, and the run's files: a dump folder
 under a file, a locked dump folder, too little disk for one checkpoint, a truncated or a
 corrupted checkpoint shard, another tokenizer than the checkpoint's, a Hugging Face
@@ -39,6 +39,8 @@ SMALL_RUN = {
 }
 CHECKPOINTING = {"checkpoint.enable_checkpoint": "true", "checkpoint.async_mode": "disabled"}
 TP = "parallelism.tensor_parallel_degree"
+PP = "parallelism.pipeline_parallel_degree"
+CP = "parallelism.context_parallel_degree"
 DUMP = "{dump}"  # placeholders, filled per case
 CASE = "{case}"
 
@@ -56,6 +58,9 @@ class Case:
     prepare: Callable[[Path, Path], Callable[[], None] | None] | None = None
     nproc: int = 1
     shell_prefix: str = ""  # run through `bash -c` with this before exec (e.g. a ulimit)
+    # A plain process told it is rank 0 of this many (as torchrun would): the layout checks
+    # refuse it before any rendezvous, so the other ranks are never needed.
+    world_size: int = 1
 
 
 # ---------------------------------------------------------------- what the cases prepare
@@ -193,7 +198,26 @@ CASES: dict[str, Case] = {
                                             prepare=with_checkpoint(another_tokenizer_in_the_record)),
     # A 1 MiB file-size limit: the shard write fails (EFBIG) inside DCP's blocking save.
     "last_step_save_cannot_be_written": Case(["checkpoint: saving", "step-1 failed"], CHECKPOINTING, shell_prefix="ulimit -f 1024"),
+    # pipeline and context parallelism, refused before a device is touched
+    "pp_does_not_divide_the_world": Case(["world size 1", "pipeline_parallel_degree 2"], {PP: "2"}),
+    "pp_more_stages_than_blocks": Case([PP, "9 stages for a model of 6 blocks"], {PP: "9"}, world_size=9),
+    "pp_too_few_microbatches": Case(["parallelism.pipeline_parallel_microbatch_size", "1F1B needs at least one microbatch per stage (2)"],
+                                    {PP: "2", "training.local_batch_size": "1"}, world_size=2),
+    "pp_microbatch_size_does_not_divide": Case(["parallelism.pipeline_parallel_microbatch_size: 3 does not divide training.local_batch_size 2"],
+                                               {PP: "2", "parallelism.pipeline_parallel_microbatch_size": "3"}, world_size=2),
+    "pp_v_schedule_without_two_stages_per_rank": Case(["parallelism.pipeline_parallel_schedule", "ZBVZeroBubble runs exactly 2 stages per rank"],
+                                                      {PP: "2", "parallelism.pipeline_parallel_schedule": "ZBVZeroBubble",
+                                                       "parallelism.pipeline_parallel_layers_per_stage": "1"}, world_size=2),
+    "pp_single_stage_schedule_with_several": Case(["parallelism.pipeline_parallel_schedule", "1F1B runs exactly 1 stage per rank"],
+                                                  {PP: "2", "parallelism.pipeline_parallel_split_points": "layers.2,layers.4,layers.5"}, world_size=2),
+    "pp_split_point_not_a_block": Case(["parallelism.pipeline_parallel_split_points", "'layers.9'"],
+                                       {PP: "2", "parallelism.pipeline_parallel_split_points": "layers.9"}, world_size=2),
+    "pp_tied_embeddings": Case([PP, "debugmodel_tied", "tok_embeddings and output"], {PP: "2", "model.flavor": "debugmodel_tied"}, world_size=2),
+    "cp_seq_len_not_divisible": Case([CP, "training.seq_len 66", "2 x context_parallel_degree = 4"], {CP: "2", "training.seq_len": "66"}, world_size=2),
+    "cp_model_without_context_parallel_attention": Case([CP, "model gpt2"], {CP: "2", "model.name": "gpt2"}, world_size=2),
+    "mask_type_unknown": Case(["model.attn_mask_type", "sliding"], {"model.attn_mask_type": "sliding"}),
     # through the launcher, 2 processes: every rank meets it, rank 0 alone says it
+    "launcher_pp_too_few_microbatches": Case(["1F1B needs at least one microbatch per stage"], {PP: "2", "training.local_batch_size": "1"}, nproc=2),
     "launcher_tp_does_not_divide_the_world": Case(["world size 2", "tensor_parallel_degree 3"], {TP: "3"}, nproc=2),
     "launcher_override_given_twice": Case(["--training.steps given twice"], extra=["--training.steps", "8"], nproc=2),
     "launcher_dump_folder_locked": Case(["in use by another run", f"pid {os.getpid()}"], nproc=2, prepare=hold_the_lock),
@@ -221,7 +245,10 @@ def command_of(case: Case, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     command = [sys.executable, "-m", "titanlite.train", *argv]
     if case.shell_prefix:
         command = ["bash", "-c", f'{case.shell_prefix}; exec "$0" "$@"', *command]
-    return command, {k: v for k, v in run_env().items() if k not in LAUNCHER_ENV}
+    env = {k: v for k, v in run_env().items() if k not in LAUNCHER_ENV}
+    if case.world_size > 1:
+        env.update(RANK="0", WORLD_SIZE=str(case.world_size))
+    return command, env
 
 
 @pytest.fixture(scope="module")
