@@ -56,6 +56,11 @@ class ContextParallel:
         return _GatherAlong.apply(x, dim, self.mesh.get_group())
 
 
+# torch 2.13 names them *_single (the *_tensor names warn as deprecated); torch 2.11 has only these.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _GatherAlong(torch.autograd.Function):
     """All-gather along a dim, whose backward reduce-scatters (sums) the gradient back to
     each rank's part: torch's own collectives in an autograd.Function. (torch 2.13's
@@ -68,12 +73,12 @@ class _GatherAlong(torch.autograd.Function):
         ctx.dim, ctx.group = dim, group
         front = x.movedim(dim, 0).contiguous()
         out = front.new_empty((front.shape[0] * dist.get_world_size(group), *front.shape[1:]))
-        dist.all_gather_into_tensor(out, front, group=group)
+        _all_gather(out, front, group=group)
         return out.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         front = grad.movedim(ctx.dim, 0).contiguous()
         out = front.new_empty((front.shape[0] // dist.get_world_size(ctx.group), *front.shape[1:]))
-        dist.reduce_scatter_tensor(out, front, group=ctx.group)
+        _reduce_scatter(out, front, group=ctx.group)
         return out.movedim(0, ctx.dim), None, None

@@ -175,8 +175,8 @@ def _microbatches(parallelism, local_batch_size: int, n_stages: int, degree: int
                              f"local_batch_size {local_batch_size} / microbatch size {size} gives {count}")
     rounds = max(1, count // degree)
     if schedule in _ROUNDS and count % rounds:
-        raise TitanliteError(f"{FIELD}_microbatch_size: {schedule} needs the microbatches ({count}) in whole rounds of "
-                             f"{degree} (the pipeline degree), or fewer than {degree}")
+        raise TitanliteError(f"{FIELD}_microbatch_size: {schedule} runs the microbatches in {rounds} rounds "
+                             f"(microbatches // pipeline degree {degree}) and needs {count} microbatches to split evenly into them")
     return count
 
 
