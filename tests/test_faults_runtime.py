@@ -1,5 +1,7 @@
 """Run-time faults, as real gloo runs through the launcher: a rank killed (with and without
-a restart), a rank stopped, SIGTERM to the launcher, a non-finite loss. Each run is the
+a restart), a rank stopped, SIGTERM to the launcher, a non-finite loss; the stop, the kill and
+SIGTERM also in a pipeline (pp 2, whose stages wait for each other in sends and receives
+rather than collectives), and the non-finite loss there (computed on the last stage's rank). Each run is the
 debug model at seq_len 64; every wait has a hard timeout, and every process a run starts
 must be gone when it ends (tests/live_run.py).
 
@@ -87,12 +89,16 @@ def test_killed_rank_restarts_and_resumes_to_the_same_loss(tmp_path, reference):
     assert "Traceback" not in run.stdout, run.describe()
 
 
+PIPELINE = ("--parallelism.pipeline_parallel_degree", "2")
+
+
 @pytest.mark.timeout(START_S + RUN_S)
-def test_killed_rank_without_restarts_ends_every_process(tmp_path):
+@pytest.mark.parametrize("layout", [(), PIPELINE], ids=["fsdp2", "pp2"])
+def test_killed_rank_without_restarts_ends_every_process(tmp_path, layout):
     """kill -9 of rank 1, no restart: every process is gone within the collective timeout
     + 30 s, and the launcher names rank 1 and exits non-zero. Rank 0 (whose collective lost
     its peer) is stopped by the launcher and leaves the telling to it."""
-    live = LiveRun(2, args(tmp_path))
+    live = LiveRun(2, args(tmp_path, *layout))
     live.wait_for(r"step +2 +loss", START_S)
     os.kill(live.worker_pid(1), signal.SIGKILL)
     killed_at = time.monotonic()
@@ -131,6 +137,43 @@ def test_stopped_rank_times_out_on_every_other_rank(tmp_path):
     assert "Traceback" not in run.stdout, run.describe()
 
 
+@pytest.mark.timeout(2 * START_S + RUN_S)
+def test_stopped_stage_times_out_on_the_other_stage(tmp_path):
+    """SIGSTOP of rank 1 in a pp 2 run: rank 0, waiting for its pipeline send or receive,
+    exits within the timeout + 30 s with one line naming the pipeline send/receive."""
+    live = LiveRun(2, args(tmp_path, *PIPELINE, "--checkpoint.enable_checkpoint", "false", "--metrics.enable_tensorboard", "false"))
+    live.wait_for(r"step +2 +loss", START_S)
+    other, stopped = live.worker_pid(0), live.worker_pid(1)
+    os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    while running(other) and time.monotonic() - stopped_at < TIMEOUT_S + 30:
+        time.sleep(0.5)
+    if running(other):
+        live.abort(f"rank 0 still running {TIMEOUT_S + 30} s after rank 1 stopped")
+    os.kill(stopped, signal.SIGKILL)
+    run = live.finish(RUN_S)
+    assert run.returncode != 0, run.describe()
+    line = next((l for l in titanlite_lines(run.stdout) if l.startswith("titanlite: rank 0: ")), None)
+    assert line and "a pipeline send/receive" in line and f"timed out after {TIMEOUT_S} s" in line, f"{line!r}\n{run.describe()}"
+    assert "Traceback" not in run.stdout, run.describe()
+
+
+@pytest.mark.timeout(2 * START_S + RUN_S)
+def test_sigterm_to_a_pipeline_saves_the_step_in_progress_and_resumes_there(tmp_path):
+    """SIGTERM to the launcher of a pp 2 run: both stages finish their step, save it, exit 0
+    with the one line; the next start resumes at that step (exactness of pipeline resumes:
+    tests/runs/test_pipeline_context_resume.py)."""
+    live = LiveRun(2, args(tmp_path, *PIPELINE))
+    live.wait_for(r"step +3 +loss", START_S)
+    live.signal_launcher(signal.SIGTERM)
+    run = live.finish(RUN_S)
+    assert run.returncode == 0, run.describe()
+    match = re.search(r"^titanlite: stopped by SIGTERM after step (\d+); checkpoint saved to (\S+)$", run.stdout, re.MULTILINE)
+    assert match and committed_steps(tmp_path)[-1] == int(match.group(1)) < STEPS, run.describe()
+    resumed = LiveRun(2, args(tmp_path, *PIPELINE, "--training.steps", str(int(match.group(1)) + 1))).finish(START_S + RUN_S)
+    assert resumed.returncode == 0 and f"resumed at step {match.group(1)}" in resumed.stdout, resumed.describe()
+
+
 @pytest.mark.timeout(3 * START_S + 2 * RUN_S)
 def test_sigterm_to_launcher_saves_the_step_in_progress_and_resumes(tmp_path, reference):
     """SIGTERM to the launcher: the ranks finish their step, save it, exit 0 with one line
@@ -157,10 +200,12 @@ def test_sigterm_to_launcher_saves_the_step_in_progress_and_resumes(tmp_path, re
 
 @pytest.mark.timeout(2 * START_S + 2 * RUN_S)
 def test_non_finite_loss_stops_before_saving_it_or_is_skipped(tmp_path):
-    """A NaN injected into rank 0's loss at step 5 stops both ranks with the step number;
-    the newest checkpoint is step 4. With training.max_nan_skips 1 the same run goes on past it."""
+    """A NaN injected into the loss at step 5 stops both ranks with the step number; the
+    newest checkpoint is step 4. With training.max_nan_skips 1 the same run goes on past it.
+    In a pipeline (pp 2): the loss is on rank 1's last stage, the agreement carries it to
+    rank 0, which holds no loss (the same path as an FSDP rank whose own loss is finite)."""
     nan_at_5 = {"TITANLITE_FAULT_NAN_AT_STEP": "5"}
-    short = ["--training.steps", "6"]
+    short = ["--training.steps", "6", *PIPELINE]
     run = LiveRun(2, args(tmp_path, *short), env=nan_at_5).finish(START_S + RUN_S)
     assert run.returncode == 2, run.describe()
     assert titanlite_lines(run.stdout) == [next(l for l in run.stdout.splitlines() if l.startswith("titanlite: error: step 5: non-finite loss"))], run.describe()
