@@ -1,6 +1,8 @@
 """The dry-run planner (`python -m titanlite.plan`): exact per-rank shares of the 70B and
-405B presets at 512 ranks, the materialized rank's memory, refused layouts, the trainer's
-own config errors, and the debug model's figures against a real run's."""
+405B presets at 512 ranks, the figures in the presets' comments and in docs/planning.md (pipelined
+layouts included) equal to what it prints, the materialized rank's memory, refused layouts,
+the trainer's own config errors, and the debug model's figures against a real run's (a
+pipeline's stages included)."""
 
 from __future__ import annotations
 
@@ -148,14 +150,49 @@ def test_device_memory_sources():
     assert tiny.returncode == 1 and "device: 0.25 GiB (--device-memory)" in tiny.stdout
 
 
+# A preset comment's layout line: "512 GPUs, pp 8 x dp_shard 8 x tp 8, local_batch_size 16:  fits, 30.88 GiB".
+PRESET_LINE = re.compile(r"^#\s+(\d+) GPUs?,?\s*([^:]*):\s+(fits|does not fit), ([\d.]+) GiB", re.M)
+LAYOUT_KEYS = {"pp": "parallelism.pipeline_parallel_degree", "tp": "parallelism.tensor_parallel_degree",
+               "dp_replicate": "parallelism.data_parallel_replicate_degree", "local_batch_size": "training.local_batch_size"}
+
+
+def preset_lines() -> list[tuple[str, list[str], str, str]]:
+    """(preset, planner argv, verdict, GiB) of every layout line in the presets' comments."""
+    found = []
+    for preset in ("llama_8b", "llama_70b", "llama_405b"):
+        for world, layout, verdict, gib in PRESET_LINE.findall((REPO / "train_configs" / f"{preset}.toml").read_text()):
+            argv = ["--config", preset, "--world-size", world, *VOCAB]
+            for key, value in re.findall(r"(pp|tp|dp_replicate|local_batch_size) (\d+)", layout):
+                argv += [f"--{LAYOUT_KEYS[key]}", value]
+            found.append((preset, argv, verdict, gib))
+    return found
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2, 4])
-def test_debug_model_figures_match_a_real_run(nproc, tmp_path, monkeypatch):
-    """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds, and the
-    estimated step working set (activations + FSDP buffers) is within 30% of the measured
-    peak of a training step above everything else the process holds."""
+def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
+    """Every layout line of the presets' comments (pipelined ones included) is the planner's
+    verdict and rank 0's total to two decimals, and docs/planning.md's sample is its output."""
+    lines = preset_lines()
+    assert len(lines) >= 10 and sum("--parallelism.pipeline_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
+    doc = (REPO / "docs" / "planning.md").read_text()
+    sample_command = re.search(r"```bash\npython -m titanlite.plan (.*)\n```\n\n```\n(.*?)```", doc, re.S)
+    results = plans(*(argv for _, argv, _, _ in lines), sample_command.group(1).split())
+    for (preset, argv, verdict, gib), result in zip(lines, results):
+        said = re.search(r"^verdict: (fits|does not fit): ([\d.]+) GiB", result.stdout, re.M)
+        assert said and (said.group(1), said.group(2)) == (verdict, gib), f"{preset} {argv}: comment {verdict}, {gib} GiB; planner {said and said.groups()}"
+    assert results[-1].stdout == sample_command.group(2), "docs/planning.md's sample is not the planner's output"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, layout", [(1, []), (2, []), (4, []), (2, ["--parallelism.pipeline_parallel_degree", "2"])],
+                         ids=["1", "2", "4", "pp2"])
+def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypatch):
+    """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds (each
+    pipeline stage's its own), and the estimated step working set (activations + FSDP
+    buffers) is within 30% of the measured peak of a training step above everything else
+    the process holds."""
     args = ["--config", "debug_model", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false",
-            "--job.dump_folder", str(tmp_path)]
+            "--job.dump_folder", str(tmp_path), *layout]
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors' pages go back: RSS follows live tensors
     measured = measure(nproc, args, tmp_path / "memory.json")
     reports = plans(*([*args, "--world-size", str(nproc), "--rank", str(rank)] for rank in range(nproc)))
@@ -163,6 +200,8 @@ def test_debug_model_figures_match_a_real_run(nproc, tmp_path, monkeypatch):
         planned = figures(report.stdout)
         assert (planned["parameters"], planned["gradients"], planned["optimizer"]) == (real["param_bytes"], real["grad_bytes"], real["optim_bytes"])
         estimate = planned["activations"] + planned["FSDP gathered"]
+        if layout:  # a stage's step: its gradients (allocated by the step) weigh as much as its few microbatches' activations
+            estimate += planned["gradients"]
         assert estimate == pytest.approx(real["step_peak_bytes"], rel=0.3), f"rank {rank}: {estimate:,.0f} vs {real['step_peak_bytes']:,}"
 
 

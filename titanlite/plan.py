@@ -142,7 +142,9 @@ def _stage_activations(plan: RunPlan, model: torch.nn.Module, shape: StepShape, 
     held = layout.stage_indices(pp_rank)
     in_flight = in_flight_microbatches(layout.schedule, layout.degree, layout.n_microbatches, layout.stages_per_rank, pp_rank)
     microbatch = dataclasses.replace(shape, batch=plan.cfg.parallelism.pipeline_parallel_microbatch_size)
-    return estimate_activations(plan.model_args, microbatch, len(model.layers), len(layout.stages) - 1 in held, in_flight)
+    boundaries = sum((index > 0) + (index < len(layout.stages) - 1) for index in held)
+    return estimate_activations(plan.model_args, microbatch, len(model.layers), len(layout.stages) - 1 in held, in_flight,
+                                boundaries * layout.n_microbatches)
 
 
 def measure_materialize(model: torch.nn.Module, plan: RunPlan) -> dict[str, float]:
@@ -181,7 +183,8 @@ def holdings(r: Report) -> list[str]:
         ("optimizer", r.state.optimizer, f"{r.state.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
         ("buffers", r.state.buffers, f"{r.state.buffers:,} bytes"),
         ("activations", a.total, f"estimate: {_in_flight(a)}{a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} "
-         f"checkpointed x {gib(a.checkpointed_block)}, head {gib(a.head)}{')' if a.in_flight > 1 else ''}, peak extra {gib(a.peak_extra)}"),
+         f"checkpointed x {gib(a.checkpointed_block)}, head {gib(a.head)}{')' if a.in_flight > 1 else ''}, peak extra {gib(a.peak_extra)}"
+         + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")),
     ]  # fmt: skip
     if r.fsdp:
         rows.append(("FSDP gathered", r.fsdp.total, f"estimate: root weights and grads {gib(r.fsdp.root)}, blocks {gib(r.fsdp.blocks)}"))

@@ -20,7 +20,9 @@ exponentials at once), or, with activation checkpointing, the recompute of one b
 Under pipeline parallelism N is one pipeline microbatch's tokens, the blocks are this rank's
 stages' blocks, the head is counted on the rank of the last stage only, and blocks and head
 are held for `in_flight` microbatches at once: those a schedule has run forward but not yet
-backward at its peak on this rank (`in_flight_microbatches`).
+backward at its peak on this rank (`in_flight_microbatches`). On top, torch's stages allocate
+their receive buffers up front, one per microbatch and direction: `boundary_buffers` of
+N d/r p each (activations in, unless the first stage; output gradients in, unless the last).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Activations:
     head: float  # final norm and output projection inputs, and the logits
     peak_extra: float  # on top at the peak: loss gradients or one block's recompute
     in_flight: int = 1  # microbatches held at once (pipeline schedules)
+    buffers: float = 0.0  # a pipeline stage's receive buffers
 
     @property
     def kept(self) -> float:
@@ -105,7 +108,7 @@ class Activations:
 
     @property
     def total(self) -> float:
-        return self.kept + self.peak_extra
+        return self.kept + self.peak_extra + self.buffers
 
 
 def checkpointed_blocks(n_layers: int, mode: str, every: int) -> int:
@@ -114,9 +117,10 @@ def checkpointed_blocks(n_layers: int, mode: str, every: int) -> int:
 
 
 def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = None, holds_head: bool = True,
-                         in_flight: int = 1) -> Activations:
+                         in_flight: int = 1, boundary_buffers: int = 0) -> Activations:
     """The formula of the module docstring for one microbatch on one rank: `n_blocks` of the
-    model's blocks (all by default), the head where `holds_head`, `in_flight` microbatches."""
+    model's blocks (all by default), the head where `holds_head`, `in_flight` microbatches,
+    `boundary_buffers` pipeline receive buffers."""
     n, t, p = shape.batch * shape.seq_len, shape.tp, shape.act_bytes
     d, f = args.dim, args.ffn_hidden_dim
     k = getattr(args, "kv_heads", args.n_heads) * args.head_dim
@@ -127,7 +131,7 @@ def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = Non
     n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_every)
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
     extra = max(n * vocab * p if holds_head else 0.0, block if n_ckpt else 0.0)
-    return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight)
+    return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight, boundary_buffers * n * d / r * p)
 
 
 def in_flight_microbatches(schedule: str, degree: int, n_microbatches: int, stages_per_rank: int, pp_rank: int) -> int:

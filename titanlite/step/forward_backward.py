@@ -17,6 +17,7 @@ nothing and several schedule steps accumulate exactly.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -86,6 +87,8 @@ class Pipelined:
         self.nan_fault_here, self.context_parallel = nan_fault_here, context_parallel
         self._scale, self._step = 1.0, 0
         self.schedule = build_schedule(layout, parts, pp_rank, pp_mesh.get_group(), device, self.loss_fn)
+        # The last stage would otherwise keep every microbatch's logits to hand them back.
+        self._no_outputs = {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """What the schedule calls on the last stage for each of its microbatches."""
@@ -108,7 +111,7 @@ class Pipelined:
         inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
-        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        kwargs = {"target": labels, "losses": losses, **self._no_outputs} if self.has_last else {}
         with self.compute_context():
             run(*args, **kwargs, **_model_kwargs(documents))
         if not losses:
