@@ -247,6 +247,25 @@ def test_run_train_script_trains_the_debug_model_by_default(tmp_path):
     assert debug_config["job"]["description"] in run.output, f"debug_model.toml was not the config used\n{run.describe()}"
 
 
+def test_run_train_script_trains_a_pipeline(tmp_path):
+    """`NPROC=2 ./run_train.sh --parallelism.pipeline_parallel_degree 2`: two stages of the
+    default model, one step line each from rank 0 (the loss comes from rank 1's last stage)."""
+    run = run_command(
+        [str(REPO / "run_train.sh"),
+         "--training.steps", "2",
+         "--training.seq_len", "64",
+         "--training.local_batch_size", "4",
+         "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+         "--job.dump_folder", str(tmp_path)],
+        {**run_env(), "NPROC": "2"},
+    )
+    assert run.returncode == 0, run.describe()
+    assert "pipeline Interleaved1F1B: 4 stages on 2 ranks, 4 microbatches per schedule step" in run.output, run.describe()
+    lines = step_lines(run)
+    assert [int(m["step"]) for m in lines] == [1, 2] and all(math.isfinite(float(m["loss"])) for m in lines), run.describe()
+
+
 # --------------------------------------------------------------------------------------
 # 3. Bad input: exit code 2 and one line, through the launcher and on one plain process
 # --------------------------------------------------------------------------------------
