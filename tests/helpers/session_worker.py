@@ -4,8 +4,9 @@ group (tests/helpers/sessions.py starts the ranks).
 Usage: python tests/helpers/session_worker.py OUT.json CASES.json
 
 CASES.json is a list of {"name", "argv", "copy_checkpoint": [folder, step] or null}. Each case
-builds a `Trainer` from its argv (its own dump folder), trains, records every logged step and
-each rank's local bytes, and closes; `init_distributed` joins the group the first case
+builds a `Trainer` from its argv (its own dump folder), trains, records every logged step,
+each rank's local bytes and, with validation on, the validation loss after training, and
+closes (a `create_seed_checkpoint` case writes its seed instead); `init_distributed` joins the group the first case
 started, so a case costs its model build and steps, not a process start and a rendezvous.
 `copy_checkpoint` puts `folder/checkpoint/step-N` into the case's checkpoint folder first
 (rank 0), so the case resumes from it. A case that fails records its error and the session
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.build import plan_run
 from titanlite.config import load_config
 from titanlite.parallel.distributed import world_from_env
-from titanlite.trainer import Trainer
+from titanlite.trainer import Trainer, create_seed_checkpoint
 
 
 def local_bytes(tensors) -> int:
@@ -65,15 +66,20 @@ def run_case(case: dict) -> dict:
         copy_checkpoint(*case["copy_checkpoint"], cfg)
     if dist.is_initialized():
         dist.barrier()
-    trainer = Trainer(plan_run(cfg, world_from_env()[1]))
+    plan = plan_run(cfg, world_from_env()[1])
+    if cfg.checkpoint.create_seed_checkpoint:
+        create_seed_checkpoint(plan)
+        return {"history": [], "ranks": [], "validation_loss": None, "error": None}
+    trainer = Trainer(plan)
     try:
         history = trainer.train()
         sizes = held_bytes(trainer)
+        validation = trainer.validator.evaluate() if trainer.validator is not None else None
     finally:
         trainer.close()
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, sizes)
-    return {"history": history, "ranks": ranks, "error": None}
+    return {"history": history, "ranks": ranks, "validation_loss": validation, "error": None}
 
 
 def main() -> None:

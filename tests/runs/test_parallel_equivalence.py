@@ -23,6 +23,9 @@ CP = ["--parallelism.context_parallel_degree", "2"]
 TP = ["--parallelism.tensor_parallel_degree", "2"]
 BLOCK = ["--model.attn_mask_type", "block_causal"]
 GPT2 = ["--model.name", "gpt2"]
+# Validated at the end: the held-out windows exist whether validation is on or not, so the
+# training curve is the causal reference's too.
+VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
 
 
 def batch(n: int) -> list[str]:
@@ -34,7 +37,7 @@ def schedule(name: str) -> list[str]:
 
 
 # The single-process references, by the model options they share with their layouts.
-REFERENCES = {"causal": [], "block_causal": BLOCK, "gpt2": GPT2}
+REFERENCES = {"causal": [], "block_causal": BLOCK, "gpt2": GPT2, "validation": VALIDATION}
 
 # name: (processes, overrides, reference). Global batch 8 = local_batch_size x dp x accumulation;
 # pipeline and context-parallel ranks of one dp rank share its batch.
@@ -51,8 +54,10 @@ LAYOUTS = {
     "pp2_interleaved_zero_bubble": (2, [*batch(8), *schedule("InterleavedZeroBubble")], "causal"),
     "pp2_dualpipev_accum2": (2, [*batch(4), "--training.global_batch_size", "8", *schedule("DualPipeV")], "causal"),
     "pp2_gpt2": (2, [*batch(8), *PP, *GPT2], "gpt2"),
+    "pp2_validation": (2, [*batch(8), *PP, *VALIDATION], "validation"),
     "cp2": (2, [*batch(8), *CP], "causal"),
     "cp2_block_causal": (2, [*batch(8), *CP, *BLOCK], "block_causal"),
+    "cp2_validation": (2, [*batch(8), *CP, *VALIDATION], "validation"),
     "fsdp2_block_causal": (2, [*batch(4), *BLOCK], "block_causal"),
     "tp2_block_causal": (2, [*batch(8), *TP, *BLOCK], "block_causal"),
     # Sequence parallelism is the GPU default (off on CPU), so FSDP 2 x TP 2 is checked with it
@@ -101,6 +106,8 @@ def test_layout_matches_single_process(layout, sessions):
     reference = sessions[f"reference_{reference_name}"]
     assert reference["history"][-1]["loss"] < reference["history"][0]["loss"]
     assert_same_curve(sessions[layout]["history"], reference["history"], layout)
+    if reference["validation_loss"] is not None:  # validation through the same layout's forward
+        assert sessions[layout]["validation_loss"] == pytest.approx(reference["validation_loss"], rel=1e-5)
 
     if any(flag in overrides for flag in (PP[0], CP[0])):
         return  # stages and sequence shards hold other shares; the planner tests check those

@@ -8,6 +8,8 @@ step 3 (and 6); each resume starts from a copy of step 3 and must log steps 4-6
 - within 1e-6 (relative) of it when the checkpoint came from another layout: pp 2 -> 1 process,
   pp 2 -> FSDP 2 x TP 2, cp 2 -> 1 process, and the reverse, 1 process -> pp 2 and
   FSDP 2 x TP 2 -> pp 2.
+And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
+one-process run from the same seed does (1e-5), and not as from its own init.
 Runs of one world size are cases of one training session (tests/helpers/sessions.py).
 """
 
@@ -60,11 +62,16 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
         layout, source = RESUMES[name]
         return Case(name, [*ARGS, *LAYOUTS[layout][1]], copy_checkpoint=(str(root / f"world{LAYOUTS[source][0]}" / source), 3))
 
+    seed = Case("seed", [*ARGS, *LAYOUTS["single"][1], "--checkpoint.create_seed_checkpoint", "true", "--training.seed", "7"])
+
+    def from_seed(layout: str) -> Case:
+        return Case(f"{layout}_from_seed", [*ARGS, *LAYOUTS[layout][1]], copy_checkpoint=(str(root / "world1" / "seed"), 0))
+
     plan = [
-        (1, [uninterrupted("single")]),
+        (1, [uninterrupted("single"), seed]),
         (4, [uninterrupted("fsdp2_tp2")]),
-        (2, [uninterrupted("pp2"), uninterrupted("cp2"), *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 2]]),
-        (1, [resume(n) for n, (at, _) in RESUMES.items() if at == "single"]),
+        (2, [uninterrupted("pp2"), uninterrupted("cp2"), from_seed("pp2"), *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 2]]),
+        (1, [from_seed("single"), *[resume(n) for n, (at, _) in RESUMES.items() if at == "single"]]),
         (4, [resume(n) for n, (at, _) in RESUMES.items() if at == "fsdp2_tp2"]),
     ]
     for nproc, cases in plan:
@@ -85,3 +92,10 @@ def test_resume_continues_the_uninterrupted_run(runs, name):
         else:
             assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-6), (name, ours, ref)
             assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), (name, ours, ref)
+
+
+def test_a_pipeline_starts_from_a_one_process_seed_checkpoint(runs):
+    seeded, single_seeded, own_init = runs["pp2_from_seed"], runs["single_from_seed"], runs["pp2"]
+    assert abs(seeded[0]["loss"] - own_init[0]["loss"]) > 1e-4  # the seed's weights, not pp 2's own init
+    for ours, ref in zip(seeded, single_seeded):
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5) and ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
