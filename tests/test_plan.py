@@ -153,7 +153,8 @@ def test_device_memory_sources():
 # A preset comment's layout line: "512 GPUs, pp 8 x dp_shard 8 x tp 8, local_batch_size 16:  fits, 30.88 GiB".
 PRESET_LINE = re.compile(r"^#\s+(\d+) GPUs?,?\s*([^:]*):\s+(fits|does not fit), ([\d.]+) GiB", re.M)
 LAYOUT_KEYS = {"pp": "parallelism.pipeline_parallel_degree", "tp": "parallelism.tensor_parallel_degree",
-               "dp_replicate": "parallelism.data_parallel_replicate_degree", "local_batch_size": "training.local_batch_size"}
+               "cp": "parallelism.context_parallel_degree", "dp_replicate": "parallelism.data_parallel_replicate_degree",
+               "local_batch_size": "training.local_batch_size", "seq_len": "training.seq_len"}
 
 
 def preset_lines() -> list[tuple[str, list[str], str, str]]:
@@ -162,7 +163,7 @@ def preset_lines() -> list[tuple[str, list[str], str, str]]:
     for preset in ("llama_8b", "llama_70b", "llama_405b"):
         for world, layout, verdict, gib in PRESET_LINE.findall((REPO / "train_configs" / f"{preset}.toml").read_text()):
             argv = ["--config", preset, "--world-size", world, *VOCAB]
-            for key, value in re.findall(r"(pp|tp|dp_replicate|local_batch_size) (\d+)", layout):
+            for key, value in re.findall(r"\b(pp|tp|cp|dp_replicate|local_batch_size|seq_len) (\d+)", layout):
                 argv += [f"--{LAYOUT_KEYS[key]}", value]
             found.append((preset, argv, verdict, gib))
     return found
@@ -174,6 +175,7 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     verdict and rank 0's total to two decimals, and docs/planning.md's sample is its output."""
     lines = preset_lines()
     assert len(lines) >= 10 and sum("--parallelism.pipeline_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
+    assert sum("--parallelism.context_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
     doc = (REPO / "docs" / "planning.md").read_text()
     sample_command = re.search(r"```bash\npython -m titanlite.plan (.*)\n```\n\n```\n(.*?)```", doc, re.S)
     results = plans(*(argv for _, argv, _, _ in lines), sample_command.group(1).split())

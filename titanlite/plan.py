@@ -170,7 +170,9 @@ def header(r: Report) -> list[str]:
         f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}; rank {r.rank} ({r.coordinate})",
         f"step: local_batch_size {cfg.training.local_batch_size} x seq_len {cfg.training.seq_len}, "
         f"{cfg.training.mixed_precision_param} compute, activation checkpointing {ac}"
-        + (", loss parallel" if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else ""),
+        + (", loss parallel" if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else "")
+        + (f", {cfg.training.seq_len // dims.cp} tokens of each sequence per cp rank" if dims.cp_enabled else "")
+        + (", block-causal attention" if cfg.model.attn_mask_type == "block_causal" else ""),
     ] + ([r.plan.pipeline.describe()] if r.plan.pipeline is not None else [])
 
 

@@ -8,14 +8,17 @@ backward in the Llama block as titanlite writes it. Notation: b = training.local
 s = seq_len, t = tensor-parallel degree, d = dim, k = n_kv_heads x head_dim, f = ffn hidden
 size, V = vocab, p = bytes of the compute dtype (mixed_precision_param), 4 = float32.
 
-    tokens          N = b s;  r = t under sequence parallelism, else 1
-    one block       A = N (2 d/r p + 2 d p + (d + k)/t 4 + (2 d + 2 k)/t p + 4 f/t p)
+    tokens          N = b s / c (c = context-parallel degree);  r = t under sequence parallelism, else 1
+    one block       A = N (2 d/r p + 2 d p + (d + k)/t 4 + (2 d + 2 k c)/t p + 4 f/t p)
     checkpointed    N d/r p  (only its input)
     head            N d/r p + N d p + N V' 4, V' = V/t with loss parallel, else V
     peak            blocks kept + head + max(N V' p, A if any block is checkpointed)
 
 The peak is the loss (every block's activations, the logits and the loss's float32
-exponentials at once), or, with activation checkpointing, the recompute of one block.
+exponentials at once), or, with activation checkpointing, the recompute of one block. Under
+context parallelism a rank keeps its own tokens' activations and, for the attention's
+backward, every rank's keys and values (the all-gathered k and v: 2 k c per local token);
+the mask is flex_attention's block mask on the GPUs planned for, small enough to leave out.
 
 Under pipeline parallelism N is one pipeline microbatch's tokens, the blocks are this rank's
 stages' blocks, the head is counted on the rank of the last stage only, and blocks and head
@@ -77,6 +80,7 @@ class StepShape:
     act_bytes: int  # p: 2 for bfloat16, 4 for float32
     ac_mode: str
     ac_every: int
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg: Any, tp: int) -> StepShape:
@@ -85,6 +89,7 @@ class StepShape:
         return cls(
             cfg.training.local_batch_size, cfg.training.seq_len, tp, cfg.parallelism.enable_loss_parallel and tp > 1,
             sequence_parallel, act_bytes, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
+            cfg.parallelism.context_parallel_degree,
         )  # fmt: skip
 
 
@@ -121,11 +126,11 @@ def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = Non
     """The formula of the module docstring for one microbatch on one rank: `n_blocks` of the
     model's blocks (all by default), the head where `holds_head`, `in_flight` microbatches,
     `boundary_buffers` pipeline receive buffers."""
-    n, t, p = shape.batch * shape.seq_len, shape.tp, shape.act_bytes
+    n, t, p, c = shape.batch * shape.seq_len / shape.cp, shape.tp, shape.act_bytes, shape.cp
     d, f = args.dim, args.ffn_hidden_dim
     k = getattr(args, "kv_heads", args.n_heads) * args.head_dim
     r = t if shape.sequence_parallel else 1
-    block = n * (2 * d / r * p + 2 * d * p + (d + k) / t * 4 + (2 * d + 2 * k) / t * p + 4 * f / t * p)
+    block = n * (2 * d / r * p + 2 * d * p + (d + k) / t * 4 + (2 * d + 2 * k * c) / t * p + 4 * f / t * p)
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
     n_blocks = args.n_layers if n_blocks is None else n_blocks
     n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_every)
