@@ -26,8 +26,10 @@ Figures, averaged over the steps after `--warmup-steps` (the trainer logs every 
 
 Then the ratios TP / FSDP 2 and 1 process / FSDP 2 per setting. A layout needing more GPUs
 than the machine has is skipped. Nothing is asserted. The pipeline layouts (pp2, pp2_gpipe,
-pp2_interleaved, pp2_zbv) are not in the default list; `bench/pipeline_bubble.py` measures
-their bubble.
+pp2_interleaved, pp2_zbv) and the context-parallel ones (cp2, cp2_block_causal, and
+fsdp2_block_causal to compare with) are not in the default list; `bench/pipeline_bubble.py`
+measures the pipelines' bubble. For context parallelism use a long sequence, e.g.
+`--layouts fsdp2,cp2 --seq-len 2048 --local-batch-size 2`.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
                                                        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
     "pp2_zbv": ("PP 2 (ZBVZeroBubble)", 2, ["--parallelism.pipeline_parallel_degree", "2",
                                            "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    # The sequence split over 2 ranks (each holds half of every window's tokens).
+    "cp2": ("CP 2", 2, ["--parallelism.context_parallel_degree", "2"]),
+    "cp2_block_causal": ("CP 2 (block causal)", 2, ["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "block_causal"]),
+    "fsdp2_block_causal": ("FSDP 2 (block causal)", 2, ["--model.attn_mask_type", "block_causal"]),
 }
 DEFAULT_LAYOUTS = ("one", "fsdp2", "tp2", "fsdp2_tp2")
 
