@@ -23,7 +23,7 @@ TRAIN_FIELDS = {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "
 
 def logger_in(run_dir, rank: int = 0, peak: float | None = 1e12) -> MetricsLogger:
     return MetricsLogger(Metrics(enable_tensorboard=False), str(run_dir.parent), rank, torch.device("cpu"),
-                         flops_per_token=1e6, peak=PeakFlops(peak, "test"), tp_degree=1, run_dir=run_dir)
+                         flops_per_token=1e6, peak=PeakFlops(peak, "test"), devices_per_replica=1, run_dir=run_dir)
 
 
 def test_config_toml_reads_back_to_the_config_used(tmp_path):
@@ -129,3 +129,21 @@ def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path):
     # 2 data-parallel ranks x 2 sequences x 64 tokens per step
     assert [r["tokens_seen"] for r in records] == [256, 512, 768]
     assert records[0]["elapsed_s"] <= records[1]["elapsed_s"] <= records[2]["elapsed_s"]
+
+
+def test_tokens_per_second_are_per_device_of_the_replica(tmp_path, monkeypatch):
+    """A dp rank's tokens are shared by its tensor-, context- and pipeline-parallel ranks: tps
+    per device divides by them (the trainer passes tp x cp x pp), so MFU holds for any layout."""
+    import itertools
+
+    from titanlite.observe import metrics as module
+
+    clock = itertools.chain([0.0], itertools.repeat(2.0))  # built at 0 s, logged at 2 s
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    metrics = MetricsLogger(Metrics(enable_tensorboard=False), str(tmp_path), 1, torch.device("cpu"), flops_per_token=1e6,
+                            peak=PeakFlops(1e9, "test"), devices_per_replica=8, run_dir=run_dir)
+    metrics.add_tokens(1600)
+    scalars = metrics.log(1, loss=1.0, grad_norm=1.0, lr=1e-4, tokens_seen=1600)
+    assert scalars["tps"] == 1600 / 2.0 / 8 and scalars["mfu"] == 100 * 100 * 1e6 / 1e9

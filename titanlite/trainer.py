@@ -77,7 +77,7 @@ class Trainer:
         self.checkpoint = self._build_checkpoint()
 
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp * plan.dims.pp, self.run_dir)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp * plan.dims.cp * plan.dims.pp, self.run_dir)
         self.validator = build_validator(cfg.validation, validation_data, self.model, self.forward_backward.evaluate, self._reported, self.device, self.metrics)
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor}: {self.size.n_params:,} parameters, "

@@ -35,16 +35,16 @@ class MetricsLogger:
     and (rank 0) one metrics.jsonl record per logged step or validation.
 
     tps is tokens per second per device: the tokens of this rank's data-parallel group
-    divided by the tensor-parallel degree, so MFU = tps * FLOPs/token / peak holds for
-    any layout.
+    divided by the devices that share them (`devices_per_replica`: tensor-, context- and
+    pipeline-parallel ranks), so MFU = tps * FLOPs/token / peak holds for any layout.
     """
 
     def __init__(self, metrics_cfg: Metrics, dump_folder: str, rank: int, device: torch.device,
-                 flops_per_token: float, peak: PeakFlops, tp_degree: int, run_dir: Path):
+                 flops_per_token: float, peak: PeakFlops, devices_per_replica: int, run_dir: Path):
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = peak
-        self.tp_degree = tp_degree
+        self.devices_per_replica = devices_per_replica
         self.tokens = 0
         self.started = self.window_start = time.perf_counter()
         self.file = MetricsFile(run_dir / METRICS_FILE) if rank == 0 else None
@@ -63,7 +63,7 @@ class MetricsLogger:
         """Emit one line and the scalars for the window since the last call; returns them.
         `tokens_seen` counts every rank's tokens since the run's first step (resumes included)."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
-        tps = self.tokens / elapsed / self.tp_degree
+        tps = self.tokens / elapsed / self.devices_per_replica
         scalars = {
             "loss": loss,
             "grad_norm": grad_norm,
