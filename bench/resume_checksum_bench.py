@@ -39,7 +39,7 @@ def build(flavor: str, vocab_size: int):
 
 
 def manager_for(dump: Path, flavor: str, vocab_size: int):
-    from tests.stand_ins import CountingLoader
+    from tests.helpers.stand_ins import CountingLoader
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.checkpoint.train_state import TrainState
     from titanlite.config import Checkpoint

@@ -2,7 +2,7 @@
 
     python scripts/update_readme_reference.py
 
-The reference has one source, `titanlite.config.help_text()`; tests/test_readme.py fails
+The reference has one source, `titanlite.config.help_text()`; tests/unit/test_readme.py fails
 when the README copy drifts from it.
 """
 

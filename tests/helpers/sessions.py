@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.distributed import run_ranks, with_overrides
+from tests.helpers.distributed import run_ranks, with_overrides
 
 WORKER = Path(__file__).with_name("session_worker.py")
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import EQUIVALENCE_ARGS, assert_same_curve
+from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve
 from tests.helpers.sessions import Case, run_session
-
-pytestmark = pytest.mark.slow
 
 PP = ["--parallelism.pipeline_parallel_degree", "2"]
 CP = ["--parallelism.context_parallel_degree", "2"]

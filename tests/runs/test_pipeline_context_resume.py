@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import EQUIVALENCE_ARGS
+from tests.helpers.distributed import EQUIVALENCE_ARGS
 from tests.helpers.sessions import Case, run_session
-
-pytestmark = pytest.mark.slow
 
 STEPS = 6
 ARGS = [

@@ -1,0 +1,44 @@
+"""The run folder: config.toml that reads back to the run's config, and metrics.jsonl with
+one flushed record per logged step or validation, written by rank 0 only."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from tests.runs.test_trainer_cli import TEST_TIMEOUT, launch, printed_tolerance, printed_value, step_lines
+from tests.unit.test_metrics import TRAIN_FIELDS
+from titanlite.config import JobConfig, Metrics, load_config
+from titanlite.observe.run_dir import CONFIG_FILE, METRICS_FILE, create_run_dir, read_metrics, start_run_dir
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path):
+    """Rank 0 alone writes the run folder; its records are the printed step lines; the
+    config it saved (overrides applied) reads back to the run's config; TensorBoard's
+    folder has the same name."""
+    argv = ["--config", "debug_model", "--training.steps", "3", "--training.seq_len", "64",
+            "--training.local_batch_size", "2", "--metrics.log_freq", "2", "--optimizer.lr", "5e-4",
+            "--job.dump_folder", str(tmp_path)]
+    run = launch(2, argv)
+    assert run.returncode == 0, run.describe()
+
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert sorted(os.listdir(run_dir)) == [CONFIG_FILE, METRICS_FILE]
+    # The saved config is the one used: "auto" compute dtype as decided on this host.
+    used = re.search(r"compute dtype (\w+) \(auto", run.stdout + run.stderr).group(1)
+    assert load_config(["--config", str(run_dir / CONFIG_FILE)]) == load_config([*argv, "--training.mixed_precision_param", used])
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == [run_dir.name]
+
+    records = read_metrics(run_dir)
+    lines = step_lines(run)
+    assert [r["step"] for r in records] == [int(m["step"]) for m in lines] == [1, 2, 3]
+    for record, match in zip(records, lines):
+        assert set(record) == TRAIN_FIELDS
+        for printed, key in (("loss", "loss"), ("grad_norm", "grad_norm"), ("lr", "lr"), ("tps", "tps")):
+            assert abs(record[key] - printed_value(match[printed])) <= printed_tolerance(match[printed]) * 1.001
+    # 2 data-parallel ranks x 2 sequences x 64 tokens per step
+    assert [r["tokens_seen"] for r in records] == [256, 512, 768]
+    assert records[0]["elapsed_s"] <= records[1]["elapsed_s"] <= records[2]["elapsed_s"]

@@ -1,0 +1,116 @@
+"""The dry-run planner (`python -m titanlite.plan`): exact per-rank shares of the 70B and
+405B presets at 512 ranks, the figures in the presets' comments and in docs/planning.md (pipelined
+layouts included) equal to what it prints, the materialized rank's memory, refused layouts,
+the trainer's own config errors, and the debug model's figures against a real run's (a
+pipeline's stages included)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from tests.helpers.distributed import REPO, run_env, run_mains, run_ranks
+from tests.unit.test_plan import TIMEOUT_S, VOCAB, figures, plan, plans
+
+PUBLISHED = {"llama_70b": 70_553_706_496, "llama_405b": 405_853_388_800}
+# (dim, layers, ffn hidden, kv width) of the published flavors
+SHAPES = {"llama_70b": (8192, 80, 28672, 1024), "llama_405b": (16384, 126, 53248, 1024)}
+
+
+def rank0_elements(config: str, dp: int, tp: int, vocab: int = 128256) -> int:
+    """Rank 0's share worked out by hand: every matrix splits evenly except the vocabulary
+    (FSDP chunks the tp shard's rows, rounding up); norms are replicated across tp."""
+    d, layers, f, kv = SHAPES[config]
+    vocab_rows = math.ceil(vocab / tp / dp)
+    per_layer = (2 * d * d + 2 * kv * d + 3 * d * f) // (dp * tp) + 2 * d // dp
+    return 2 * vocab_rows * d + layers * per_layer + d // dp
+
+
+@pytest.mark.parametrize("config", ["llama_70b", "llama_405b"])
+def test_presets_at_512_ranks_fit_with_exact_shares(config):
+    """dp_shard 64 x tp 8, as both presets recommend (405B's 8 kv heads cap tp at 8)."""
+    result = plan("--config", config, "--world-size", "512", *VOCAB)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "world: 512 = dp_shard 64 x tp 8; rank 0 (dp_shard 0, tp 0)" in out
+    counts = figures(out)
+    assert counts["elements"] == rank0_elements(config, 64, 8)
+    assert counts["parameters"] == counts["gradients"] == 4 * counts["elements"] and counts["optimizer"] == 2 * counts["parameters"]
+    total = f"{PUBLISHED[config]:,}"
+    assert f"summed over all 512 ranks, each replicated tensor once: {total} = the model's {total}" in out
+    assert re.search(r"^verdict: fits: [\d.]+ GiB of 80.00 GiB, [\d.]+ GiB \(\d+%\) to spare$", out, re.M)
+
+
+def test_materialized_70b_rank_costs_its_shard():
+    """Rank 0 of 70B on 512 ranks allocates and initializes only its 1/512: the resident
+    memory grows by the planner's parameter + buffer bytes, within 20%."""
+    result = plan("--config", "llama_70b", "--world-size", "512", *VOCAB, "--materialize")
+    assert result.returncode == 0, result.stderr
+    match = re.search(r"materialized rank 0: allocated and initialized in [\d.]+ s .*\(ratio ([\d.]+)\)", result.stdout)
+    assert match, result.stdout
+    assert 0.8 <= float(match.group(1)) <= 1.2
+
+
+# A preset comment's layout line: "512 GPUs, pp 8 x dp_shard 8 x tp 8, local_batch_size 16:  fits, 30.88 GiB".
+PRESET_LINE = re.compile(r"^#\s+(\d+) GPUs?,?\s*([^:]*):\s+(fits|does not fit), ([\d.]+) GiB", re.M)
+LAYOUT_KEYS = {"pp": "parallelism.pipeline_parallel_degree", "tp": "parallelism.tensor_parallel_degree",
+               "cp": "parallelism.context_parallel_degree", "dp_replicate": "parallelism.data_parallel_replicate_degree",
+               "local_batch_size": "training.local_batch_size", "seq_len": "training.seq_len"}
+
+
+def preset_lines() -> list[tuple[str, list[str], str, str]]:
+    """(preset, planner argv, verdict, GiB) of every layout line in the presets' comments."""
+    found = []
+    for preset in ("llama_8b", "llama_70b", "llama_405b"):
+        for world, layout, verdict, gib in PRESET_LINE.findall((REPO / "train_configs" / f"{preset}.toml").read_text()):
+            argv = ["--config", preset, "--world-size", world, *VOCAB]
+            for key, value in re.findall(r"\b(pp|tp|cp|dp_replicate|local_batch_size|seq_len) (\d+)", layout):
+                argv += [f"--{LAYOUT_KEYS[key]}", value]
+            found.append((preset, argv, verdict, gib))
+    return found
+
+
+def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
+    """Every layout line of the presets' comments (pipelined ones included) is the planner's
+    verdict and rank 0's total to two decimals, and docs/planning.md's sample is its output."""
+    lines = preset_lines()
+    assert len(lines) >= 10 and sum("--parallelism.pipeline_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
+    assert sum("--parallelism.context_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
+    doc = (REPO / "docs" / "planning.md").read_text()
+    sample_command = re.search(r"```bash\npython -m titanlite.plan (.*)\n```\n\n```\n(.*?)```", doc, re.S)
+    results = plans(*(argv for _, argv, _, _ in lines), sample_command.group(1).split())
+    for (preset, argv, verdict, gib), result in zip(lines, results):
+        said = re.search(r"^verdict: (fits|does not fit): ([\d.]+) GiB", result.stdout, re.M)
+        assert said and (said.group(1), said.group(2)) == (verdict, gib), f"{preset} {argv}: comment {verdict}, {gib} GiB; planner {said and said.groups()}"
+    assert results[-1].stdout == sample_command.group(2), "docs/planning.md's sample is not the planner's output"
+
+
+@pytest.mark.parametrize("nproc, layout", [(1, []), (2, []), (4, []), (2, ["--parallelism.pipeline_parallel_degree", "2"])],
+                         ids=["1", "2", "4", "pp2"])
+def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypatch):
+    """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds (each
+    pipeline stage's its own), and the estimated step working set (activations + FSDP
+    buffers) is within 30% of the measured peak of a training step above everything else
+    the process holds."""
+    args = ["--config", "debug_model", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false",
+            "--job.dump_folder", str(tmp_path), *layout]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors' pages go back: RSS follows live tensors
+    measured = measure(nproc, args, tmp_path / "memory.json")
+    reports = plans(*([*args, "--world-size", str(nproc), "--rank", str(rank)] for rank in range(nproc)))
+    for rank, (real, report) in enumerate(zip(measured, reports)):
+        planned = figures(report.stdout)
+        assert (planned["parameters"], planned["gradients"], planned["optimizer"]) == (real["param_bytes"], real["grad_bytes"], real["optim_bytes"])
+        estimate = planned["activations"] + planned["FSDP gathered"]
+        if layout:  # a stage's step: its gradients (allocated by the step) weigh as much as its few microbatches' activations
+            estimate += planned["gradients"]
+        assert estimate == pytest.approx(real["step_peak_bytes"], rel=0.3), f"rank {rank}: {estimate:,.0f} vs {real['step_peak_bytes']:,}"
+
+
+def measure(nproc: int, args: list[str], out) -> list[dict]:
+    """Each rank's bytes and step peak, from tests/helpers/memory_worker.py on `nproc` gloo processes."""
+    result = run_ranks(nproc, [str(REPO / "tests" / "helpers" / "memory_worker.py"), str(out)], args, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())["ranks"]

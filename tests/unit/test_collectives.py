@@ -1,0 +1,43 @@
+"""titanlite/parallel/collectives.py on one process: rank-0 decisions, any-rank flags, the first
+error, means and sums over a group, with no group (a world of one) and with a one-rank gloo
+group (the collective path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titanlite.errors import TitanliteError
+from titanlite.parallel.collectives import any_rank, mean_over, on_rank0, raise_first, sum_over
+
+
+def check_all(group) -> None:
+    assert on_rank0(group, lambda: {"step": 3}) == {"step": 3}
+    assert on_rank0(group, lambda: [1, 2], broadcast_result=False) == [1, 2]  # rank 0 keeps its own result
+
+    def refuse():
+        raise TitanliteError("checkpoint.folder: nope")
+
+    with pytest.raises(TitanliteError, match="^checkpoint.folder: nope$"):
+        on_rank0(group, refuse)
+    assert any_rank(group, True) and not any_rank(group, False)
+    raise_first(group, None)
+    with pytest.raises(TitanliteError, match="^shard 3 is short$"):
+        raise_first(group, "shard 3 is short")
+    value = torch.tensor(4.0)
+    assert mean_over(group, value).item() == 4.0 and sum_over(group, value).item() == 4.0
+
+
+def test_without_a_group_every_decision_runs_here():
+    check_all(None)
+
+
+def test_on_a_one_rank_group_the_collective_path_gives_the_same():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        check_all(dist.group.WORLD)
+        value = torch.tensor(2.0)
+        assert mean_over(dist.group.WORLD, value) is not value  # a new tensor, the input untouched
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,149 @@
+"""Hugging Face models as the installed transformers writes them, into titanlite and back.
+
+A tiny `LlamaForCausalLM` saved with `save_pretrained` (RoPE under `rope_parameters` in
+transformers >= 5), and the same folder rewritten the way older versions wrote it
+(top-level `rope_theta` / `rope_scaling`), convert with `scripts/convert_hf.py from-hf`
+into a model whose logits equal transformers' to 1e-4. A config.json that differs from the
+flavor in RoPE or norm eps is refused in one line on every load path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from titanlite.checkpoint import export
+from titanlite.errors import TitanliteError
+from titanlite.models.llama import hf_adapter
+from titanlite.models.llama.model import Llama, LlamaArgs
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=96, max_position_embeddings=64, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 500000.0},
+    "llama3": {**LLAMA3_ROPE, "rope_theta": 500000.0},
+}
+
+
+def convert():
+    return runpy.run_path(str(REPO / "scripts" / "convert_hf.py"), run_name="script")["main"]
+
+
+def save_pretrained(folder: Path, rope: str) -> "transformers.LlamaForCausalLM":
+    """A tiny random Llama, saved by the installed transformers exactly as a user would."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**SHAPE, rope_parameters=dict(ROPES[rope]), attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def as_older_transformers(folder: Path) -> None:
+    """Rewrite config.json the way transformers 4.x wrote it: RoPE at top level, `type`."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    kind = params.pop("rope_type")
+    config["rope_scaling"] = None if kind == "default" else {"type": kind, **params}
+    path.write_text(json.dumps(config))
+
+
+def ours_from_pt(path: Path, args: LlamaArgs) -> Llama:
+    model = Llama(args)
+    model.init_weights(seed=0)  # builds the RoPE table (a buffer); the weights come next
+    model.load_state_dict(torch.load(path, weights_only=True))
+    return model.eval()
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["current", "older_layout"])
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_save_pretrained_converts_with_equal_logits(tmp_path, rope, older):
+    hf_model = save_pretrained(tmp_path / "hf", rope)
+    if older:
+        as_older_transformers(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert ("rope_parameters" in config) != older  # the layout under test is really there
+    assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "model.pt")]) == 0
+    args = hf_adapter.args_from_hf_config(config)
+    assert args.rope_theta == 500000.0 and (args.rope_scaling is None) == (rope == "default")
+    ours = ours_from_pt(tmp_path / "model.pt", args)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf_model(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_our_export_with_rope_scaling_loads_in_transformers(tmp_path):
+    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=64,
+                     rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 16))
+    ours = Llama(args)
+    ours.init_weights(seed=3)
+    export.save_hf(ours.state_dict(), args, hf_adapter, tmp_path / "hf")
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, attn_implementation="eager")
+    assert hf_model.config.rope_parameters["rope_type"] == "llama3"
+    tokens = torch.randint(0, args.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "change, mentions",
+    [
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "rope_theta 10000.0 (this model: 500000.0)"),
+        ({"rms_norm_eps": 1e-6}, "rms_norm_eps 1e-06 (this model: 1e-05)"),
+        ({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}}, "rope_scaling (8.0, 1.0, 4.0, 16) (this model: None)"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings True (this model: False)"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0}}, "rope type 'yarn' is not supported"),
+    ],
+)
+def test_initial_hf_load_refuses_a_config_of_another_model(tmp_path, change, mentions):
+    """`checkpoint.initial_load_format hf` reads through `export.load_hf`: the config is
+    compared with the flavor before a tensor is read."""
+    save_pretrained(tmp_path / "hf", "default")
+    args = hf_adapter.args_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    assert export.load_hf(tmp_path / "hf", hf_adapter, args).keys() == Llama(args).state_dict().keys()
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(TitanliteError, match="config.json: describes another model") as info:
+        export.load_hf(tmp_path / "hf", hf_adapter, args)
+    assert mentions in str(info.value) and "\n" not in str(info.value)
+
+
+def test_from_hf_with_a_flavor_of_another_theta_is_one_line(tmp_path, capsys):
+    """The debug model's shapes, saved by transformers with its default theta 10,000: the
+    flavor's 500,000 is not what this folder holds."""
+    from titanlite.models import get_model_spec
+
+    flavor = hf_adapter.hf_config(get_model_spec("llama3", "debugmodel").args_for("debugmodel", 96))
+    config = transformers.LlamaConfig(**{k: flavor[k] for k in (*SHAPE, "head_dim")}, rope_parameters={"rope_type": "default"})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()
+    assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out.pt"), "--flavor", "debugmodel"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"titanlite: error: --flavor: debugmodel does not match {tmp_path / 'hf' / 'config.json'}: "
+                   "rope_theta 10000.0 (this model: 500000.0)")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_rope_settings_read_either_place():
+    llama3 = (8.0, 1.0, 4.0, 16)
+    assert hf_adapter.rope_settings({}) == (10000.0, None)  # transformers' defaults
+    assert hf_adapter.rope_settings({"rope_theta": 5.0, "rope_scaling": None}) == (5.0, None)
+    assert hf_adapter.rope_settings({"rope_theta": 5.0, "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}}}) == (5.0, llama3)
+    assert hf_adapter.rope_settings({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 7.0}}) == (7.0, llama3)
+    with pytest.raises(ValueError, match="per layer type"):
+        hf_adapter.rope_settings({"rope_parameters": {"full_attention": {"rope_theta": 1.0}}})
+    exported = hf_adapter.hf_config(dataclasses.replace(LlamaArgs(), rope_scaling=llama3))
+    assert hf_adapter.rope_settings(exported) == (LlamaArgs().rope_theta, llama3)
+    assert hf_adapter.rope_settings({k: v for k, v in exported.items() if k != "rope_parameters"}) == (LlamaArgs().rope_theta, llama3)
