@@ -39,6 +39,14 @@ LOG_RANK=${LOG_RANK:-0}
 require_count NPROC "$NPROC" 1
 require_count NNODES "$NNODES" 1
 require_count MAX_RESTARTS "$MAX_RESTARTS" 0
+# LOG_RANK: local ranks whose output is shown; one that does not exist would show nothing at all.
+IFS=',' read -ra shown_ranks <<< "$LOG_RANK"
+for rank in "${shown_ranks[@]}"; do
+    if ! [[ "$rank" =~ ^[0-9]+$ ]] || [ "$rank" -ge "$NPROC" ]; then
+        echo "titanlite: error: LOG_RANK: no local rank '$rank' (NPROC=$NPROC: local ranks 0 to $((NPROC - 1)))" >&2
+        exit 2
+    fi
+done
 if [ "$NNODES" != 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
     # Without it each node would pick its own port and wait for the others forever.
     echo "titanlite: error: NNODES=$NNODES needs RDZV_ENDPOINT=host:port (the first node's address, the same on every node)" >&2

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from titanlite.config import JobConfig
-from titanlite.data import Tokenizer
+from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
 from titanlite.model_spec import ModelSpec
@@ -66,7 +66,7 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     planner sizes a model whose tokenizer file is not on this machine.
     """
     spec = get_model_spec(cfg.model.name, cfg.model.flavor)
-    tokenizer = Tokenizer(cfg.model.tokenizer_path) if vocab_size is None else None
+    tokenizer = Tokenizer(tokenizer_file(cfg.model.tokenizer_path, cfg.model.hf_assets_path)) if vocab_size is None else None
     args = _with_mask_type(spec, spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size),
                            cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)

@@ -54,6 +54,14 @@ def report_user_error(error: TitanliteError) -> int:
     return USER_ERROR_EXIT_CODE
 
 
+def say_notices(notices: list[str]) -> None:
+    """Notes about the input that change nothing (another tool's options that are off), once:
+    on rank 0, read from torchrun's environment like `report_user_error`."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        for notice in notices:
+            say(f"titanlite: note: {notice}")
+
+
 def one_line(error: BaseException) -> str:
     """The root cause of an exception as `Type: first non-empty line`.
 

@@ -50,7 +50,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import get_args_parser, run
 
 from titanlite.runtime.cpu_binding import CPU_BIND_ENV, core_blocks, encode
-from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, USER_ERROR_EXIT_CODE
+from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, USER_ERROR_EXIT_CODE, say
 from titanlite.parallel.distributed import usable_cores
 from titanlite.runtime.preemption import FORWARDED_SIGNALS, LAUNCHER_PID_ENV
 
@@ -58,11 +58,55 @@ _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
 class _DropAgentRecords(logging.Filter):
-    """Drop the agent's records about failed or stopped children and its own shutdown."""
+    """Drop the agent's records about failed or stopped children and its own shutdown; turn
+    its restart record into one line saying which local rank failed, how, and that the job
+    restarts from its newest complete checkpoint (the restarted trainer says the step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failure: tuple[int, int] | None = None  # (exit code, local rank) of the latest failure
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
+        if "failed (exitcode" in text and len(record.args or ()) >= 2:
+            self.failure = (int(record.args[0]), int(record.args[1]))
+        if "will restart worker group" in text:
+            say(self.restart_line(record.args))
+            return False
         return not any(mark in text for mark in ("failed (exitcode", "closing signal", "death signal", "Unable to shutdown process"))
+
+    def restart_line(self, args: tuple) -> str:
+        left, restarts = (args[2], args[3]) if len(args) >= 4 else ("?", "?")
+        how = "a rank failed"
+        if self.failure is not None:
+            code, local_rank = self.failure
+            how = f"local rank {local_rank} " + (f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"failed (exit code {code})")
+        return (f"titanlite: {how}; restarting the job ({int(restarts) - int(left) + 1} of {restarts} restarts): it resumes from "
+                "its newest complete checkpoint")
+
+
+def _continue_stopped_workers_when_closing() -> None:
+    """torchrun ends the remaining workers with SIGTERM and waits 30 s before SIGKILL. A
+    stopped worker (SIGSTOP, a debugger, a frozen cgroup) cannot take SIGTERM, so the job
+    outlived the collective timeout by those 30 s and ended on the SIGKILL (exit code 1).
+    SIGCONT first: the worker takes SIGTERM and ends like every other one (its collective
+    finds the dead peer). Wraps torch's subprocess handler's close; everything else is torch's."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    handler = subprocess_handler.SubprocessHandler
+    if getattr(handler.close, "continues_stopped", False):
+        return
+    close = handler.close
+
+    def close_continuing(self, death_sig=None) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+        except (ProcessLookupError, PermissionError):
+            pass
+        close(self, death_sig)
+
+    close_continuing.continues_stopped = True
+    handler.close = close_continuing
 
 
 def _args_problem(args) -> str | None:
@@ -188,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"titanlite: error: {problem}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    records = _DropAgentRecords()
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
-        logging.getLogger(name).addFilter(_DropAgentRecords())
+        logging.getLogger(name).addFilter(records)
+    _continue_stopped_workers_when_closing()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see module doc
     _take_stop_signals(args)

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanlite.build import RunPlan, build_on_meta, materialize, plan_run
 from titanlite.config import load_config
 from titanlite.config.dtypes import torch_dtype
-from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
+from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError, say_notices
 from titanlite.parallel.estimate import (GIB, Activations, FsdpWorkingSet, StateBytes, StepShape, estimate_activations, estimate_fsdp,
                                          in_flight_microbatches, state_bytes)
 from titanlite.parallel.fake_world import ShardCensus, census, init_fake_world, shard_specs
@@ -76,7 +76,9 @@ def device_memory(args: argparse.Namespace) -> tuple[int, str]:
 
 def plan_config(config_argv: list[str], args: argparse.Namespace) -> tuple[RunPlan, str]:
     """Validate as training does; the vocabulary from --vocab-size or the tokenizer file."""
-    cfg = load_config(config_argv)
+    notices: list[str] = []
+    cfg = load_config(config_argv, notices)
+    say_notices(notices)
     try:
         plan = plan_run(cfg, args.world_size, vocab_size=args.vocab_size)
     except TitanliteError as error:
@@ -85,7 +87,7 @@ def plan_config(config_argv: list[str], args: argparse.Namespace) -> tuple[RunPl
         raise
     if cfg.training.mixed_precision_param == "auto":
         plan = plan.with_compute_dtype(PLANNED_AUTO_DTYPE)
-    source = "--vocab-size" if args.vocab_size is not None else cfg.model.tokenizer_path
+    source = "--vocab-size" if args.vocab_size is not None else plan.tokenizer.path
     return plan, f"vocab {plan.model_args.vocab_size:,} from {source}"
 
 
@@ -164,7 +166,8 @@ def gib(n: float) -> str:
 def header(r: Report) -> list[str]:
     cfg, dims = r.plan.cfg, r.plan.dims
     degrees = [f"{name} {size}" for name, size in dims.named_degrees()]
-    ac = cfg.activation_checkpoint.mode + (f" (every {cfg.activation_checkpoint.selective_ac_option})" if cfg.activation_checkpoint.mode == "selective" else "")
+    option = cfg.activation_checkpoint.selective_ac_option
+    ac = cfg.activation_checkpoint.mode + ((" (per op)" if option == "op" else f" (every {option})") if cfg.activation_checkpoint.mode == "selective" else "")
     return [
         f"model: {cfg.model.name} {cfg.model.flavor}, {r.n_params:,} parameters ({r.vocab_note})",
         f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}; rank {r.rank} ({r.coordinate})",
@@ -221,9 +224,11 @@ def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
         return [f"shards: {why}"]
     most, least = max(shards.per_rank), min(shards.per_rank)
     check = "=" if shards.covered == r.n_params else "!="
+    held = (f"every rank holds {most:,}" if most == least else
+            f"ranks hold {least:,} (rank {shards.per_rank.index(least)}) to {most:,} (rank {shards.per_rank.index(most)})")
     return [
-        f"shards: ranks hold {least:,} (rank {shards.per_rank.index(least)}) to {most:,} (rank {shards.per_rank.index(most)}) "
-        f"parameters; summed over all {len(shards.per_rank)} ranks, each replicated tensor once: {shards.covered:,} {check} the model's {r.n_params:,}"
+        f"shards: {held} parameters; summed over all {len(shards.per_rank)} ranks, each replicated tensor once: "
+        f"{shards.covered:,} {check} the model's {r.n_params:,}"
     ]
 
 

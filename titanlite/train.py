@@ -12,14 +12,16 @@ import sys
 
 from titanlite.config import load_config
 from titanlite.runtime.cpu_binding import bind_from_env
-from titanlite.errors import TitanliteError, report_user_error
+from titanlite.errors import TitanliteError, report_user_error, say_notices
 
 
 def main(argv: list[str] | None = None) -> int:
+    notices: list[str] = []
     try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv)
+        cfg = load_config(sys.argv[1:] if argv is None else argv, notices)
     except TitanliteError as error:
         return report_user_error(error)
+    say_notices(notices)
     bind_from_env()  # before torch starts a thread (`titanlite.launch --cpu-bind`)
     from titanlite.trainer import run_checked  # torch and everything it builds
 

@@ -73,6 +73,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.step_lr = 0.0  # the lr of the step just taken (the schedule has moved on when it is logged)
         self.state = TrainState()
         self.checkpoint = self._build_checkpoint()
 
@@ -155,6 +156,7 @@ class Trainer:
             self.optimizer.step()
         else:
             self.metrics.log_skipped_steps(self.state.step, self.nonfinite.skipped)
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # what this step trained with, before the schedule moves on
         self.lr_scheduler.step()
         return loss, grad_norm, agreement
 
@@ -164,7 +166,7 @@ class Trainer:
         return mean_over(self.loss_group, sum_over(self.pp_group, loss)).item()
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
-        return self.metrics.log(step, self._reported(loss), grad_norm.item(), self.lr_scheduler.get_last_lr()[0], self.state.tokens_seen)
+        return self.metrics.log(step, self._reported(loss), grad_norm.item(), self.step_lr, self.state.tokens_seen)
 
     def train(self) -> list[dict[str, float]]:
         """Run to `training.steps` (resuming from a checkpoint if there is one); returns the

@@ -187,6 +187,14 @@ CASES: dict[str, Case] = {
     # the run's folders
     "dump_folder_under_a_file": Case(["job.dump_folder", f"{CASE}/file is a file"], {"job.dump_folder": f"{CASE}/file/out"}, prepare=write("file", "x")),
     "checkpoint_folder_is_a_file": Case(["checkpoint.folder", f"{DUMP}/ckpt is a file"], {**CHECKPOINTING, "checkpoint.folder": "ckpt"}, prepare=write("out/ckpt", "x")),
+    "traces_folder_is_a_file": Case(["profiling.save_traces_folder", f"{DUMP}/profile_traces is a file"],
+                                    {"profiling.enable_profiling": "true"}, prepare=write("out/profile_traces", "x")),
+    "memory_snapshot_folder_is_a_file": Case(["profiling.save_memory_snapshot_folder", f"{DUMP}/snapshots is a file"],
+                                             {"profiling.enable_memory_snapshot": "true", "profiling.save_memory_snapshot_folder": "snapshots"},
+                                             prepare=write("out/snapshots", "x")),
+    "tensorboard_folder_under_a_file": Case(["metrics.save_tb_folder", f"{DUMP}/tb is a file"],
+                                            {"metrics.enable_tensorboard": "true"}, prepare=write("out/tb", "x")),
+    "runs_folder_is_a_file": Case(["metrics.save_runs_folder", f"{DUMP}/runs is a file"], prepare=write("out/runs", "x")),
     "dump_folder_locked": Case(["job.dump_folder", "in use by another run", f"host {socket.gethostname()}, pid {os.getpid()}"], prepare=hold_the_lock),
     "disk_below_one_checkpoint": Case(["checkpoint.folder", "GiB free", "one checkpoint of"], {**CHECKPOINTING, "model.flavor": "405B"}),
     # checkpoints

@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve
 from tests.helpers.sessions import Case, run_session
+from titanlite.step.optim import lr_factor
 
 PP = ["--parallelism.pipeline_parallel_degree", "2"]
 CP = ["--parallelism.context_parallel_degree", "2"]
@@ -122,3 +123,12 @@ def test_block_causal_differs_from_causal_where_windows_hold_several_documents(s
     short documents into each window), so the block-causal cases above are not causal ones."""
     causal, block = sessions["reference_causal"]["history"], sessions["reference_block_causal"]["history"]
     assert abs(causal[-1]["loss"] - block[-1]["loss"]) > 1e-4
+
+
+def test_the_logged_lr_is_the_one_each_step_trained_with(sessions):
+    """Console, TensorBoard and metrics.jsonl take the logged value: step 1 of a 2-step warmup
+    trains at half the peak, and the last step at the end of the decay (lr_factor's rule)."""
+    peak, steps = 3e-3, [h["step"] for h in sessions["reference_causal"]["history"]]
+    expected = [peak * lr_factor(step, len(steps), 2, None, "linear", 0.0) for step in steps]
+    assert [h["lr"] for h in sessions["reference_causal"]["history"]] == pytest.approx(expected, rel=1e-12)
+    assert expected[0] == peak / 2 and expected[-1] == 0.0

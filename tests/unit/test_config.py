@@ -224,7 +224,7 @@ def test_load_step_needs_checkpointing():
         ("optimizer.name", "Adam"),
         ("optimizer.implementation", "fast"),
         ("lr_scheduler.decay_type", "cosin"),
-        ("training.dataset", "c4"),
+        ("training.dataset", "web"),  # (c4, a download, gets its own line: test_torchtitan.py)
         ("training.mixed_precision_param", "float16"),
         ("training.mixed_precision_reduce", "fp32"),
         ("parallelism.fsdp_reshard_after_forward", "sometimes"),

@@ -91,9 +91,9 @@ def test_a_user_error_first_is_left_to_the_rank_that_printed_it():
     assert failure_line(failures) == (None, 2)
 
 
-@pytest.mark.parametrize("variable, value", [("NPROC", "0"), ("NPROC", "abc"), ("NNODES", "0"), ("MAX_RESTARTS", "-1")])
+@pytest.mark.parametrize("variable, value", [("NPROC", "0"), ("NPROC", "abc"), ("NNODES", "0"), ("MAX_RESTARTS", "-1"), ("LOG_RANK", "5")])
 def test_run_train_script_checks_its_variables(variable, value):
-    run = run_command([str(REPO / "run_train.sh"), "--training.steps", "1"], {**run_env(), variable: value}, timeout=120)
+    run = run_command([str(REPO / "run_train.sh"), "--training.steps", "1"], {**run_env(), "NPROC": "2", variable: value}, timeout=120)
     assert_one_line_user_error(run, [variable, repr(value)])
 
 

@@ -107,3 +107,8 @@ def test_device_memory_sources():
     assert "device: 80.00 GiB (H100, the default; --gpu or --device-memory to change)" in default.stdout
     assert "device: 140.00 GiB (--gpu H200)" in h200.stdout
     assert tiny.returncode == 1 and "device: 0.25 GiB (--device-memory)" in tiny.stdout
+
+
+def test_equal_shares_are_said_once():
+    result = plans(["--config", "debug_model", "--world-size", "2"])[0]
+    assert re.search(r"^shards: every rank holds [\d,]+ parameters; summed over all 2 ranks", result.stdout, re.M), result.stdout

@@ -24,7 +24,7 @@ import types
 import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -207,13 +207,23 @@ def _lookup(root: type, section: str, key: str, where: str) -> tuple[Any, datacl
 # --------------------------------------------------------------------------------------
 
 
+class Translate(Protocol):
+    """Maps a key before it is looked up: (section, key, value, where) -> the (section, key,
+    value) to set, or None when it handled the key itself (key None: a whole section the
+    config does not have, which `handles_section` claims)."""
+
+    def __call__(self, section: str, key: str | None, value: Any, where: str) -> tuple[str, str, Any] | None: ...
+
+    def handles_section(self, section: str) -> bool: ...
+
+
 def read_toml(path: Path, shown: str) -> dict[str, Any]:
     """A TOML file parsed, or a one-line TitanliteError naming it as `shown`. A file that
     sets nothing is an error too: a config that was meant to say something (a truncated
     copy, the wrong file) must not train on the defaults without a word."""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            data = tomllib.loads(f.read().decode("utf-8-sig"))  # a byte-order mark (Windows editors) is not TOML
     except tomllib.TOMLDecodeError as error:
         message = " ".join(str(error).split())
         raise TitanliteError(f"invalid TOML in {shown}: {message}") from None
@@ -226,17 +236,27 @@ def read_toml(path: Path, shown: str) -> dict[str, Any]:
     return data
 
 
-def apply_toml(cfg: Any, data: dict[str, Any], shown: str) -> None:
-    """Set every `[section] key = value` of a parsed TOML file on `cfg`, checking names and types."""
+def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate | None = None) -> None:
+    """Set every `[section] key = value` of a parsed TOML file on `cfg`, checking names and
+    types; `translate` first maps each key (another tool's names, see `Translate`)."""
     root, where = type(cfg), f"in {shown}"
     by_name = sections(root)
     for section, table in data.items():
         if not isinstance(table, dict):
+            if section in by_name:
+                raise TitanliteError(f"{section} {where} is a section, not a key: write [{section}] and its keys under it")
             raise TitanliteError(f"unknown key {section} {where} (keys belong in a [section]){_hint(suggest_key(root, '', section))}")
         if section not in by_name:
+            if translate is not None and translate.handles_section(section):
+                translate(section, None, table, where)
+                continue
             close = _closest(section, list(by_name))
             raise TitanliteError(f"unknown section [{section}] {where}{_hint(f'[{close}]' if close else None)}")
-        for key, value in table.items():
+        for given_key, given_value in table.items():
+            mapped = translate(section, given_key, given_value, where) if translate is not None else (section, given_key, given_value)
+            if mapped is None:
+                continue
+            _, key, value = mapped
             tp, _ = _lookup(root, section, key, where)
             try:
                 setattr(getattr(cfg, section), key, _coerce(value, tp))
@@ -262,9 +282,16 @@ def cli_pairs(argv: Sequence[str], usage: str) -> Iterator[tuple[str, str | None
         yield name, value if has_value else None
 
 
-def parse_override(root: type, name: str, value: str | None) -> Override:
-    """`--section.key value` parsed by the field's type; a bare boolean flag means true."""
+def parse_override(root: type, name: str, value: str | None, translate: Translate | None = None) -> Override | None:
+    """`--section.key value` parsed by the field's type; a bare boolean flag means true.
+    None: `translate` handled the key (it has nothing to set)."""
     section, _, key = name.rpartition(".")
+    if translate is not None and (section, key) != ("", name):
+        mapped = translate(section, key, "true" if value is None else value, "on the command line")
+        if mapped is None:
+            return None
+        section, key, _ = mapped
+        name = f"{section}.{key}"
     tp, _ = _lookup(root, section, key, "on the command line")
     if value is None:
         if tp is not bool:
@@ -325,7 +352,7 @@ def _check_field(name: str, tp: Any, meta: typing.Mapping[str, Any], value: Any)
     if isinstance(value, float) and not math.isfinite(value):
         raise TitanliteError(f"{name}: must be a finite number (got {value!r})")
     if meta["choices"] and value not in meta["choices"]:
-        raise TitanliteError(f"{name}: must be one of {', '.join(meta['choices'])} (got {value!r})")
+        raise TitanliteError(f"{name}: must be one of {', '.join(map(_shown_choice, meta['choices']))} (got {value!r})")
     if meta["nonempty"] and not value:
         raise TitanliteError(f"{name}: must not be empty (got {value!r})")
     rule = range_text(meta)
@@ -369,7 +396,7 @@ def help_lines(root: type) -> list[str]:
         lines += ["", f"[{section}]  {(section_cls.__doc__ or '').strip()}"]
         for key, (tp, f) in keys(section_cls).items():
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-            kind = "|".join(f.metadata["choices"]) if f.metadata["choices"] else _type_name(tp)
+            kind = "|".join(map(_shown_choice, f.metadata["choices"])) if f.metadata["choices"] else _type_name(tp)
             rule = range_text(f.metadata)
             lines.append(f"  --{section}.{key}  {kind} = {_toml_value(default)}{f'  ({rule})' if rule else ''}")
             lines.append(f"      {f.metadata['help']}")
@@ -387,3 +414,8 @@ def to_toml(cfg: Any) -> str:
     for section, values in to_dict(cfg).items():
         lines += [f"[{section}]"] + [f"{key} = {_toml_value(value)}" for key, value in values.items()] + [""]
     return "\n".join(lines)
+
+
+def _shown_choice(choice: str) -> str:
+    """A choice as a message shows it: the empty string as "" (a bare comma reads as nothing)."""
+    return choice if choice else '""'

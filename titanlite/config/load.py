@@ -20,6 +20,7 @@ from pathlib import Path
 from titanlite.config.engine import (Override, apply_toml, check_values, cli_pairs, help_lines, parse_override,
                                      read_toml, refuse_repeats, to_toml)
 from titanlite.config.sections import JobConfig
+from titanlite.config.torchtitan import TorchtitanKeys
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
@@ -47,13 +48,15 @@ def _find_config(name: str) -> tuple[Path, str]:
     raise TitanliteError(f"config file not found: {name} (looked in ./ and train_configs/)")
 
 
-def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[Override]]:
+def _split_argv(argv: Sequence[str], translate: TorchtitanKeys) -> tuple[str | None, list[Override]]:
     """(--config value, [(section, key, parsed value), ...]) from the command line, in order."""
     config: str | None = None
     overrides: list[Override] = []
     for name, value in cli_pairs(argv, _CLI_USAGE):
         if name != "config":
-            overrides.append(parse_override(JobConfig, name, value))
+            override = parse_override(JobConfig, name, value, translate)
+            if override is not None:
+                overrides.append(override)
             continue
         if not value:
             raise TitanliteError("--config needs a value: a TOML path or a name in train_configs/")
@@ -64,23 +67,28 @@ def _split_argv(argv: Sequence[str]) -> tuple[str | None, list[Override]]:
     return config, overrides
 
 
-def load_config(argv: Sequence[str]) -> JobConfig:
+def load_config(argv: Sequence[str], notices: list[str] | None = None) -> JobConfig:
     """Defaults <- `--config` TOML <- `--section.key value` overrides, then `validate`.
 
-    Without `--config` the dataclass defaults are the base. `-h`/`--help` prints `help_text()`
-    and raises SystemExit(0).
+    Without `--config` the dataclass defaults are the base. torchtitan's names are read as
+    theirs (torchtitan.py); what they do not change here is appended to `notices`, for the
+    caller to say once. `-h`/`--help` prints `help_text()` and raises SystemExit(0).
     """
     if "-h" in argv or "--help" in argv:
         print(help_text())
         raise SystemExit(0)
-    config, overrides = _split_argv(argv)
+    translate = TorchtitanKeys()
+    config, overrides = _split_argv(argv, translate)
     cfg = JobConfig()
     if config is not None:
         path, shown = _find_config(config)
-        apply_toml(cfg, read_toml(path, shown), shown)
+        apply_toml(cfg, read_toml(path, shown), shown, translate)
     for section, key, value in overrides:
         setattr(getattr(cfg, section), key, value)
+    translate.finish(cfg.validation.enable)
     validate(cfg)
+    if notices is not None:
+        notices.extend(translate.notices)
     return cfg
 
 
@@ -119,6 +127,9 @@ def validate(cfg: JobConfig) -> None:
             f"checkpoint.load_step: resuming from step {cfg.checkpoint.load_step} needs "
             "checkpoint.enable_checkpoint = true"
         )
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise TitanliteError(f"activation_checkpoint.selective_ac_option: must be a whole number >= 1 or op (got {option!r})")
     for name in parallelism.fsdp_shard_modules:
         if not name.isidentifier():
             raise TitanliteError(f"parallelism.fsdp_shard_modules: {name!r} is not a class name "

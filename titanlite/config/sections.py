@@ -33,6 +33,9 @@ class Model:
     name: str = _opt("llama3", "model name in the registry (titanlite.models)", nonempty=True)
     flavor: str = _opt("debugmodel", "size preset of the model, e.g. debugmodel, 8B, 70B, 405B", nonempty=True)
     tokenizer_path: str = _opt("assets/tokenizer/titanlite.model", "tokenizer model file (relative paths are from the working directory)", nonempty=True)
+    hf_assets_path: str = _opt("", "torchtitan's key: a folder holding the tokenizer files (tokenizer.json, "
+                               "tokenizer.model or original/tokenizer.model); when set, the tokenizer is read from there "
+                               "instead of model.tokenizer_path")
     attn_mask_type: str = _opt("causal", "attention mask: causal (every earlier token of the window), or block_causal "
                                "(only earlier tokens of the same document, as Llama 3 pretrained)",
                                choices=("causal", "block_causal"))
@@ -60,7 +63,7 @@ class LRScheduler:
     decay_ratio: float | None = _opt(None, "fraction of the post-warmup steps spent decaying at the end (lr held "
                                      "stable before); none = decay over all steps after warmup", ge=0, le=1, special=None)
     decay_type: str = _opt("linear", "shape of the decay", choices=("linear", "cosine"))
-    lr_min: float = _opt(0.0, "lr at the end of decay, as a fraction of optimizer.lr", ge=0, le=1)
+    lr_min: float = _opt(0.0, "lr at the end of decay, as a fraction of optimizer.lr (torchtitan's min_lr_factor)", ge=0, le=1)
 
 
 @dataclass
@@ -156,7 +159,7 @@ class Parallelism:
 class Checkpoint:
     """Distributed checkpoints (DCP): saving, retention, resuming and export."""
 
-    enable_checkpoint: bool = _opt(False, "save checkpoints and resume from the newest one")
+    enable_checkpoint: bool = _opt(False, "save checkpoints and resume from the newest one (torchtitan's checkpoint.enable)")
     folder: str = _opt("checkpoint", "checkpoint folder, under job.dump_folder", nonempty=True)
     interval: int = _opt(500, "save every this many steps (and at the last step)", gt=0)
     async_mode: str = _opt("async", "disabled (blocking save), async (save in the background), or "
@@ -164,7 +167,8 @@ class Checkpoint:
                            choices=("disabled", "async", "async_with_pinned_mem"))
     keep_latest_k: int = _opt(10, "keep only the newest k checkpoints; 0 = keep all", ge=0)
     load_step: int = _opt(-1, "step to resume from; -1 = the newest complete checkpoint", ge=0, special=-1)
-    model_weights_only: bool = _opt(False, "save only model weights (no optimizer, schedule or data state)")
+    model_weights_only: bool = _opt(False, "save only model weights (no optimizer, schedule or data state) at the last step "
+                                    "(torchtitan's checkpoint.last_save_model_only)")
     export_dtype: str = _opt("float32", "dtype of weights-only exports", choices=("float32", "bfloat16", "float16"))
     initial_load_path: str = _opt("", "checkpoint to initialize from when the checkpoint folder has none")
     initial_load_format: str = _opt("dcp", "format of initial_load_path: dcp, or hf (Hugging Face safetensors)",
@@ -177,7 +181,9 @@ class ActivationCheckpoint:
     """Recompute activations in backward to save memory."""
 
     mode: str = _opt("none", "which transformer blocks recompute their activations", choices=("none", "full", "selective"))
-    selective_ac_option: int = _opt(2, "with mode selective: checkpoint every k-th block", ge=1)
+    selective_ac_option: str = _opt("2", "with mode selective: a whole number k, recompute every k-th block; or op, "
+                                    "recompute each block's cheap ops and keep its matmul outputs (every other one) and "
+                                    "attention (torchtitan's per-op policy)")
 
 
 @dataclass

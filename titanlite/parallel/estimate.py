@@ -79,7 +79,7 @@ class StepShape:
     sequence_parallel: bool
     act_bytes: int  # p: 2 for bfloat16, 4 for float32
     ac_mode: str
-    ac_every: int
+    ac_option: str  # selective: "k" (every k-th block) or "op"
     cp: int = 1
 
     @classmethod
@@ -116,9 +116,12 @@ class Activations:
         return self.kept + self.peak_extra + self.buffers
 
 
-def checkpointed_blocks(n_layers: int, mode: str, every: int) -> int:
-    """How many blocks `apply_ac` wraps: all, every k-th, or none."""
-    return {"full": n_layers, "selective": n_layers // every}.get(mode, 0)
+def checkpointed_blocks(n_layers: int, mode: str, option: str) -> int:
+    """How many blocks `apply_ac` wraps whole: all, every k-th, or none (per-op AC keeps part
+    of every block instead, see `estimate_activations`)."""
+    if mode == "selective" and option != "op":
+        return n_layers // int(option)
+    return n_layers if mode == "full" else 0
 
 
 def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = None, holds_head: bool = True,
@@ -133,9 +136,15 @@ def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = Non
     block = n * (2 * d / r * p + 2 * d * p + (d + k) / t * 4 + (2 * d + 2 * k * c) / t * p + 4 * f / t * p)
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
     n_blocks = args.n_layers if n_blocks is None else n_blocks
-    n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_every)
+    n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_option)
+    recompute = block if n_ckpt else 0.0
+    if shape.ac_mode == "selective" and shape.ac_option == "op":
+        # Per-op: the block's input, every other matmul output (q, v, the first feed-forward
+        # projection, the last one's partial sums) and attention's output; the rest recomputed.
+        kept = n * (d / r * p + (2 * d + k + f) / t * p + d * p)
+        block, recompute = kept, block - kept
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
-    extra = max(n * vocab * p if holds_head else 0.0, block if n_ckpt else 0.0)
+    extra = max(n * vocab * p if holds_head else 0.0, recompute)
     return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight, boundary_buffers * n * d / r * p)
 
 

@@ -229,6 +229,20 @@ def acquire_lock(folder: Path) -> RunLock:
 # --------------------------------------------------------------------------------------
 
 
+def written_folders(cfg: JobConfig) -> list[tuple[str, str]]:
+    """(field, folder under the dump folder) of every folder this run will write besides its
+    checkpoints: the run folder, and TensorBoard, traces and memory snapshots when on. A file
+    in the way of one is found at start-up, not when the first trace is written (torch's
+    profiler crashed the process on it, SIGSEGV, naming nothing)."""
+    wanted = [
+        ("metrics.save_runs_folder", cfg.metrics.save_runs_folder, True),
+        ("metrics.save_tb_folder", cfg.metrics.save_tb_folder, cfg.metrics.enable_tensorboard),
+        ("profiling.save_traces_folder", cfg.profiling.save_traces_folder, cfg.profiling.enable_profiling),
+        ("profiling.save_memory_snapshot_folder", cfg.profiling.save_memory_snapshot_folder, cfg.profiling.enable_memory_snapshot),
+    ]
+    return [(field, folder) for field, folder, used in wanted if used]
+
+
 def claim_dump_folder(cfg: JobConfig, n_params: Callable[[], int], group: dist.ProcessGroup | None,
                      weights_only: bool = False) -> RunLock | None:
     """Every start-up check on the run's folders, then the lock (rank 0; the others get None,
@@ -237,6 +251,8 @@ def claim_dump_folder(cfg: JobConfig, n_params: Callable[[], int], group: dist.P
     def decide() -> RunLock:
         dump = Path(cfg.job.dump_folder)
         make_writable_folder(dump, "job.dump_folder")
+        for field, folder in written_folders(cfg):
+            check_creatable_folder(dump / folder, field)
         if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.create_seed_checkpoint:
             existing = check_creatable_folder(dump / cfg.checkpoint.folder, "checkpoint.folder")
             check_free_disk(existing, n_params(), weights_only)

@@ -96,3 +96,21 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.path!r}, kind={self.kind}, vocab_size={self.vocab_size})"
+
+
+# In a Hugging Face model folder, the files a tokenizer can be read from, in order of preference.
+ASSET_NAMES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
+
+
+def tokenizer_file(tokenizer_path: str, hf_assets_path: str = "") -> str:
+    """The tokenizer file a run reads: `model.tokenizer_path`, or with `model.hf_assets_path`
+    (torchtitan's key, a model folder) the first of ASSET_NAMES found in it."""
+    if not hf_assets_path:
+        return tokenizer_path
+    folder = Path(hf_assets_path)
+    if not folder.is_dir():
+        raise TitanliteError(f"model.hf_assets_path: {hf_assets_path} is not a folder (it should hold the tokenizer files)")
+    for name in ASSET_NAMES:
+        if (folder / name).is_file():
+            return str(folder / name)
+    raise TitanliteError(f"model.hf_assets_path: {hf_assets_path} holds no tokenizer file ({', '.join(ASSET_NAMES)})")

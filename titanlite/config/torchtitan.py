@@ -1,0 +1,117 @@
+"""torchtitan's own TOML files, read as they are: its names for titanlite's options, and its
+options titanlite does not have.
+
+- Aliases, one home each: `checkpoint.enable` is `checkpoint.enable_checkpoint`,
+  `checkpoint.last_save_model_only` is `checkpoint.model_weights_only`, `lr_scheduler.min_lr_factor`
+  is `lr_scheduler.lr_min`. (`model.hf_assets_path` and the string forms of
+  `activation_checkpoint.selective_ac_option` are options of their own, in sections.py.)
+- Options titanlite does not have are accepted with one notice when set to what they are off
+  (or to no effect), and refused in one line when they would change the run:
+  `metrics.enable_wandb`, `parallelism.enable_async_tensor_parallel`, a `[quantize]` section
+  that enables nothing; `metrics.disable_color_printing` and `compile.components` have no
+  effect to have (titanlite prints no colors; `compile.enable` compiles every block).
+- Datasets torchtitan downloads (`c4`, `c4_test`, `c4_validation`) are refused with the line
+  that says how to prepare one locally; a validation dataset of that kind is only a notice
+  while validation is off.
+
+Notices are collected (`TorchtitanKeys.notices`); the command lines print them once, rank 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titanlite.errors import TitanliteError
+
+ALIASES = {
+    ("checkpoint", "enable"): "enable_checkpoint",
+    ("checkpoint", "last_save_model_only"): "model_weights_only",
+    ("lr_scheduler", "min_lr_factor"): "lr_min",
+}
+# (section, key): (the value that leaves it off, what titanlite does instead)
+OFF_ONLY = {
+    ("metrics", "enable_wandb"): (False, "titanlite logs to TensorBoard and metrics.jsonl, not Weights & Biases"),
+    ("parallelism", "enable_async_tensor_parallel"): (False, "titanlite has no async tensor parallelism"),
+}
+NO_EFFECT = {
+    ("metrics", "disable_color_printing"): "titanlite prints no colors",
+    ("compile", "components"): "compile.enable compiles each transformer block; the loss runs eager",
+}
+DOWNLOADED_DATASETS = ("c4", "c4_test", "c4_validation")
+_PREPARE = ("titanlite reads local data prepared once into token shards: python -m titanlite.data.prepare "
+            "hf:allenai/c4:en prepared/ --tokenizer TOKENIZER (pip install titanlite[hf]), then dataset = \"prepared\" "
+            "and dataset_path = \"prepared/\" (docs/data.md)")
+
+
+def _is_on(value: Any) -> bool:
+    """A TOML value, or an override's text, that switches something on."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    return bool(value) and value is not False
+
+
+def _enables(table: Any) -> list[str]:
+    """The enable* keys set on anywhere in a (nested) table."""
+    if not isinstance(table, dict):
+        return []
+    found = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            found += [f"{key}.{inner}" for inner in _enables(value)]
+        elif key.startswith("enable") and _is_on(value):
+            found.append(key)
+    return found
+
+
+class TorchtitanKeys:
+    """The translation `config.engine` applies to each key before looking it up."""
+
+    def __init__(self) -> None:
+        self.notices: list[str] = []
+        self._validation_dataset: str | None = None
+
+    def __call__(self, section: str, key: str | None, value: Any, where: str) -> tuple[str, str, Any] | None:
+        """The (section, key, value) to set, or None when this key is handled here."""
+        if key is None:  # a whole section titanlite does not have
+            return self._section(section, value, where)
+        if (section, key) in ALIASES:
+            return section, ALIASES[(section, key)], value
+        if (section, key) == ("activation_checkpoint", "selective_ac_option") and isinstance(value, int) and not isinstance(value, bool):
+            return section, key, str(value)  # the number form of the string option ('2' in torchtitan's files)
+        if (section, key) in OFF_ONLY:
+            off, instead = OFF_ONLY[(section, key)]
+            if _is_on(value) != off:
+                raise TitanliteError(f"{section}.{key}: not supported ({instead}); set it to {str(off).lower()} or leave it out")
+            self.notices.append(f"{section}.{key} = {str(off).lower()} {where}: torchtitan's option, off; {instead}")
+            return None
+        if (section, key) in NO_EFFECT:
+            self.notices.append(f"{section}.{key} {where}: torchtitan's option, no effect here: {NO_EFFECT[(section, key)]}")
+            return None
+        if key == "dataset" and section in ("training", "validation") and value in DOWNLOADED_DATASETS:
+            if section == "training":
+                raise TitanliteError(f"training.dataset: {value!r} is a dataset torchtitan downloads at run time; {_PREPARE}")
+            self._validation_dataset = value
+            return None
+        return section, key, value
+
+    def _section(self, section: str, table: Any, where: str) -> None:
+        enabled = _enables(table)
+        if enabled:
+            raise TitanliteError(f"[quantize] {where}: {', '.join(enabled)} is not supported (titanlite has no float8 or "
+                                 "mx quantization); remove the section")
+        self.notices.append(f"[quantize] {where}: torchtitan's quantization section, nothing enabled; titanlite has none")
+        return None
+
+    def finish(self, validation_enabled: bool) -> None:
+        """Checks that need the whole config: a downloaded validation set is refused only when used."""
+        if self._validation_dataset is None:
+            return
+        if validation_enabled:
+            raise TitanliteError(f"validation.dataset: {self._validation_dataset!r} is a dataset torchtitan downloads at run "
+                                 f"time; {_PREPARE}")
+        self.notices.append(f"validation.dataset = {self._validation_dataset!r}: torchtitan's download, not used while "
+                            "validation is off")
+
+    def handles_section(self, section: str) -> bool:
+        """A section titanlite does not have but torchtitan's files carry."""
+        return section == "quantize"
