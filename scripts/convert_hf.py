@@ -35,9 +35,11 @@ from titanlite.model_spec import ModelSpec
 
 def args_from_record(record: commit.CommitRecord) -> tuple[ModelSpec, Any]:
     """(ModelSpec, model args) of a checkpoint, rebuilt from its commit record: the
-    flavor's args with the recorded hyperparameters (vocab size included) put back."""
-    spec = get_model_spec(record.fingerprint["name"], record.fingerprint["flavor"])
-    base = spec.flavors[record.fingerprint["flavor"]]
+    flavor's args with the recorded hyperparameters (vocab size included) put back. A model
+    converted from Hugging Face without --flavor is recorded as flavor "hf": every hyperparameter
+    is in its record, so any flavor serves as the base."""
+    spec = get_model_spec(record.fingerprint["name"])
+    base = spec.flavors.get(record.fingerprint["flavor"]) or next(iter(spec.flavors.values()))
     fields = {f.name for f in dataclasses.fields(base)}
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in record.model_args.items() if k in fields}
     return spec, dataclasses.replace(base, **values)

@@ -147,3 +147,15 @@ def test_rope_settings_read_either_place():
     exported = hf_adapter.hf_config(dataclasses.replace(LlamaArgs(), rope_scaling=llama3))
     assert hf_adapter.rope_settings(exported) == (LlamaArgs().rope_theta, llama3)
     assert hf_adapter.rope_settings({k: v for k, v in exported.items() if k != "rope_parameters"}) == (LlamaArgs().rope_theta, llama3)
+
+
+def test_a_model_converted_without_a_flavor_goes_back_to_hugging_face(tmp_path):
+    """from-hf without --flavor records the model as flavor "hf"; to-hf of that folder rebuilds
+    its hyperparameters from the record and writes logits equal to the original's."""
+    hf_model = save_pretrained(tmp_path / "hf", "default")
+    assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
+    assert convert()(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "back")]) == 0
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32, attn_implementation="eager")
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
