@@ -41,7 +41,7 @@ def run_ranks(nproc: int, entry: list[str], args: list[str], timeout: float, env
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT: the env:// rendezvous, a real TCPStore
     and gloo), started here rather than by torchrun's agent, which costs every run ~3 s of
     start-up and shutdown on two cores. The launcher itself is tested through
-    `python -m titanlite.launch` (test_launcher, test_trainer_cli, test_faults_runtime,
+    `python -m titanlite.launch` (test_launch, test_trainer_cli, test_faults_runtime,
     test_multinode, test_bad_input, test_checkpoint_train's kill test).
 
     Each rank's output goes to its own file, read back in rank order (stdout, then stderr, as

@@ -1,9 +1,8 @@
 """A launcher run a test can watch and poke while it trains: read its output as it comes,
 find a worker by rank, signal it or the launcher, and finish with no process left behind.
 
-Every process of a run carries a marker in its environment (tests/runs/test_trainer_cli.py's
-helpers), so workers are found and, on any failure, killed, though torchrun starts them in
-their own sessions.
+Every process of a run carries a marker in its environment (tests/helpers/commands.py), so
+workers are found and, on any failure, killed, though torchrun starts them in their own sessions.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.commands import MARKER_VAR, Run, kill_marked, marked_processes
 from tests.helpers.distributed import REPO, run_env
-from tests.runs.test_trainer_cli import MARKER_VAR, Run, kill_marked, marked_processes
 
 
 def running(pid: int) -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import REPO, run_env
-from tests.runs.test_trainer_cli import LAUNCHER_ENV, Run, run_command
+from tests.helpers.commands import LAUNCHER_ENV, Run, run_command
 
 SMALL_RUN = {
     "training.steps": "1",

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.helpers.live_run import LiveRun, running
-from tests.runs.test_trainer_cli import assert_one_line_user_error, marked_processes, run_command
+from tests.helpers.commands import assert_one_line_user_error, marked_processes, run_command
 
 SHORT = ["--config", "debug_model", "--training.steps", "200", "--training.seq_len", "64",
          "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]

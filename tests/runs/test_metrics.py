@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.runs.test_trainer_cli import TEST_TIMEOUT, launch, printed_tolerance, printed_value, step_lines
+from tests.helpers.commands import TEST_TIMEOUT, launch, printed_tolerance, printed_value, step_lines
 from tests.unit.test_metrics import TRAIN_FIELDS
 from titanlite.config import JobConfig, Metrics, load_config
 from titanlite.observe.run_dir import CONFIG_FILE, METRICS_FILE, create_run_dir, read_metrics, start_run_dir

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import REPO, free_port, run_env
-from tests.runs.test_trainer_cli import ANY_STEP_LINE, MARKER_VAR, kill_marked
+from tests.helpers.commands import ANY_STEP_LINE, MARKER_VAR, kill_marked
 from titanlite.observe.run_dir import read_metrics
 
 RUN_TIMEOUT = 300  # seconds per launch; 4 processes share 2 cores with other suites

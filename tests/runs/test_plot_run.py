@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runs.test_trainer_cli import TEST_TIMEOUT, train_single_process
+from tests.helpers.commands import TEST_TIMEOUT, train_single_process
 from tests.unit.test_plot_run import PNG_MAGIC, plot_run
 from titanlite.observe.run_dir import create_run_dir, read_metrics
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.runs.test_trainer_cli import TEST_TIMEOUT, launch
+from tests.helpers.commands import TEST_TIMEOUT, launch
 from tests.unit.test_profiling import CUDA_ONLY_LINE, config
 from titanlite.observe import profiling
 

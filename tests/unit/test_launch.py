@@ -16,7 +16,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from tests.helpers.distributed import REPO, run_env
-from tests.runs.test_trainer_cli import assert_one_line_user_error, marked_processes, run_command
+from tests.helpers.commands import assert_one_line_user_error, marked_processes, run_command
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE
 from titanlite.launch import failure_line, first_failure, set_cpu_thread_defaults
 from titanlite.parallel.distributed import usable_cores
