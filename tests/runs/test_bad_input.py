@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import REPO, run_env
 from tests.helpers.commands import LAUNCHER_ENV, Run, run_command
+from tests.helpers.distributed import REPO, run_env
 
 SMALL_RUN = {
     "training.steps": "1",

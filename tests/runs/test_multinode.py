@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import REPO, free_port, run_env
 from tests.helpers.commands import ANY_STEP_LINE, MARKER_VAR, kill_marked
+from tests.helpers.distributed import REPO, free_port, run_env
 from titanlite.observe.run_dir import read_metrics
 
 RUN_TIMEOUT = 300  # seconds per launch; 4 processes share 2 cores with other suites
@@ -79,3 +79,14 @@ def test_two_launchers_as_two_nodes_train_like_one(tmp_path):
     for a, b in zip(ours, reference):
         for key in ("loss", "grad_norm", "tokens_seen"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), f"step {a['step']} {key}: two nodes {a[key]}, one node {b[key]}"
+
+
+def test_several_nodes_without_a_rendezvous_endpoint_is_one_line(tmp_path):
+    env = {k: v for k, v in run_env().items() if k != "RDZV_ENDPOINT"}
+    result = subprocess.run([str(REPO / "run_train.sh")], cwd=REPO, env={**env, "NNODES": "2", "NPROC": "2"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "titanlite: error: NNODES=2 needs RDZV_ENDPOINT=host:port (the first node's address, the same on every node)"
+    ]
+    assert not result.stdout

@@ -3,11 +3,15 @@ metrics, labelled apart; validation lines when a run has them; one line when it 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from tests.helpers.commands import TEST_TIMEOUT, train_single_process
+from tests.helpers.distributed import REPO, run_env
 from tests.unit.test_plot_run import PNG_MAGIC, plot_run
-from titanlite.observe.run_dir import create_run_dir, read_metrics
+from titanlite.observe.run_dir import read_metrics
 
 
 def lines_by_run(series, panel: str) -> dict[str, tuple[str, list[int], list[float]]]:
@@ -39,3 +43,10 @@ def test_two_real_runs_become_one_png_with_both_runs_series(tmp_path):
             (label,) = [name for name in by_run if f"lr={float(lr)}" in name]
             assert by_run[label] == ("train", [1, 2, 3], [r[key] for r in records]), (panel, label)
     assert len(lines_by_run(series, "loss")) == 2  # no validation in these runs: no such lines
+
+
+def test_a_folder_without_runs_is_one_line_and_exit_code_2(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_run.py"), str(tmp_path)],
+                            env=run_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == f"titanlite: error: {tmp_path}: no metrics.jsonl here or in the run folders below it"

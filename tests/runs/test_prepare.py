@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -86,3 +87,24 @@ def test_first_use_cache_prepares_once_and_never_uses_half_written(tmp_path, pre
     # Edited text is another entry.
     (text / "docs.jsonl").write_text(json.dumps({"text": "something else entirely"}) + "\n")
     assert ensure_prepared("files", str(text), tok, str(cache)) != folder
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    bad = tmp_path / "random.txt"
+    bad.write_bytes(random.Random(1).randbytes(8000))
+    cases = {
+        "missing source": ([str(tmp_path / "nope"), str(tmp_path / "o1")], "SOURCE: not found: "),
+        "random bytes": ([str(bad), str(tmp_path / "o2")], "SOURCE: " + str(bad) + " is not"),
+        "no workers": (["builtin", str(tmp_path / "o3"), "--workers", "0"], "--workers must be >= 1"),
+    }
+    for name, (args, start) in cases.items():
+        result = subprocess.run([sys.executable, "-m", "titanlite.data.prepare", *args, "--tokenizer", str(SHIPPED)],
+                                cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("titanlite: error: " + start), (name, result.stderr)
+
+
+def test_help_documents_the_command():
+    result = subprocess.run([sys.executable, "-m", "titanlite.data.prepare", "--help"], cwd=REPO, env=run_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "SOURCE" in result.stdout and "--workers" in result.stdout and "docs/data.md" in result.stdout

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
@@ -481,27 +478,3 @@ def test_to_toml_round_trips_unusual_values(tmp_path):
         "--parallelism.fsdp_shard_modules", "A,B", "--optimizer.eps", "1e-12", "--metrics.peak_flops", "9.89e14",
     ])  # fmt: skip
     assert load_config(["--config", write(tmp_path, to_toml(cfg))]) == cfg
-
-
-# --- the module entry point --------------------------------------------------------------
-
-
-def run_module(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "titanlite.config", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
-
-
-def test_module_reports_a_user_error_in_one_line_with_exit_code_2():
-    result = run_module("--training.steps", "ten")
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == ["titanlite: error: training.steps: expected an integer, got 'ten'"]
-    assert "Traceback" not in result.stderr and result.stdout == ""
-
-
-def test_module_prints_the_resolved_config_and_help():
-    result = run_module("--config", "debug_model", "--training.steps", "3")
-    assert result.returncode == 0, result.stderr
-    assert "[training]" in result.stdout and "steps = 3" in result.stdout
-    result = run_module("--help")
-    assert result.returncode == 0 and "--comm.train_timeout_seconds" in result.stdout

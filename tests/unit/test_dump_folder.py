@@ -1,17 +1,14 @@
 """Start-up checks on the dump and checkpoint folders and the dump-folder lock, on the real file system
-(one process; the trainer's use of them is in tests/runs/test_bad_input.py)."""
+(one process; a lock left by a killed job: tests/runs/test_dump_folder.py; the trainer's use of
+them: tests/runs/test_bad_input.py)."""
 
 from __future__ import annotations
 
 import json
-import logging
-import logging.handlers
 import os
-import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +16,6 @@ from titanlite.config import JobConfig
 from titanlite.errors import TitanliteError
 from titanlite.runtime import dump_folder
 
-REPO = Path(__file__).resolve().parents[2]
 AS_ROOT = os.geteuid() == 0
 
 
@@ -99,39 +95,6 @@ def test_second_holder_is_refused_naming_the_first_until_released(tmp_path):
     first.release()
     assert (tmp_path / dump_folder.LOCK_FILE).read_text() == ""  # a clean exit leaves no holder
     dump_folder.acquire_lock(tmp_path).release()
-
-
-HOLD = """
-import sys, time
-from pathlib import Path
-from titanlite.runtime.dump_folder import acquire_lock
-lock = acquire_lock(Path(sys.argv[1]))
-print("held", flush=True)
-time.sleep(120)
-"""
-
-
-def test_lock_of_a_killed_job_is_taken_over_with_a_warning(tmp_path):
-    """A job killed with -9 leaves its record in the file; the kernel dropped its flock."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        assert f"pid {holder.pid}" in message(dump_folder.acquire_lock, tmp_path)
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=60)
-    warnings = logging.handlers.BufferingHandler(capacity=100)
-    titanlite_logger = logging.getLogger("titanlite")
-    titanlite_logger.addHandler(warnings)  # direct: the logger may not propagate (init_logger)
-    try:
-        lock = dump_folder.acquire_lock(tmp_path)
-    finally:
-        titanlite_logger.removeHandler(warnings)
-    text = " ".join(record.getMessage() for record in warnings.buffer)
-    assert f"taking over the lock {tmp_path / dump_folder.LOCK_FILE} of a run that ended without releasing it (host {socket.gethostname()}, pid {holder.pid}" in text
-    assert json.loads((tmp_path / dump_folder.LOCK_FILE).read_text())["pid"] == os.getpid()
-    lock.release()
 
 
 def test_without_flock_the_recorded_holder_decides(tmp_path):

@@ -1,16 +1,14 @@
 """`errors.user_errors`: library failures become one-line user errors, except what must keep
-its own path (Ctrl-C, our errors, and what the caller's `keep` recognises); and a config
-that does not load is refused before torch is imported."""
+its own path (Ctrl-C, our errors, and what the caller's `keep` recognises); a line said in one
+write. (A config that does not load is refused before torch is imported: tests/runs/test_errors.py.)"""
 
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers.distributed import REPO, run_env
 from titanlite.errors import TitanliteError, one_line, say, user_errors
 from titanlite.parallel.distributed import collective_failure
 
@@ -42,20 +40,6 @@ def test_one_line_reads_the_first_failing_rank_of_a_dcp_exception():
         failures = {3: (OSError("disk full"), None), 1: (ValueError("bad\nmore"), None)}
 
     assert one_line(CheckpointException()) == "rank 1: ValueError: bad"
-
-
-CHECK_BEFORE_TORCH = """
-import sys
-from titanlite.train import main
-code = main(["--config", "debug_model", "--training.steps", "ten"])
-print(code, "torch" in sys.modules)
-"""
-
-
-def test_a_config_that_does_not_load_is_refused_before_torch_is_imported():
-    result = subprocess.run([sys.executable, "-c", CHECK_BEFORE_TORCH], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=60)
-    assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
-    assert result.stderr == "titanlite: error: training.steps: expected an integer, got 'ten'\n"
 
 
 class _RecordedWrites(io.RawIOBase):

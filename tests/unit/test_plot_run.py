@@ -1,23 +1,23 @@
 """scripts/plot_run.py: two real runs -> one PNG whose plotted series are the runs' own
-metrics, labelled apart; validation lines when a run has them; one line when it cannot."""
+metrics, labelled apart; validation lines when a run has them; which extra to install.
+(Real training runs, and the script as a command: tests/runs/test_plot_run.py.)"""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.distributed import REPO, run_env
+from tests.helpers.distributed import REPO
 from titanlite.config import JobConfig, Metrics
 from titanlite.errors import TitanliteError
 from titanlite.observe.metrics import MetricsLogger, PeakFlops
-from titanlite.observe.run_dir import create_run_dir, read_metrics
+from titanlite.observe.run_dir import create_run_dir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -66,10 +66,3 @@ def test_without_matplotlib_it_says_which_extra_to_install(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(TitanliteError, match=r"needs matplotlib \(the optional extra 'plot'\): pip install -e \.\[plot\]"):
         plot_run().main([str(run_dir), "-o", str(tmp_path / "x.png")])
-
-
-def test_a_folder_without_runs_is_one_line_and_exit_code_2(tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_run.py"), str(tmp_path)],
-                            env=run_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == f"titanlite: error: {tmp_path}: no metrics.jsonl here or in the run folders below it"

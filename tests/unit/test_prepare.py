@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.helpers.distributed import REPO, run_env
+from tests.helpers.distributed import REPO
 from titanlite.data.prepare import prepare
 from titanlite.data.shard_format import DTYPES, token_dtype, write_shard
 from titanlite.data.sources import FilesSource
@@ -144,24 +142,3 @@ def test_corrupted_token_is_refused_when_read(prepared, tmp_path):
     shards.read(0, 100)  # shard 0 is intact
     with pytest.raises(TitanliteError, match=r"shard-00001\.bin is corrupted: token 10 is id 60,000, outside the manifest's vocabulary of 4,096"):
         shards.read(shards.starts[1], 50)
-
-
-def test_cli_errors_are_one_line(tmp_path):
-    bad = tmp_path / "random.txt"
-    bad.write_bytes(random.Random(1).randbytes(8000))
-    cases = {
-        "missing source": ([str(tmp_path / "nope"), str(tmp_path / "o1")], "SOURCE: not found: "),
-        "random bytes": ([str(bad), str(tmp_path / "o2")], "SOURCE: " + str(bad) + " is not"),
-        "no workers": (["builtin", str(tmp_path / "o3"), "--workers", "0"], "--workers must be >= 1"),
-    }
-    for name, (args, start) in cases.items():
-        result = subprocess.run([sys.executable, "-m", "titanlite.data.prepare", *args, "--tokenizer", str(SHIPPED)],
-                                cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("titanlite: error: " + start), (name, result.stderr)
-
-
-def test_help_documents_the_command():
-    result = subprocess.run([sys.executable, "-m", "titanlite.data.prepare", "--help"], cwd=REPO, env=run_env(),
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "SOURCE" in result.stdout and "--workers" in result.stdout and "docs/data.md" in result.stdout
