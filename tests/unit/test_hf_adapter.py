@@ -4,7 +4,8 @@ A tiny `LlamaForCausalLM` saved with `save_pretrained` (RoPE under `rope_paramet
 transformers >= 5), and the same folder rewritten the way older versions wrote it
 (top-level `rope_theta` / `rope_scaling`), convert with `scripts/convert_hf.py from-hf`
 into a model whose logits equal transformers' to 1e-4. A config.json that differs from the
-flavor in RoPE or norm eps is refused in one line on every load path.
+flavor in RoPE or norm eps is refused in one line on every load path. The mapping itself
+(RoPE permutation, names, config.json) is checked exactly at the end.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.stand_ins import TINY, tiny_model
 from titanlite.checkpoint import export
 from titanlite.errors import TitanliteError
 from titanlite.models.llama import hf_adapter
-from titanlite.models.llama.model import Llama, LlamaArgs
+from titanlite.models.llama.model import Llama, LlamaArgs, apply_rope, rope_cos_sin
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -159,3 +161,54 @@ def test_a_model_converted_without_a_flavor_goes_back_to_hugging_face(tmp_path):
     tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------- the mapping itself (it needs no transformers; the module skips without it)
+
+
+def test_rope_permutation_is_an_inverse_pair():
+    w = torch.randn(4 * 16, 8)
+    assert torch.equal(hf_adapter.half_to_interleaved(hf_adapter.interleaved_to_half(w, 4), 4), w)
+
+
+def test_rope_permutation_maps_interleaved_rope_to_rotate_half_rope():
+    """Our interleaved RoPE on wq equals HF's rotate-half RoPE on the permuted wq, up to
+    the same per-head reordering of features (which attention scores do not see)."""
+    args = TINY
+    x = torch.randn(1, 5, args.dim)
+    wq = torch.randn(args.n_heads * args.head_dim, args.dim)
+    cos_sin = rope_cos_sin(args, "cpu")
+    ours = apply_rope((x @ wq.T).view(1, 5, args.n_heads, args.head_dim), cos_sin)
+    q_hf = (x @ hf_adapter.interleaved_to_half(wq, args.n_heads).T).view(1, 5, args.n_heads, args.head_dim)
+    cos, sin = cos_sin[:5].real, cos_sin[:5].imag  # the table holds cos + i*sin
+    cos, sin = torch.cat([cos, cos], -1)[None, :, None], torch.cat([sin, sin], -1)[None, :, None]
+    half = args.head_dim // 2
+    rotate_half = torch.cat([-q_hf[..., half:], q_hf[..., :half]], -1)
+    hf = q_hf * cos + rotate_half * sin
+    ours_as_half = torch.cat([ours[..., 0::2], ours[..., 1::2]], -1)
+    torch.testing.assert_close(hf, ours_as_half, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_names_and_round_trip_are_exact():
+    state = tiny_model().state_dict()
+    hf = hf_adapter.to_hf(state, TINY)
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.1.self_attn.q_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight", "model.layers.0.post_attention_layernorm.weight"} <= set(hf)
+    assert hf["model.layers.0.self_attn.k_proj.weight"].shape == (TINY.kv_heads * TINY.head_dim, TINY.dim)
+    back = hf_adapter.from_hf(hf, TINY)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_hf_config_check_names_each_mismatch():
+    config = hf_adapter.hf_config(TINY)
+    assert hf_adapter.check_hf_config(config, TINY) == []
+    assert hf_adapter.check_hf_config({**config, "num_key_value_heads": None}, TINY) == ["num_key_value_heads 4 (this model: 2)"]
+    assert hf_adapter.check_hf_config(config, dataclasses.replace(TINY, n_layers=3, vocab_size=100)) == [
+        "num_hidden_layers 2 (this model: 3)", "vocab_size 96 (this model: 100)"]
+
+
+def test_hf_config_round_trips_to_args():
+    for args in (TINY, dataclasses.replace(TINY, rope_scaling=(8.0, 1.0, 4.0, 8192), ffn_dim_multiplier=1.3)):
+        config = hf_adapter.hf_config(args)
+        again = hf_adapter.args_from_hf_config(config)
+        assert hf_adapter.hf_config(again) == config

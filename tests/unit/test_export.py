@@ -1,0 +1,94 @@
+"""titanlite/checkpoint/export.py and the scripts over it (scripts/export_checkpoint.py,
+scripts/convert_hf.py): a DCP folder to one torch.save file, Hugging Face safetensors out and
+back exactly, loaded by transformers with equal logits; in-process, one process, no torchrun."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.helpers.stand_ins import TINY, tiny_model
+from titanlite.checkpoint import commit, export
+from titanlite.errors import TitanliteError
+from titanlite.models.llama import hf_adapter as hf_llama
+from titanlite.models.llama.model import Llama
+
+
+def test_dcp_folder_to_full_file_loads_into_plain_model(tmp_path):
+    """A model-and-optimizer DCP checkpoint -> one torch.save file of just the model."""
+    model = tiny_model(seed=1)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, TINY.vocab_size, (1, 8))).sum().backward()
+    optim.step()
+    dcp.save({"model": model.state_dict(), "optimizer": optim.state_dict()}, checkpoint_id=tmp_path / "step-1", no_dist=True)
+    n = export.dcp_to_full_file(tmp_path / "step-1", tmp_path / "model.pt")
+    plain = Llama(TINY)
+    plain.init_weights(seed=99)  # builds the RoPE table (a non-persistent buffer); weights are overwritten next
+    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    assert n == len(model.state_dict())
+    tokens = torch.randint(0, TINY.vocab_size, (2, 8))
+    assert torch.equal(plain(tokens), model(tokens))
+    half = export.read_dcp_model(tmp_path / "step-1", torch.bfloat16)
+    assert half["output.weight"].dtype == torch.bfloat16
+
+
+def test_hf_export_then_import_round_trips_exactly(tmp_path):
+    pytest.importorskip("safetensors")
+    state = tiny_model(seed=2).state_dict()
+    export.save_hf(state, TINY, hf_llama, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_key_value_heads"] == 2 and config["intermediate_size"] == TINY.ffn_hidden_dim
+    back = export.load_hf(tmp_path / "hf", hf_llama, TINY)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    other = dataclasses.replace(TINY, dim=128)
+    with pytest.raises(TitanliteError, match="config.json: describes another model: hidden_size 64"):
+        export.load_hf(tmp_path / "hf", hf_llama, other)
+
+
+def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model(seed=3)
+    export.save_hf(model.state_dict(), TINY, hf_llama, tmp_path / "hf")
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32, attn_implementation="eager")
+    tokens = torch.randint(0, TINY.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def _script(name: str):
+    import runpy
+    from pathlib import Path
+
+    return runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / name), run_name="script")["main"]
+
+
+def test_export_and_convert_scripts_round_trip(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    model = tiny_model(seed=4)
+    optim = torch.optim.AdamW(model.parameters())
+    step = tmp_path / "checkpoint" / "step-2"
+    dcp.save({"model": model.state_dict(), "optimizer": optim.state_dict()}, checkpoint_id=step, no_dist=True)
+    fingerprint = {"name": "llama3", "flavor": "debugmodel", "args": repr(TINY)}
+    commit.write_commit(step, commit.CommitRecord(step=2, fingerprint=fingerprint, contents=["model", "optimizer"], model_args=dataclasses.asdict(TINY)))
+    state = model.state_dict()
+
+    assert _script("export_checkpoint.py")([str(tmp_path / "checkpoint"), str(tmp_path / "model.pt")]) == 0
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(exported[k], state[k]) for k in state)
+
+    convert = _script("convert_hf.py")
+    assert convert(["to-hf", str(step), str(tmp_path / "hf")]) == 0
+    assert all(torch.equal(v, state[k]) for k, v in export.load_hf(tmp_path / "hf", hf_llama, TINY).items())
+    assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    back = export.read_dcp_model(tmp_path / "back")
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    assert commit.read_commit(tmp_path / "back").model_weights_only
+
+    capsys.readouterr()
+    assert _script("export_checkpoint.py")([str(tmp_path / "nope"), str(tmp_path / "x.pt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "nope does not exist" in err
