@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import read_tensorboard, run_mains, run_ranks, with_overrides
-from tests.unit.test_prepare import SHIPPED, folder_bytes, write_corpus
+from tests.helpers.token_data import SHIPPED, folder_bytes, write_corpus
 from tests.unit.test_tokenizer_kinds import write_rank_file
 from titanlite.data.prepare import prepare
 from titanlite.data.sources import FilesSource

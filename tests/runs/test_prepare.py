@@ -1,6 +1,6 @@
-"""Preparation into token shards: the format round-trips, an interrupted run (kill -9 of a
-worker mid-shard) resumes to identical files, the first-use cache, and one line for each
-bad prepared folder."""
+"""Preparation into token shards as a command: an interrupted run (kill -9 of a worker
+mid-shard) resumes to identical files, the first-use cache shared by two processes, one line
+for each command-line error, --help. (prepare on one process: tests/unit/test_prepare.py.)"""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.distributed import REPO, run_env
-from tests.unit.test_prepare import SHIPPED, folder_bytes, prepared, tok, write_corpus
+from tests.helpers.token_data import SHIPPED, folder_bytes, prepared, tok, write_corpus  # noqa: F401 (fixtures)
 from titanlite.data.cache import ensure_prepared
-from titanlite.data.prepare import prepare
-from titanlite.data.tokenizers import Tokenizer
 
 
 def prepare_cli(source: Path | str, output: Path, *args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:

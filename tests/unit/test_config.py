@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.config import JobConfig, help_text, load_config, to_dict, to_toml, validate
+from titanlite.config import JobConfig, help_text, load_config, parse_blend, to_dict, to_toml, validate
 from titanlite.config.engine import expected, sections
 from titanlite.errors import TitanliteError
 
@@ -311,6 +311,16 @@ def test_validate_checks_values_set_in_code():
 def test_first_problem_is_reported():
     message = error_of(["--training.steps", "0", "--optimizer.lr", "0"])
     assert message.startswith("optimizer.lr")  # sections are checked in declaration order
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a:0.7,b:x", "'b:x' is not folder:weight"), ("a:0,b:0", "sum to 0"), ("a:0.5,b", "'b' is not folder:weight"),
+    ("a:-1,b:2", "'a:-1' is not"), ("a:nan,b:1", "'a:nan' is not"), (":1,b:1", "':1' is not"),
+])  # fmt: skip
+def test_blend_syntax_errors_are_one_line(text, message):
+    with pytest.raises(TitanliteError, match=r"^training\.dataset_path: .*" + message):
+        parse_blend(text, "training.dataset_path")
+    assert parse_blend("web:0.7, code:0.3", "f") == [("web", 0.7), ("code", 0.3)] and parse_blend("data/x", "f") == [("data/x", 1.0)]
 
 
 # --- unknown names, wrong types, files ---------------------------------------------------

@@ -1,5 +1,5 @@
-"""Document sources: order, file kinds, one-line errors, text checks.
-(Preparation: test_data_prepare.py; the loader: test_data_loader.py.)"""
+"""titanlite/data/sources.py, the document sources: order, file kinds, one-line errors, text checks.
+(Hugging Face datasets: test_hf_source.py; preparation: test_prepare.py; the loader: test_loader.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from titanlite.data import sources as sources_module
-from titanlite.data.hf_source import HFSource
 from titanlite.data.sources import BuiltinSource, FilesSource, build_source
 from titanlite.errors import TitanliteError
 
@@ -155,16 +154,3 @@ def test_parquet_without_pyarrow(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(TitanliteError, match=r"^training\.dataset_path: .*d\.parquet needs pyarrow"):
         FilesSource(str(tmp_path))
-
-
-def test_hf_without_datasets(monkeypatch):
-    monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(TitanliteError, match=r"pip install titanlite\[hf\]"):
-        HFSource("allenai/c4")
-
-
-def test_hf_local_jsonl(tmp_path):
-    pytest.importorskip("datasets")
-    path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
-    assert list(HFSource(str(path)).one_pass()) == [f"doc {i}" for i in range(5)]
