@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.distributed import read_tensorboard, run_mains, run_ranks, with_overrides
 from tests.helpers.token_data import SHIPPED, folder_bytes, write_corpus
-from tests.unit.test_tokenizer_kinds import write_rank_file
+from tests.helpers.tokenizer_files import write_rank_file
 from titanlite.data.prepare import prepare
 from titanlite.data.sources import FilesSource
 from titanlite.data.tokenizers import Tokenizer
