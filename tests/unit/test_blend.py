@@ -1,5 +1,5 @@
 """titanlite/data/blend.py: blend weights hold within 1% and each dataset's windows are visited once,
-in order. (The blend's syntax in training.dataset_path: test_config.py.)"""
+in order. (The blend's syntax in training.dataset_path: test_load.py.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`python -m titanlite.config` as a command: a user error in one line with exit code 2, the
-resolved config and the help printed (loading and validation on one process: tests/unit/test_config.py)."""
+resolved config and the help printed (loading and validation on one process: tests/unit/test_load.py)."""
 
 from __future__ import annotations
 
