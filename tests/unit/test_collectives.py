@@ -1,6 +1,7 @@
 """titanlite/parallel/collectives.py on one process: rank-0 decisions, any-rank flags, the first
-error, means and sums over a group, with no group (a world of one) and with a one-rank gloo
-group (the collective path)."""
+error, means and sums over a group, with no group (a world of one), with a one-rank gloo group,
+and through the collectives themselves on that group (a world of one skips them, so the test
+spreads it: the broadcast, all-gather and all-reduce run on gloo)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.errors import TitanliteError
+from titanlite.parallel import collectives
 from titanlite.parallel.collectives import any_rank, mean_over, on_rank0, raise_first, sum_over
 
 
@@ -39,5 +41,25 @@ def test_on_a_one_rank_group_the_collective_path_gives_the_same():
         check_all(dist.group.WORLD)
         value = torch.tensor(2.0)
         assert mean_over(dist.group.WORLD, value) is not value  # a new tensor, the input untouched
+    finally:
+        dist.destroy_process_group()
+
+
+def test_with_no_group_the_value_itself_and_other_errors_pass_through():
+    value = torch.tensor(4.0)
+    assert mean_over(None, value) is value and sum_over(None, value) is value
+
+    def crash():
+        raise ValueError("not a user error")
+
+    with pytest.raises(ValueError, match="not a user error"):
+        on_rank0(None, crash)  # only a TitanliteError travels; anything else is a bug, raised as it is
+
+
+def test_the_collective_calls_themselves_run_on_a_one_rank_group(monkeypatch):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(collectives, "_spread", lambda group: True)
+        check_all(dist.group.WORLD)
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """titanlite/parallel/grad_norm.py on one process: the total norm of plain gradients equals a
 float64 reference, clipping scales to max_norm and leaves small norms alone, 0 only measures;
-on a one-rank gloo mesh, Replicate and Shard(0) DTensor gradients count once."""
+on a one-rank gloo mesh, Replicate and Shard(0) DTensor gradients count once, and a Partial
+gradient of a replicated weight is summed (a real all-reduce) into the parameter's placement."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from titanlite.parallel.grad_norm import clip_gradients_, total_grad_norm
 
@@ -55,5 +56,25 @@ def test_dtensor_gradients_count_each_element_once():
         for p, q in zip(sharded, plain):
             p.grad = distribute_tensor(q.grad, mesh, p.placements)
         assert total_grad_norm(sharded, world=True).item() == pytest.approx(reference_norm(plain), rel=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_gradients_and_no_process_group():
+    assert total_grad_norm([torch.nn.Parameter(torch.ones(3))], world=True).item() == 0.0
+    params = params_with_grads((7, 3))
+    assert total_grad_norm(params, world=True).item() == pytest.approx(reference_norm(params), rel=1e-6)  # no group: local
+
+
+def test_a_partial_gradient_is_summed_into_the_parameters_placement():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        (plain,) = params_with_grads((5, 3))
+        param = torch.nn.Parameter(distribute_tensor(plain.detach(), mesh, [Replicate()]))
+        param.grad = DTensor.from_local(plain.grad.clone(), mesh, [Partial()], run_check=False)
+        norm = total_grad_norm([param], world=True)
+        assert param.grad.placements == (Replicate(),) and torch.equal(param.grad.to_local(), plain.grad)
+        assert norm.item() == pytest.approx(reference_norm([plain]), rel=1e-6)
     finally:
         dist.destroy_process_group()

@@ -36,6 +36,14 @@ def test_skips_are_counted_until_none_is_left():
         steps.allows_update(5, BAD_NORM, torch.tensor(math.inf))
 
 
+def test_both_non_finite_are_named_in_one_line_on_every_rank():
+    steps = NonFiniteSteps(0, rank=1)
+    with pytest.raises(NonFiniteError) as error:
+        steps.allows_update(7, StepAgreement(0, True, True), torch.tensor(math.nan))
+    assert str(error.value).startswith("step 7: non-finite loss and grad_norm (nan); ") and "\n" not in str(error.value)
+    assert steps.skipped == 0
+
+
 def test_nan_injection_hits_only_its_step_and_rank(monkeypatch):
     loss = torch.tensor(2.0)
     monkeypatch.delenv(FAULT_NAN_ENV, raising=False)

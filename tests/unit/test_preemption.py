@@ -42,6 +42,13 @@ def test_restore_puts_the_previous_handlers_back(signals):
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
+def test_a_second_install_keeps_the_first_previous_handlers(signals):
+    received, before = signals
+    received.install()  # already installed: must not record its own handler as the previous one
+    received.restore()
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
 def test_without_the_launcher_variable_the_worker_keeps_its_lifetime(monkeypatch):
     monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
     die_with_launcher()  # nothing to follow: returns without touching the process
