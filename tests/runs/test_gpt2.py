@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.distributed import EQUIVALENCE_ARGS, REPO, assert_same_curve, run_env, run_trainer_worker
 from tests.unit.test_gpt2 import build_on_meta
-from titanlite.models.gpt2 import GPT2, GPT2Args, gpt2_spec
+from titanlite.models.gpt2 import gpt2_spec
 
 TIMEOUT_S = 120
 

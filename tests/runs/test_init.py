@@ -13,11 +13,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tests.helpers.distributed import REPO, run_env
-from tests.unit.test_init import LAYOUTS, SEED, VOCAB, check_rank, init_rank, plan_for, single_process_weights
+from tests.unit.test_init import check_rank
 
 
 @pytest.mark.parametrize("rank", [0, 1, 6, 7, 14, 15])  # first and last of each dp and tp dim

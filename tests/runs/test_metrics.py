@@ -10,8 +10,8 @@ import pytest
 
 from tests.helpers.commands import TEST_TIMEOUT, launch, printed_tolerance, printed_value, step_lines
 from tests.unit.test_metrics import TRAIN_FIELDS
-from titanlite.config import JobConfig, Metrics, load_config
-from titanlite.observe.run_dir import CONFIG_FILE, METRICS_FILE, create_run_dir, read_metrics, start_run_dir
+from titanlite.config import load_config
+from titanlite.observe.run_dir import CONFIG_FILE, METRICS_FILE, read_metrics
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)

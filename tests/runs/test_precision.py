@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.distributed import run_ranks
-from tests.unit.test_precision import CPU, host
 from titanlite.step import precision
 
 

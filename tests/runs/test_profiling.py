@@ -8,8 +8,7 @@ import json
 import pytest
 
 from tests.helpers.commands import TEST_TIMEOUT, launch
-from tests.unit.test_profiling import CUDA_ONLY_LINE, config
-from titanlite.observe import profiling
+from tests.unit.test_profiling import CUDA_ONLY_LINE
 
 
 def span(event: dict) -> tuple[float, float]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve, run_trainer_worker
-from titanlite.models.llama.model import Llama
 
 TIED = ["--model.flavor", "debugmodel_tied"]
 FSDP2_TP2 = ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]
