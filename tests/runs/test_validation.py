@@ -1,7 +1,7 @@
 """Validation through the real trainer (gloo, fp32, debug model, the held-out split of the
 built-in corpus): logged at the configured steps on the console and in TensorBoard, the
 same loss under every layout, and training losses identical with validation on or off.
-(That the held-out windows are disjoint from training: test_data_loader.py.)"""
+(That the held-out windows are disjoint from training: tests/unit/test_corpus.py.)"""
 
 from __future__ import annotations
 

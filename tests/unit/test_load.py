@@ -266,7 +266,7 @@ def test_consistent_settings_pass():
 
 
 def test_empty_path_and_unknown_dataset():
-    """Refused here, once: the data sources trust the validated config (moved from test_data.py)."""
+    """Refused here, once: the data sources trust the validated config (moved from the data sources' tests)."""
     with pytest.raises(TitanliteError, match=r"^training\.dataset_path: "):
         load_config(["--training.dataset", "files", "--training.dataset_path", ""])
     with pytest.raises(TitanliteError, match=r"^training\.dataset_path: "):
@@ -285,7 +285,7 @@ def test_empty_path_and_unknown_dataset():
     ],
 )
 def test_bad_sizes(key, value, message):
-    """Batch shapes are checked here, once; the loader trusts them (moved from test_data.py)."""
+    """Batch shapes are checked here, once; the loader trusts them (moved from the data sources' tests)."""
     cfg = JobConfig()
     setattr(cfg.training, key, value)
     with pytest.raises(TitanliteError) as info:
