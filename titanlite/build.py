@@ -71,6 +71,10 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
                            cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
+    reshard = cfg.parallelism.fsdp_reshard_after_forward
+    if reshard.isdigit() and (not dims.fsdp_enabled or (dims.dp_shard * dims.cp) % int(reshard)):
+        raise TitanliteError(f"parallelism.fsdp_reshard_after_forward: {reshard} ranks do not divide the FSDP shards "
+                             f"(data_parallel_shard_degree x context_parallel_degree = {dims.dp_shard * dims.cp})")
     if dims.cp_enabled and not hasattr(spec.model_class, "enable_context_parallel"):
         raise TitanliteError(f"parallelism.context_parallel_degree: model {spec.name} has no context-parallel attention "
                              "(a model gets it with an enable_context_parallel method, see model_spec.py)")

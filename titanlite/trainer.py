@@ -44,7 +44,7 @@ from titanlite.step.validate import build_validator
 class Trainer:
     def __init__(self, plan: RunPlan):
         self.signals = received.install()  # first: a stop request during start-up is kept
-        self.dist = init_distributed(plan.cfg.comm.init_timeout_seconds)
+        self.dist = init_distributed(plan.cfg.comm.init_timeout_seconds, cpu_offload=plan.cfg.training.enable_cpu_offload)
         self.nonfinite = NonFiniteSteps(plan.cfg.training.max_nan_skips, self.dist.rank)
         self.device = self.dist.device
         init_logger(self.dist.rank, log_all_ranks=not plan.cfg.metrics.rank_0_only)

@@ -46,6 +46,16 @@ LAYOUTS = {
     "fsdp2_accum2": (2, [*batch(2), "--training.global_batch_size", "8"], "causal"),
     "fsdp2_ac": (2, [*batch(4), "--activation_checkpoint.mode", "full"], "causal"),
     "fsdp2_offload": (2, [*batch(4), "--training.enable_cpu_offload", "true"], "causal"),
+    # Every FSDP option: nested shard units (children first), each reshard policy, explicit
+    # prefetch, per-op and every-k-th-block activation checkpointing.
+    "fsdp2_nested_units": (2, [*batch(4), "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention,FeedForward"], "causal"),
+    "fsdp2_reshard_always": (2, [*batch(4), "--parallelism.fsdp_reshard_after_forward", "always"], "causal"),
+    "fsdp2_reshard_never_prefetch1": (2, [*batch(4), "--parallelism.fsdp_reshard_after_forward", "never",
+                                          "--parallelism.fsdp_prefetch_depth", "1"], "causal"),
+    "fsdp2_prefetch2_nested": (2, [*batch(4), "--parallelism.fsdp_prefetch_depth", "2",
+                                   "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention"], "causal"),
+    "fsdp2_ac_per_op": (2, [*batch(4), "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"], "causal"),
+    "fsdp2_ac_every_2nd": (2, [*batch(4), "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"], "causal"),
     "pp2_gpipe": (2, [*batch(8), *schedule("GPipe")], "causal"),
     "pp2_1f1b": (2, [*batch(8), *schedule("1F1B")], "causal"),
     "pp2_interleaved_1f1b": (2, [*batch(8), *schedule("Interleaved1F1B")], "causal"),
@@ -63,6 +73,7 @@ LAYOUTS = {
     # here; without it (the CPU default) in test_tied_embeddings.py, test_gpt2.py, test_compile.py.
     "fsdp2_tp2_sp": (4, [*batch(4), *TP, "--parallelism.sequence_parallel", "on"], "causal"),
     "hsdp2x2": (4, [*batch(2), "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
+    "fsdp4_reshard_to_2": (4, [*batch(2), "--parallelism.fsdp_reshard_after_forward", "2"], "causal"),
     "pp2_fsdp2": (4, [*batch(4), *PP], "causal"),
     "pp2_tp2": (4, [*batch(8), *PP, *TP], "causal"),
     "cp2_fsdp2": (4, [*batch(4), *CP], "causal"),

@@ -220,7 +220,6 @@ def test_load_step_needs_checkpointing():
         ("training.dataset", "web"),  # (c4, a download, gets its own line: test_torchtitan.py)
         ("training.mixed_precision_param", "float16"),
         ("training.mixed_precision_reduce", "fp32"),
-        ("parallelism.fsdp_reshard_after_forward", "sometimes"),
         ("checkpoint.async_mode", "sync"),
         ("checkpoint.export_dtype", "int8"),
         ("checkpoint.initial_load_format", "safetensors"),
@@ -233,6 +232,13 @@ def test_choice_errors_list_the_choices(name, bad):
     message = error_of([f"--{name}", bad])
     assert message.startswith(f"{name}: must be one of "), message
     assert all(choice in message for choice in field.metadata["choices"]) and f"(got '{bad}')" in message
+
+
+@pytest.mark.parametrize("bad", ["sometimes", "0", "-2", "2.5"])
+def test_reshard_after_forward_takes_a_policy_or_a_number_of_ranks(bad):
+    message = error_of(["--parallelism.fsdp_reshard_after_forward", bad])
+    assert message == ("parallelism.fsdp_reshard_after_forward: must be default, always, never or a number of "
+                       f"ranks >= 1 (got '{bad}')")
 
 
 def test_every_choice_is_accepted():

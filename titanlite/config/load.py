@@ -117,6 +117,10 @@ def validate(cfg: JobConfig) -> None:
     elif validation.enable and validation.holdout_fraction == 0:
         raise TitanliteError("validation.holdout_fraction: 0 holds no window out for validation (validation.dataset "
                              "is empty, so validation reads the held-out split; got 0)")
+    reshard = parallelism.fsdp_reshard_after_forward
+    if reshard not in ("default", "always", "never") and not (reshard.isdigit() and int(reshard) >= 1):
+        raise TitanliteError(f"parallelism.fsdp_reshard_after_forward: must be default, always, never or a number of ranks >= 1 "
+                             f"(got {reshard!r})")
     if training.enable_cpu_offload and parallelism.fsdp_reshard_after_forward == "never":
         raise TitanliteError(
             "training.enable_cpu_offload: CPU offload needs resharding after forward "

@@ -127,8 +127,9 @@ class Parallelism:
                                   "whole on every rank (off), or auto: on off the CPU (gloo has no native reduce-scatter)",
                                   choices=("auto", "on", "off"))
     fsdp_reshard_after_forward: str = _opt("default", "free gathered parameters after forward: default (all but the "
-                                           "root), always, or never (more memory, less communication)",
-                                           choices=("default", "always", "never"))
+                                           "root), always, never (more memory, less communication), or a number k: "
+                                           "keep them sharded over groups of k ranks (e.g. a node), k dividing the FSDP "
+                                           "shards")
     fsdp_prefetch_depth: int = _opt(0, "0 = FSDP2's implicit prefetch; N > 0 explicitly prefetches the next N blocks "
                                     "in forward and backward", ge=0)
     fsdp_shard_modules: list[str] = _opt([], "module class names to fully_shard; empty = the model's transformer blocks")

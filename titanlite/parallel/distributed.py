@@ -81,7 +81,16 @@ def set_cpu_threads(local_world_size: int) -> None:
         torch.set_num_interop_threads(1)
 
 
-def init_distributed(init_timeout_seconds: int) -> DistInfo:
+def backend_for(device_type: str, cpu_offload: bool = False) -> str:
+    """The process group's backend: gloo on CPU; NCCL on GPUs, with gloo beside it for CPU
+    tensors when parameters and gradients are offloaded to the host (the gradient-norm
+    all-reduce then runs on CPU tensors, which NCCL cannot take; torchtitan does the same)."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def init_distributed(init_timeout_seconds: int, cpu_offload: bool = False) -> DistInfo:
     """Join the process group and pick this rank's device and CPU threads. A process group
     that is already up (the caller's own, or a previous run's in the same process) is
     joined as it is, with its timeout moved to `init_timeout_seconds`."""
@@ -93,8 +102,8 @@ def init_distributed(init_timeout_seconds: int) -> DistInfo:
     else:
         if "MASTER_ADDR" not in os.environ:  # launched without torchrun: a world of one
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=init_timeout_seconds), device_id=device if backend == "nccl" else None)
+        backend = backend_for(device.type, cpu_offload)
+        dist.init_process_group(backend, timeout=timedelta(seconds=init_timeout_seconds), device_id=device if device.type == "cuda" else None)
     _timeouts.seconds, _timeouts.groups = init_timeout_seconds, [dist.group.WORLD]
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
 
