@@ -135,6 +135,7 @@ def test_the_cycle_finder_finds_a_cycle():
         ("titanlite.runtime.cpu_binding", lambda t: False),
         # The generic config engine names no section and knows nothing but the error type.
         ("titanlite.config.engine", lambda t: t == "titanlite.errors"),
+        ("titanlite.config.output", lambda t: t == "titanlite.config.engine"),
     ],
 )
 def test_finer_rules(module, allowed):

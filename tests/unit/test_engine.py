@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from titanlite.config import engine as E
+from titanlite.config import output
 from titanlite.config.engine import option
 from titanlite.errors import TitanliteError
 
@@ -243,7 +244,7 @@ def test_first_problem_in_declaration_order():
 
 
 def test_help_lines():
-    lines = E.help_lines(House)
+    lines = output.help_lines(House)
     assert lines[:5] == [
         "",
         "[garden]  Plants and water.",
@@ -262,13 +263,13 @@ def test_to_dict_is_plain_and_to_toml_round_trips(tmp_path):
     cfg = House()
     cfg.garden.name, cfg.garden.plants, cfg.garden.shade = 'quote " back \\ ünï', ["a", "b c"], 0.125
     cfg.kitchen.oven_temp, cfg.kitchen.label = 1e-12, ""
-    data = E.to_dict(cfg)
+    data = output.to_dict(cfg)
     assert data["garden"]["plants"] == ["a", "b c"] and all(type(v) is dict for v in data.values())
     again = House()
-    E.apply_toml(again, tomllib.loads(E.to_toml(cfg)), "round.toml")
+    E.apply_toml(again, tomllib.loads(output.to_toml(cfg)), "round.toml")
     assert again == cfg
     none_again = House()
-    E.apply_toml(none_again, tomllib.loads(E.to_toml(House())), "defaults.toml")
+    E.apply_toml(none_again, tomllib.loads(output.to_toml(House())), "defaults.toml")
     assert none_again == House() and none_again.garden.shade is None
 
 

@@ -4,7 +4,7 @@ names no section (`engine.py`). Importing this package imports no torch: the com
 checks a config before anything heavy loads. `python -m titanlite.config` prints one.
 """
 
-from titanlite.config.engine import to_dict, to_toml
+from titanlite.config.output import to_dict, to_toml
 from titanlite.config.load import CONFIG_DIR, help_text, load_config, main, parse_blend, validate
 from titanlite.config.sections import (ActivationCheckpoint, Checkpoint, Comm, Compile, Job, JobConfig, LRScheduler,
                                        Metrics, Model, Optimizer, Parallelism, Profiling, Training, Validation)

@@ -80,12 +80,12 @@ def _optional_inner(tp: Any) -> Any | None:
     return None
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     inner = _optional_inner(tp)
     if inner is not None:
-        return f"{_type_name(inner)} | none"
+        return f"{type_name(inner)} | none"
     if typing.get_origin(tp) is list:
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+        return f"list[{type_name(typing.get_args(tp)[0])}]"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -309,7 +309,7 @@ def refuse_repeats(overrides: Sequence[Override]) -> None:
     seen: dict[tuple[str, str], Any] = {}
     for section, key, value in overrides:
         if (section, key) in seen:
-            raise TitanliteError(f"--{section}.{key} given twice ({_toml_value(seen[section, key])} and {_toml_value(value)})")
+            raise TitanliteError(f"--{section}.{key} given twice ({toml_value(seen[section, key])} and {toml_value(value)})")
         seen[section, key] = value
 
 
@@ -352,7 +352,7 @@ def _check_field(name: str, tp: Any, meta: typing.Mapping[str, Any], value: Any)
     if isinstance(value, float) and not math.isfinite(value):
         raise TitanliteError(f"{name}: must be a finite number (got {value!r})")
     if meta["choices"] and value not in meta["choices"]:
-        raise TitanliteError(f"{name}: must be one of {', '.join(map(_shown_choice, meta['choices']))} (got {value!r})")
+        raise TitanliteError(f"{name}: must be one of {', '.join(map(shown_choice, meta['choices']))} (got {value!r})")
     if meta["nonempty"] and not value:
         raise TitanliteError(f"{name}: must not be empty (got {value!r})")
     rule = range_text(meta)
@@ -371,12 +371,7 @@ def check_values(cfg: Any) -> None:
             _check_field(f"{section}.{key}", tp, f.metadata, getattr(values, key))
 
 
-# --------------------------------------------------------------------------------------
-# Output: help, dict, TOML
-# --------------------------------------------------------------------------------------
-
-
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if value is None:
         return '"none"'
     if isinstance(value, bool):
@@ -384,38 +379,10 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(value, ensure_ascii=False)
 
 
-def help_lines(root: type) -> list[str]:
-    """For each section a blank line and `[section]  doc`, then per key two lines:
-    `  --section.key  type-or-choices = default  (range)` and `      help`."""
-    lines: list[str] = []
-    for section, section_cls in sections(root).items():
-        lines += ["", f"[{section}]  {(section_cls.__doc__ or '').strip()}"]
-        for key, (tp, f) in keys(section_cls).items():
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-            kind = "|".join(map(_shown_choice, f.metadata["choices"])) if f.metadata["choices"] else _type_name(tp)
-            rule = range_text(f.metadata)
-            lines.append(f"  --{section}.{key}  {kind} = {_toml_value(default)}{f'  ({rule})' if rule else ''}")
-            lines.append(f"      {f.metadata['help']}")
-    return lines
-
-
-def to_dict(cfg: Any) -> dict[str, dict[str, Any]]:
-    """The config as nested plain dicts (section -> key -> value), for logs and saved state."""
-    return dataclasses.asdict(cfg)
-
-
-def to_toml(cfg: Any) -> str:
-    """The config as TOML text that `apply_toml` reads back to an equal config."""
-    lines: list[str] = []
-    for section, values in to_dict(cfg).items():
-        lines += [f"[{section}]"] + [f"{key} = {_toml_value(value)}" for key, value in values.items()] + [""]
-    return "\n".join(lines)
-
-
-def _shown_choice(choice: str) -> str:
+def shown_choice(choice: str) -> str:
     """A choice as a message shows it: the empty string as "" (a bare comma reads as nothing)."""
     return choice if choice else '""'

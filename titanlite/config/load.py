@@ -17,8 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from titanlite.config.engine import (Override, apply_toml, check_values, cli_pairs, help_lines, parse_override,
-                                     read_toml, refuse_repeats, to_toml)
+from titanlite.config.engine import (Override, apply_toml, check_values, cli_pairs, parse_override, read_toml,
+                                     refuse_repeats)
+from titanlite.config.output import help_lines, to_toml
 from titanlite.config.sections import JobConfig
 from titanlite.config.torchtitan import TorchtitanKeys
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
@@ -169,7 +170,7 @@ def parse_blend(value: str, field: str) -> list[tuple[str, float]]:
 
 
 # --------------------------------------------------------------------------------------
-# Output and the module entry point (to_dict and to_toml come from the engine)
+# Output and the module entry point (to_dict and to_toml come from config.output)
 # --------------------------------------------------------------------------------------
 
 _USAGE = [
