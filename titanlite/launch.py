@@ -58,31 +58,45 @@ _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
 class _DropAgentRecords(logging.Filter):
-    """Drop the agent's records about failed or stopped children and its own shutdown; turn
-    its restart record into one line saying which local rank failed, how, and that the job
-    restarts from its newest complete checkpoint (the restarted trainer says the step)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failure: tuple[int, int] | None = None  # (exit code, local rank) of the latest failure
+    """Drop the agent's records about failed or stopped children and its own shutdown: the
+    ranks' own lines and the launcher's one line already say it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
-        if "failed (exitcode" in text and len(record.args or ()) >= 2:
-            self.failure = (int(record.args[0]), int(record.args[1]))
-        if "will restart worker group" in text:
-            say(self.restart_line(record.args))
-            return False
         return not any(mark in text for mark in ("failed (exitcode", "closing signal", "death signal", "Unable to shutdown process"))
 
-    def restart_line(self, args: tuple) -> str:
-        left, restarts = (args[2], args[3]) if len(args) >= 4 else ("?", "?")
-        how = "a rank failed"
-        if self.failure is not None:
-            code, local_rank = self.failure
-            how = f"local rank {local_rank} " + (f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"failed (exit code {code})")
-        return (f"titanlite: {how}; restarting the job ({int(restarts) - int(left) + 1} of {restarts} restarts): it resumes from "
-                "its newest complete checkpoint")
+
+def restart_line(failures: dict[int, ProcessFailure], attempt: int, restarts: int) -> str:
+    """The line a restart gets: which rank failed first and how, and that the job resumes
+    from its newest complete checkpoint (the restarted trainer says the step)."""
+    how = "the worker group became unhealthy"
+    if failures:
+        rank, first = first_failure(failures)
+        how = f"rank {rank} " + (f"was killed by signal {first.signal_name()}" if first.exitcode < 0
+                                 else f"failed (exit code {first.exitcode})")
+    return f"titanlite: {how}; restarting the job ({attempt} of {restarts} restarts): it resumes from its newest complete checkpoint"
+
+
+def _say_restarts() -> None:
+    """The agent says a restart only in an INFO record, which its loggers (WARNING unless
+    LOGLEVEL says otherwise) never create. Wraps the local agent's monitor: when it reports a
+    failed group and restarts are left, the agent restarts it, and this says so first."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+    if getattr(monitor, "says_restarts", False):
+        return
+
+    def monitor_saying_restarts(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED) and self._remaining_restarts > 0:
+            restarts = worker_group.spec.max_restarts
+            say(restart_line(result.failures, restarts - self._remaining_restarts + 1, restarts))
+        return result
+
+    monitor_saying_restarts.says_restarts = True
+    LocalElasticAgent._monitor_workers = monitor_saying_restarts
 
 
 def _continue_stopped_workers_when_closing() -> None:
@@ -232,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"titanlite: error: {problem}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
-    records = _DropAgentRecords()
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
-        logging.getLogger(name).addFilter(records)
+        logging.getLogger(name).addFilter(_DropAgentRecords())
     _continue_stopped_workers_when_closing()
+    _say_restarts()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see module doc
     _take_stop_signals(args)

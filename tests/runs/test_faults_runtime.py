@@ -78,7 +78,7 @@ def test_killed_rank_restarts_and_resumes_to_the_same_loss(tmp_path, reference):
     os.kill(live.worker_pid(1), signal.SIGKILL)
     run = live.finish(START_S + RUN_S)
     assert run.returncode == 0, run.describe()
-    assert "titanlite: local rank 1 was killed by signal SIGKILL; restarting the job (1 of 1 restarts)" in run.stdout, run.describe()
+    assert "titanlite: rank 1 was killed by signal SIGKILL; restarting the job (1 of 1 restarts)" in run.stdout, run.describe()
     before, _, after = run.stdout.partition("resumed at step ")
     assert after, f"the restarted job did not resume\n{run.describe()}"
     resumed = int(after.split()[0])

@@ -10,7 +10,7 @@ import signal
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE
-from titanlite.launch import failure_line, first_failure, set_cpu_thread_defaults
+from titanlite.launch import failure_line, first_failure, restart_line, set_cpu_thread_defaults
 from titanlite.parallel.distributed import usable_cores
 
 
@@ -53,3 +53,11 @@ def test_the_earliest_cause_wins_then_the_order_seen():
 def test_a_user_error_first_is_left_to_the_rank_that_printed_it():
     failures = {0: failure(0, 2, 100), 1: failure(1, 2, 103)}
     assert failure_line(failures) == (None, 2)
+
+
+def test_a_restart_names_the_rank_that_failed_first_and_counts_the_attempts():
+    failures = {0: failure(0, COLLECTIVE_FAILURE_EXIT_CODE, 100), 5: failure(1, -signal.SIGKILL, 100)}
+    assert restart_line(failures, 1, 3) == ("titanlite: rank 5 was killed by signal SIGKILL; restarting the job (1 of 3 "
+                                            "restarts): it resumes from its newest complete checkpoint")
+    assert restart_line({2: failure(0, 7, 100)}, 2, 2).startswith("titanlite: rank 2 failed (exit code 7); restarting the job (2 of 2")
+    assert restart_line({}, 1, 1).startswith("titanlite: the worker group became unhealthy; restarting")
