@@ -19,7 +19,7 @@ import sys
 
 import torch.distributed as dist
 
-from tests.helpers.trainer_worker import local_bytes
+from tests.helpers.session_worker import local_bytes
 from titanlite.build import plan_run
 from titanlite.config import load_config
 from titanlite.parallel.distributed import world_from_env

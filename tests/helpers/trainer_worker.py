@@ -11,24 +11,13 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from tests.helpers.session_worker import held_bytes
 from titanlite.build import plan_run
 from titanlite.config import load_config
 from titanlite.parallel.distributed import world_from_env
 from titanlite.trainer import Trainer
-
-
-def local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
-    return total
 
 
 def main() -> None:
@@ -36,15 +25,7 @@ def main() -> None:
     cfg = load_config(argv)
     trainer = Trainer(plan_run(cfg, world_from_env()[1]))
     history = trainer.train()
-    params = trainer.params
-    optim_tensors = [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
-    sizes = {
-        "param_bytes": local_bytes(params),
-        "grad_bytes": local_bytes(p.grad for p in params),
-        "optim_bytes": local_bytes(optim_tensors),
-        "full_param_bytes": sum(p.numel() * p.element_size() for p in params),
-        "norm_param_bytes": sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "norm" in n),
-    }
+    sizes = held_bytes(trainer)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sizes)
     trainer.close()

@@ -10,6 +10,7 @@ instead of an index error (CPU) or a device assert (CUDA), or a silent NaN.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -57,18 +58,24 @@ class TokenShards:
         if start < 0 or start + length > self.num_tokens:
             raise IndexError(f"tokens [{start}, {start + length}) outside [0, {self.num_tokens})")
         out = np.empty(length, dtype=np.int64)
+        for shard, offset, take, done in self._pieces(start, length):
+            piece = self._map(shard)[offset : offset + take]
+            self._check_vocab(piece, shard, offset)
+            out[done : done + take] = piece
+        return out
+
+    def _pieces(self, start: int, length: int) -> Iterator[tuple[int, int, int, int]]:
+        """(shard, offset in it, tokens taken, tokens before) for each shard the range
+        [start, start + length) of the stream covers, in order (empty shards skipped)."""
         done = 0
         shard = bisect.bisect_right(self.starts, start) - 1
         while done < length:
             offset = start + done - self.starts[shard]
             take = min(length - done, self.starts[shard + 1] - self.starts[shard] - offset)
             if take > 0:
-                piece = self._map(shard)[offset : offset + take]
-                self._check_vocab(piece, shard, offset)
-                out[done : done + take] = piece
+                yield shard, offset, take, done
                 done += take
             shard += 1
-        return out
 
     def _check_vocab(self, piece: np.ndarray, shard: int, offset: int) -> None:
         top = int(piece.max())
@@ -90,17 +97,10 @@ class TokenShards:
         at `start` (int32). Read from the shards' document indexes, only the entries inside the
         range; a shard boundary is a document boundary (shards hold whole documents)."""
         starts = np.zeros(length, dtype=np.int32)
-        done = 0
-        shard = bisect.bisect_right(self.starts, start) - 1
-        while done < length:
-            offset = start + done - self.starts[shard]
-            take = min(length - done, self.starts[shard + 1] - self.starts[shard] - offset)
-            if take > 0:
-                offsets = self.document_offsets(shard)
-                lo, hi = np.searchsorted(offsets, [offset + 1, offset + take])  # document starts inside (offset, offset + take)
-                starts[done + offsets[lo:hi].astype(np.int64) - offset] = 1
-                if done:
-                    starts[done] = 1  # the next shard starts a document
-                done += take
-            shard += 1
+        for shard, offset, take, done in self._pieces(start, length):
+            offsets = self.document_offsets(shard)
+            lo, hi = np.searchsorted(offsets, [offset + 1, offset + take])  # document starts inside (offset, offset + take)
+            starts[done + offsets[lo:hi].astype(np.int64) - offset] = 1
+            if done:
+                starts[done] = 1  # the next shard starts a document
         return np.cumsum(starts, dtype=np.int32)
