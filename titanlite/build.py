@@ -16,20 +16,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titanlite.config import JobConfig
+from titanlite.config.dtypes import DTYPES
 from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
 from titanlite.model_spec import ModelSpec
-from titanlite.parallel.activation_checkpoint import apply_ac
-from titanlite.parallel.compile import apply_compile
-from titanlite.parallel.context_parallel import ContextParallel
-from titanlite.parallel.fsdp import apply_fsdp
+from titanlite.parallel import parallelize as parallel
+from titanlite.parallel.activation_checkpoint import ac_setting
 from titanlite.parallel.memory import check_training_state_fits
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.parallel.pipeline import ModelParts, PipelineLayout, plan_layout, shared_parameters, split_stage
 from titanlite.parallel.tensor_parallel import sequence_parallel_for
+from titanlite.parallel.units import select
 
 
 @dataclass(frozen=True)
@@ -110,31 +111,36 @@ def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
 
 
 def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
-    """Apply the parallelisms in their fixed order: TP -> CP (the model's attention learns its
-    sequence layout) -> AC -> compile -> FSDP."""
+    """The run's settings handed to the public `parallel.parallelize.parallelize` (TP -> CP
+    -> AC -> compile -> FSDP): the trainer takes the library's one path."""
     cfg, dims = plan.cfg, plan.dims
     if cfg.training.mixed_precision_param == "auto":
         raise ValueError("parallelize: decide mixed_precision_param 'auto' first (RunPlan.with_compute_dtype)")
+    tp_plan = None
     if dims.tp_enabled:
         sequence_parallel = sequence_parallel_for(meshes.tp, cfg.parallelism.sequence_parallel)
-        plan.spec.apply_tp(model, meshes.tp, cfg.parallelism.enable_loss_parallel, sequence_parallel)
-    if dims.cp_enabled:
-        model.enable_context_parallel(ContextParallel(meshes.cp))
-    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
-    if cfg.compile.enable:
-        apply_compile(model)
-    if dims.fsdp_enabled:
-        apply_fsdp(
-            model,
-            meshes.fsdp,
-            param_dtype=cfg.training.mixed_precision_param,
-            reduce_dtype=cfg.training.mixed_precision_reduce,
-            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
-            cpu_offload=cfg.training.enable_cpu_offload,
-            prefetch_depth=cfg.parallelism.fsdp_prefetch_depth,
-            shard_module_classes=cfg.parallelism.fsdp_shard_modules,
-            pipelined=dims.pp_enabled,
-        )
+        tp_plan = functools.partial(_apply_tp, plan.spec, cfg.parallelism.enable_loss_parallel, sequence_parallel)
+    if dims.fsdp_enabled and cfg.parallelism.fsdp_shard_modules:  # a missing class named by its config key
+        select(model, cfg.parallelism.fsdp_shard_modules, "parallelism.fsdp_shard_modules")
+    precision = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.mixed_precision_param],
+                                     reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
+    parallel.parallelize(
+        model,
+        meshes,
+        tp_plan=tp_plan,
+        fsdp_modules=cfg.parallelism.fsdp_shard_modules or None,
+        reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward,
+        mixed_precision=precision,
+        cpu_offload=cfg.training.enable_cpu_offload,
+        prefetch=cfg.parallelism.fsdp_prefetch_depth,
+        ac=ac_setting(cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option),
+        compile=cfg.compile.enable,
+        pipelined=dims.pp_enabled,
+    )
+
+
+def _apply_tp(spec: ModelSpec, loss_parallel: bool, sequence_parallel: bool, model: torch.nn.Module, tp_mesh) -> None:
+    spec.apply_tp(model, tp_mesh, loss_parallel, sequence_parallel)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def checkpoint_cfg(**overrides) -> Checkpoint:
 def build(dp: int, tp: int, seed: int):
     from titanlite.models.llama import llama3_spec
     from titanlite.models.llama.model import Llama, LlamaArgs
-    from titanlite.parallel.fsdp import apply_fsdp
+    from titanlite.parallel.parallelize import parallelize
     from titanlite.parallel.mesh import ParallelDims
 
     args = LlamaArgs(**ARGS)
@@ -44,8 +44,7 @@ def build(dp: int, tp: int, seed: int):
     if tp > 1:
         llama3_spec.apply_tp(model, meshes.tp, False, False)
     if dp > 1:
-        apply_fsdp(model, meshes.fsdp, param_dtype="float32", reduce_dtype="float32", reshard_after_forward="default",
-                   cpu_offload=False, prefetch_depth=0, shard_module_classes=[])
+        parallelize(model, meshes.fsdp)
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
     return args, model

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve, run_trainer_worker
 from titanlite.models.llama import LlamaArgs, llama3_spec
 from titanlite.parallel.compile import apply_compile
+from titanlite.parallel.units import model_blocks
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
@@ -29,7 +30,7 @@ def train_losses(device: str, compiled: bool, steps: int = 3) -> list[float]:
     with torch.device("meta"):
         model = llama3_spec.model_class(ARGS)
     if compiled:
-        apply_compile(model)
+        apply_compile(model, model_blocks(model))
     model.to_empty(device=device)
     model.init_weights(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

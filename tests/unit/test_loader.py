@@ -100,3 +100,17 @@ def test_state_of_other_data_warns_and_keeps_the_position(shards, caplog):
     assert "continuing at global window 10" in caplog.text and other.windows == 10
     with pytest.raises(TitanliteError, match="^checkpoint: the saved dataloader state is not a titanlite data position"):
         other.load_state_dict({"source": "builtin"})
+
+
+def test_prepared_loader_reads_a_folder_as_the_trainer_does_and_refuses_too_little_data(tmp_path, shards):
+    """The library's one-call loader: the same windows as a hand-built stream over the folder."""
+    from titanlite.data.loader import prepared_loader
+    from titanlite.data.windows import window_count
+
+    loader = prepared_loader(str(shards.folder), SEQ, 2, dp_rank=1, dp_degree=2, seed=7, prefetch=False)
+    windows = DatasetWindows(shards, SEQ + 1, 0, window_count(shards, SEQ + 1), 7)
+    reference = TokenWindowLoader(WindowStream([windows], [1.0], "test"), 2, 1, 2, prefetch=False)
+    assert_same(take(loader, 3), take(reference, 3))
+    small = make_prepared(tmp_path / "small", 10)
+    with pytest.raises(TitanliteError, match="^prepared_loader: "):
+        prepared_loader(str(small.folder), 15, 1)

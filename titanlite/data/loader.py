@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from titanlite.data.prefetch import Prefetcher
-from titanlite.data.windows import WindowStream
+from titanlite.data.token_shards import TokenShards
+from titanlite.data.windows import DatasetWindows, WindowStream, window_count
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 
@@ -93,3 +94,17 @@ class TokenWindowLoader:
                            f"reads {self.stream.name!r} at seq_len {self.seq_len}; continuing at global window {windows:,}")
         self.close()
         self.windows = windows
+
+
+def prepared_loader(folder: str, seq_len: int, local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1,
+                    seed: int | None = 0, prefetch: bool = True) -> TokenWindowLoader:
+    """The library's loader over one prepared folder (`titanlite.prepare`, or `python -m
+    titanlite.data.prepare`): windows of seq_len + 1 tokens, in a fresh order each epoch from
+    `seed` (None: stream order), this dp rank's share of each global batch. Stateful (hand it
+    to a `Checkpointer`): a resume at any dp degree continues at the same window."""
+    shards = TokenShards(folder, field="prepared_loader: folder")
+    count = window_count(shards, seq_len + 1)
+    if count == 0:
+        raise TitanliteError(f"prepared_loader: {folder} holds {shards.num_tokens} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+    stream = WindowStream([DatasetWindows(shards, seq_len + 1, 0, count, seed)], [1.0], name=str(folder))
+    return TokenWindowLoader(stream, local_batch_size, dp_rank, dp_degree, prefetch=prefetch)

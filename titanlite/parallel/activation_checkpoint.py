@@ -1,9 +1,9 @@
 """Activation checkpointing: recompute in backward what forward would otherwise keep.
 
-`activation_checkpoint.mode`:
-- "full": every block keeps only its input and recomputes the rest in backward;
-- "selective" with `selective_ac_option` k: every k-th block, fully;
-- "selective" with "op": every block, per op (torch's selective-checkpoint API, torchtitan's
+`activation_checkpoint.mode` (`apply_ac`'s setting in brackets):
+- "full" ("full"): every block keeps only its input and recomputes the rest in backward;
+- "selective" with `selective_ac_option` k (k): every k-th block, fully;
+- "selective" with "op" ("op"): every block, per op (torch's selective-checkpoint API, torchtitan's
   policy): the outputs of matmuls (every other one), of attention and of the reduce-scatters
   TP issues are kept, the cheap elementwise ops (norms, activations, RoPE) recomputed. Most of
   full checkpointing's memory saving for a fraction of its recompute.
@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titanlite.parallel.units import replace
 
 
 def _op(name: str):
@@ -62,12 +64,21 @@ def _op_context():
     return create_selective_checkpoint_contexts(op_policy())
 
 
-def apply_ac(model: nn.Module, mode: str, option: str) -> None:
-    """Wrap the blocks in `model.layers` as `mode` and `option` say (see module doc)."""
-    if mode == "none":
+def ac_setting(mode: str, option: str) -> str | int:
+    """The config's (`activation_checkpoint.mode`, `selective_ac_option`) as `apply_ac`'s one
+    setting: "none", "full", "op", or k (every k-th block)."""
+    if mode == "selective":
+        return "op" if option == "op" else int(option)
+    return mode
+
+
+def apply_ac(model: nn.Module, ac: str | int, blocks: list[tuple[str, nn.Module]]) -> None:
+    """Wrap `blocks` ((qualified name, module) in the model's order) as `ac` says: "none",
+    "full" (every block), "op" (every block, per op) or k (every k-th block, fully)."""
+    if ac == "none":
         return
-    for index, (name, block) in enumerate(list(model.layers.items())):
-        if mode == "selective" and option == "op":
-            model.layers[name] = checkpoint_wrapper(block, context_fn=_op_context, preserve_rng_state=False)
-        elif mode == "full" or (index + 1) % int(option) == 0:
-            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+    for index, (name, block) in enumerate(blocks):
+        if ac == "op":
+            replace(model, name, checkpoint_wrapper(block, context_fn=_op_context, preserve_rng_state=False))
+        elif ac == "full" or (index + 1) % ac == 0:
+            replace(model, name, checkpoint_wrapper(block, preserve_rng_state=False))

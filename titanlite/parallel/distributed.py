@@ -90,7 +90,7 @@ def backend_for(device_type: str, cpu_offload: bool = False) -> str:
     return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
-def init_distributed(init_timeout_seconds: int, cpu_offload: bool = False) -> DistInfo:
+def init_distributed(init_timeout_seconds: int = 600, cpu_offload: bool = False) -> DistInfo:
     """Join the process group and pick this rank's device and CPU threads. A process group
     that is already up (the caller's own, or a previous run's in the same process) is
     joined as it is, with its timeout moved to `init_timeout_seconds`."""

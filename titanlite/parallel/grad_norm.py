@@ -13,11 +13,14 @@ gradient, enough to make the same gradients give different norms under different
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from titanlite.errors import TitanliteError
 
 
 def _replication(grad: torch.Tensor) -> int:
@@ -70,10 +73,10 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.float() for n in norms]).pow(2).sum()
 
 
-def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool) -> torch.Tensor:
+def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The L2 norm of all gradients, as a float32 scalar on the gradients' device.
 
-    world: the gradients are spread over every rank of the default process group.
+    world: the gradients are spread over every rank of `group` (None: the default group).
     """
     align_grads_with_params_(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -87,17 +90,27 @@ def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool) -> torch.
         by_replication.setdefault(_replication(g), []).append(local)
     for copies, locals_ in by_replication.items():
         total += _sum_of_squares(locals_) / copies
-    if world and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
+    if world and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
-def clip_gradients_(parameters: list[torch.nn.Parameter], max_norm: float, world: bool) -> torch.Tensor:
+def clip_gradients_(parameters: list[torch.nn.Parameter], max_norm: float, world: bool,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scale gradients so their total norm is at most max_norm (0 = measure only); returns the norm."""
-    norm = total_grad_norm(parameters, world)
-    if max_norm > 0:
+    norm = total_grad_norm(parameters, world, group)
+    if max_norm > 0 and any(p.grad is not None for p in parameters):
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
         torch._foreach_mul_(locals_, scale.to(locals_[0].device))
     return norm
 
+
+
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a parallelized model: the L2 norm over every
+    shard and replica on the ranks of `group` (None: all ranks, which hold the model between
+    them), with one all-reduce, whatever mix of meshes the parameters live on; returns it."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+        raise TitanliteError(f"clip_grad_norm_: max_norm must be a number >= 0 (0 = measure only), got {max_norm!r}")
+    return clip_gradients_([p for p in parameters if p.requires_grad], float(max_norm), world=True, group=group)

@@ -13,7 +13,10 @@ ranks); the loss is averaged over dp x cp; gradient norms are reduced over the w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.errors import TitanliteError
@@ -168,3 +171,18 @@ class Meshes:
     pp: DeviceMesh | None = None
     cp: DeviceMesh | None = None
     loss: DeviceMesh | None = None
+
+
+def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
+               device_type: str | None = None) -> Meshes:
+    """The library's mesh: the trainer's named mesh and views from degrees (`dp_shard` -1 =
+    the rest of the world), checked as the trainer checks its config. Every rank calls it,
+    after `init_distributed`; one process gets a `Meshes` of None views."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    degrees = SimpleNamespace(data_parallel_replicate_degree=dp_replicate, data_parallel_shard_degree=dp_shard,
+                              tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp)
+    for name, value in vars(degrees).items():
+        if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not (name == "data_parallel_shard_degree" and value == -1)):
+            raise TitanliteError(f"build_mesh: {name} must be a whole number >= 1 (dp_shard also -1), got {value!r}")
+    dims = ParallelDims.from_config(degrees, world_size)
+    return dims.build_mesh(device_type or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -1,0 +1,108 @@
+"""`parallelize`: titanlite's parallelisms applied to any model in their fixed order, the one
+path the trainer (`build.parallelize`) and a library user's own loop share.
+
+The order is torchtitan's: the TP plan first (it turns parameters into DTensors on the tp
+mesh, which FSDP then shards further), the model's context-parallel attention, activation
+checkpointing and `torch.compile` per block (so FSDP's hooks sit outside the wrappers and
+the compiled graphs), and last `fully_shard` per unit, innermost first, then the root.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Union
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from titanlite.errors import TitanliteError
+from titanlite.parallel.activation_checkpoint import apply_ac
+from titanlite.parallel.compile import apply_compile
+from titanlite.parallel.context_parallel import ContextParallel
+from titanlite.parallel.fsdp import shard_model
+from titanlite.parallel.mesh import Meshes
+from titanlite.parallel.units import Selector, innermost_first, outermost_named, select
+
+TPPlan = Union[None, Callable[[nn.Module, DeviceMesh], None], dict[str, ParallelStyle]]
+
+
+def as_meshes(mesh: Meshes | DeviceMesh | None) -> Meshes:
+    """`build_mesh`'s result as it is; a bare DeviceMesh is the FSDP mesh (2D: HSDP); None is
+    one process (AC and compile only)."""
+    if mesh is None or isinstance(mesh, DeviceMesh):
+        return Meshes(world=mesh, dp=mesh, fsdp=mesh, tp=None)
+    return mesh
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: Meshes | DeviceMesh | None,
+    *,
+    tp_plan: TPPlan = None,
+    blocks: Selector = None,
+    fsdp_modules: Selector = None,
+    reshard_after_forward: bool | int | str = "default",
+    mixed_precision: MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+    prefetch: int = 0,
+    ac: str | int = "none",
+    compile: bool = False,
+    pipelined: bool = False,
+) -> nn.Module:
+    """Parallelize `model` in place over `mesh` (from `build_mesh`) and return it.
+
+    tp_plan: `fn(model, tp_mesh)`, or a `parallelize_module` plan dict (FQN -> style).
+    blocks: the repeated blocks AC and compile wrap (see `units.py`: class names, classes, a
+        predicate); default the children of `model.layers`.
+    fsdp_modules: the modules sharded one by one (nested ones too, innermost first);
+        default the blocks.
+    reshard_after_forward: True / False / k ranks / "default" (all but the last unit).
+    mixed_precision: FSDP2's policy (compute and reduce dtypes); None keeps float32.
+    cpu_offload: parameters, gradients and optimizer state on the host.
+    prefetch: 0 = FSDP2's implicit one-ahead prefetch; N = the next N units, explicitly.
+    ac: "none", "full", "op" (per-op selective) or k (every k-th block).
+    compile: `torch.compile` each block.
+    """
+    meshes = as_meshes(mesh)
+    _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
+    if tp_plan is not None:
+        tp_plan(model, meshes.tp) if callable(tp_plan) else parallelize_module(model, meshes.tp, tp_plan)
+    if meshes.cp is not None:
+        if not hasattr(model, "enable_context_parallel"):
+            raise TitanliteError("parallelize: the mesh has a cp dimension but the model has no enable_context_parallel method")
+        model.enable_context_parallel(ContextParallel(meshes.cp))
+    names = [name for name, _ in outermost_named(select(model, blocks, "parallelize: blocks"))]
+    if (ac != "none" or compile) and not names:
+        raise TitanliteError("parallelize: ac and compile wrap blocks: pass blocks= (the model has no `layers`)")
+    apply_ac(model, ac, [(name, model.get_submodule(name)) for name in names])
+    if compile:
+        apply_compile(model, [(name, model.get_submodule(name)) for name in names])
+    if meshes.fsdp is not None:
+        if fsdp_modules is None:
+            units = [model.get_submodule(name) for name in names]
+        else:
+            units = innermost_first(select(model, fsdp_modules, "parallelize: fsdp_modules"))
+        shard_model(model, meshes.fsdp, units, mp_policy=mixed_precision or MixedPrecisionPolicy(),
+                    reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, prefetch_depth=prefetch,
+                    pipelined=pipelined)
+    return model
+
+
+def _check(meshes: Meshes, tp_plan: TPPlan, ac: str | int, prefetch: int, reshard: bool | int | str) -> None:
+    """One line per impossible setting, before the model is touched."""
+    if tp_plan is not None and meshes.tp is None:
+        raise TitanliteError("parallelize: tp_plan needs a mesh with a tp dimension (build_mesh(tp=...))")
+    if tp_plan is not None and not (callable(tp_plan) or isinstance(tp_plan, dict)):
+        raise TitanliteError(f"parallelize: tp_plan must be fn(model, tp_mesh) or a parallelize_module plan dict, got {type(tp_plan).__name__}")
+    if not (ac in ("none", "full", "op") or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
+        raise TitanliteError(f"parallelize: ac must be 'none', 'full', 'op' or a whole number k >= 1 (every k-th block), got {ac!r}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise TitanliteError(f"parallelize: prefetch must be a whole number >= 0, got {prefetch!r}")
+    if isinstance(reshard, str) and reshard not in ("default", "always", "never") and not reshard.isdigit():
+        raise TitanliteError(f"parallelize: reshard_after_forward must be True, False, a number of ranks or 'default', got {reshard!r}")
+    if isinstance(reshard, int) and not isinstance(reshard, bool) and meshes.fsdp is not None:
+        shards = meshes.fsdp.size(meshes.fsdp.ndim - 1)
+        if reshard < 1 or shards % reshard:
+            raise TitanliteError(f"parallelize: reshard_after_forward {reshard} ranks do not divide the {shards} FSDP shards")
