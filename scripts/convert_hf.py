@@ -1,6 +1,6 @@
 """Convert between our checkpoints and Hugging Face Llama weights (one process, no GPU).
 
-    # ours -> HF: model.safetensors + config.json, loadable by LlamaForCausalLM.from_pretrained
+    # ours -> HF: sharded safetensors + index + config.json, loadable by LlamaForCausalLM.from_pretrained
     python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_out/ [--dtype bfloat16]
     python scripts/convert_hf.py to-hf model.pt hf_out/ --model llama3 --flavor 8B --vocab-size 128256
 
@@ -13,6 +13,8 @@ config.json, RoPE included wherever its transformers version wrote it (`rope_par
 or top-level `rope_theta` / `rope_scaling`); --flavor only names the result (it must match
 config.json). Loading HF weights straight into training needs no conversion:
 checkpoint.initial_load_format = "hf", which checks config.json against the flavor the same way.
+Both directions run on titanlite.checkpoint.hf_io, the code a multi-process run uses (DCP's
+Hugging Face storage reader and writer), here on one process.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanlite.checkpoint import commit, export, policy
+from titanlite.checkpoint import commit, export, hf_io, policy
 from titanlite.config.dtypes import DTYPE_NAMES, torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 from titanlite.models import get_model_spec
@@ -66,26 +68,29 @@ def to_hf(args: argparse.Namespace) -> str:
             raise TitanliteError(f"{folder}: no commit.json, so the model is unknown; export it to .pt first and pass --flavor")
         spec, model_args = args_from_record(record)
         state = export.read_dcp_model(folder)
-    out = export.save_hf(state, model_args, _adapter(spec), args.out, dtype)
-    return f"wrote {out / export.HF_WEIGHTS_FILE} and {export.HF_CONFIG_FILE} ({len(state)} tensors, {spec.name} {model_args.dim}d x {model_args.n_layers})"
+    out = hf_io.save_hf_weights(state, args.out, _adapter(spec), model_args, dtype=dtype)
+    files = len(list(out.glob("*.safetensors")))
+    return f"wrote {out} ({len(state)} tensors in {files} safetensors file{'s' if files != 1 else ''} + {hf_io.HF_CONFIG_FILE}, {spec.name} {model_args.dim}d x {model_args.n_layers})"
 
 
 def from_hf(args: argparse.Namespace) -> str:
     spec = get_model_spec(args.model, args.flavor)
     adapter = _adapter(spec)
-    config = export.read_hf_config(args.source)
+    config = hf_io.read_hf_config(args.source)
     try:
         base = spec.flavors[args.flavor] if args.flavor else None
         model_args = adapter.args_from_hf_config(config, base)
     except (KeyError, ValueError) as error:
-        raise TitanliteError(f"{Path(args.source) / export.HF_CONFIG_FILE}: {error}") from None
+        raise TitanliteError(f"{Path(args.source) / hf_io.HF_CONFIG_FILE}: {error}") from None
     if args.flavor:
         expected = spec.args_for(args.flavor, model_args.vocab_size)
         wrong = adapter.check_hf_config(config, expected)
         if wrong:
-            raise TitanliteError(f"--flavor: {args.flavor} does not match {Path(args.source) / export.HF_CONFIG_FILE}: {', '.join(wrong)}")
+            raise TitanliteError(f"--flavor: {args.flavor} does not match {Path(args.source) / hf_io.HF_CONFIG_FILE}: {', '.join(wrong)}")
         model_args = expected
-    state = export.load_hf(args.source, adapter, model_args)
+    with torch.device("meta"):
+        wanted = {k: tuple(v.shape) for k, v in spec.model_class(model_args).state_dict().items()}
+    state = hf_io.read_hf_model(args.source, adapter, model_args, wanted)
     state = export.cast_floating(state, torch_dtype(args.dtype) if args.dtype else None)
     out = Path(args.out)
     if out.suffix == ".pt":

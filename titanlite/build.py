@@ -71,6 +71,9 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     args = _with_mask_type(spec, spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size),
                            cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    if (cfg.checkpoint.last_save_in_hf or cfg.checkpoint.initial_load_format == "hf") and spec.hf_adapter is None:
+        option = "last_save_in_hf" if cfg.checkpoint.last_save_in_hf else "initial_load_format"
+        raise TitanliteError(f"checkpoint.{option}: model {spec.name} has no Hugging Face mapping")
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if reshard.isdigit() and (not dims.fsdp_enabled or (dims.dp_shard * dims.cp) % int(reshard)):

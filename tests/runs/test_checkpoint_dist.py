@@ -78,7 +78,7 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def export_worker(rank: int, world: int, port: int, folder: str) -> None:
-    from titanlite.checkpoint import export
+    from titanlite.checkpoint import export, hf_io
     from titanlite.models.llama import hf_adapter
     from titanlite.models.llama.model import Llama
 
@@ -91,7 +91,7 @@ def export_worker(rank: int, world: int, port: int, folder: str) -> None:
     full = export.full_model_state_dict(model)
     if rank == 0:
         torch.save(full, folder / "full.pt")
-        export.save_hf(full, args, hf_adapter, folder / "hf")
+        hf_io.save_hf_weights(full, folder / "hf", hf_adapter, args)
         plain = Llama(args)
         plain.init_weights(seed=123)
         plain.load_state_dict(torch.load(folder / "full.pt", weights_only=True))
@@ -175,7 +175,7 @@ def spawn(fn, world: int, *args, timeout: float = 120) -> None:
 @pytest.mark.timeout(180)
 def test_sharded_export_and_initial_loads_fsdp2_tp2(tmp_path):
     spawn(export_worker, 4, str(tmp_path))
-    assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "config.json").is_file()
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
 
 
 @pytest.mark.timeout(240)

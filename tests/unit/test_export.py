@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.helpers.stand_ins import TINY, tiny_model
-from titanlite.checkpoint import commit, export
+from titanlite.checkpoint import commit, export, hf_io
 from titanlite.errors import TitanliteError
 from titanlite.models.llama import hf_adapter as hf_llama
 from titanlite.models.llama.model import Llama
@@ -39,20 +39,20 @@ def test_dcp_folder_to_full_file_loads_into_plain_model(tmp_path):
 def test_hf_export_then_import_round_trips_exactly(tmp_path):
     pytest.importorskip("safetensors")
     state = tiny_model(seed=2).state_dict()
-    export.save_hf(state, TINY, hf_llama, tmp_path / "hf")
+    hf_io.save_hf_weights(state, tmp_path / "hf", hf_llama, TINY)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_key_value_heads"] == 2 and config["intermediate_size"] == TINY.ffn_hidden_dim
-    back = export.load_hf(tmp_path / "hf", hf_llama, TINY)
+    back = hf_io.read_hf_model(tmp_path / "hf", hf_llama, TINY)
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     other = dataclasses.replace(TINY, dim=128)
     with pytest.raises(TitanliteError, match="config.json: describes another model: hidden_size 64"):
-        export.load_hf(tmp_path / "hf", hf_llama, other)
+        hf_io.read_hf_model(tmp_path / "hf", hf_llama, other)
 
 
 def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = tiny_model(seed=3)
-    export.save_hf(model.state_dict(), TINY, hf_llama, tmp_path / "hf")
+    hf_io.save_hf_weights(model.state_dict(), tmp_path / "hf", hf_llama, TINY)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32, attn_implementation="eager")
     tokens = torch.randint(0, TINY.vocab_size, (2, 12))
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_export_and_convert_scripts_round_trip(tmp_path, capsys):
 
     convert = _script("convert_hf.py")
     assert convert(["to-hf", str(step), str(tmp_path / "hf")]) == 0
-    assert all(torch.equal(v, state[k]) for k, v in export.load_hf(tmp_path / "hf", hf_llama, TINY).items())
+    assert all(torch.equal(v, state[k]) for k, v in hf_io.read_hf_model(tmp_path / "hf", hf_llama, TINY).items())
     assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
     back = export.read_dcp_model(tmp_path / "back")
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)

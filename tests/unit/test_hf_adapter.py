@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers.stand_ins import TINY, tiny_model
-from titanlite.checkpoint import export
+from titanlite.checkpoint import hf_io
 from titanlite.errors import TitanliteError
 from titanlite.models.llama import hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs, apply_rope, rope_cos_sin
@@ -91,7 +91,7 @@ def test_our_export_with_rope_scaling_loads_in_transformers(tmp_path):
                      rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 16))
     ours = Llama(args)
     ours.init_weights(seed=3)
-    export.save_hf(ours.state_dict(), args, hf_adapter, tmp_path / "hf")
+    hf_io.save_hf_weights(ours.state_dict(), tmp_path / "hf", hf_adapter, args)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, attn_implementation="eager")
     assert hf_model.config.rope_parameters["rope_type"] == "llama3"
     tokens = torch.randint(0, args.vocab_size, (2, 24))
@@ -114,11 +114,11 @@ def test_initial_hf_load_refuses_a_config_of_another_model(tmp_path, change, men
     compared with the flavor before a tensor is read."""
     save_pretrained(tmp_path / "hf", "default")
     args = hf_adapter.args_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
-    assert export.load_hf(tmp_path / "hf", hf_adapter, args).keys() == Llama(args).state_dict().keys()
+    assert hf_io.read_hf_model(tmp_path / "hf", hf_adapter, args).keys() == Llama(args).state_dict().keys()
     path = tmp_path / "hf" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(TitanliteError, match="config.json: describes another model") as info:
-        export.load_hf(tmp_path / "hf", hf_adapter, args)
+        hf_io.read_hf_model(tmp_path / "hf", hf_adapter, args)
     assert mentions in str(info.value) and "\n" not in str(info.value)
 
 

@@ -11,8 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titanlite.checkpoint import export
-from titanlite.checkpoint.load_progress import ProgressReader, files_with_progress
-from titanlite.errors import TitanliteError
+from titanlite.checkpoint.load_progress import HFProgressReader, ProgressReader
 
 
 @pytest.fixture
@@ -43,30 +42,18 @@ def test_dcp_load_reports_size_progress_and_time_and_loads_the_same_tensors(tmp_
     assert re.fullmatch(rf"checkpoint load: {re.escape(name)}: done, {size} in \d+ s", lines[-1]), lines[-1]
 
 
-def test_hugging_face_import_reports_each_file(tmp_path, progress_lines):
+def test_hugging_face_import_reports_size_progress_and_time(tmp_path, progress_lines):
+    """A Hugging Face folder is read through `HFProgressReader`: the same three kinds of
+    line, sized by the slices this rank reads (here all of three 4 KB tensors)."""
     import safetensors.torch as st
     for index in range(3):
-        st.save_file({f"t{index}": torch.ones(1000)}, str(tmp_path / f"model-{index}.safetensors"))
+        st.save_file({f"t{index}": torch.full((1000,), float(index))}, str(tmp_path / f"model-{index}.safetensors"))
+    state = {f"t{index}": torch.zeros(1000) for index in range(3)}
 
-    tensors = export.read_hf_tensors(tmp_path)
+    with export.single_process():
+        dcp.load(state, storage_reader=HFProgressReader(tmp_path, every_s=0.0), no_dist=True)
 
-    assert sorted(tensors) == ["t0", "t1", "t2"]
+    assert all(torch.equal(state[f"t{i}"], torch.full((1000,), float(i))) for i in range(3))
     lines = progress_lines()
-    what = f"Hugging Face import from {tmp_path}"
-    assert lines[0].startswith(f"{what}: 3 files, 12.")
-    assert lines[-1].startswith(f"{what}: done, 12.") and "KB in" in lines[-1]
-
-
-def test_a_missing_file_stays_the_readers_error_to_report(tmp_path, progress_lines):
-    names = ["here.bin", "gone.bin"]
-    (tmp_path / "here.bin").write_bytes(b"x" * 2000)
-    seen = []
-    with pytest.raises(TitanliteError, match="gone.bin"):
-        for name in files_with_progress("reading", tmp_path, names, every_s=0.0):
-            if not (tmp_path / name).is_file():
-                raise TitanliteError(f"{tmp_path / name}: missing")
-            seen.append(name)
-    assert seen == ["here.bin"]
-    lines = progress_lines()  # a missing file counts as empty; the reader's error ends it
-    assert lines[0] == "reading: 2 files, 2.0 KB" and lines[1].startswith("reading: 100% (2.0 KB of 2.0 KB)")
-    assert not any("done" in line for line in lines)
+    assert lines[0] == f"checkpoint load: {tmp_path} holds 12.0 KB in 3 files; this rank reads 12.0 KB", lines[0]
+    assert re.fullmatch(rf"checkpoint load: {re.escape(tmp_path.name)}: done, 12.0 KB in \d+ s", lines[-1]), lines[-1]

@@ -6,19 +6,21 @@ an 8B import reads 16 GB of safetensors before the first step. Both report throu
 at most every few seconds while reading (how far, time left), one after (how much, how
 long).
 
-`ProgressReader` is DCP's own `FileSystemReader`, changed in one place: `read_data` hands
-DCP's load planner on wrapped, so that each item counts its bytes as it lands (the
-planner's public `load_bytes` / `commit_tensor` callbacks); the reading itself is DCP's.
+`ProgressReader` (DCP's own `FileSystemReader`) and `HFProgressReader` (its
+`HuggingFaceStorageReader`) are changed in one place: `read_data` hands DCP's load planner
+on wrapped, so that each item counts its bytes as it lands (the planner's public
+`load_bytes` / `commit_tensor` callbacks); the reading itself is DCP's.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from titanlite.logging import logger
@@ -27,21 +29,32 @@ from titanlite.observe.progress import Progress, amount_text
 
 class _CountingPlanner:
     """DCP's load planner, unchanged, except that each item read advances `progress` by
-    its stored size."""
+    its size in the files."""
 
-    def __init__(self, planner: LoadPlanner, storage_data: dict[Any, Any], progress: Progress):
-        self._planner, self._storage_data, self._progress = planner, storage_data, progress
+    def __init__(self, planner: LoadPlanner, size_of: Callable[[ReadItem], int], progress: Progress):
+        self._planner, self._size_of, self._progress = planner, size_of, progress
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         self._planner.load_bytes(read_item, value)
-        self._progress.advance(self._storage_data[read_item.storage_index].length)
+        self._progress.advance(self._size_of(read_item))
 
     def commit_tensor(self, read_item: ReadItem, tensor: Any) -> None:
         self._planner.commit_tensor(read_item, tensor)
-        self._progress.advance(self._storage_data[read_item.storage_index].length)
+        self._progress.advance(self._size_of(read_item))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)
+
+
+def _read_with_progress(reader: Any, total: int, files: int, size_of: Callable[[ReadItem], int],
+                        plan: LoadPlan, planner: LoadPlanner, read: Callable[..., Any]) -> Any:
+    mine = sum(size_of(item) for item in plan.items)
+    logger.info(f"checkpoint load: {reader.path} holds {amount_text(total, 'B')} in "
+                f"{amount_text(files, 'files' if files != 1 else 'file')}; this rank reads {amount_text(mine, 'B')}")
+    progress = Progress(f"checkpoint load: {Path(reader.path).name}", total=mine, unit="B", every_s=reader.every_s)
+    done = read(plan, _CountingPlanner(planner, size_of, progress))
+    progress.finish()
+    return done
 
 
 class ProgressReader(FileSystemReader):
@@ -53,24 +66,23 @@ class ProgressReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         stored = self.storage_data.values()
-        files = len({s.relative_path for s in stored})
-        mine = sum(self.storage_data[item.storage_index].length for item in plan.items)
-        logger.info(f"checkpoint load: {self.path} holds {amount_text(sum(s.length for s in stored), 'B')} in "
-                    f"{amount_text(files, 'files' if files != 1 else 'file')}; this rank reads {amount_text(mine, 'B')}")
-        progress = Progress(f"checkpoint load: {Path(self.path).name}", total=mine, unit="B", every_s=self.every_s)
-        done = super().read_data(plan, _CountingPlanner(planner, self.storage_data, progress))
-        progress.finish()
-        return done
+        return _read_with_progress(self, sum(s.length for s in stored), len({s.relative_path for s in stored}),
+                                   lambda item: self.storage_data[item.storage_index].length, plan, planner, super().read_data)
 
 
-def files_with_progress(what: str, folder: Path, names: Sequence[str], every_s: float = 5.0) -> Iterator[str]:
-    """Yield each of `names` (files in `folder`, read whole by the caller) and count its
-    size once the caller is done with it. A missing file counts as empty: reading it is
-    the caller's error to report."""
-    sizes = [(folder / name).stat().st_size if (folder / name).is_file() else 0 for name in names]
-    logger.info(f"{what}: {amount_text(len(names), 'files' if len(names) != 1 else 'file')}, {amount_text(sum(sizes), 'B')}")
-    progress = Progress(what, total=sum(sizes), unit="B", every_s=every_s)
-    for name, size in zip(names, sizes):
-        yield name
-        progress.advance(size)
-    progress.finish()
+class HFProgressReader(HuggingFaceStorageReader):
+    """A `HuggingFaceStorageReader` that says the same: an item's size is its slice's
+    elements times the stored dtype's size (what safetensors reads)."""
+
+    def __init__(self, path: str | os.PathLike, every_s: float = 5.0):
+        super().__init__(str(path))
+        self.every_s = every_s
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        stored = self.storage_data.values()
+        total = sum(math.prod(s.shape) * s.dtype.itemsize for s in stored)
+
+        def size_of(item: ReadItem) -> int:
+            return math.prod(item.lengths) * self.storage_data[item.storage_index].dtype.itemsize
+
+        return _read_with_progress(self, total, len({s.relative_path for s in stored}), size_of, plan, planner, super().read_data)

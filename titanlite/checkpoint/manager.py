@@ -18,11 +18,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from titanlite.checkpoint import commit, integrity, policy
+from titanlite.checkpoint import commit, hf_io, integrity, policy
 from titanlite.checkpoint.async_save import Saver
 from titanlite.checkpoint.checkpointer import Checkpointer
 from titanlite.checkpoint.contents import Contents
 from titanlite.checkpoint.restore import Restorer
+from titanlite.config.dtypes import torch_dtype
+from titanlite.logging import logger
 
 if TYPE_CHECKING:
     from titanlite.config import Checkpoint
@@ -58,6 +60,8 @@ class CheckpointManager:
         self.world_size = self.pipeline.world_size
         # `tokenizer` (anything with .path and .vocab_size): recorded, and compared on resume.
         self.tokenizer = integrity.tokenizer_record(tokenizer) if tokenizer is not None and self.pipeline.rank == 0 else {}
+        self.tokenizer_path = Path(tokenizer.path) if tokenizer is not None else None
+        self.spec, self.args = spec, model_args
         self.restorer = Restorer(cfg, self.root, spec, flavor, model_args, self.contents, self.pipeline.group, self.tokenizer)
 
     @property
@@ -73,6 +77,8 @@ class CheckpointManager:
         `policy.should_save` says so, as `policy.save_kind` says. At most one save is in
         flight: a new one first waits for the previous."""
         self.pipeline.poll()
+        if last and self.cfg.last_save_in_hf:
+            self.save_hf(step)
         if not self.cfg.enable_checkpoint or not policy.should_save(step, self.cfg.interval, last):
             return
         if step in self.pipeline.saved_steps:
@@ -87,6 +93,19 @@ class CheckpointManager:
         if step not in self.pipeline.saved_steps:
             self._save(step, policy.SaveKind(weights_only=False, export_dtype=None, blocking=True))
         return commit.step_dir(self.root, step)
+
+    def save_hf(self, step: int) -> Path:
+        """`last_save_in_hf`: the model as a Hugging Face folder `<root>/step-N-hf` (not a
+        checkpoint to resume from: `commit.scan` lists only `step-N`), every rank writing
+        its own shards (`hf_io.save_hf_weights`). Blocking and collective."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        out = self.root / f"step-{step}-hf"
+        extra = hf_io.tokenizer_files(self.tokenizer_path) if self.tokenizer_path is not None else []
+        hf_io.save_hf_weights(get_model_state_dict(self.contents.model), out, self.spec.hf_adapter, self.args,
+                              self.pipeline.group, torch_dtype(self.cfg.export_dtype), extra)
+        logger.info(f"checkpoint: step {step} written as a Hugging Face folder {out}")
+        return out
 
     def save_seed(self) -> None:
         """`create_seed_checkpoint`: the freshly initialized weights as step 0, model only.

@@ -29,13 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from titanlite.checkpoint import export, integrity, policy
+from titanlite.checkpoint import hf_io, integrity, policy
 from titanlite.checkpoint.commit import CommitRecord, args_dict, fingerprint, read_dcp_index
 from titanlite.checkpoint.contents import Contents
 from titanlite.checkpoint.load_progress import ProgressReader
@@ -165,22 +161,22 @@ class Restorer:
         set_model_state_dict(self.contents.model, model_sd)
 
     def _load_hf(self, folder: Path) -> None:
-        """`initial_load_path` (hf): rank 0 reads the safetensors and converts them to our
-        names; `set_model_state_dict` with `broadcast_from_rank0` sends each full tensor to
-        the other ranks, and every rank keeps only its shard."""
+        """`initial_load_path` (hf): rank 0 checks the folder (config.json, the index's
+        files, every tensor's shape); then each rank reads only the slices of its own
+        shards through DCP's Hugging Face reader (`hf_io.load_hf_weights`)."""
         adapter = self.spec.hf_adapter
         if adapter is None:
             raise TitanliteError(f"checkpoint.initial_load_format: model {self.spec.name} has no Hugging Face mapping")
+        def check() -> None:  # against the whole model: a pipeline stage holds only its layers
+            with torch.device("meta"):
+                whole = self.spec.model_class(self.model_args).state_dict()
+            hf_io.check_hf_folder(folder, adapter, self.model_args, {k: tuple(v.shape) for k, v in whole.items()})
 
-        def read() -> dict[str, torch.Tensor]:
-            full = export.load_hf(folder, adapter, self.model_args)
-            check_tensor_shapes(folder, {k: tuple(v.shape) for k, v in full.items()}, self.contents.model_shapes())
-            return full
-
+        on_rank0(self.group, check)
         started = time.perf_counter()
-        full = on_rank0(self.group, read, broadcast_result=False)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.group is not None, strict=True)
-        set_model_state_dict(self.contents.model, full if full is not None else {}, options=options)
+        model_sd = get_model_state_dict(self.contents.model)
+        hf_io.load_hf_weights(model_sd, folder, adapter, self.model_args, self.group)
+        set_model_state_dict(self.contents.model, model_sd)
         logger.info(f"checkpoint: initialized the model from Hugging Face weights {folder} ({time.perf_counter() - started:.2f} s)")
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:

@@ -171,6 +171,9 @@ class Checkpoint:
     model_weights_only: bool = _opt(False, "save only model weights (no optimizer, schedule or data state) at the last step "
                                     "(torchtitan's checkpoint.last_save_model_only)")
     export_dtype: str = _opt("float32", "dtype of weights-only exports", choices=("float32", "bfloat16", "float16"))
+    last_save_in_hf: bool = _opt(False, "also write the last step's model as a Hugging Face folder, <folder>/step-N-hf "
+                                 "(sharded safetensors + index, config.json, the tokenizer; each rank writes its own "
+                                 "shards), in export_dtype (torchtitan's checkpoint.last_save_in_hf)")
     initial_load_path: str = _opt("", "checkpoint to initialize from when the checkpoint folder has none")
     initial_load_format: str = _opt("dcp", "format of initial_load_path: dcp, or hf (Hugging Face safetensors)",
                                     choices=("dcp", "hf"))

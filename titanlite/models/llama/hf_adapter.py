@@ -7,10 +7,10 @@ the pair (2i, 2i+1) lands at (i, i + d/2); that is what HF's own conversion scri
 (`permute` in convert_llama_weights_to_hf.py). wk has n_kv_heads heads under GQA, so its
 permutation uses n_kv_heads. wv, wo and the MLP have no rotary structure and keep their rows.
 
-The functions take and return plain full (unsharded) state dicts; sharding is the
-caller's business (see checkpoint/restore.py and checkpoint/export.py). This module is the
-model's `hf_adapter` (ModelSpec): to_hf, from_hf, hf_config, check_hf_config,
-args_from_hf_config. It is the one place that knows Llama's config.json keys.
+`to_hf`/`from_hf` convert plain full state dicts; sharded loads and saves use the per-key
+pieces (`hf_name`, `rotary_heads`, `tied_to`) with checkpoint/hf_io.py, which
+folds the row permutation into each rank's read plan. This module is the
+model's `hf_adapter` (ModelSpec). It is the one place that knows Llama's config.json keys.
 """
 
 from __future__ import annotations
@@ -56,6 +56,38 @@ def _rename(key: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
     raise KeyError(key)
 
 
+def hf_name(key: str) -> str:
+    """Our state-dict key -> its Hugging Face name (KeyError for a key HF has no name for)."""
+    return _rename(key, _TO_HF)
+
+
+def from_hf_name(name: str) -> str:
+    """A Hugging Face name -> our state-dict key (KeyError for a name this model lacks)."""
+    return _rename(name, _FROM_HF)
+
+
+def tied_to(key: str, args: Any) -> str | None:
+    """The key whose tensor this one is (a tied model's head is its embedding table: HF
+    stores it once, as `embed_tokens`), or None."""
+    return "tok_embeddings.weight" if key == "output.weight" and args.tie_word_embeddings else None
+
+
+def rotary_heads(key: str, args: Any) -> int | None:
+    """The number of heads whose rows a projection's RoPE layout permutes (q: n_heads,
+    k: kv_heads), or None for a tensor HF stores in our layout."""
+    if key.endswith("attention.wq.weight"):
+        return args.n_heads
+    if key.endswith("attention.wk.weight"):
+        return args.kv_heads
+    return None
+
+
+def ignored_hf_tensor(name: str, args: Any) -> bool:
+    """Tensors HF files may hold that are not weights of this model: old exports' RoPE
+    buffers, and a tied model's duplicate head."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings)
+
+
 def interleaved_to_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Rows of a q/k projection, Meta's interleaved pairs -> HF's rotate-half order."""
     rows, cols = weight.shape
@@ -69,18 +101,13 @@ def half_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face names and layout (new tensors, inputs untouched).
-    A tied model's head is its embedding table: HF stores it once, as `embed_tokens`."""
+    """Our full state dict -> Hugging Face names and layout (new tensors, inputs untouched)."""
     out = {}
     for key, value in state_dict.items():
-        if key == "output.weight" and args.tie_word_embeddings:
+        if tied_to(key, args):
             continue
-        name = _rename(key, _TO_HF)
-        if key.endswith("attention.wq.weight"):
-            value = interleaved_to_half(value, args.n_heads)
-        elif key.endswith("attention.wk.weight"):
-            value = interleaved_to_half(value, args.kv_heads)
-        out[name] = value.contiguous()
+        heads = rotary_heads(key, args)
+        out[hf_name(key)] = (interleaved_to_half(value, heads) if heads else value).contiguous()
     return out
 
 
@@ -93,11 +120,8 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.T
         if key.endswith("rotary_emb.inv_freq"):
             continue
         name = _rename(key, _FROM_HF)
-        if name.endswith("attention.wq.weight"):
-            value = half_to_interleaved(value, args.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            value = half_to_interleaved(value, args.kv_heads)
-        out[name] = value.contiguous()
+        heads = rotary_heads(name, args)
+        out[name] = (half_to_interleaved(value, heads) if heads else value).contiguous()
     if args.tie_word_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -188,6 +212,8 @@ def check_hf_config(config: dict[str, Any], args: Any) -> list[str]:
     """How a Hugging Face config.json differs from these hyperparameters, one phrase per
     key that changes the model's function: shapes, norm eps, RoPE (read from either place),
     tied or biased weights. Empty: it describes this model."""
+    if config.get("model_type", "llama") != "llama":
+        return [f"model_type {config.get('model_type')!r} (this model: 'llama')"]
     try:
         got = _described(config)
     except (KeyError, ValueError, TypeError) as error:
