@@ -10,79 +10,22 @@ sharded FSDP 2 x TP 2 (4 processes) or FSDP 2, spawned with torch.multiprocessin
 
 from __future__ import annotations
 
-import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.helpers.distributed import REPO, free_port
+from tests.helpers.gloo_llama import build, checkpoint_cfg, full_logits, init_gloo, manager_for, spawn
 from tests.helpers.stand_ins import CountingLoader
-from titanlite.config import Checkpoint
-
-ARGS = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=32)
-
-
-def checkpoint_cfg(**overrides) -> Checkpoint:
-    return Checkpoint(**{"enable_checkpoint": True, "interval": 2, "keep_latest_k": 2, **overrides})
-
-
-def build(dp: int, tp: int, seed: int):
-    from titanlite.models.llama import llama3_spec
-    from titanlite.models.llama.model import Llama, LlamaArgs
-    from titanlite.parallel.parallelize import parallelize
-    from titanlite.parallel.mesh import ParallelDims
-
-    args = LlamaArgs(**ARGS)
-    meshes = ParallelDims(1, dp, tp, dp * tp).build_mesh("cpu")
-    with torch.device("meta"):
-        model = Llama(args)
-    if tp > 1:
-        llama3_spec.apply_tp(model, meshes.tp, False, False)
-    if dp > 1:
-        parallelize(model, meshes.fsdp)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return args, model
-
-
-def manager_for(cfg, folder, args, model, optimizer=None, scheduler=None, loader=None, state=None):
-    from titanlite.checkpoint.manager import CheckpointManager
-    from titanlite.checkpoint.train_state import TrainState
-    from titanlite.models.llama import llama3_spec
-
-    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return CheckpointManager(
-        cfg, str(folder), llama3_spec, "tiny", args, model=model, optimizer=optimizer,
-        lr_scheduler=scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-        dataloader=loader or CountingLoader(), train_state=state or TrainState(),
-    )
-
-
-def full_logits(model, tokens):
-    from torch.distributed.tensor import DTensor
-
-    out = model(tokens)
-    return out.full_tensor() if isinstance(out, DTensor) else out
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-
 
 def export_worker(rank: int, world: int, port: int, folder: str) -> None:
     from titanlite.checkpoint import export, hf_io
     from titanlite.models.llama import hf_adapter
     from titanlite.models.llama.model import Llama
 
-    _init(rank, world, port)
+    init_gloo(rank, world, port)
     folder = Path(folder)
     args, model = build(2, 2, seed=0)
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -132,7 +75,7 @@ def export_worker(rank: int, world: int, port: int, folder: str) -> None:
 def resume_worker(rank: int, world: int, port: int, folder: str, mode: str, stop: int, end: int, out: str) -> None:
     from titanlite.checkpoint.train_state import TrainState
 
-    _init(rank, world, port)
+    init_gloo(rank, world, port)
     args, model = build(world, 1, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
@@ -157,19 +100,6 @@ def resume_worker(rank: int, world: int, port: int, folder: str, mode: str, stop
             f.write(" ".join(repr(x) for x in losses) + "\n")
     dist.barrier()
     dist.destroy_process_group()
-
-
-def spawn(fn, world: int, *args, timeout: float = 120) -> None:
-    port = free_port()  # below the ephemeral range: see its docstring
-    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    context = mp.start_processes(fn, args=(world, port, *args), nprocs=world, start_method="spawn", join=False)
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"{fn.__name__} did not finish in {timeout} s")
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,109 @@
+"""A Hugging Face model as transformers saves it (several safetensors files), loaded into a
+sharded titanlite model on real gloo groups, and written back by those ranks.
+
+transformers' `save_pretrained` with a small `max_shard_size` is the source. It loads at 1
+process, FSDP 2, TP 2 (2 processes), FSDP 2 x TP 2 and FSDP 4 (4 processes; there wk's
+shard is half a head, the case where the RoPE rows of one shard come from two places), each
+with logits equal to transformers' to 1e-4, through the trainer's own restore path. Each
+layout then saves its model with `hf_io.save_hf_weights` (every rank its own shards, then
+consolidated), and transformers loads every one of those folders with the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.gloo_llama import ARGS, build, checkpoint_cfg, full_logits, init_gloo, manager_for, spawn
+from titanlite.checkpoint import hf_io
+from titanlite.models.llama import hf_adapter
+from titanlite.models.llama.model import Llama, LlamaArgs
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SMALL_FILES = 8 * 1024  # bytes a file: the tiny model spreads over several
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """transformers' random tiny Llama of ARGS' shapes, saved in several files, with its
+    logits on fixed tokens (reference.pt)."""
+    folder = tmp_path_factory.mktemp("hf-source")
+    args = LlamaArgs(**ARGS)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig.from_dict(hf_adapter.hf_config(args))
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder / "hf", max_shard_size=SMALL_FILES)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.save({"tokens": tokens, "logits": model(tokens).logits}, folder / "reference.pt")
+    return folder
+
+
+def load_and_save_worker(rank: int, world: int, port: int, folder: str, layouts: list[tuple[int, int]]) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    init_gloo(rank, world, port)
+    folder = Path(folder)
+    reference = torch.load(folder / "reference.pt")
+    for dp, tp in layouts:
+        args, model = build(dp, tp, seed=7)
+        cfg = checkpoint_cfg(enable_checkpoint=False, initial_load_path=str(folder / "hf"), initial_load_format="hf")
+        manager = manager_for(cfg, folder / f"run-{dp}x{tp}", args, model)
+        manager.load()
+        with torch.no_grad():
+            logits = full_logits(model, reference["tokens"])
+        torch.testing.assert_close(logits, reference["logits"], rtol=1e-4, atol=1e-4, msg=lambda m: f"fsdp {dp} x tp {tp}: {m}")
+        hf_io.save_hf_weights(get_model_state_dict(model), folder / f"saved-{dp}x{tp}", hf_adapter, args, dist.group.WORLD,
+                              max_file_bytes=SMALL_FILES)
+        manager.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_saved(folder: Path, name: str) -> None:
+    saved = folder / name
+    files = set(json.loads((saved / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(files) > 2 and all((saved / f).is_file() for f in files), sorted(p.name for p in saved.iterdir())
+    assert not list(folder.glob("*.partial")) and not (saved / "sharded").exists()
+    reference = torch.load(folder / "reference.pt")
+    torch.testing.assert_close(hf_logits(saved, reference["tokens"]), reference["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_transformers_folder_loads_at_one_process_and_saves_back(source):
+    files = set(json.loads((source / "hf" / "model.safetensors.index.json").read_text())["weight_map"].values())
+    assert len(files) > 2  # the source really is sharded
+    args = LlamaArgs(**ARGS)
+    model = Llama(args)
+    model.init_weights(seed=7)  # the RoPE table; the weights come next
+    model.load_state_dict(hf_io.read_hf_model(source / "hf", hf_adapter, args))
+    reference = torch.load(source / "reference.pt")
+    with torch.no_grad():
+        torch.testing.assert_close(model(reference["tokens"]), reference["logits"], rtol=1e-4, atol=1e-4)
+    hf_io.save_hf_weights(model.state_dict(), source / "saved-1x1", hf_adapter, args, max_file_bytes=SMALL_FILES)
+    check_saved(source, "saved-1x1")
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_and_tp2_load_and_save(source):
+    spawn(load_and_save_worker, 2, str(source), [(2, 1), (1, 2)], timeout=180)
+    for name in ("saved-2x1", "saved-1x2"):
+        check_saved(source, name)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_x_tp2_and_fsdp4_load_and_save(source):
+    spawn(load_and_save_worker, 4, str(source), [(2, 2), (4, 1)], timeout=240)
+    for name in ("saved-2x2", "saved-4x1"):
+        check_saved(source, name)
