@@ -68,7 +68,7 @@ def to_hf(args: argparse.Namespace) -> str:
             raise TitanliteError(f"{folder}: no commit.json, so the model is unknown; export it to .pt first and pass --flavor")
         spec, model_args = args_from_record(record)
         state = export.read_dcp_model(folder)
-    out = hf_io.save_hf_weights(state, args.out, _adapter(spec), model_args, dtype=dtype)
+    out = hf_io.save_hf_weights(state, args.out, _adapter(spec), model_args, dtype=dtype, max_file_bytes=args.max_shard_size)
     files = len(list(out.glob("*.safetensors")))
     return f"wrote {out} ({len(state)} tensors in {files} safetensors file{'s' if files != 1 else ''} + {hf_io.HF_CONFIG_FILE}, {spec.name} {model_args.dim}d x {model_args.n_layers})"
 
@@ -106,6 +106,18 @@ def from_hf(args: argparse.Namespace) -> str:
     return f"wrote DCP checkpoint {out} ({len(state)} tensors); use it as checkpoint.initial_load_path"
 
 
+def _byte_size(text: str) -> int:
+    units = {"KB": 1024, "MB": 1024**2, "GB": 1024**3}
+    unit = next((u for u in units if text.upper().endswith(u)), None)
+    try:
+        value = int(float(text[: -len(unit)]) * units[unit]) if unit else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MB, 1000000)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--flavor", default=None)
         p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="cast floating-point weights")
     out.add_argument("--vocab-size", type=int, default=None, help="with a .pt source")
+    out.add_argument("--max-shard-size", type=_byte_size, default=hf_io.DEFAULT_MAX_FILE_BYTES,
+                     help="largest safetensors file, as transformers' max_shard_size: bytes, or with KB/MB/GB (default 5GB)")
     args = parser.parse_args(argv)
     try:
         print(to_hf(args) if args.command == "to-hf" else from_hf(args))

@@ -121,7 +121,8 @@ def seed(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed) -> dict[str, dict[str, Path]]:
-    """Per layout: an uninterrupted 10-step run, and a run stopped at 5 then resumed to 10."""
+    """Per layout: an uninterrupted 10-step run, and a run stopped at 5 then resumed to 10
+    (which also writes its last step as a Hugging Face folder)."""
     out = {}
     for layout in ("fsdp2_tp2", "fsdp2"):
         straight, resumed = tmp_path_factory.mktemp(f"{layout}-straight"), tmp_path_factory.mktemp(f"{layout}-resumed")
@@ -131,7 +132,7 @@ def runs(tmp_path_factory, seed) -> dict[str, dict[str, Path]]:
         logs = {
             "straight": train(layout, straight, "--training.steps", "10").stdout,
             "stop": train(layout, resumed, "--training.steps", "5").stdout,
-            "resume": train(layout, resumed, "--training.steps", "10").stdout,
+            "resume": train(layout, resumed, "--training.steps", "10", "--checkpoint.last_save_in_hf", "true").stdout,
         }
         out[layout] = {"straight": straight, "resumed": resumed, "logs": logs}
     return out
@@ -218,6 +219,34 @@ def test_kill_during_async_save_resumes_from_previous_complete_step(tmp_path):
     assert all((ckpt(tmp_path, s) / "commit.json").is_file() for s in (2, 4, 6))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["fsdp2_tp2", "fsdp2"])
+def test_last_save_in_hf_loads_in_transformers_with_equal_logits(runs, layout):
+    """`checkpoint.last_save_in_hf`: the ranks' Hugging Face folder of the last step, with
+    the run's tokenizer, is the model of the last DCP checkpoint to transformers."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from titanlite.checkpoint import commit
+    from titanlite.models.llama import hf_adapter
+    from titanlite.models.llama.model import Llama
+
+    run = runs[layout]["resumed"]
+    hf = run / "checkpoint" / "step-10-hf"
+    assert f"step 10 written as a Hugging Face folder {hf}" in runs[layout]["logs"]["resume"]
+    tokenizer = Path(commit.read_commit(ckpt(run, 10)).tokenizer["path"]).name
+    assert (hf / tokenizer).is_file() and (hf / "model.safetensors.index.json").is_file()
+    assert commit.scan(run / "checkpoint").complete[-1] == 10  # the HF folder is no checkpoint step
+    args = hf_adapter.args_from_hf_config(json.loads((hf / "config.json").read_text()))
+    ours = Llama(args)
+    ours.init_weights(seed=0)  # the RoPE table; the weights come next
+    ours.load_state_dict(export.read_dcp_model(ckpt(run, 10)))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-4, atol=1e-4)
+
+
 def run_cases(cases: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
     """Several 1-process runs of the real entry point `titanlite.train.main`, in one
     interpreter to pay the imports once. Returns name -> (exit code, its stderr)."""
@@ -268,24 +297,55 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr[-2000:]
 
 
+def broken_hf_copies(hf: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Three Hugging Face folders a user can get wrong, each with the line that names it:
+    a shard the index names is missing, a tensor has the wrong shape, config.json is of
+    another model family."""
+    import safetensors.torch as st
+
+    broken = {name: tmp_path / f"hf-{name}" for name in ("shard", "shape", "family")}
+    for folder in broken.values():
+        shutil.copytree(hf, folder)
+    weight_map = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+    gone = broken["shard"] / weight_map["model.layers.0.self_attn.q_proj.weight"]
+    gone.unlink()
+    norm_file = broken["shape"] / weight_map["model.norm.weight"]
+    tensors = st.load_file(str(norm_file))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+    st.save_file(tensors, str(norm_file), metadata={"format": "pt"})
+    config = json.loads((hf / "config.json").read_text())
+    (broken["family"] / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    dim = config["hidden_size"]
+    return {
+        "shard": (broken["shard"], f"{gone}: missing, but model.safetensors.index.json names it"),
+        "shape": (broken["shape"], f"{norm_file}: tensor model.norm.weight has shape [{dim - 1}], this model's norm.weight is [{dim}]"),
+        "family": (broken["family"], f"{broken['family'] / 'config.json'}: describes another model: model_type 'gpt2' (this model: 'llama')"),
+    }
+
+
 @pytest.mark.timeout(300)
 def test_initial_load_from_dcp_and_from_hugging_face(runs, tmp_path):
+    """The same weights as a DCP folder and as a Hugging Face folder in several files give
+    the same first loss; broken Hugging Face folders are one line each and exit 2."""
     pytest.importorskip("safetensors")
-    from titanlite.models.llama import llama3_spec
-
-    source = ckpt(runs["fsdp2_tp2"]["resumed"], 5)
     import runpy
 
+    source = ckpt(runs["fsdp2_tp2"]["resumed"], 5)
     convert = runpy.run_path(str(REPO / "scripts" / "convert_hf.py"), run_name="script")["main"]
-    assert convert(["to-hf", str(source), str(tmp_path / "hf")]) == 0
-    cases = {"dcp": ["--checkpoint.initial_load_path", str(source), "--checkpoint.initial_load_format", "dcp"]}
-    if llama3_spec.hf_adapter is not None:
-        cases["hf"] = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_format", "hf"]
+    assert convert(["to-hf", str(source), str(tmp_path / "hf"), "--max-shard-size", "400KB"]) == 0
+    assert len(set(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
+    broken = broken_hf_copies(tmp_path / "hf", tmp_path)
+    hf = ["--checkpoint.initial_load_format", "hf"]
+    cases = {"dcp": ["--checkpoint.initial_load_path", str(source), "--checkpoint.initial_load_format", "dcp"],
+             "hf": ["--checkpoint.initial_load_path", str(tmp_path / "hf"), *hf]}
+    cases.update({f"hf-{name}": ["--checkpoint.initial_load_path", str(folder), *hf] for name, (folder, _) in broken.items()})
     results = run_cases({name: [*argv, "--training.steps", "1", "--job.dump_folder", str(tmp_path / name)] for name, argv in cases.items()})
-    assert all(rc == 0 for rc, _ in results.values()), results
-    first = {name: losses(tmp_path / name)[1] for name in cases}
+    assert results["dcp"][0] == 0 and results["hf"][0] == 0, results
+    first = {name: losses(tmp_path / name)[1] for name in ("dcp", "hf")}
     fresh = losses(runs["fsdp2_tp2"]["straight"])[1]
     assert first["dcp"] != pytest.approx(fresh, rel=1e-3)  # trained weights, not the init
-    if "hf" not in cases:
-        pytest.skip("llama3_spec.hf_adapter is not set yet: the Hugging Face initial load was not run")
     assert first["hf"] == first["dcp"]
+    for name, (_, expected) in broken.items():
+        rc, stderr = results[f"hf-{name}"]
+        lines = [line for line in stderr.splitlines() if line.startswith("titanlite: error:")]
+        assert rc == 2 and len(lines) == 1 and expected in lines[0], f"{name}: exit {rc}: {lines or stderr[-2000:]}"
