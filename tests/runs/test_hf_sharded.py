@@ -107,3 +107,36 @@ def test_fsdp2_x_tp2_and_fsdp4_load_and_save(source):
     spawn(load_and_save_worker, 4, str(source), [(2, 2), (4, 1)], timeout=240)
     for name in ("saved-2x2", "saved-4x1"):
         check_saved(source, name)
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
+    """Trainer runs of the debug model at PP 2 and at FSDP 2 start from the same Hugging
+    Face folder (several files) and end with `last_save_in_hf`: each pipeline stage reads and
+    writes only its own layers. Both train the same curve (1e-5), and their two HF outputs are
+    the same model to transformers."""
+    from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve
+    from tests.helpers.sessions import Case, run_session
+    from titanlite.build import plan_run
+    from titanlite.config.load import load_config
+
+    args = plan_run(load_config(EQUIVALENCE_ARGS), 1).model_args
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(hf_adapter.hf_config(args)))
+    model.save_pretrained(tmp_path / "hf", max_shard_size=2 * 1024**2)
+    start = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_format", "hf",
+             "--checkpoint.last_save_in_hf", "true"]
+    cases = [Case("pp2", [*EQUIVALENCE_ARGS, *start, "--training.local_batch_size", "8",
+                          "--parallelism.pipeline_parallel_degree", "2"]),
+             Case("fsdp2", [*EQUIVALENCE_ARGS, *start, "--training.local_batch_size", "4"])]
+    session = run_session(2, cases, tmp_path / "runs", 240)
+    assert_same_curve(session["pp2"]["history"], session["fsdp2"]["history"], "pp2 vs fsdp2")
+    steps = session["fsdp2"]["history"][-1]["step"]
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    saved = {name: tmp_path / "runs" / name / "checkpoint" / f"step-{steps}-hf" for name in ("pp2", "fsdp2")}
+    for folder in saved.values():  # every tensor, from whichever stage held it
+        assert json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].keys() == model.state_dict().keys()
+    logits = {name: hf_logits(folder, tokens) for name, folder in saved.items()}
+    torch.testing.assert_close(logits["pp2"], logits["fsdp2"], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert not torch.allclose(logits["fsdp2"], model(tokens).logits, atol=1e-3)  # trained since the start

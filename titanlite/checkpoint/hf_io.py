@@ -282,20 +282,31 @@ def tokenizer_files(tokenizer: Path) -> list[Path]:
     return [tokenizer] + [tokenizer.parent / n for n in _TOKENIZER_COMPANIONS if (tokenizer.parent / n).is_file() and n != tokenizer.name]
 
 
-def file_indices(tensors: dict[str, torch.Tensor], max_file_bytes: int) -> dict[str, int]:
-    """HF name -> output file number (1..N): tensors in layer order, a new file whenever the
-    next tensor would take the current one past `max_file_bytes` (transformers' rule)."""
+def file_indices(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
+    """HF name -> output file number (1..N), from each tensor's size in bytes: tensors in
+    layer order, a new file whenever the next tensor would take the current one past
+    `max_file_bytes` (transformers' rule)."""
     def order(name: str) -> tuple[int, str]:
         layer = re.search(r"\.layers\.(\d+)\.", name)
         return (int(layer.group(1)) + 1 if layer else (0 if "embed" in name else 1 << 30), name)
 
     mapping, current, used = {}, 1, 0
-    for name in sorted(tensors, key=order):
-        size = tensors[name].numel() * tensors[name].element_size()
-        if used and used + size > max_file_bytes:
+    for name in sorted(sizes, key=order):
+        if used and used + sizes[name] > max_file_bytes:
             current, used = current + 1, 0
-        mapping[name], used = current, used + size
+        mapping[name], used = current, used + sizes[name]
     return mapping
+
+
+def _global_sizes(values: dict[str, torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, int]:
+    """Every tensor's whole size in bytes, over all ranks: a pipeline stage holds only its
+    own layers, and the file plan must be the same everywhere."""
+    sizes = {name: value.numel() * value.element_size() for name, value in values.items()}  # a DTensor's numel is global
+    if group is None:
+        return sizes
+    everyone: list[dict[str, int]] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, sizes, group=group)
+    return {name: size for ranks in everyone for name, size in ranks.items()}
 
 
 def save_hf_weights(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike, adapter: Any, args: Any,
@@ -315,7 +326,7 @@ def save_hf_weights(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathL
               for key, name in names.items()}
     heads = {name: adapter.rotary_heads(key, args) for key, name in names.items() if adapter.rotary_heads(key, args)}
     values = _to_hf_rows(values, heads, args.head_dim, adapter, group)
-    mapping = file_indices(values, max_file_bytes)
+    mapping = file_indices(_global_sizes(values, group), max_file_bytes)
     distributed = group is not None and dist.get_world_size(group) > 1
     with user_errors(f"{out_dir}: cannot write Hugging Face weights"), _quiet(group):
         if distributed:
