@@ -8,6 +8,7 @@ exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -28,6 +29,14 @@ INTERRUPTED_EXIT_CODE = 130
 # How long a rank other than 0 waits before exiting on an error that every rank meets, so
 # that rank 0's line is out before the launcher stops everyone.
 RANK0_REPORT_GRACE_S = 3.0
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are TitanliteErrors: one line and exit code 2 through the
+    command's own error report, like config errors, not argparse's usage block."""
+
+    def error(self, message: str) -> None:
+        raise TitanliteError(message)
 
 
 def say(line: str) -> None:

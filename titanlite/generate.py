@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from titanlite.config import JobConfig, load_config
-from titanlite.errors import TitanliteError, report_user_error, say_notices
+from titanlite.errors import OneLineArgumentParser, TitanliteError, report_user_error, say_notices
 
 if TYPE_CHECKING:
     import torch
@@ -35,14 +35,9 @@ if TYPE_CHECKING:
     from titanlite.build import RunPlan
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit code 2, like config errors
-        raise TitanliteError(message)
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Generation's own options, checked; everything else is the config (`--config`, `--section.key`)."""
-    parser = _Parser(prog="python -m titanlite.generate", allow_abbrev=False, description=__doc__.split("\n\n")[0],
+    parser = OneLineArgumentParser(prog="python -m titanlite.generate", allow_abbrev=False, description=__doc__.split("\n\n")[0],
                      epilog="Config options: python -m titanlite.config --help")  # fmt: skip
     parser.add_argument("--checkpoint", required=True, help="a checkpoint folder (newest complete step-N), one step-N, or a Hugging Face folder")
     parser.add_argument("--prompt", required=True, help="the text to continue")

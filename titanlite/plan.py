@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanlite.build import RunPlan, build_on_meta, materialize, plan_run
 from titanlite.config import load_config
 from titanlite.config.dtypes import torch_dtype
-from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError, say_notices
+from titanlite.errors import USER_ERROR_EXIT_CODE, OneLineArgumentParser, TitanliteError, say_notices
 from titanlite.parallel.estimate import (GIB, Activations, FsdpWorkingSet, StateBytes, StepShape, estimate_activations, estimate_fsdp,
                                          in_flight_microbatches, state_bytes)
 from titanlite.parallel.fake_world import ShardCensus, census, init_fake_world, shard_specs
@@ -42,14 +42,9 @@ PLANNED_AUTO_DTYPE = "bfloat16"
 """What `mixed_precision_param = "auto"` becomes on the GPUs a plan is for (step/precision.py)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit code 2, like config errors
-        raise TitanliteError(message)
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The planner's own options; everything else is the config (`--config`, `--section.key`)."""
-    parser = _Parser(prog="python -m titanlite.plan", allow_abbrev=False, description=__doc__.split("\n\n")[0],
+    parser = OneLineArgumentParser(prog="python -m titanlite.plan", allow_abbrev=False, description=__doc__.split("\n\n")[0],
                      epilog="Config options: python -m titanlite.config --help")  # fmt: skip
     parser.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) of the planned run")
     parser.add_argument("--rank", type=int, default=0, help="the rank to build (default 0, which holds the most)")

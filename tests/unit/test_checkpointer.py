@@ -6,35 +6,23 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.stand_ins import CountingLoader
 from titanlite.checkpoint import commit
 from titanlite.checkpoint.checkpointer import Checkpointer
 from titanlite.errors import TitanliteError
 
 
-class Counter:
-    """A Stateful of the caller's own."""
-
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, state):
-        self.n = state["n"]
-
-
 def setup(seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), Counter()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), CountingLoader()
 
 
 def step(model, optimizer, counter):
-    model(torch.randn(5, 4, generator=torch.Generator().manual_seed(counter.n))).square().mean().backward()
+    model(torch.randn(5, 4, generator=torch.Generator().manual_seed(counter.position))).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
-    counter.n += 1
+    counter.position += 1
 
 
 @pytest.mark.parametrize("async_mode", ["async", "disabled"])
@@ -53,7 +41,7 @@ def test_a_save_resumes_exactly_and_retention_keeps_the_newest(tmp_path, async_m
     model2, optimizer2, counter2 = setup(seed=1)
     with Checkpointer(tmp_path, model=model2, optimizer=optimizer2, states={"counter": counter2}) as checkpointer:
         assert checkpointer.load() == 4
-    assert counter2.n == 4
+    assert counter2.position == 4
     for _ in range(2):
         step(model2, optimizer2, counter2)
     assert all(torch.equal(a, b) for a, b in zip(expected, model2.parameters()))
@@ -73,7 +61,7 @@ def test_an_empty_folder_loads_nothing_and_a_missing_step_is_one_line(tmp_path):
     ({"async_mode": "later"}, "async_mode"),
     ({"keep_latest_k": -1}, "keep_latest_k"),
     ({"optimizer": "adam"}, "optimizer"),
-    ({"model": nn.Linear(1, 1), "states": {"model": Counter()}}, "states key"),
+    ({"model": nn.Linear(1, 1), "states": {"model": CountingLoader()}}, "states key"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, kwargs, message):
     with pytest.raises(TitanliteError, match=f"^Checkpointer: {message}"):
