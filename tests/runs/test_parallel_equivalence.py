@@ -44,18 +44,21 @@ LAYOUTS = {
     "fsdp2": (2, batch(4), "causal"),
     "tp2": (2, [*batch(8), *TP], "causal"),
     "fsdp2_accum2": (2, [*batch(2), "--training.global_batch_size", "8"], "causal"),
-    "fsdp2_ac": (2, [*batch(4), "--activation_checkpoint.mode", "full"], "causal"),
     "fsdp2_offload": (2, [*batch(4), "--training.enable_cpu_offload", "true"], "causal"),
-    # Every FSDP option: nested shard units (children first), each reshard policy, explicit
-    # prefetch, per-op and every-k-th-block activation checkpointing.
-    "fsdp2_nested_units": (2, [*batch(4), "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention,FeedForward"], "causal"),
-    "fsdp2_reshard_always": (2, [*batch(4), "--parallelism.fsdp_reshard_after_forward", "always"], "causal"),
-    "fsdp2_reshard_never_prefetch1": (2, [*batch(4), "--parallelism.fsdp_reshard_after_forward", "never",
-                                          "--parallelism.fsdp_prefetch_depth", "1"], "causal"),
-    "fsdp2_prefetch2_nested": (2, [*batch(4), "--parallelism.fsdp_prefetch_depth", "2",
-                                   "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention"], "causal"),
-    "fsdp2_ac_per_op": (2, [*batch(4), "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"], "causal"),
-    "fsdp2_ac_every_2nd": (2, [*batch(4), "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"], "causal"),
+    # Every FSDP option, three to a run (each run one process start less): nested shard units
+    # (children first), each reshard policy, explicit prefetch, full, per-op and every-k-th-block
+    # activation checkpointing. The integer reshard is fsdp4_reshard_to_2.
+    "fsdp2_nested_reshard_always_ac": (2, [*batch(4), "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention,FeedForward",
+                                           "--parallelism.fsdp_reshard_after_forward", "always",
+                                           "--activation_checkpoint.mode", "full"], "causal"),
+    "fsdp2_reshard_never_prefetch1_ac_every_2nd": (2, [*batch(4), "--parallelism.fsdp_reshard_after_forward", "never",
+                                                       "--parallelism.fsdp_prefetch_depth", "1",
+                                                       "--activation_checkpoint.mode", "selective",
+                                                       "--activation_checkpoint.selective_ac_option", "2"], "causal"),
+    "fsdp2_prefetch2_nested_ac_per_op": (2, [*batch(4), "--parallelism.fsdp_prefetch_depth", "2",
+                                             "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention",
+                                             "--activation_checkpoint.mode", "selective",
+                                             "--activation_checkpoint.selective_ac_option", "op"], "causal"),
     "pp2_gpipe": (2, [*batch(8), *schedule("GPipe")], "causal"),
     "pp2_1f1b": (2, [*batch(8), *schedule("1F1B")], "causal"),
     "pp2_interleaved_1f1b": (2, [*batch(8), *schedule("Interleaved1F1B")], "causal"),
