@@ -61,7 +61,6 @@ class CheckpointManager:
         # `tokenizer` (anything with .path and .vocab_size): recorded, and compared on resume.
         self.tokenizer = integrity.tokenizer_record(tokenizer) if tokenizer is not None and self.pipeline.rank == 0 else {}
         self.tokenizer_path = Path(tokenizer.path) if tokenizer is not None else None
-        self.spec, self.args = spec, model_args
         self.restorer = Restorer(cfg, self.root, spec, flavor, model_args, self.contents, self.pipeline.group, self.tokenizer)
 
     @property
@@ -78,6 +77,7 @@ class CheckpointManager:
         flight: a new one first waits for the previous."""
         self.pipeline.poll()
         if last and self.cfg.last_save_in_hf:
+            self.pipeline.wait()  # an async save in flight runs DCP's collectives on the same group
             self.save_hf(step)
         if not self.cfg.enable_checkpoint or not policy.should_save(step, self.cfg.interval, last):
             return
@@ -102,7 +102,8 @@ class CheckpointManager:
 
         out = self.root / f"step-{step}-hf"
         extra = hf_io.tokenizer_files(self.tokenizer_path) if self.tokenizer_path is not None else []
-        hf_io.save_hf_weights(get_model_state_dict(self.contents.model), out, self.spec.hf_adapter, self.args,
+        spec, args = self.restorer.spec, self.restorer.model_args
+        hf_io.save_hf_weights(get_model_state_dict(self.contents.model), out, spec.hf_adapter, args,
                               self.pipeline.group, torch_dtype(self.cfg.export_dtype), extra)
         logger.info(f"checkpoint: step {step} written as a Hugging Face folder {out}")
         return out
