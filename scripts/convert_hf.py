@@ -88,9 +88,7 @@ def from_hf(args: argparse.Namespace) -> str:
         if wrong:
             raise TitanliteError(f"--flavor: {args.flavor} does not match {Path(args.source) / hf_io.HF_CONFIG_FILE}: {', '.join(wrong)}")
         model_args = expected
-    with torch.device("meta"):
-        wanted = {k: tuple(v.shape) for k, v in spec.model_class(model_args).state_dict().items()}
-    state = hf_io.read_hf_model(args.source, adapter, model_args, wanted)
+    state = hf_io.read_hf_model(args.source, adapter, model_args, spec.model_class)
     state = export.cast_floating(state, torch_dtype(args.dtype) if args.dtype else None)
     out = Path(args.out)
     if out.suffix == ".pt":

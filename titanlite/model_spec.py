@@ -31,7 +31,9 @@ class ModelSpec:
     # (args, n_params, seq_len) -> training FLOPs per token (forward + backward).
     flops_per_token: Callable[[Any, int, int], float]
     # Optional Hugging Face conversion: a module with to_hf(state_dict, args) / from_hf(...),
-    # hf_config(args, dtype), check_hf_config(config, args) -> mismatches, args_from_hf_config.
+    # hf_config(args, dtype), check_hf_config(config, args) -> mismatches, args_from_hf_config,
+    # and per key for sharded IO (checkpoint/hf_io.py): hf_name(key), tied_to(key, args),
+    # rotary_heads(key, args), ignored_hf_tensor(name, args), interleaved_to_half(weight, heads).
     hf_adapter: Any = None
 
     def args_for(self, flavor: str, vocab_size: int) -> Any:

@@ -87,7 +87,7 @@ def test_transformers_folder_loads_at_one_process_and_saves_back(source):
     args = LlamaArgs(**ARGS)
     model = Llama(args)
     model.init_weights(seed=7)  # the RoPE table; the weights come next
-    model.load_state_dict(hf_io.read_hf_model(source / "hf", hf_adapter, args))
+    model.load_state_dict(hf_io.read_hf_model(source / "hf", hf_adapter, args, Llama))
     reference = torch.load(source / "reference.pt")
     with torch.no_grad():
         torch.testing.assert_close(model(reference["tokens"]), reference["logits"], rtol=1e-4, atol=1e-4)

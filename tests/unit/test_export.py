@@ -42,11 +42,11 @@ def test_hf_export_then_import_round_trips_exactly(tmp_path):
     hf_io.save_hf_weights(state, tmp_path / "hf", hf_llama, TINY)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_key_value_heads"] == 2 and config["intermediate_size"] == TINY.ffn_hidden_dim
-    back = hf_io.read_hf_model(tmp_path / "hf", hf_llama, TINY)
+    back = hf_io.read_hf_model(tmp_path / "hf", hf_llama, TINY, Llama)
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
     other = dataclasses.replace(TINY, dim=128)
     with pytest.raises(TitanliteError, match="config.json: describes another model: hidden_size 64"):
-        hf_io.read_hf_model(tmp_path / "hf", hf_llama, other)
+        hf_io.read_hf_model(tmp_path / "hf", hf_llama, other, Llama)
 
 
 def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path):
@@ -82,7 +82,7 @@ def test_export_and_convert_scripts_round_trip(tmp_path, capsys):
 
     convert = _script("convert_hf.py")
     assert convert(["to-hf", str(step), str(tmp_path / "hf")]) == 0
-    assert all(torch.equal(v, state[k]) for k, v in hf_io.read_hf_model(tmp_path / "hf", hf_llama, TINY).items())
+    assert all(torch.equal(v, state[k]) for k, v in hf_io.read_hf_model(tmp_path / "hf", hf_llama, TINY, Llama).items())
     assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
     back = export.read_dcp_model(tmp_path / "back")
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)

@@ -114,11 +114,11 @@ def test_initial_hf_load_refuses_a_config_of_another_model(tmp_path, change, men
     compared with the flavor before a tensor is read."""
     save_pretrained(tmp_path / "hf", "default")
     args = hf_adapter.args_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
-    assert hf_io.read_hf_model(tmp_path / "hf", hf_adapter, args).keys() == Llama(args).state_dict().keys()
+    assert hf_io.read_hf_model(tmp_path / "hf", hf_adapter, args, Llama).keys() == Llama(args).state_dict().keys()
     path = tmp_path / "hf" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(TitanliteError, match="config.json: describes another model") as info:
-        hf_io.read_hf_model(tmp_path / "hf", hf_adapter, args)
+        hf_io.read_hf_model(tmp_path / "hf", hf_adapter, args, Llama)
     assert mentions in str(info.value) and "\n" not in str(info.value)
 
 

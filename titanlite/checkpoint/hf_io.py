@@ -111,11 +111,12 @@ def hf_names(keys: list[str], adapter: Any, args: Any) -> dict[str, str]:
     return {key: adapter.hf_name(key) for key in keys if not adapter.tied_to(key, args)}
 
 
-def check_hf_folder(folder: str | os.PathLike, adapter: Any, args: Any, wanted: dict[str, tuple[int, ...]]) -> None:
+def check_hf_folder(folder: str | os.PathLike, adapter: Any, args: Any,
+                    wanted: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], str, Path]]:
     """Everything that can be wrong with a Hugging Face folder, as one line each, before any
     rank reads a tensor: config.json of another model, a shard the index names missing,
     a tensor missing, of the wrong shape, or unknown to this model. `wanted`: our key ->
-    global shape."""
+    global shape. Returns what the headers hold (`read_hf_shapes`)."""
     folder = Path(folder)
     wrong = adapter.check_hf_config(read_hf_config(folder), args)
     if wrong:
@@ -132,6 +133,7 @@ def check_hf_folder(folder: str | os.PathLike, adapter: Any, args: Any, wanted: 
     unknown = sorted(k for k in found if k not in known and not adapter.ignored_hf_tensor(k, args))
     if unknown:
         raise TitanliteError(f"{found[unknown[0]][2]}: tensor {unknown[0]} is not part of this model")
+    return found
 
 
 def _local_chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
@@ -216,26 +218,27 @@ def load_hf_weights(state_dict: dict[str, torch.Tensor], folder: str | os.PathLi
         dcp.load(request, storage_reader=HFProgressReader(folder), planner=RotaryRowsPlanner(head_dims), **_group(group))
 
 
-def read_hf_model(folder: str | os.PathLike, adapter: Any, args: Any,
-                  wanted: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
-    """A Hugging Face folder as our full state dict, on one process (convert_hf.py), read
-    with the same checks and plan as a sharded load; tensors keep the files' dtype.
-    `wanted` (our key -> shape, the model's) defaults to what the files hold."""
+def whole_model_shapes(model_class: Any, args: Any) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the whole model, built on meta (no memory): what a Hugging
+    Face folder must hold, whichever part of the model a rank (a pipeline stage) has."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in model_class(args).state_dict().items()}
+
+
+def read_hf_model(folder: str | os.PathLike, adapter: Any, args: Any, model_class: Any) -> dict[str, torch.Tensor]:
+    """A Hugging Face folder as the full state dict of `model_class(args)`, on one process
+    (convert_hf.py), read with the same checks and plan as a sharded load; tensors keep the
+    files' dtype."""
     from torch.distributed.checkpoint._hf_utils import DTYPE_MAP
 
-    found = read_hf_shapes(folder)
-    if wanted is None:
-        try:
-            wanted = {adapter.from_hf_name(k): shape for k, (shape, _, _) in found.items() if not adapter.ignored_hf_tensor(k, args)}
-        except KeyError as error:
-            raise TitanliteError(f"{folder}: tensor {error.args[0]} is not part of this model") from None
-    check_hf_folder(folder, adapter, args, wanted)
+    wanted = whole_model_shapes(model_class, args)
+    found = check_hf_folder(folder, adapter, args, wanted)
     names = hf_names(list(wanted), adapter, args)
     state = {key: torch.empty(wanted[key], dtype=DTYPE_MAP.get(found[name][1], torch.float32)) for key, name in names.items()}
     load_hf_weights(state, folder, adapter, args)
     for key in wanted:
-        if adapter.tied_to(key, args):
-            state[key] = state[adapter.tied_to(key, args)]
+        if (source := adapter.tied_to(key, args)) is not None:
+            state[key] = state[source]
     return state
 
 
@@ -324,7 +327,7 @@ def save_hf_weights(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathL
     names = hf_names(list(state_dict), adapter, args)
     values = {name: (state_dict[key].to(dtype) if dtype is not None and state_dict[key].is_floating_point() else state_dict[key])
               for key, name in names.items()}
-    heads = {name: adapter.rotary_heads(key, args) for key, name in names.items() if adapter.rotary_heads(key, args)}
+    heads = {name: count for key, name in names.items() if (count := adapter.rotary_heads(key, args))}
     values = _to_hf_rows(values, heads, args.head_dim, adapter, group)
     mapping = file_indices(_global_sizes(values, group), max_file_bytes)
     distributed = group is not None and dist.get_world_size(group) > 1

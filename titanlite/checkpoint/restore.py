@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -167,12 +166,9 @@ class Restorer:
         adapter = self.spec.hf_adapter
         if adapter is None:
             raise TitanliteError(f"checkpoint.initial_load_format: model {self.spec.name} has no Hugging Face mapping")
-        def check() -> None:  # against the whole model: a pipeline stage holds only its layers
-            with torch.device("meta"):
-                whole = self.spec.model_class(self.model_args).state_dict()
-            hf_io.check_hf_folder(folder, adapter, self.model_args, {k: tuple(v.shape) for k, v in whole.items()})
-
-        on_rank0(self.group, check)
+        # Against the whole model's shapes: a pipeline stage holds only its layers.
+        on_rank0(self.group, lambda: hf_io.check_hf_folder(
+            folder, adapter, self.model_args, hf_io.whole_model_shapes(self.spec.model_class, self.model_args)))
         started = time.perf_counter()
         model_sd = get_model_state_dict(self.contents.model)
         hf_io.load_hf_weights(model_sd, folder, adapter, self.model_args, self.group)

@@ -61,11 +61,6 @@ def hf_name(key: str) -> str:
     return _rename(key, _TO_HF)
 
 
-def from_hf_name(name: str) -> str:
-    """A Hugging Face name -> our state-dict key (KeyError for a name this model lacks)."""
-    return _rename(name, _FROM_HF)
-
-
 def tied_to(key: str, args: Any) -> str | None:
     """The key whose tensor this one is (a tied model's head is its embedding table: HF
     stores it once, as `embed_tokens`), or None."""
