@@ -46,43 +46,48 @@ class _CountingPlanner:
         return getattr(self._planner, name)
 
 
-def _read_with_progress(reader: Any, total: int, files: int, size_of: Callable[[ReadItem], int],
-                        plan: LoadPlan, planner: LoadPlanner, read: Callable[..., Any]) -> Any:
-    mine = sum(size_of(item) for item in plan.items)
-    logger.info(f"checkpoint load: {reader.path} holds {amount_text(total, 'B')} in "
-                f"{amount_text(files, 'files' if files != 1 else 'file')}; this rank reads {amount_text(mine, 'B')}")
-    progress = Progress(f"checkpoint load: {Path(reader.path).name}", total=mine, unit="B", every_s=reader.every_s)
-    done = read(plan, _CountingPlanner(planner, size_of, progress))
-    progress.finish()
-    return done
-
-
-class ProgressReader(FileSystemReader):
-    """A `FileSystemReader` that says what it loads, how far it got and how long it took."""
-
-    def __init__(self, path: str | os.PathLike, every_s: float = 5.0):
-        super().__init__(path)
-        self.every_s = every_s
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
-        stored = self.storage_data.values()
-        return _read_with_progress(self, sum(s.length for s in stored), len({s.relative_path for s in stored}),
-                                   lambda item: self.storage_data[item.storage_index].length, plan, planner, super().read_data)
-
-
-class HFProgressReader(HuggingFaceStorageReader):
-    """A `HuggingFaceStorageReader` that says the same: an item's size is its slice's
-    elements times the stored dtype's size (what safetensors reads)."""
+class _Reporting:
+    """`read_data` for a DCP reader class that says what it loads, how far it got and how
+    long it took. The reader says what its stored pieces and read items weigh."""
 
     def __init__(self, path: str | os.PathLike, every_s: float = 5.0):
         super().__init__(str(path))
         self.every_s = every_s
 
+    def _stored_bytes(self, info: Any) -> int:
+        raise NotImplementedError
+
+    def _item_bytes(self, item: ReadItem) -> int:
+        raise NotImplementedError
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         stored = self.storage_data.values()
-        total = sum(math.prod(s.shape) * s.dtype.itemsize for s in stored)
+        files = len({s.relative_path for s in stored})
+        mine = sum(self._item_bytes(item) for item in plan.items)
+        logger.info(f"checkpoint load: {self.path} holds {amount_text(sum(self._stored_bytes(s) for s in stored), 'B')} in "
+                    f"{amount_text(files, 'files' if files != 1 else 'file')}; this rank reads {amount_text(mine, 'B')}")
+        progress = Progress(f"checkpoint load: {Path(self.path).name}", total=mine, unit="B", every_s=self.every_s)
+        done = super().read_data(plan, _CountingPlanner(planner, self._item_bytes, progress))
+        progress.finish()
+        return done
 
-        def size_of(item: ReadItem) -> int:
-            return math.prod(item.lengths) * self.storage_data[item.storage_index].dtype.itemsize
 
-        return _read_with_progress(self, total, len({s.relative_path for s in stored}), size_of, plan, planner, super().read_data)
+class ProgressReader(_Reporting, FileSystemReader):
+    """A `FileSystemReader` that reports its load: an item weighs its stored bytes."""
+
+    def _stored_bytes(self, info: Any) -> int:
+        return info.length
+
+    def _item_bytes(self, item: ReadItem) -> int:
+        return self.storage_data[item.storage_index].length
+
+
+class HFProgressReader(_Reporting, HuggingFaceStorageReader):
+    """A `HuggingFaceStorageReader` that reports its load: an item weighs its slice's
+    elements times the stored dtype's size (what safetensors reads)."""
+
+    def _stored_bytes(self, info: Any) -> int:
+        return math.prod(info.shape) * info.dtype.itemsize
+
+    def _item_bytes(self, item: ReadItem) -> int:
+        return math.prod(item.lengths) * self.storage_data[item.storage_index].dtype.itemsize
