@@ -23,14 +23,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-)
 
 from titanlite.checkpoint import integrity
 from titanlite.checkpoint.commit import read_commit, read_dcp_index
 from titanlite.errors import TitanliteError, user_errors
+from titanlite.parallel.state_dict import full_state_dict
 
 @contextlib.contextmanager
 def single_process() -> Iterator[None]:
@@ -50,8 +47,7 @@ def cast_floating(state_dict: dict[str, Any], dtype: torch.dtype | None) -> dict
 def full_model_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
     """The unsharded model state dict on rank 0's CPU (None on other ranks). Collective:
     every rank must call it, each contributes its shards to every full tensor."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    state = full_state_dict(model)  # whole on rank 0's host, {} elsewhere
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return cast_floating(state, dtype) if rank == 0 else None
 
