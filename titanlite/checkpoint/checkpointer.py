@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -34,8 +33,7 @@ from titanlite.checkpoint import commit, integrity, policy
 from titanlite.checkpoint.async_save import Saver, build_saver
 from titanlite.checkpoint.contents import FLAT_OPTIMIZER
 from titanlite.checkpoint.housekeeping import Housekeeper
-from titanlite.checkpoint.load_progress import ProgressReader
-from titanlite.checkpoint.restore import read_checked_metadata
+from titanlite.checkpoint.restore import dcp_load, read_checked_metadata
 from titanlite.errors import TitanliteError, user_errors
 from titanlite.logging import logger
 from titanlite.parallel.collectives import on_rank0
@@ -122,8 +120,7 @@ class Checkpointer:
         on_rank0(self.group, lambda: read_checked_metadata(choice.path), broadcast_result=False)
         integrity.verify(choice.path, choice.record.checksums, self.group)
         state = self.state()
-        with user_errors(f"{choice.path}: cannot load checkpoint"):
-            dcp.load(state, storage_reader=ProgressReader(choice.path), process_group=self.group, no_dist=self.group is None)
+        dcp_load(state, choice.path, self.group)
         if self.optimizer is not None:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                            options=FLAT_OPTIMIZER)

@@ -106,7 +106,7 @@ class Restorer:
             return
         state = self.contents.training_state()
         missing_rng = self._drop_missing_rng(state, metadata)
-        self._dcp_load(state, path)
+        dcp_load(state, path, self.group)
         self.contents.apply_training_state(state)
         layout = f"world size {record.world_size}{_mesh_text(record.mesh)}"
         now = f"world size {self.world_size}{_mesh_text(self.contents.mesh())}"
@@ -156,7 +156,7 @@ class Restorer:
         (torchtitan's seed and weights-only exports do)."""
         model_sd = get_model_state_dict(self.contents.model)
         state = {"model": model_sd} if prefix else model_sd
-        self._dcp_load(state, path)
+        dcp_load(state, path, self.group)
         set_model_state_dict(self.contents.model, model_sd)
 
     def _load_hf(self, folder: Path) -> None:
@@ -175,11 +175,13 @@ class Restorer:
         set_model_state_dict(self.contents.model, model_sd)
         logger.info(f"checkpoint: initialized the model from Hugging Face weights {folder} ({time.perf_counter() - started:.2f} s)")
 
-    def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
-        """dcp.load with errors (a bad shard on any rank reaches every rank through DCP's
-        own gather) turned into one line naming the folder."""
-        with user_errors(f"{path}: cannot load checkpoint"):
-            dcp.load(state, storage_reader=ProgressReader(path), process_group=self.group, no_dist=self.group is None)
+
+def dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
+    """dcp.load in place, with progress lines, and errors (a bad shard on any rank reaches
+    every rank through DCP's own gather) turned into one line naming the folder. `group`
+    None: one process."""
+    with user_errors(f"{path}: cannot load checkpoint"):
+        dcp.load(state, storage_reader=ProgressReader(path), process_group=group, no_dist=group is None)
 
 
 def read_checked_metadata(path: Path) -> Metadata:
