@@ -18,7 +18,7 @@ _EXPORTS = {
     "build_mesh": "titanlite.parallel.mesh",
     "Meshes": "titanlite.parallel.mesh",
     "parallelize": "titanlite.parallel.parallelize",
-    "FullyShardedDataParallel": "titanlite.parallel.fsdp1",
+    "FullyShardedDataParallel": "titanlite.compat.fsdp1",
     "clip_grad_norm_": "titanlite.parallel.grad_norm",
     "full_state_dict": "titanlite.parallel.state_dict",
     "load_full_state_dict": "titanlite.parallel.state_dict",

@@ -3,18 +3,20 @@ group (tests/helpers/sessions.py starts the ranks).
 
 Usage: python tests/helpers/session_worker.py OUT.json CASES.json
 
-CASES.json is a list of {"name", "argv", "copy_checkpoint": [folder, step] or null}. Each case
+CASES.json is a list of {"name", "argv", "copy_checkpoint": [folder, step] or null, "call"}. Each case
 builds a `Trainer` from its argv (its own dump folder), trains, records every logged step,
 each rank's local bytes and, with validation on, the validation loss after training, and
 closes (a `create_seed_checkpoint` case writes its seed instead); `init_distributed` joins the group the first case
 started, so a case costs its model build and steps, not a process start and a rendezvous.
 `copy_checkpoint` puts `folder/checkpoint/step-N` into the case's checkpoint folder first
-(rank 0), so the case resumes from it. A case that fails records its error and the session
-goes on with the next. Rank 0 writes {name: {"history", "ranks", "error"}}.
+(rank 0), so the case resumes from it. A `call` case ("module:function") runs that function
+instead and records its result under "checks". A case that fails records its error and the
+session goes on with the next. Rank 0 writes {name: {"history", "ranks", "error"}}.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import sys
@@ -27,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.build import plan_run
 from titanlite.config import load_config
-from titanlite.parallel.distributed import world_from_env
+from titanlite.parallel.distributed import init_distributed, world_from_env
 from titanlite.trainer import Trainer, create_seed_checkpoint
 
 
@@ -61,6 +63,10 @@ def copy_checkpoint(source: str, step: int, cfg) -> None:
 
 
 def run_case(case: dict) -> dict:
+    if case.get("call"):
+        module, function = case["call"].split(":")
+        init_distributed()
+        return {"checks": getattr(importlib.import_module(module), function)(), "history": [], "ranks": [], "error": None}
     cfg = load_config(case["argv"])
     if case.get("copy_checkpoint") and int(world_from_env()[0]) == 0:
         copy_checkpoint(*case["copy_checkpoint"], cfg)

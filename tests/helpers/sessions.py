@@ -19,11 +19,14 @@ WORKER = Path(__file__).with_name("session_worker.py")
 @dataclass
 class Case:
     """One trainer run of a session: its overrides (a later value replacing an earlier one)
-    and, to resume, the checkpoint to start from (a dump folder and a step)."""
+    and, to resume, the checkpoint to start from (a dump folder and a step). A case with
+    `call` ("module:function") runs that function on every rank instead, in the session's
+    process group, and records what it returns."""
 
     name: str
     argv: list[str]
     copy_checkpoint: tuple[str, int] | None = None
+    call: str | None = None
 
 
 @dataclass
@@ -45,7 +48,7 @@ def run_session(nproc: int, cases: list[Case], folder: Path, timeout: float) -> 
     unless its argv names one."""
     folder.mkdir(parents=True, exist_ok=True)
     spec = [{"name": c.name, "argv": with_overrides(["--job.dump_folder", str(folder / c.name)], c.argv),
-             "copy_checkpoint": list(c.copy_checkpoint) if c.copy_checkpoint else None} for c in cases]
+             "copy_checkpoint": list(c.copy_checkpoint) if c.copy_checkpoint else None, "call": c.call} for c in cases]
     (folder / "cases.json").write_text(json.dumps(spec))
     out = folder / "results.json"
     result = run_ranks(nproc, [str(WORKER), str(out), str(folder / "cases.json")], [], timeout)

@@ -16,6 +16,7 @@ ALLOWED = {
     "model_spec": set(),
     "config": {"errors"},
     "parallel": {"config", "errors", "logging"},
+    "compat": {"errors", "parallel"},
     "observe": {"config", "errors", "logging", "parallel"},
     "runtime": {"config", "errors", "logging", "parallel"},
     "data": {"config", "errors", "logging", "observe"},

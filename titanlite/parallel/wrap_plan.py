@@ -1,9 +1,11 @@
-"""FSDP1's constructor arguments turned into an FSDP2 plan (`Fsdp1Plan`), for the
-`FullyShardedDataParallel` wrapper (`fsdp1.py`): which mesh, which units, which reshard,
-precision and offload policies. Each argument keeps its FSDP1 meaning where FSDP2 has one;
-one that would change what training computes and has none is refused in one line naming it.
+"""A wrapper API's constructor arguments turned into an FSDP2 plan (`WrapPlan`): which mesh,
+which units, which reshard, precision, offload and prefetch. The compat wrappers
+(`titanlite.compat.fsdp1`, `.hfai`, `.megatron`) check their own signatures with these
+functions and hand the plan to the one core, `parallel/wrapper.py`. Each argument keeps
+its meaning where FSDP2 has one; one that would change what training computes and has
+none is refused in one line naming it.
 
-Sharding strategies, in FSDP2's terms:
+Sharding strategies (FSDP1's), in FSDP2's terms:
 - FULL_SHARD: shard over all ranks, reshard after forward (ZeRO-3);
 - SHARD_GRAD_OP: shard, keep the gathered weights from forward to backward (ZeRO-2-like);
 - HYBRID_SHARD / _HYBRID_SHARD_ZERO2: a 2D (replicate, shard) mesh: shard within groups of
@@ -17,7 +19,7 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -30,7 +32,7 @@ from torch.distributed.fsdp.wrap import _Policy
 from titanlite.errors import TitanliteError
 from titanlite.parallel.units import innermost_first, select
 
-_RESHARD = {
+RESHARDS_AFTER_FORWARD = {
     ShardingStrategy.FULL_SHARD: True,
     ShardingStrategy.SHARD_GRAD_OP: False,
     ShardingStrategy.HYBRID_SHARD: True,
@@ -38,11 +40,19 @@ _RESHARD = {
     ShardingStrategy.NO_SHARD: False,
 }
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+# The keyword an auto-wrap policy takes for the parameters its units have not taken:
+# v1.12 and fairscale/hfai spelled it `unwrapped_params`, torch >= 1.13 `nonwrapped_numel`.
+_NUMEL_KEYWORDS = ("nonwrapped_numel", "unwrapped_params")
+
+# How backward all-gathers are prefetched: FSDP2's implicit one-ahead ("default"), none
+# ("off"), or each unit the one before it in the model explicitly ("previous", Megatron's
+# choice under activation recompute, which reorders FSDP2's implicit one).
+BackwardPrefetchMode = Literal["default", "off", "previous"]
 
 
 @dataclass
-class Fsdp1Plan:
-    """What `FullyShardedDataParallel` does with a module, in FSDP2's terms."""
+class WrapPlan:
+    """What a wrapper does with a module, in FSDP2's terms."""
 
     mesh: DeviceMesh
     group: dist.ProcessGroup  # every rank of the mesh: the gradient norm's all-reduce
@@ -50,10 +60,16 @@ class Fsdp1Plan:
     reshard_after_forward: bool | int
     mp_policy: MixedPrecisionPolicy
     cpu_offload: bool
-    backward_prefetch: bool
+    backward_prefetch: BackwardPrefetchMode
     forward_prefetch: bool
     ignored_params: set[nn.Parameter]
     device: torch.device
+
+
+def require_process_group(wrapper: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise TitanliteError(f"{wrapper}: no process group; call titanlite.init_distributed() "
+                             "(or torch.distributed.init_process_group) first")
 
 
 def strategy_of(value: Any) -> ShardingStrategy:
@@ -91,26 +107,32 @@ def build_fsdp_mesh(process_group: Any, device_mesh: DeviceMesh | None, strategy
                              "(ranks per shard group) or a 2D device_mesh for hybrid sharding")
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
-    shard = world
-    if strategy == ShardingStrategy.NO_SHARD:
-        if fsdp_group_size is not None:
-            raise TitanliteError("fsdp_group_size: NO_SHARD shards nothing; drop one of them")
-        shard = 1
-    elif fsdp_group_size is not None:
-        if isinstance(fsdp_group_size, bool) or not isinstance(fsdp_group_size, int) or fsdp_group_size < 1 or world % fsdp_group_size:
-            raise TitanliteError(f"fsdp_group_size: {fsdp_group_size!r} must be a whole number dividing the {world} ranks")
-        shard = fsdp_group_size
-    elif strategy in _HYBRID:
-        shard = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if world % shard:
-            raise TitanliteError(f"sharding_strategy: {strategy.name} shards within a node of {shard} ranks, which does "
-                                 f"not divide the {world} ranks; pass fsdp_group_size=")
+    shard = _shard_group_size(strategy, fsdp_group_size, world)
     if shard == world:
         return DeviceMesh.from_group(group, device_type), group
     if group is not dist.group.WORLD and world != dist.get_world_size():
         raise TitanliteError("process_group: hybrid sharding (replicate x shard) runs over all ranks; drop process_group")
     mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     return mesh, group
+
+
+def _shard_group_size(strategy: ShardingStrategy, fsdp_group_size: int | None, world: int) -> int:
+    """How many ranks share one copy of the weights."""
+    if strategy == ShardingStrategy.NO_SHARD:
+        if fsdp_group_size is not None:
+            raise TitanliteError("fsdp_group_size: NO_SHARD shards nothing; drop one of them")
+        return 1
+    if fsdp_group_size is not None:
+        if isinstance(fsdp_group_size, bool) or not isinstance(fsdp_group_size, int) or fsdp_group_size < 1 or world % fsdp_group_size:
+            raise TitanliteError(f"fsdp_group_size: {fsdp_group_size!r} must be a whole number dividing the {world} ranks")
+        return fsdp_group_size
+    if strategy in _HYBRID:
+        shard = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % shard:
+            raise TitanliteError(f"sharding_strategy: {strategy.name} shards within a node of {shard} ranks, which does "
+                                 f"not divide the {world} ranks; pass fsdp_group_size=")
+        return shard
+    return world
 
 
 def precision_of(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy:
@@ -135,8 +157,9 @@ def precision_of(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy
 def wrap_units(module: nn.Module, policy: Any, ignored: set[nn.Module]) -> list[nn.Module]:
     """The modules FSDP1's `auto_wrap_policy` would have wrapped (never the root), innermost
     first: a `ModuleWrapPolicy`/`CustomPolicy`, a callable of FSDP1's `(module, recurse,
-    nonwrapped_numel)` contract (`transformer_auto_wrap_policy` or `size_based_auto_wrap_policy`
-    partials, a lambda policy), a predicate `fn(module)`, or a set of module classes (Megatron)."""
+    nonwrapped_numel)` contract or v1.12's and hfai's `(module, recurse, unwrapped_params)`
+    (`transformer_auto_wrap_policy` or `size_based_auto_wrap_policy` partials, a custom
+    policy), a predicate `fn(module)`, or a set of module classes (Megatron)."""
     if policy is None:
         return []
     if isinstance(policy, _Policy):
@@ -144,7 +167,9 @@ def wrap_units(module: nn.Module, policy: Any, ignored: set[nn.Module]) -> list[
         order = {id(m): name for name, m in module.named_modules()}
         return innermost_first([(order[id(m)], m) for m in picked])
     if callable(policy) and not isinstance(policy, type) and "recurse" in _parameters(policy):
-        return _recursive_units(module, policy, ignored, root=True)
+        keyword = next((k for k in _NUMEL_KEYWORDS if k in _parameters(policy)), _NUMEL_KEYWORDS[0])
+        return _recursive_units(module, lambda m, recurse, numel: policy(module=m, recurse=recurse, **{keyword: numel}),
+                                ignored, root=True)
     if isinstance(policy, (set, frozenset, list, tuple)) or (callable(policy) and not isinstance(policy, type)):
         inside = {id(m) for i in ignored for m in i.modules()}
         return innermost_first([(n, m) for n, m in select(module, policy, "auto_wrap_policy") if id(m) not in inside])
@@ -158,19 +183,19 @@ def _parameters(fn: Any) -> set[str]:
         return set()
 
 
-def _recursive_units(module: nn.Module, policy: Any, ignored: set[nn.Module], root: bool = False) -> list[nn.Module]:
+def _recursive_units(module: nn.Module, ask: Any, ignored: set[nn.Module], root: bool = False) -> list[nn.Module]:
     """FSDP1's `_recursive_wrap`, collecting instead of wrapping: ask the policy whether to
     descend (recurse=True), collect the children's units, then ask whether to wrap this module
     with the parameters its units did not take (recurse=False). Children come out first."""
     numel = sum(p.numel() for p in module.parameters())
-    if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+    if not ask(module, True, numel):
         return []
     units: list[nn.Module] = []
     for child in module.children():
         if child not in ignored:
-            units += _recursive_units(child, policy, ignored)
+            units += _recursive_units(child, ask, ignored)
     wrapped = sum(p.numel() for unit in units for p in unit.parameters())
-    if not root and policy(module=module, recurse=False, nonwrapped_numel=numel - wrapped):
+    if not root and ask(module, False, numel - wrapped):
         units.append(module)
     return units
 
@@ -185,14 +210,20 @@ def ignored_of(ignored_modules: Any, ignored_states: Any) -> tuple[set[nn.Module
     return modules, params
 
 
-def prefetch_of(backward_prefetch: Any, forward_prefetch: Any) -> tuple[bool, bool]:
-    """(backward prefetch on, forward prefetch on). BACKWARD_PRE and BACKWARD_POST both mean
-    FSDP2's one-ahead backward prefetch (they differ only in when FSDP1 issued it); None turns it off."""
-    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-        raise TitanliteError(f"backward_prefetch: expected BackwardPrefetch.BACKWARD_PRE, BACKWARD_POST or None, got {backward_prefetch!r}")
-    if not isinstance(forward_prefetch, bool):
-        raise TitanliteError(f"forward_prefetch: expected True or False, got {forward_prefetch!r}")
-    return backward_prefetch is not None, forward_prefetch
+def backward_prefetch_of(value: Any) -> BackwardPrefetchMode:
+    """BACKWARD_PRE and BACKWARD_POST both mean FSDP2's one-ahead backward prefetch (they
+    differ only in when FSDP1 issued it); None turns it off."""
+    if value is None:
+        return "off"
+    if not isinstance(value, BackwardPrefetch):
+        raise TitanliteError(f"backward_prefetch: expected BackwardPrefetch.BACKWARD_PRE, BACKWARD_POST or None, got {value!r}")
+    return "default"
+
+
+def forward_prefetch_of(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TitanliteError(f"forward_prefetch: expected True or False, got {value!r}")
+    return value
 
 
 def offload_of(cpu_offload: CPUOffload | None) -> bool:
@@ -201,46 +232,10 @@ def offload_of(cpu_offload: CPUOffload | None) -> bool:
     return bool(cpu_offload and cpu_offload.offload_params)
 
 
-def reshard_of(value: Any, strategy: ShardingStrategy) -> bool | int:
-    """`reshard_after_forward` (FSDP2's, an addition to FSDP1's arguments) or the strategy's."""
+def reshard_of(value: Any, strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD) -> bool | int:
+    """`reshard_after_forward` (FSDP2's, hfai's and Megatron's) or, when None, the strategy's."""
     if value is None:
-        return _RESHARD[strategy]
+        return RESHARDS_AFTER_FORWARD[strategy]
     if isinstance(value, bool) or (isinstance(value, int) and value >= 1):
         return value
     raise TitanliteError(f"reshard_after_forward: expected True, False or a number of ranks, got {value!r}")
-
-
-def refuse(param_init_fn: Any) -> None:
-    """FSDP1 arguments that would change the result and have no FSDP2 meaning."""
-    if param_init_fn is not None:
-        raise TitanliteError("param_init_fn: FSDP2 has no per-unit init hook; build the model on meta, wrap it, "
-                             "then call module.to_empty(device=...) and your init (it fills each rank's shard)")
-
-
-
-def plan_fsdp1(module: nn.Module, *, process_group: Any, sharding_strategy: Any, cpu_offload: Any, auto_wrap_policy: Any,
-               backward_prefetch: Any, mixed_precision: Any, ignored_modules: Any, param_init_fn: Any, device_id: Any,
-               forward_prefetch: Any, ignored_states: Any, device_mesh: Any, reshard_after_forward: Any,
-               fsdp_group_size: Any) -> Fsdp1Plan:
-    """Every argument checked and mapped (see module doc), before anything is sharded."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise TitanliteError("FullyShardedDataParallel: no process group; call titanlite.init_distributed() "
-                             "(or torch.distributed.init_process_group) first")
-    refuse(param_init_fn)
-    strategy = strategy_of(sharding_strategy)
-    device = device_of(device_id)
-    mesh, group = build_fsdp_mesh(process_group, device_mesh, strategy, fsdp_group_size, device.type)
-    modules, params = ignored_of(ignored_modules, ignored_states)
-    backward, forward = prefetch_of(backward_prefetch, forward_prefetch)
-    return Fsdp1Plan(
-        mesh=mesh,
-        group=group,
-        units=wrap_units(module, auto_wrap_policy, modules),
-        reshard_after_forward=reshard_of(reshard_after_forward, strategy),
-        mp_policy=precision_of(mixed_precision),
-        cpu_offload=offload_of(cpu_offload),
-        backward_prefetch=backward,
-        forward_prefetch=forward,
-        ignored_params=params,
-        device=device,
-    )

@@ -1,0 +1,152 @@
+"""Optimizer state dicts of a sharded model in FSDP1's three shapes, for the FSDP1 wrapper's
+optimizer-state methods (`compat/fsdp1.py`):
+
+- by name, whole: what `full_optim_state_dict` / `optim_state_dict` return and a checkpoint
+  keeps (`{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}`), from DCP's
+  `get_optimizer_state_dict` (gathered; on rank 0 only with `rank0_only`);
+- by name, sharded: the same with DTensor shards, from `get_optimizer_state_dict` too;
+- by id, loadable: what `torch.optim.Optimizer.load_state_dict` takes on this rank. Every
+  state tensor shaped like its parameter becomes a DTensor laid out as the parameter is
+  (`distribute_tensor`: sliced locally, or scattered from rank 0), so a whole state saved at
+  one layout, or by a plain unwrapped optimizer, loads at any other.
+
+Names are DCP's: the module's own, without wrapper prefixes (FSDP1's, activation
+checkpointing's, torch.compile's), so a plain model and its wrapped copy agree. Ids number
+the parameters in the optimizer's order, as `Optimizer.state_dict()` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titanlite.errors import TitanliteError
+from titanlite.parallel.state_dict import checkpoint_module
+
+_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    for prefix in _PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its DCP name (the first one, for a tied parameter)."""
+    names: dict[int, str] = {}
+    for name, p in checkpoint_module(model).named_parameters():
+        names.setdefault(id(p), clean_name(name))
+    return names
+
+
+def parameter_order(model: nn.Module, optim: torch.optim.Optimizer | None = None, optim_input: Any = None) -> list[str]:
+    """The names of the parameters in id order: the optimizer's param groups, else FSDP1's
+    `optim_input` (parameters, or param-group dicts), else `model.parameters()`."""
+    if optim is not None:
+        params = [p for group in optim.param_groups for p in group["params"]]
+    elif optim_input is not None:
+        items = list(optim_input)
+        params = [p for g in items for p in g["params"]] if items and isinstance(items[0], dict) else items
+    else:
+        params = list(checkpoint_module(model).parameters())
+    names = parameter_names(model)
+    missing = [i for i, p in enumerate(params) if id(p) not in names]
+    if missing:
+        raise TitanliteError(f"optimizer state: parameter {missing[0]} of the optimizer is not one of the model's")
+    return [names[id(p)] for p in params]
+
+
+def whole_by_name(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool) -> dict[str, Any]:
+    """Whole state tensors by name (on rank 0 in host memory with `rank0_only`, {} elsewhere).
+    Every rank must call it (it all-gathers)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    state = get_optimizer_state_dict(checkpoint_module(model), optim, options=options)
+    return {} if rank0_only and dist.is_initialized() and dist.get_rank() != 0 else state
+
+
+def sharded_by_name(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards (DTensors) by name."""
+    return get_optimizer_state_dict(checkpoint_module(model), optim)
+
+
+def rekey(state: dict[str, Any], order: list[str], by: str) -> dict[str, Any]:
+    """`state` keyed by parameter name ("name") or id ("id"), whichever key it has now."""
+    to_id = {name: index for index, name in enumerate(order)}
+    if by == "id":
+        mapping = lambda key: key if isinstance(key, int) else _known(to_id, key)  # noqa: E731
+    elif by == "name":
+        mapping = lambda key: order[key] if isinstance(key, int) else key  # noqa: E731
+    else:
+        raise TitanliteError(f"optim_state_key_type: expected OptimStateKeyType.PARAM_NAME or PARAM_ID, got {by!r}")
+    return {
+        "state": {mapping(key): value for key, value in state["state"].items()},
+        "param_groups": [{**group, "params": [mapping(key) for key in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+def _known(to_id: dict[str, int], name: str) -> int:
+    if name not in to_id:
+        raise TitanliteError(f"optimizer state: {name!r} is not a parameter of the model")
+    return to_id[name]
+
+
+def loadable(state: dict[str, Any] | None, model: nn.Module, order: list[str], from_rank0: bool,
+             group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """A by-name state (whole or sharded) as `optimizer.load_state_dict` takes it on this rank.
+    With `from_rank0` only rank 0's `state` is read (others may pass None): its layout is
+    broadcast, each tensor scattered to the parameters' shards."""
+    params = {clean_name(name): p for name, p in checkpoint_module(model).named_parameters()}
+    if from_rank0 and dist.is_initialized() and dist.get_world_size(group) > 1:
+        state = _broadcast_layout(state, order, params, group)
+    state = rekey(state, order, "id")
+    per_param = {}
+    for index, values in state["state"].items():
+        param = params[order[index]]
+        per_param[index] = {key: _laid_out_like(value, param, from_rank0) for key, value in values.items()}
+    return {"state": per_param, "param_groups": state["param_groups"]}
+
+
+def _laid_out_like(value: Any, param: torch.Tensor, from_rank0: bool) -> Any:
+    """A whole state tensor shaped like `param` as `param`'s DTensor layout; anything else as it is."""
+    if isinstance(value, _Placeholder):
+        value = torch.empty(value.shape, dtype=value.dtype)
+    if not isinstance(param, DTensor) or not _shaped_like(value, param):
+        return value
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                             src_data_rank=0 if from_rank0 else None)
+
+
+class _Placeholder:
+    """A tensor's shape and dtype, broadcast in place of its data (which is scattered)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+
+def _broadcast_layout(state: dict[str, Any] | None, order: list[str], params: dict[str, torch.Tensor],
+                      group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Rank 0's by-name state on every rank: tensors shaped like their sharded parameter as
+    placeholders (the scatter fills them), everything else (steps, hyperparameters, state of
+    unsharded parameters) as it is; rank 0 keeps its own tensors."""
+    if dist.get_rank() == 0:
+        if state is None:
+            raise TitanliteError("scatter_full_optim_state_dict: rank 0 has no optimizer state dict to scatter")
+        state = rekey(state, order, "name")
+        layout = {"state": {name: {k: _Placeholder(v) if isinstance(params[name], DTensor) and _shaped_like(v, params[name]) else v for k, v in values.items()}
+                            for name, values in state["state"].items()},
+                  "param_groups": state["param_groups"]}
+    else:
+        layout = None
+    box = [layout]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return state if dist.get_rank() == 0 else box[0]
+
+
+def _shaped_like(value: Any, param: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.shape
