@@ -113,11 +113,13 @@ def loadable(state: dict[str, Any] | None, model: nn.Module, order: list[str], f
 
 
 def _laid_out_like(value: Any, param: torch.Tensor, from_rank0: bool) -> Any:
-    """A whole state tensor shaped like `param` as `param`'s DTensor layout; anything else as it is."""
+    """A whole state tensor shaped like `param` as `param`'s DTensor layout; another plain
+    tensor (AdamW's step) as a copy, since `Optimizer.load_state_dict` keeps the very tensor
+    it is given and steps it in place: two optimizers loaded from one dict would share it."""
     if isinstance(value, _Placeholder):
         value = torch.empty(value.shape, dtype=value.dtype)
     if not isinstance(param, DTensor) or not _shaped_like(value, param):
-        return value
+        return value.clone() if torch.is_tensor(value) and not isinstance(value, DTensor) else value
     return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
                              src_data_rank=0 if from_rank0 else None)
 
