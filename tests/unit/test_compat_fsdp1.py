@@ -183,13 +183,14 @@ def test_full_optim_state_dict_is_the_plain_optimizers_keyed_by_name_and_loads_b
         assert_same_state(FSDP.optim_state_dict(model, optim), full)
 
 
-def test_two_optimizers_loaded_from_one_state_dict_keep_their_own_step():
-    """`Optimizer.load_state_dict` keeps the step tensor it is given and steps it in place."""
+def test_two_optimizers_resumed_from_one_checkpoint_keep_their_own_step():
+    """`Optimizer.load_state_dict` keeps the step tensor it is given and steps it in place:
+    each loadable state holds its own."""
     (model, optim), _ = trained_pair()
-    loaded = FSDP.shard_full_optim_state_dict(FSDP.full_optim_state_dict(model, optim), model)
+    full = FSDP.full_optim_state_dict(model, optim)
     first, second = (torch.optim.AdamW(model.parameters(), lr=1e-2) for _ in range(2))
-    first.load_state_dict(loaded)
-    second.load_state_dict(loaded)
+    first.load_state_dict(FSDP.shard_full_optim_state_dict(full, model))
+    second.load_state_dict(FSDP.scatter_full_optim_state_dict(full, model))
     model(torch.randn(3, 4)).sum().backward()
     first.step()
     assert [s["step"].item() for s in second.state.values()] == [2.0] * len(second.state)
