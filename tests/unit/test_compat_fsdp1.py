@@ -139,6 +139,19 @@ def test_fsdp_modules_are_the_wrappers_and_the_units_inside():
     assert FSDP.fsdp_modules(model) == [model, model.module.blocks[0], model.module.blocks[1]]
 
 
+def test_a_wrapper_built_inside_another_first_nests_as_in_fsdp1():
+    model = net()
+    model.blocks[0] = FSDP(model.blocks[0])
+    outer = FSDP(model)
+    x = torch.randn(3, 4)
+    outer(x).sum().backward()
+    assert [n for n, _ in outer.named_parameters()] == [n for n, _ in Net().named_parameters()]
+    plain = Net()
+    plain.load_state_dict(outer.state_dict())
+    assert torch.allclose(plain(x), outer(x))
+    assert FSDP.fsdp_modules(outer, root_only=True) == [outer] and len(FSDP.fsdp_modules(outer)) == 3
+
+
 def trained_pair():
     """A wrapped and a plain model with their AdamW after the same two steps."""
     pairs = []
