@@ -298,12 +298,14 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
 
 
 def broken_hf_copies(hf: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
-    """Three Hugging Face folders a user can get wrong, each with the line that names it:
+    """Four Hugging Face folders a user can get wrong, each with the line that names it:
     a shard the index names is missing, a tensor has the wrong shape, config.json is of
-    another model family."""
+    another model family, a stray safetensors file the index does not name (DCP's reader
+    would load its tensors over the indexed ones)."""
     import safetensors.torch as st
+    import torch
 
-    broken = {name: tmp_path / f"hf-{name}" for name in ("shard", "shape", "family")}
+    broken = {name: tmp_path / f"hf-{name}" for name in ("shard", "shape", "family", "stray")}
     for folder in broken.values():
         shutil.copytree(hf, folder)
     weight_map = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
@@ -316,7 +318,10 @@ def broken_hf_copies(hf: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
     config = json.loads((hf / "config.json").read_text())
     (broken["family"] / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     dim = config["hidden_size"]
+    stray = broken["stray"] / "extra.safetensors"
+    st.save_file({"model.norm.weight": torch.full((dim,), 5.0)}, str(stray), metadata={"format": "pt"})
     return {
+        "stray": (broken["stray"], f"{stray}: model.safetensors.index.json does not name this file"),
         "shard": (broken["shard"], f"{gone}: missing, but model.safetensors.index.json names it"),
         "shape": (broken["shape"], f"{norm_file}: tensor model.norm.weight has shape [{dim - 1}], this model's norm.weight is [{dim}]"),
         "family": (broken["family"], f"{broken['family'] / 'config.json'}: describes another model: model_type 'gpt2' (this model: 'llama')"),

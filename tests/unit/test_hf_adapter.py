@@ -122,6 +122,24 @@ def test_initial_hf_load_refuses_a_config_of_another_model(tmp_path, change, men
     assert mentions in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_safetensors_file_the_index_does_not_name_is_refused_not_read(tmp_path):
+    """DCP's Hugging Face reader reads every *.safetensors in the folder: a stray file's
+    norm of 5.0 would replace the indexed one without a word (convert_hf's read; the
+    trainer's initial load and generate check the folder with the same function)."""
+    import safetensors.torch as st
+
+    save_pretrained(tmp_path / "hf", "default")
+    args = hf_adapter.args_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    if not (tmp_path / "hf" / hf_io.HF_INDEX_FILE).exists():  # one file: index it, as a sharded save would
+        names = st.load_file(str(tmp_path / "hf" / "model.safetensors")).keys()
+        (tmp_path / "hf" / hf_io.HF_INDEX_FILE).write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in names}}))
+    stray = tmp_path / "hf" / "extra.safetensors"
+    st.save_file({"model.norm.weight": torch.full((args.dim,), 5.0)}, str(stray), metadata={"format": "pt"})
+    with pytest.raises(TitanliteError) as info:
+        hf_io.read_hf_model(tmp_path / "hf", hf_adapter, args, Llama)
+    assert str(info.value).startswith(f"{stray}: model.safetensors.index.json does not name this file")
+
+
 def test_from_hf_with_a_flavor_of_another_theta_is_one_line(tmp_path, capsys):
     """The debug model's shapes, saved by transformers with its default theta 10,000: the
     flavor's 500,000 is not what this folder holds."""

@@ -69,7 +69,9 @@ def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:
     """The safetensors files of a Hugging Face folder: those its index names (each must be
-    there), or every `*.safetensors` when it has no index."""
+    there, and no other may be: DCP's Hugging Face reader reads every `*.safetensors` in the
+    folder, so a stray file's tensors would be loaded, and win, without a word), or every
+    `*.safetensors` when it has no index."""
     folder = Path(folder)
     if not folder.is_dir():
         raise TitanliteError(f"{folder}: not a folder of Hugging Face weights")
@@ -82,6 +84,10 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
         for name in names:
             if not (folder / name).is_file():
                 raise TitanliteError(f"{folder / name}: missing, but {HF_INDEX_FILE} names it")
+        stray = sorted(p for p in folder.glob("*.safetensors") if p.name not in set(names))
+        if stray:
+            raise TitanliteError(f"{stray[0]}: {HF_INDEX_FILE} does not name this file, and every *.safetensors in the "
+                                 "folder would be read; move it out of the folder")
         files = [folder / name for name in names]
     else:
         files = sorted(folder.glob("*.safetensors"))
