@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
@@ -27,8 +28,13 @@ COLLECTIVE_FAILURE_EXIT_CODE = 3
 # Stopped by Ctrl-C (128 + SIGINT, the shell's convention).
 INTERRUPTED_EXIT_CODE = 130
 # How long a rank other than 0 waits before exiting on an error that every rank meets, so
-# that rank 0's line is out before the launcher stops everyone.
+# that rank 0's line is out before the launcher stops everyone (without titanlite's launcher).
 RANK0_REPORT_GRACE_S = 3.0
+# Set by `titanlite.launch` in its workers' environment (the pid whose death they follow,
+# runtime/preemption.py): under it a worker hands its ending line to the launcher.
+LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"
+# Where torchelastic's agent reads a worker's failure from (ProcessFailure.message), per worker.
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
@@ -47,17 +53,37 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
-def report_user_error(error: TitanliteError) -> int:
-    """One line on rank 0, nothing from the others; the exit code says it was the input.
+def hand_to_launcher(line: str) -> bool:
+    """Under `titanlite.launch`, leave this rank's ending line in the file torchelastic's agent
+    reads its failure from, and print nothing: the launcher prints one line for the whole job,
+    the first cause's, whichever rank met it (a rank held back, or killed before it could
+    print, cannot silence it). False, and nothing written, under another launcher or none."""
+    path = os.environ.get(ERROR_FILE_ENV) if os.environ.get(LAUNCHER_PID_ENV) else None
+    if not path:
+        return False
+    partial = f"{path}.partial-{os.getpid()}"
+    with open(partial, "w") as f:
+        json.dump({"message": line, "timestamp": int(time.time())}, f)
+    os.replace(partial, path)  # the agent never reads half a file
+    return True
 
-    Every rank meets the same error (validation is deterministic; checkpoint problems are
-    decided on rank 0 and broadcast). The other ranks wait a moment before exiting: torchrun
-    stops all processes as soon as one fails, which could kill rank 0 before its line is out.
-    The rank is read from torchrun's environment, as `world_from_env` does, because this
-    also runs before torch is imported (a config that does not load).
+
+def report_user_error(error: TitanliteError) -> int:
+    """The error's one line; the exit code says it was the input.
+
+    Under `titanlite.launch` every rank hands its line to the launcher, which prints it once
+    (`hand_to_launcher`). Otherwise rank 0 prints and the others stay quiet: validation is
+    deterministic and checkpoint problems are decided on rank 0 and broadcast, so rank 0
+    meets what they meet; they wait a moment before exiting, since torchrun stops all
+    processes as soon as one fails, which could kill rank 0 before its line is out. The rank
+    is read from torchrun's environment, as `world_from_env` does, because this also runs
+    before torch is imported (a config that does not load).
     """
+    line = f"titanlite: error: {error}"
+    if hand_to_launcher(line):
+        return USER_ERROR_EXIT_CODE
     if int(os.environ.get("RANK", 0)) == 0:
-        say(f"titanlite: error: {error}")
+        say(line)
     else:
         time.sleep(RANK0_REPORT_GRACE_S)
     return USER_ERROR_EXIT_CODE

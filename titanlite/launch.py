@@ -17,13 +17,18 @@ libgomp reads these once, at start, so they must be in the workers' environment.
 
 How a run ends:
 
-- A failure ends with one line naming the rank that failed first and how. A rank that
-  exits with the user-error code has printed its own line, so the launcher exits with that
-  code quietly. Ranks whose collective failed because of a peer (they exit with
-  `COLLECTIVE_FAILURE_EXIT_CODE`) and ranks the agent stopped afterwards (SIGTERM) are
-  consequences, not causes; among the others the first is the earliest by torchrun's
-  timestamps (whole seconds), then by the order the agent saw them. The agent's own
-  per-rank records are dropped: the ranks' lines and this one already say it.
+- A failure ends with exactly one line, the launcher's, and the first cause's exit code.
+  Workers print no ending line of their own: each leaves it in the file torchelastic's
+  agent reads its failure from (`errors.hand_to_launcher`), so a line reaches the user
+  whichever rank met the error, even if rank 0 was held back or killed first. Ranks whose
+  collective failed because of a peer (they exit with `COLLECTIVE_FAILURE_EXIT_CODE`) and
+  ranks the agent stopped afterwards (SIGTERM) are consequences, not causes; among the
+  others the first is the earliest by torchrun's timestamps (whole seconds), then by the
+  order the agent saw them. A user error (exit 2) is printed as its rank wrote it. When
+  every failure is a consequence, a rank stopped responding: the launcher names the one
+  it found stopped (SIGSTOP, a debugger, a frozen cgroup) when it closed the workers, with
+  the line of the collective that timed out waiting for it. The agent's own per-rank
+  records are dropped.
 - SIGTERM and SIGUSR1 are forwarded to the workers, which finish their step, save a
   checkpoint and exit 0 (titanlite/runtime/preemption.py); the launcher keeps supervising them, so
   its exit code is theirs. torchrun's own handling would give them 30 s before SIGKILL,
@@ -50,9 +55,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import get_args_parser, run
 
 from titanlite.runtime.cpu_binding import CPU_BIND_ENV, core_blocks, encode
-from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, USER_ERROR_EXIT_CODE, say
+from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, LAUNCHER_PID_ENV, USER_ERROR_EXIT_CODE, say
 from titanlite.parallel.distributed import usable_cores
-from titanlite.runtime.preemption import FORWARDED_SIGNALS, LAUNCHER_PID_ENV
+from titanlite.runtime.preemption import FORWARDED_SIGNALS
 
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
@@ -113,6 +118,8 @@ def _continue_stopped_workers_when_closing() -> None:
     close = handler.close
 
     def close_continuing(self, death_sig=None) -> None:
+        if _process_state(self.proc.pid) in ("T", "t"):
+            STOPPED_WORKER_RANKS.append(_global_rank(self.proc.pid))
         try:
             os.killpg(self.proc.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
@@ -121,6 +128,28 @@ def _continue_stopped_workers_when_closing() -> None:
 
     close_continuing.continues_stopped = True
     handler.close = close_continuing
+
+
+# The global ranks of workers found stopped when the agent closed them: the ranks that
+# stopped responding (a stopped worker may still end with exit 0 once continued, so it need
+# not be among the failures).
+STOPPED_WORKER_RANKS: list[int] = []
+
+
+def _process_state(pid: int) -> str:
+    """A process's state letter from /proc ("T": stopped), or "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _global_rank(pid: int) -> int:
+    """A worker's RANK, from the environment the agent started it with."""
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        variables = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+    return int(variables[b"RANK"])
 
 
 def _args_problem(args) -> str | None:
@@ -181,24 +210,45 @@ def _take_stop_signals(args) -> None:
 def first_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """(global rank, failure) of the rank that failed first (see module doc)."""
 
-    def consequence(failure: ProcessFailure) -> bool:
-        return failure.exitcode in (COLLECTIVE_FAILURE_EXIT_CODE, -signal.SIGTERM)
-
     ordered = list(failures.items())
     index = min(range(len(ordered)), key=lambda i: (consequence(ordered[i][1]), ordered[i][1].timestamp, i))
     return ordered[index]
 
 
-def failure_line(failures: dict[int, ProcessFailure]) -> tuple[str | None, int]:
-    """The launcher's one line (None: the rank said it already) and its exit code."""
+def _said(failure: ProcessFailure) -> str | None:
+    """The ending line a worker handed over (`errors.hand_to_launcher`), if any."""
+    message = failure.message
+    return message if isinstance(message, str) and message.startswith("titanlite: ") else None
+
+
+def consequence(failure: ProcessFailure) -> bool:
+    """A rank that failed because another did: its collective found the peer gone or timed
+    out (COLLECTIVE_FAILURE_EXIT_CODE), or the agent stopped it afterwards (SIGTERM)."""
+    return failure.exitcode in (COLLECTIVE_FAILURE_EXIT_CODE, -signal.SIGTERM)
+
+
+def failure_line(failures: dict[int, ProcessFailure], stopped_ranks: list[int] = STOPPED_WORKER_RANKS) -> tuple[str, int]:
+    """The launcher's one line and its exit code."""
     rank, first = first_failure(failures)
-    if first.exitcode == USER_ERROR_EXIT_CODE:
-        return None, USER_ERROR_EXIT_CODE
+    if first.exitcode == USER_ERROR_EXIT_CODE and _said(first):
+        return _said(first), USER_ERROR_EXIT_CODE
+    if consequence(first):
+        return _stopped_line(failures, stopped_ranks), COLLECTIVE_FAILURE_EXIT_CODE
     others = len(failures) - 1
     after = f"; {others} other rank(s) stopped after it" if others else ""
     if first.exitcode < 0:
         return f"titanlite: rank {rank} failed first (killed by signal {first.signal_name()}){after}", 1
     return f"titanlite: rank {rank} failed first (exit code {first.exitcode}){after}; see its output above", first.exitcode
+
+
+def _stopped_line(failures: dict[int, ProcessFailure], stopped_ranks: list[int]) -> str:
+    """Every rank failed because of another: name the rank found stopped, if one was, with
+    the line of a collective that timed out waiting (a rank's own, as it handed it over)."""
+    timed_out = next((line for _, f in sorted(failures.items()) if (line := _said(f))), None)
+    waited = f"; {timed_out.removeprefix('titanlite: ')}" if timed_out else ""
+    if stopped_ranks:
+        return f"titanlite: rank {min(stopped_ranks)} stopped responding (its process was stopped){waited}"
+    return timed_out or f"titanlite: rank {min(failures)} failed (exit code {failures[min(failures)].exitcode}) waiting for another rank"
 
 
 def _signal_line(sig: signal.Signals) -> str:
@@ -258,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except ChildFailedError as error:
         line, code = failure_line(error.failures)
-        if line:
-            print(line, file=sys.stderr)
+        print(line, file=sys.stderr)
         return code
     except SignalException as error:
         print(_signal_line(error.sigval), file=sys.stderr)

@@ -20,7 +20,7 @@ from titanlite.config import JobConfig, to_dict
 from titanlite.config.dtypes import DTYPES
 from titanlite.data import build_dataloader, open_corpus
 from titanlite.errors import (COLLECTIVE_FAILURE_EXIT_CODE, INTERRUPTED_EXIT_CODE, RANK0_REPORT_GRACE_S, USER_ERROR_EXIT_CODE,
-                              TitanliteError, report_user_error, say)
+                              TitanliteError, hand_to_launcher, report_user_error, say)
 from titanlite.logging import init_logger, logger
 from titanlite.observe.metrics import MetricsLogger
 from titanlite.observe.peak_flops import peak_flops
@@ -261,16 +261,21 @@ def run(plan: RunPlan) -> None:
 
 
 def report_collective_failure(failure: CollectiveFailure) -> int:
-    """A rank whose collective timed out says which one. A rank whose peer died first waits
-    a moment for the launcher's stop (SIGTERM): when it comes, the launcher names the rank
-    that died (or that made a user error) and this one stays quiet; when it does not (the
-    dead rank ran under another node's launcher), this rank says it itself."""
+    """A rank whose collective timed out says which one. Under `titanlite.launch` the line
+    goes to the launcher, which names the first cause once (a rank it found stopped, one
+    that died or made a user error) or else prints this line. Otherwise a rank whose peer
+    died first waits a moment for the launcher's stop (SIGTERM): when it comes, the launcher
+    names the rank that died and this one stays quiet; when it does not (the dead rank ran
+    under another node's launcher), this rank says it itself."""
+    code = INTERRUPTED_EXIT_CODE if received.interrupted else COLLECTIVE_FAILURE_EXIT_CODE
+    if hand_to_launcher(f"titanlite: rank {world_from_env()[0]}: {failure.line}"):
+        return code
     deadline = time.monotonic() + RANK0_REPORT_GRACE_S
     while not (failure.timed_out or received.stop_signal or received.interrupted) and time.monotonic() < deadline:
         time.sleep(0.05)
     if not received.interrupted and (failure.timed_out or not received.stop_signal):
         say(f"titanlite: rank {world_from_env()[0]}: {failure.line}")
-    return INTERRUPTED_EXIT_CODE if received.interrupted else COLLECTIVE_FAILURE_EXIT_CODE
+    return code
 
 
 def run_checked(cfg: JobConfig) -> int:
@@ -285,8 +290,10 @@ def run_checked(cfg: JobConfig) -> int:
         # A config this hardware cannot hold, like a bad input: one line (the allocator's
         # first sentence) and the user-error exit code, which the launcher passes on quietly.
         rank = dist.get_rank() if dist.is_initialized() else 0
-        say(f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
-            f"or seq_len, or enable activation_checkpoint")
+        line = (f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
+                f"or seq_len, or enable activation_checkpoint")
+        if not hand_to_launcher(line):
+            say(line)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         return INTERRUPTED_EXIT_CODE  # Ctrl-C: the launcher prints the one line

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE
+from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, ERROR_FILE_ENV, LAUNCHER_PID_ENV, hand_to_launcher
 from titanlite.launch import failure_line, first_failure, restart_line, set_cpu_thread_defaults
 from titanlite.parallel.distributed import usable_cores
 
@@ -28,10 +29,20 @@ def test_cpu_workers_get_their_share_of_cores_and_a_short_openmp_spin(monkeypatc
     assert (os.environ["OMP_NUM_THREADS"], os.environ["GOMP_SPINCOUNT"]) == ("7", "0")
 
 
-def failure(local_rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
-    made = ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=exitcode, error_file="")
+def failure(local_rank: int, exitcode: int, timestamp: int, said: Path | None = None) -> ProcessFailure:
+    """A worker's failure as the agent reports it; `said`: the error file it handed over."""
+    made = ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=exitcode, error_file=str(said or ""))
     made.timestamp = timestamp
     return made
+
+
+def handed(tmp_path: Path, monkeypatch, rank: int, line: str) -> Path:
+    """The error file a worker under titanlite.launch leaves (errors.hand_to_launcher)."""
+    path = tmp_path / f"error-{rank}.json"
+    monkeypatch.setenv(LAUNCHER_PID_ENV, "1")
+    monkeypatch.setenv(ERROR_FILE_ENV, str(path))
+    assert hand_to_launcher(line)
+    return path
 
 
 def test_the_killed_rank_is_named_not_the_ranks_that_failed_because_of_it():
@@ -50,9 +61,33 @@ def test_the_earliest_cause_wins_then_the_order_seen():
     assert failure_line(failures) == ("titanlite: rank 3 failed first (exit code 1); 2 other rank(s) stopped after it; see its output above", 1)
 
 
-def test_a_user_error_first_is_left_to_the_rank_that_printed_it():
-    failures = {0: failure(0, 2, 100), 1: failure(1, 2, 103)}
-    assert failure_line(failures) == (None, 2)
+def test_a_user_error_is_printed_once_as_the_rank_that_met_it_wrote_it(tmp_path, monkeypatch):
+    """Rank 1 alone met it (its data windows); rank 0 was stopped by the agent meanwhile."""
+    line = "titanlite: error: shard-00000.bin: token id 70000 at 12 is outside the vocabulary (96)"
+    failures = {0: failure(0, -signal.SIGTERM, 100), 1: failure(1, 2, 100, handed(tmp_path, monkeypatch, 1, line))}
+    assert failure_line(failures, []) == (line, 2)
+
+
+def test_a_user_error_without_its_line_still_gets_one(tmp_path):
+    failures = {0: failure(0, 2, 100), 1: failure(1, -signal.SIGTERM, 101)}
+    assert failure_line(failures, []) == ("titanlite: rank 0 failed first (exit code 2); 1 other rank(s) stopped after it; "
+                                          "see its output above", 2)
+
+
+def test_a_stopped_rank_is_named_with_the_collective_that_waited_for_it(tmp_path, monkeypatch):
+    """SIGSTOP of rank 1: rank 0's all-reduce timed out (exit 3), rank 1 was continued and
+    stopped by the agent; the launcher found rank 1 stopped when it closed the workers."""
+    said = handed(tmp_path, monkeypatch, 0, "titanlite: rank 0: an all-reduce timed out after 10 s")
+    failures = {0: failure(0, COLLECTIVE_FAILURE_EXIT_CODE, 100, said), 1: failure(1, -signal.SIGTERM, 101)}
+    assert failure_line(failures, [1]) == ("titanlite: rank 1 stopped responding (its process was stopped); "
+                                           "rank 0: an all-reduce timed out after 10 s", 3)
+    assert failure_line(failures, []) == ("titanlite: rank 0: an all-reduce timed out after 10 s", 3)
+
+
+def test_outside_titanlites_launcher_a_worker_hands_nothing_over(tmp_path, monkeypatch):
+    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
+    monkeypatch.setenv(ERROR_FILE_ENV, str(tmp_path / "error.json"))  # bare torchrun sets it too
+    assert not hand_to_launcher("titanlite: error: x") and not (tmp_path / "error.json").exists()
 
 
 def test_a_restart_names_the_rank_that_failed_first_and_counts_the_attempts():

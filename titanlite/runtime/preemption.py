@@ -19,10 +19,8 @@ import signal
 import sys
 from types import FrameType
 
+from titanlite.errors import LAUNCHER_PID_ENV  # the launcher's pid: whose death a worker follows (`die_with_launcher`)
 from titanlite.logging import logger
-
-LAUNCHER_PID_ENV = "TITANLITE_LAUNCHER_PID"
-"""Set by the launcher to its own pid: whose death a worker follows (`die_with_launcher`)."""
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Stop requests: the launcher forwards them to its workers, which save and exit 0."""
 
