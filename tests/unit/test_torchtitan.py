@@ -40,6 +40,30 @@ def test_downloads_are_refused_with_how_to_prepare_local_data_and_a_validation_o
         loaded("--validation.dataset", "c4_validation", "--validation.enable", "true")
 
 
+def test_a_command_line_dataset_wins_over_a_files_download(tmp_path):
+    """Overrides win everywhere, torchtitan's download in the file included."""
+    path = tmp_path / "torchtitan.toml"
+    path.write_text('[training]\ndataset = "c4"\n')
+    with pytest.raises(TitanliteError, match=r"^training.dataset: 'c4' is a dataset torchtitan downloads"):
+        load_config(["--config", str(path)])
+    notices: list[str] = []
+    cfg = load_config(["--config", str(path), "--training.dataset", "builtin"], notices)
+    assert cfg.training.dataset == "builtin"
+    assert notices == [f"training.dataset = 'c4' in {path}: torchtitan's download, replaced by the command line's"]
+
+
+def test_model_converters_say_float8_is_not_supported(tmp_path):
+    """torchtitan's 405B file converts the model to float8."""
+    path = tmp_path / "torchtitan.toml"
+    path.write_text('[model]\nconverters = ["float8"]\n')
+    with pytest.raises(TitanliteError, match=r"^model.converters: float8 is not supported \(titanlite has no float8 or mx"):
+        load_config(["--config", str(path)])
+    path.write_text("[model]\nconverters = []\n")
+    notices: list[str] = []
+    load_config(["--config", str(path)], notices)
+    assert notices == [f"model.converters = [] in {path}: torchtitan's option, no conversion; titanlite has none"]
+
+
 def test_selective_ac_option_is_a_number_or_op():
     assert loaded("--activation_checkpoint.selective_ac_option", "op")[0].activation_checkpoint.selective_ac_option == "op"
     for bad in ("0", "two", "-1"):

@@ -86,7 +86,7 @@ def load_config(argv: Sequence[str], notices: list[str] | None = None) -> JobCon
         apply_toml(cfg, read_toml(path, shown), shown, translate)
     for section, key, value in overrides:
         setattr(getattr(cfg, section), key, value)
-    translate.finish(cfg.validation.enable)
+    translate.finish(cfg.validation.enable, {(section, key) for section, key, _ in overrides})
     validate(cfg)
     if notices is not None:
         notices.extend(translate.notices)
@@ -132,6 +132,10 @@ def validate(cfg: JobConfig) -> None:
             f"checkpoint.load_step: resuming from step {cfg.checkpoint.load_step} needs "
             "checkpoint.enable_checkpoint = true"
         )
+    if parallelism.pipeline_parallel_split_points and parallelism.pipeline_parallel_layers_per_stage is not None:
+        raise TitanliteError("parallelism.pipeline_parallel_split_points: give it or pipeline_parallel_layers_per_stage, "
+                             f"not both (got {','.join(parallelism.pipeline_parallel_split_points)} and "
+                             f"{parallelism.pipeline_parallel_layers_per_stage} layers per stage)")
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         raise TitanliteError(f"activation_checkpoint.selective_ac_option: must be a whole number >= 1 or op (got {option!r})")

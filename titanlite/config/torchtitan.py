@@ -11,8 +11,11 @@ options titanlite does not have.
   that enables nothing; `metrics.disable_color_printing` and `compile.components` have no
   effect to have (titanlite prints no colors; `compile.enable` compiles every block).
 - Datasets torchtitan downloads (`c4`, `c4_test`, `c4_validation`) are refused with the line
-  that says how to prepare one locally; a validation dataset of that kind is only a notice
-  while validation is off.
+  that says how to prepare one locally, unless a command-line override names another
+  dataset (overrides win, as everywhere); a validation dataset of that kind is only a
+  notice while validation is off.
+- `model.converters` (torchtitan's float8 / mx model conversions) is refused in one line
+  when it names one; an empty list is a notice.
 
 Notices are collected (`TorchtitanKeys.notices`); the command lines print them once, rank 0.
 """
@@ -38,6 +41,7 @@ NO_EFFECT = {
     ("compile", "components"): "compile.enable compiles each transformer block; the loss runs eager",
 }
 DOWNLOADED_DATASETS = ("c4", "c4_test", "c4_validation")
+_COMMAND_LINE = "on the command line"  # the `where` of an override (config/engine.py)
 _PREPARE = ("titanlite reads local data prepared once into token shards: python -m titanlite.data.prepare "
             "hf:allenai/c4:en prepared/ --tokenizer TOKENIZER (pip install titanlite[hf]), then dataset = \"prepared\" "
             "and dataset_path = \"prepared/\" (docs/data.md)")
@@ -68,7 +72,7 @@ class TorchtitanKeys:
 
     def __init__(self) -> None:
         self.notices: list[str] = []
-        self._validation_dataset: str | None = None
+        self._downloaded: dict[str, tuple[str, str]] = {}  # section -> (dataset, where) from a file, decided in finish
 
     def __call__(self, section: str, key: str | None, value: Any, where: str) -> tuple[str, str, Any] | None:
         """The (section, key, value) to set, or None when this key is handled here."""
@@ -88,9 +92,15 @@ class TorchtitanKeys:
             self.notices.append(f"{section}.{key} {where}: torchtitan's option, no effect here: {NO_EFFECT[(section, key)]}")
             return None
         if key == "dataset" and section in ("training", "validation") and value in DOWNLOADED_DATASETS:
-            if section == "training":
+            if section == "training" and where == _COMMAND_LINE:
                 raise TitanliteError(f"training.dataset: {value!r} is a dataset torchtitan downloads at run time; {_PREPARE}")
-            self._validation_dataset = value
+            self._downloaded[section] = (value, where)
+            return None
+        if (section, key) == ("model", "converters"):
+            if value:
+                raise TitanliteError(f"model.converters: {', '.join(map(str, value))} is not supported (titanlite has no "
+                                     "float8 or mx conversion); remove it or leave the list empty")
+            self.notices.append(f"model.converters = [] {where}: torchtitan's option, no conversion; titanlite has none")
             return None
         return section, key, value
 
@@ -102,15 +112,16 @@ class TorchtitanKeys:
         self.notices.append(f"[quantize] {where}: torchtitan's quantization section, nothing enabled; titanlite has none")
         return None
 
-    def finish(self, validation_enabled: bool) -> None:
-        """Checks that need the whole config: a downloaded validation set is refused only when used."""
-        if self._validation_dataset is None:
-            return
-        if validation_enabled:
-            raise TitanliteError(f"validation.dataset: {self._validation_dataset!r} is a dataset torchtitan downloads at run "
-                                 f"time; {_PREPARE}")
-        self.notices.append(f"validation.dataset = {self._validation_dataset!r}: torchtitan's download, not used while "
-                            "validation is off")
+    def finish(self, validation_enabled: bool, overridden: set[tuple[str, str]]) -> None:
+        """Checks that need the whole config: a file's downloaded dataset is refused unless a
+        command-line override replaced it, and for validation only when validation is on."""
+        for section, (dataset, where) in self._downloaded.items():
+            if (section, "dataset") in overridden and where != _COMMAND_LINE:
+                self.notices.append(f"{section}.dataset = {dataset!r} {where}: torchtitan's download, replaced by the command line's")
+            elif section == "training" or validation_enabled:
+                raise TitanliteError(f"{section}.dataset: {dataset!r} is a dataset torchtitan downloads at run time; {_PREPARE}")
+            else:
+                self.notices.append(f"validation.dataset = {dataset!r}: torchtitan's download, not used while validation is off")
 
     def handles_section(self, section: str) -> bool:
         """A section titanlite does not have but torchtitan's files carry."""
