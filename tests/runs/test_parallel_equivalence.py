@@ -65,6 +65,7 @@ LAYOUTS = {
     "pp2_interleaved_1f1b": (2, [*batch(8), *schedule("Interleaved1F1B")], "causal"),
     "pp2_zbv": (2, [*batch(8), *schedule("ZBVZeroBubble")], "causal"),
     "pp2_interleaved_zero_bubble": (2, [*batch(8), *schedule("InterleavedZeroBubble")], "causal"),
+    "pp2_looped_bfs": (2, [*batch(8), *schedule("LoopedBFS")], "causal"),
     "pp2_dualpipev_accum2": (2, [*batch(4), "--training.global_batch_size", "8", *schedule("DualPipeV")], "causal"),
     "pp2_gpt2": (2, [*batch(8), *PP, *GPT2], "gpt2"),
     "pp2_validation": (2, [*batch(8), *PP, *VALIDATION], "validation"),
