@@ -60,14 +60,16 @@ class Run:
 
 
 def find_run(path: Path) -> Path:
-    """`path` itself when it holds metrics.jsonl, else the newest run folder below it
-    (names are start times, so the largest name is the newest)."""
+    """`path` itself when it holds metrics.jsonl, else the newest run folder below it that
+    logged a step (names are start times, so the largest name is the newest; a start that
+    trained nothing, such as a resume with no step left, is passed over)."""
     if (path / METRICS_FILE).is_file():
         return path
-    found = sorted(p.parent for p in [*path.glob(f"*/{METRICS_FILE}"), *path.glob(f"*/*/{METRICS_FILE}")])
+    found = sorted({p.parent for p in [*path.glob(f"*/{METRICS_FILE}"), *path.glob(f"*/*/{METRICS_FILE}")]},
+                   key=lambda p: p.name, reverse=True)
     if not found:
         raise TitanliteError(f"{path}: no {METRICS_FILE} here or in the run folders below it")
-    return max(found, key=lambda p: p.name)
+    return next((folder for folder in found if read_metrics(folder)), found[0])
 
 
 def load_run(path: Path) -> Run:

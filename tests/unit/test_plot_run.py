@@ -66,3 +66,15 @@ def test_without_matplotlib_it_says_which_extra_to_install(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(TitanliteError, match=r"needs matplotlib \(the optional extra 'plot'\): pip install -e \.\[plot\]"):
         plot_run().main([str(run_dir), "-o", str(tmp_path / "x.png")])
+
+
+def test_a_dump_folder_whose_newest_start_trained_nothing_plots_the_run_before_it(tmp_path):
+    """A resume with no step left writes a run folder with an empty metrics.jsonl; plotting
+    the dump folder takes the newest run that logged steps."""
+    trained = logged_run(tmp_path, 1e-3, validate_at=[])
+    idle = trained.parent / f"{trained.name}-later"  # a newer start time
+    idle.mkdir()
+    (idle / "metrics.jsonl").write_text("")
+    assert plot_run().find_run(tmp_path) == trained
+    series = plot_run().main([str(tmp_path), "-o", str(tmp_path / "p.png")])
+    assert [line.steps for line in series["loss"]] == [[1, 2, 3, 4]]
