@@ -1,7 +1,8 @@
 """Your own model and training loop on titanlite's pieces: FSDP2 (or a tensor-parallel plan of
 your own), the checkpointer, the prepared-shard loader and the mesh-wide gradient clip.
 
-    python -m titanlite.data.prepare --source files:my_texts/ --tokenizer assets/tokenizer/titanlite.model --output /tmp/tokens
+    torchrun --standalone --nproc-per-node 2 examples/own_loop.py      # the built-in corpus, prepared once
+    python -m titanlite.data.prepare my_texts/ /tmp/tokens --tokenizer assets/tokenizer/titanlite.model
     torchrun --standalone --nproc-per-node 2 examples/own_loop.py --data /tmp/tokens --steps 6 --ckpt /tmp/ckpt
     torchrun --standalone --nproc-per-node 2 examples/own_loop.py --data /tmp/tokens --steps 6 --ckpt /tmp/ckpt --tp 2
 
@@ -13,6 +14,7 @@ saves at --tp 2 and resumes under FSDP on 2 ranks).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -81,9 +83,22 @@ def tensor_parallel_plan(model: TinyTransformer, tp_mesh) -> None:
         })
 
 
+BUILTIN_TOKENS = "outputs/examples/builtin-tokens"
+
+
+def builtin_tokens(rank: int) -> str:
+    """Text that ships with Python (its docs and standard library), prepared once with the
+    bundled tokenizer by rank 0 while the others wait."""
+    if rank == 0 and not (Path(BUILTIN_TOKENS) / "manifest.json").exists():
+        titanlite.prepare(titanlite.build_source("builtin"), titanlite.Tokenizer("assets/tokenizer/titanlite.model"), BUILTIN_TOKENS)
+    torch.distributed.barrier()
+    return BUILTIN_TOKENS
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help="a prepared token folder")
+    parser.add_argument("--data", help="a prepared token folder (default: the built-in corpus, prepared into "
+                                        f"{BUILTIN_TOKENS} on first use)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the rest of the ranks shard with FSDP)")
     parser.add_argument("--ckpt", help="checkpoint folder: resumes from it, saves every --save-every steps")
@@ -92,13 +107,14 @@ def main() -> None:
     args = parser.parse_args()
 
     info = titanlite.init_distributed()
+    data_folder = args.data or builtin_tokens(info.rank)
     meshes = titanlite.build_mesh(tp=args.tp)
     dp_rank, dp = (meshes.dp.get_local_rank(), meshes.dp.size()) if meshes.dp is not None else (0, 1)
     torch.manual_seed(0)
     model = TinyTransformer()
     titanlite.parallelize(model, meshes, tp_plan=tensor_parallel_plan if args.tp > 1 else None, blocks={Block})
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data = titanlite.prepared_loader(args.data, seq_len=16, local_batch_size=args.global_batch // dp, dp_rank=dp_rank,
+    data = titanlite.prepared_loader(data_folder, seq_len=16, local_batch_size=args.global_batch // dp, dp_rank=dp_rank,
                                      dp_degree=dp, seed=0, prefetch=False)
     checkpointer = titanlite.Checkpointer(args.ckpt, model=model, optimizer=optimizer, states={"data": data},
                                           keep_latest_k=2) if args.ckpt else None

@@ -5,7 +5,7 @@ the dry-run planner (`titanlite.plan`), so both build exactly the same thing.
 tokenizer vocabulary, mesh degrees, batch split, pipeline stages) and raises every user error
 before a device is touched. `build_model` then builds on meta, splits the model into this
 rank's pipeline stages (when pp > 1), applies the parallelisms to each in their fixed order
-(`parallelize`: TP -> AC -> compile -> FSDP) and materializes this rank's shards.
+(`parallelize`, in the order docs/parallelism.md gives) and materializes this rank's shards.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
 
 
 def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
-    """The run's settings handed to the public `parallel.parallelize.parallelize` (TP -> CP
-    -> AC -> compile -> FSDP): the trainer takes the library's one path."""
+    """The run's settings handed to the public `parallel.parallelize.parallelize` (the order:
+    docs/parallelism.md): the trainer takes the library's one path."""
     cfg, dims = plan.cfg, plan.dims
     if cfg.training.mixed_precision_param == "auto":
         raise ValueError("parallelize: decide mixed_precision_param 'auto' first (RunPlan.with_compute_dtype)")

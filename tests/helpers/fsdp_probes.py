@@ -1,5 +1,5 @@
 """What an FSDP option changes, seen from outside: the probes behind the option-effect tests
-(tests/helpers/fsdp_options_worker.py). Each reads what FSDP2 really did, so an option
+(tests/helpers/fsdp_options_checks.py). Each reads what FSDP2 really did, so an option
 made a no-op changes what they report:
 
 - `unit_state`: a unit's parameters between forward and backward: whole (a plain tensor),
