@@ -26,6 +26,7 @@ from titanlite.observe.metrics import MetricsLogger
 from titanlite.observe.peak_flops import peak_flops
 from titanlite.observe.profiling import maybe_profile
 from titanlite.observe.run_dir import start_run_dir
+from titanlite.observe.wandb_run import require_wandb
 from titanlite.parallel.collectives import mean_over, sum_over
 from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
@@ -43,7 +44,8 @@ from titanlite.step.validate import build_validator
 
 class Trainer:
     def __init__(self, plan: RunPlan):
-        self.signals = received.install()  # first: a stop request during start-up is kept
+        require_wandb(plan.cfg.metrics)  # a missing optional package: one line before any device is used
+        self.signals = received.install()  # a stop request during start-up is kept
         self.dist = init_distributed(plan.cfg.comm.init_timeout_seconds, cpu_offload=plan.cfg.training.enable_cpu_offload)
         self.nonfinite = NonFiniteSteps(plan.cfg.training.max_nan_skips, self.dist.rank)
         self.device = self.dist.device
@@ -78,7 +80,7 @@ class Trainer:
         self.checkpoint = self._build_checkpoint()
 
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp * plan.dims.cp * plan.dims.pp, self.run_dir)
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp * plan.dims.cp * plan.dims.pp, self.run_dir, run_config=to_dict(cfg))
         self.validator = build_validator(cfg.validation, validation_data, self.model, self.forward_backward.evaluate, self._reported, self.device, self.metrics)
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor}: {self.size.n_params:,} parameters, "

@@ -1,36 +1,53 @@
 """The run folder: config.toml that reads back to the run's config, and metrics.jsonl with
-one flushed record per logged step or validation, written by rank 0 only."""
+one flushed record per logged step or validation, written by rank 0 only; with
+metrics.enable_wandb (offline), rank 0's W&B run beside them, holding TensorBoard's scalars and
+the config."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
+import numpy as np
 import pytest
 
 from tests.helpers.commands import TEST_TIMEOUT, launch, printed_tolerance, printed_value, step_lines
+from tests.helpers.distributed import read_tensorboard
+from tests.helpers.wandb_files import offline_wandb, read_offline_run
 from tests.unit.test_metrics import TRAIN_FIELDS
-from titanlite.config import load_config
+from titanlite.config import load_config, to_dict
 from titanlite.observe.run_dir import CONFIG_FILE, METRICS_FILE, read_metrics
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
-def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path):
+def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path, monkeypatch):
     """Rank 0 alone writes the run folder; its records are the printed step lines; the
     config it saved (overrides applied) reads back to the run's config; TensorBoard's
-    folder has the same name."""
+    folder has the same name; the W&B run (rank 0's only, in the run folder) holds
+    TensorBoard's scalars at the same steps and that config."""
+    offline_wandb(monkeypatch, tmp_path)
     argv = ["--config", "debug_model", "--training.steps", "3", "--training.seq_len", "64",
             "--training.local_batch_size", "2", "--metrics.log_freq", "2", "--optimizer.lr", "5e-4",
-            "--job.dump_folder", str(tmp_path)]
+            "--metrics.enable_wandb", "true", "--job.dump_folder", str(tmp_path)]
     run = launch(2, argv)
     assert run.returncode == 0, run.describe()
 
     (run_dir,) = (tmp_path / "runs").iterdir()
-    assert sorted(os.listdir(run_dir)) == [CONFIG_FILE, METRICS_FILE]
+    assert sorted(os.listdir(run_dir)) == [CONFIG_FILE, METRICS_FILE, "wandb"]
     # The saved config is the one used: "auto" compute dtype as decided on this host.
     used = re.search(r"compute dtype (\w+) \(auto", run.stdout + run.stderr).group(1)
-    assert load_config(["--config", str(run_dir / CONFIG_FILE)]) == load_config([*argv, "--training.mixed_precision_param", used])
+    saved = load_config(["--config", str(run_dir / CONFIG_FILE)])
+    assert saved == load_config([*argv, "--training.mixed_precision_param", used])
     assert [p.name for p in (tmp_path / "tb").iterdir()] == [run_dir.name]
+
+    assert len(list(tmp_path.rglob("*.wandb"))) == 1  # rank 0's run only
+    wandb_run = read_offline_run(run_dir / "wandb")
+    assert wandb_run.config == json.loads(json.dumps(to_dict(saved)))
+    tensorboard = read_tensorboard(tmp_path / "tb")
+    assert set(wandb_run.history) == set(tensorboard)
+    for tag, points in tensorboard.items():  # TensorBoard keeps float32
+        assert [(step, float(np.float32(value))) for step, value in wandb_run.history[tag]] == points, tag
 
     records = read_metrics(run_dir)
     lines = step_lines(run)

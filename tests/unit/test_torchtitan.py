@@ -23,12 +23,16 @@ def test_aliases_set_titanlites_own_keys():
 
 
 def test_options_titanlite_lacks_are_a_note_when_off_and_refused_when_on():
-    _, notices = loaded("--metrics.enable_wandb", "false", "--parallelism.enable_async_tensor_parallel", "false",
-                        "--metrics.disable_color_printing", "true")
-    assert [n.split(" ")[0] for n in notices] == ["metrics.enable_wandb", "parallelism.enable_async_tensor_parallel", "metrics.disable_color_printing"]
-    for key in ("metrics.enable_wandb", "parallelism.enable_async_tensor_parallel"):
-        with pytest.raises(TitanliteError, match=f"^{key}: not supported"):
-            loaded(f"--{key}", "true")
+    _, notices = loaded("--parallelism.enable_async_tensor_parallel", "false", "--metrics.disable_color_printing", "true")
+    assert [n.split(" ")[0] for n in notices] == ["parallelism.enable_async_tensor_parallel", "metrics.disable_color_printing"]
+    with pytest.raises(TitanliteError, match="^parallelism.enable_async_tensor_parallel: not supported"):
+        loaded("--parallelism.enable_async_tensor_parallel", "true")
+
+
+def test_enable_wandb_is_titanlites_own_option_with_no_note():
+    for value in (False, True):
+        cfg, notices = loaded("--metrics.enable_wandb", str(value).lower())
+        assert cfg.metrics.enable_wandb is value and notices == []
 
 
 def test_downloads_are_refused_with_how_to_prepare_local_data_and_a_validation_one_only_when_used():

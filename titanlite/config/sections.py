@@ -199,12 +199,14 @@ class Compile:
 
 @dataclass
 class Metrics:
-    """Step logging, TensorBoard and the run folder (config.toml, metrics.jsonl)."""
+    """Step logging, TensorBoard, Weights & Biases and the run folder (config.toml, metrics.jsonl)."""
 
     log_freq: int = _opt(10, "log loss, throughput and memory every this many steps", gt=0)
     enable_tensorboard: bool = _opt(True, "write TensorBoard scalars under job.dump_folder/save_tb_folder")
     save_tb_folder: str = _opt("tb", "TensorBoard folder, under job.dump_folder", nonempty=True)
     rank_0_only: bool = _opt(True, "log (and write TensorBoard) only on rank 0")
+    enable_wandb: bool = _opt(False, "log the same scalars and the config to Weights & Biases from rank 0 (pip install "
+                              "wandb); the W&B run from WANDB_PROJECT, WANDB_RUN_NAME, ... as in torchtitan")
     peak_flops: float = _opt(0.0, "peak FLOP/s per device for MFU; 0 = the known-GPU table, or on CPU a matmul "
                              "measured at start-up", ge=0)
     save_runs_folder: str = _opt("runs", "run folders, under job.dump_folder: each start of the trainer writes "

@@ -7,9 +7,9 @@ options titanlite does not have.
   `activation_checkpoint.selective_ac_option` are options of their own, in sections.py.)
 - Options titanlite does not have are accepted with one notice when set to what they are off
   (or to no effect), and refused in one line when they would change the run:
-  `metrics.enable_wandb`, `parallelism.enable_async_tensor_parallel`, a `[quantize]` section
-  that enables nothing; `metrics.disable_color_printing` and `compile.components` have no
-  effect to have (titanlite prints no colors; `compile.enable` compiles every block).
+  `parallelism.enable_async_tensor_parallel`, a `[quantize]` section that enables nothing;
+  `metrics.disable_color_printing` and `compile.components` have no effect to have (titanlite
+  prints no colors; `compile.enable` compiles every block).
 - Datasets torchtitan downloads (`c4`, `c4_test`, `c4_validation`) are refused with the line
   that says how to prepare one locally, unless a command-line override names another
   dataset (overrides win, as everywhere); a validation dataset of that kind is only a
@@ -33,7 +33,6 @@ ALIASES = {
 }
 # (section, key): (the value that leaves it off, what titanlite does instead)
 OFF_ONLY = {
-    ("metrics", "enable_wandb"): (False, "titanlite logs to TensorBoard and metrics.jsonl, not Weights & Biases"),
     ("parallelism", "enable_async_tensor_parallel"): (False, "titanlite has no async tensor parallelism"),
 }
 NO_EFFECT = {

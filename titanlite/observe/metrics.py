@@ -1,5 +1,6 @@
-"""Throughput, MFU and memory figures, the per-step log line, TensorBoard scalars and
-the run folder's metrics.jsonl (see titanlite/observe/run_dir.py)."""
+"""Throughput, MFU and memory figures, the per-step log line, TensorBoard scalars, the
+run folder's metrics.jsonl (see titanlite/observe/run_dir.py) and, with
+`metrics.enable_wandb`, the same scalars in Weights & Biases (titanlite/observe/wandb_run.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import resource
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,6 +16,7 @@ from titanlite.config import Metrics
 from titanlite.logging import logger
 from titanlite.observe.peak_flops import PeakFlops
 from titanlite.observe.run_dir import METRICS_FILE, MetricsFile
+from titanlite.observe.wandb_run import start_wandb_run
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocator memory on CUDA; peak resident set size of the process on CPU."""
@@ -32,7 +35,8 @@ def tensorboard_dir(metrics_cfg: Metrics, dump_folder: str, rank: int, run_name:
 
 class MetricsLogger:
     """Accumulates tokens between log steps and writes the log line, TensorBoard scalars
-    and (rank 0) one metrics.jsonl record per logged step or validation.
+    and (rank 0) one metrics.jsonl record per logged step or validation, and the same
+    scalars to a W&B run whose config is `run_config` (rank 0, `metrics.enable_wandb`).
 
     tps is tokens per second per device: the tokens of this rank's data-parallel group
     divided by the devices that share them (`devices_per_replica`: tensor-, context- and
@@ -40,7 +44,8 @@ class MetricsLogger:
     """
 
     def __init__(self, metrics_cfg: Metrics, dump_folder: str, rank: int, device: torch.device,
-                 flops_per_token: float, peak: PeakFlops, devices_per_replica: int, run_dir: Path):
+                 flops_per_token: float, peak: PeakFlops, devices_per_replica: int, run_dir: Path,
+                 run_config: dict[str, Any] | None = None):
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = peak
@@ -55,6 +60,7 @@ class MetricsLogger:
 
             os.makedirs(tb_dir, exist_ok=True)
             self.writer = SummaryWriter(tb_dir)
+        self.wandb_run = start_wandb_run(run_config or {}, run_dir) if rank == 0 and metrics_cfg.enable_wandb else None
 
     def add_tokens(self, count: int) -> None:
         self.tokens += count
@@ -99,12 +105,15 @@ class MetricsLogger:
         self._record(step, {"skipped_steps": float(skipped)})
 
     def _record(self, step: int, scalars: dict[str, float], tags: dict[str, str] | None = None) -> None:
-        """To TensorBoard (under `tags[name]`, else the name) and metrics.jsonl, with the wall
-        time (Unix seconds) and the seconds since this logger started (the start of training)."""
+        """To TensorBoard and W&B (under `tags[name]`, else the name) and metrics.jsonl, with the
+        wall time (Unix seconds) and the seconds since this logger started (the start of training)."""
+        tagged = {(tags or {}).get(name, name): value for name, value in scalars.items()}
         if self.writer is not None:
-            for name, value in scalars.items():
-                self.writer.add_scalar((tags or {}).get(name, name), value, step)
+            for tag, value in tagged.items():
+                self.writer.add_scalar(tag, value, step)
             self.writer.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(tagged, step=step)
         if self.file is not None:
             elapsed_s = time.perf_counter() - self.started
             self.file.write({"step": step, **scalars, "elapsed_s": round(elapsed_s, 3), "wall_time": round(time.time(), 3)})
@@ -112,5 +121,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
         if self.file is not None:
             self.file.close()

@@ -7,7 +7,9 @@ holds
   built; `--config outputs/runs/<name>/config.toml` runs it again;
 - `metrics.jsonl`: one JSON object per line, each flushed as it is logged (`MetricsFile`), so
   a crash loses nothing already logged and a user can plot without TensorBoard
-  (`scripts/plot_run.py`).
+  (`scripts/plot_run.py`);
+- `wandb/`: with `metrics.enable_wandb`, W&B's local files, unless WANDB_DIR names another
+  place (`wandb_run.py`).
 
 Rank 0 creates the folder and is the only rank that writes there; every rank learns its
 name, which TensorBoard's folder (`<dump_folder>/<save_tb_folder>/<same name>`) shares. A
