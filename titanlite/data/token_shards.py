@@ -28,11 +28,12 @@ class TokenShards:
         self.manifest = manifest
         self.dtype = DTYPES[manifest["dtype"]]
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
-        self.names = [name for name, _, _ in manifest["_entries"]]
+        self.entries = manifest["_entries"]
+        self.names = [entry.name for entry in self.entries]
         self.starts = [0]
-        for name, tokens, documents in manifest["_entries"]:
-            self._check_files(name, tokens, documents)
-            self.starts.append(self.starts[-1] + tokens)
+        for entry in self.entries:
+            self._check_files(entry.name, entry.tokens, entry.documents)
+            self.starts.append(self.starts[-1] + entry.tokens)
         self.num_tokens = self.starts[-1]
         self._maps: dict[int, np.memmap] = {}
         self._offsets: dict[int, np.memmap] = {}
