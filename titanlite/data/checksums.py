@@ -15,6 +15,8 @@ import os
 import zlib
 from pathlib import Path
 
+from titanlite.errors import TitanliteError
+
 BLOCK_BYTES = 1 << 20
 SHARD_FILES = ("bin", "idx")  # the keys of a manifest entry's "crc32": a shard's file suffixes
 
@@ -34,3 +36,15 @@ def shard_crc32(folder: Path, name: str) -> dict[str, str]:
     """What a manifest entry records of shard `name`: {"bin": CRC-32, "idx": CRC-32}."""
     return {suffix: file_crc32(folder / f"{name}.{suffix}") for suffix in SHARD_FILES}
 
+
+def check_shard(folder: Path, name: str, recorded: dict[str, str], field: str) -> None:
+    """Compare shard `name`'s files with the CRC-32s its manifest entry recorded; one line
+    naming the first file that differs (or cannot be read) otherwise."""
+    for suffix in SHARD_FILES:
+        path = folder / f"{name}.{suffix}"
+        try:
+            actual = file_crc32(path)
+        except OSError as error:
+            raise TitanliteError(f"{field}: cannot read {path} ({error.strerror or error})") from None
+        if actual != recorded[suffix]:
+            raise TitanliteError(f"{field}: {path} is corrupted: CRC-32 {actual}, the manifest records {recorded[suffix]}")
