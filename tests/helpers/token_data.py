@@ -65,6 +65,22 @@ def make_prepared(folder: Path, tokens: int, first: int = 0, sha256: str = "0" *
     return TokenShards(folder)
 
 
+def change_a_token_inside_the_vocabulary(path: Path, token: int) -> None:
+    """Flip the lowest bit of a uint16 shard's token `token`: another id of the vocabulary, so
+    reads pass the vocabulary check and only the checksums tell (issue 28)."""
+    raw = bytearray(path.read_bytes())
+    raw[2 * token] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+def drop_checksums(folder: Path) -> None:
+    """Make `folder`'s manifest one written before shards had checksums."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        del entry["crc32"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
 @pytest.fixture
 def shards(tmp_path) -> TokenShards:
     return make_prepared(tmp_path / "a", 16 * 200 + 5)  # 200 windows and a tail

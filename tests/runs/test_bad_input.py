@@ -5,7 +5,8 @@ A table of cases: wrong types, zero and negative degrees, unknown keys and secti
 impossible meshes and pipeline or context-parallel layouts, bad paths, TOML files that are broken, empty or folders, bad dtypes and
 enum values, overrides without values or given twice, and the run's files: a dump folder
 under a file, a locked dump folder, too little disk for one checkpoint, a truncated or a
-corrupted checkpoint shard, another tokenizer than the checkpoint's, a Hugging Face
+corrupted checkpoint shard, a prepared data shard corrupted inside the vocabulary (with
+training.verify_data), another tokenizer than the checkpoint's, a Hugging Face
 config.json of another model, a last-step save that cannot be written. Most cases run as
 `python -m titanlite.train` on one plain process (it validates the same config as every
 rank does), two at a time; a handful run through the launcher with 2 processes.
@@ -27,6 +28,7 @@ import pytest
 
 from tests.helpers.commands import LAUNCHER_ENV, Run, run_command
 from tests.helpers.distributed import REPO, run_env
+from tests.helpers.token_data import SHIPPED, change_a_token_inside_the_vocabulary, make_prepared
 
 SMALL_RUN = {
     "training.steps": "1",
@@ -106,6 +108,15 @@ def flip_bytes_in_last_shard(case: Path) -> None:
         f.write(bytes(b ^ 0xFF for b in data))
 
 
+def dataset_corrupted_inside_the_vocabulary(case: Path, _checkpoint: Path) -> None:
+    """One shard of the shipped tokenizer's ids, one of them changed to another valid id:
+    without training.verify_data this trains silently."""
+    from titanlite.data import Tokenizer
+
+    make_prepared(case / "data", 65 * 40, sha256=Tokenizer(str(SHIPPED)).sha256, shard_tokens=65 * 40)
+    change_a_token_inside_the_vocabulary(case / "data" / "shard-00000.bin", 100)
+
+
 def another_tokenizer_in_the_record(case: Path) -> None:
     marker = next((case / "out" / "checkpoint").glob("step-*/commit.json"))
     record = json.loads(marker.read_text())
@@ -179,6 +190,9 @@ CASES: dict[str, Case] = {
     "tokenizer_is_a_folder": Case(["model.tokenizer_path", f"{CASE}/tok"], {"model.tokenizer_path": f"{CASE}/tok"}, prepare=folder("tok")),
     "dataset_path_missing": Case(["training.dataset_path", f"{CASE}/none.txt"], {"training.dataset": "files", "training.dataset_path": f"{CASE}/none.txt"}),
     "dataset_files_without_a_path": Case(["training.dataset_path"], {"training.dataset": "files"}),
+    "dataset_shard_corrupted_inside_the_vocabulary": Case(["training.dataset_path", f"{CASE}/data/shard-00000.bin is corrupted: CRC-32"],
+                                                          {"training.dataset": "prepared", "training.dataset_path": f"{CASE}/data",
+                                                           "training.verify_data": "true"}, prepare=dataset_corrupted_inside_the_vocabulary),
     "initial_load_path_missing": Case(["checkpoint.initial_load_path", f"{CASE}/none"], {"checkpoint.initial_load_path": f"{CASE}/none"}),
     "load_step_that_does_not_exist": Case(["checkpoint.load_step: 3"], {**CHECKPOINTING, "checkpoint.load_step": "3"}),
     "hf_config_of_another_model": Case([f"{CASE}/hf/config.json", "rope_theta 10000.0 (this model: 500000.0)"],

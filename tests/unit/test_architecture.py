@@ -21,7 +21,7 @@ ALLOWED = {
     "runtime": {"config", "errors", "logging", "parallel"},
     "data": {"config", "errors", "logging", "observe"},
     "models": {"config", "errors", "model_spec", "parallel"},
-    "checkpoint": {"config", "errors", "logging", "observe", "parallel"},
+    "checkpoint": {"config", "data", "errors", "logging", "observe", "parallel"},
     "step": {"config", "data", "errors", "logging", "observe", "parallel"},
     "build": {"config", "data", "errors", "logging", "model_spec", "models", "parallel"},
     "trainer": {"build", "checkpoint", "config", "data", "errors", "logging", "model_spec", "observe", "parallel", "runtime", "step"},

@@ -1,5 +1,6 @@
 """titanlite/data/corpus.py (config -> streams): the held-out split is disjoint from training, a
-mismatched tokenizer and a dataset not prepared or too small are refused, pinned memory only on CUDA."""
+mismatched tokenizer and a dataset not prepared or too small are refused, training.verify_data
+reaches the validation data too, pinned memory only on CUDA."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.token_data import SEQ, VOCAB, make_prepared, shards, stream_of  # noqa: F401 (fixtures)
+from tests.helpers.token_data import SEQ, VOCAB, change_a_token_inside_the_vocabulary, make_prepared, shards, stream_of  # noqa: F401 (fixtures)
 from titanlite.data.corpus import build_dataloader, open_corpus
 from titanlite.errors import TitanliteError
 
 CPU = torch.device("cpu")
 
 
-def config(path: str, **validation) -> tuple[SimpleNamespace, SimpleNamespace]:
-    training = SimpleNamespace(dataset="prepared", dataset_path=path, dataset_cache_dir="", seq_len=SEQ, seed=5, shuffle=True)
+def config(path: str, verify_data: bool = False, **validation) -> tuple[SimpleNamespace, SimpleNamespace]:
+    training = SimpleNamespace(dataset="prepared", dataset_path=path, dataset_cache_dir="", seq_len=SEQ, seed=5, shuffle=True,
+                               verify_data=verify_data)
     base = dict(enable=True, dataset="", dataset_path="", holdout_fraction=0.1)
     return training, SimpleNamespace(**{**base, **validation})
 
@@ -55,6 +57,17 @@ def test_dataset_that_is_not_prepared_and_one_too_small(tmp_path):
     make_prepared(tmp_path / "tiny", 10)
     with pytest.raises(TitanliteError, match=r"tiny holds 10 tokens, fewer than one window"):
         open_corpus(*config(str(tmp_path / "tiny")), fake_tokenizer())
+
+
+def test_verify_data_checks_the_validation_dataset_too(tmp_path):
+    make_prepared(tmp_path / "web", 16 * 30)
+    make_prepared(tmp_path / "held", 16 * 30, shard_tokens=16 * 30)
+    change_a_token_inside_the_vocabulary(tmp_path / "held" / "shard-00000.bin", 3)
+    corpus = open_corpus(*config(str(tmp_path / "web"), verify_data=True, dataset="prepared", dataset_path=str(tmp_path / "held")),
+                         fake_tokenizer())
+    corpus.train.tokens(0)
+    with pytest.raises(TitanliteError, match=r"^validation\.dataset_path: .*held/shard-00000\.bin is corrupted: CRC-32"):
+        corpus.validation.tokens(0)
 
 
 def test_build_dataloader_pins_only_on_cuda(shards):

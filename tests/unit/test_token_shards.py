@@ -1,5 +1,6 @@
 """titanlite/data/token_shards.py: reads across shard boundaries, one line for each bad prepared
-folder, a corrupted token named by the read that meets it."""
+folder, a corrupted token named by the read that meets it, and with `verify` a shard whose
+ids stay inside the vocabulary named by its checksums before its first read."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers.token_data import folder_bytes, prepared, tok  # noqa: F401 (fixtures)
+from tests.helpers.token_data import (change_a_token_inside_the_vocabulary, drop_checksums, folder_bytes, make_prepared, prepared,  # noqa: F401 (fixtures)
+                                      tok)
 from titanlite.data.token_shards import TokenShards
 from titanlite.errors import TitanliteError
 
@@ -66,3 +68,41 @@ def test_corrupted_token_is_refused_when_read(prepared, tmp_path):
     shards.read(0, 100)  # shard 0 is intact
     with pytest.raises(TitanliteError, match=r"shard-00001\.bin is corrupted: token 10 is id 60,000, outside the manifest's vocabulary of 4,096"):
         shards.read(shards.starts[1], 50)
+
+
+CRC_MISMATCH = r"is corrupted: CRC-32 [0-9a-f]{8}, the manifest records [0-9a-f]{8}$"
+
+
+def test_verify_refuses_a_shard_whose_ids_stay_inside_the_vocabulary(tmp_path):
+    """Issue 28: an id changed to another valid id passes the vocabulary check and trains
+    silently; with `verify` the first read of its shard names it, and only its shard."""
+    folder = tmp_path / "a"
+    intact = make_prepared(folder, 2100).read(700, 10)  # shards of 700 tokens
+    change_a_token_inside_the_vocabulary(folder / "shard-00001.bin", 5)
+    assert TokenShards(folder).read(700, 10)[5] == intact[5] ^ 1  # unverified: read as if nothing happened
+    checked = TokenShards(folder, verify=True)
+    checked.read(0, 700)  # the shards around it are intact
+    checked.read(1400, 700)
+    with pytest.raises(TitanliteError, match=r"^training\.dataset_path: .*/shard-00001\.bin " + CRC_MISMATCH):
+        checked.read(690, 20)
+
+
+def test_verify_checks_the_document_index_before_its_first_use(tmp_path):
+    folder = tmp_path / "a"
+    make_prepared(folder, 1400)
+    path = folder / "shard-00000.idx"
+    path.write_bytes(path.read_bytes()[:-8] + (699).to_bytes(8, "little"))  # one token fewer in the last document
+    with pytest.raises(TitanliteError, match=r"/shard-00000\.idx " + CRC_MISMATCH):
+        TokenShards(folder, verify=True).document_ids(0, 16)
+
+
+def test_a_manifest_from_before_checksums_loads_and_verify_says_it_cannot_check_it(tmp_path, capsys):
+    folder = tmp_path / "a"
+    expected = make_prepared(folder, 1400).read(0, 1400)
+    drop_checksums(folder)
+    assert [entry.crc32 for entry in TokenShards(folder).entries] == [None, None]
+    assert capsys.readouterr().err == ""
+    assert np.array_equal(TokenShards(folder, verify=True).read(0, 1400), expected)
+    assert capsys.readouterr().err.splitlines() == [
+        f"titanlite: note: training.dataset_path: {folder}/manifest.json records no checksums (prepared before titanlite "
+        "wrote them), so its shards are read unverified; prepare it again to add them"]

@@ -2,8 +2,8 @@
 
 DCP notices a shard that is missing, truncated or not a pickle at all, but a shard whose
 bytes changed inside its tensor data (a flipped bit on disk, a bad copy) deserializes fine
-and trains on silently. So every shard file gets a CRC-32 (zlib's, read in 1 MiB blocks:
-hundreds of MB/s per core, far faster than the load itself):
+and trains on silently. So every shard file gets a CRC-32 (`file_crc32`, shared with the
+prepared datasets' shards: zlib's, read in 1 MiB blocks, far faster than the load itself):
 
 - at save time each rank checksums the files it just wrote, inside its own DCP writer
   (`ChecksummingWriter.write_data`: the writer thread or process of an async save, never
@@ -20,27 +20,15 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
+from titanlite.data.checksums import file_crc32
 from titanlite.parallel.collectives import raise_first
 
-BLOCK_BYTES = 1 << 20
 SIDECAR_SUFFIX = "crc32.json"
-
-
-def file_crc32(path: str | os.PathLike) -> str:
-    """CRC-32 of a file's bytes as 8 hex digits, streamed in 1 MiB blocks."""
-    crc = 0
-    buffer = bytearray(BLOCK_BYTES)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-    return f"{crc:08x}"
 
 
 class ChecksummingWriter(FileSystemWriter):

@@ -77,6 +77,9 @@ class Training:
                              "several blended by weight as 'web:0.7,code:0.3'")
     dataset_cache_dir: str = _opt("", "where builtin and files data are prepared on first use; empty = "
                                   "$XDG_CACHE_HOME/titanlite/data or ~/.cache/titanlite/data")
+    verify_data: bool = _opt(False, "check each prepared shard against the CRC-32s in its manifest.json the first "
+                             "time this rank reads it (training and validation data): one extra read of each "
+                             "shard; a mismatch stops the run with one line naming the file")
     shuffle: bool = _opt(True, "visit each epoch's windows in a shuffled order keyed by training.seed")
     local_batch_size: int = _opt(8, "sequences per microbatch on each data-parallel rank", gt=0)
     global_batch_size: int = _opt(-1, "sequences per optimizer step over all ranks; -1 = local_batch_size x dp degree; "

@@ -3,6 +3,8 @@
 Every dataset is a prepared folder: `prepared` names them (one, or a weighted blend),
 `builtin` and `files` are prepared into the cache on first use (cache.py). A folder whose
 tokenizer is not `model.tokenizer_path` (another file, or another vocabulary) is refused.
+With `training.verify_data` each shard is checked against its manifest's CRC-32s the first
+time this rank reads it (token_shards.py), so a rank checks only what it trains on.
 
 The held-out split: with `validation.dataset` empty, the last `holdout_fraction` of each
 training dataset's windows never enter training (whether validation is on or not) and are
@@ -36,14 +38,16 @@ class Corpus:
     validation: WindowStream | None
 
 
-def open_datasets(dataset: str, dataset_path: str, tokenizer: Tokenizer, cache_dir: str, section: str) -> list[tuple[TokenShards, float]]:
-    """The prepared folders of a validated `dataset`/`dataset_path` pair, opened and checked."""
+def open_datasets(dataset: str, dataset_path: str, tokenizer: Tokenizer, cache_dir: str, section: str,
+                  verify: bool) -> list[tuple[TokenShards, float]]:
+    """The prepared folders of a validated `dataset`/`dataset_path` pair, opened and checked
+    (and, with `verify`, each shard's checksums before its first read)."""
     field = f"{section}.dataset_path"
     if dataset == "prepared":
         folders = parse_blend(dataset_path, field)
     else:
         folders = [(str(ensure_prepared(dataset, dataset_path, tokenizer, cache_dir)), 1.0)]
-    return [(check_tokenizer(TokenShards(folder, field), tokenizer, field), weight) for folder, weight in folders]
+    return [(check_tokenizer(TokenShards(folder, field, verify), tokenizer, field), weight) for folder, weight in folders]
 
 
 def check_tokenizer(shards: TokenShards, tokenizer: Tokenizer, field: str) -> TokenShards:
@@ -72,7 +76,8 @@ def _name(dataset: str, path: str, seed: int | None) -> str:
 def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer) -> Corpus:
     """The training stream (shuffled when `training.shuffle`) and the validation stream."""
     window = training.seq_len + 1
-    datasets = open_datasets(training.dataset, training.dataset_path, tokenizer, training.dataset_cache_dir, "training")
+    datasets = open_datasets(training.dataset, training.dataset_path, tokenizer, training.dataset_cache_dir, "training",
+                             training.verify_data)
     holdout = 0.0 if validation.dataset else validation.holdout_fraction
     seed = training.seed if training.shuffle else None
     train, held, weights = [], [], []
@@ -88,13 +93,14 @@ def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer
             held.append((DatasetWindows(shards, window, kept, count, None), weight))
     stream = WindowStream(train, weights, _name(training.dataset, training.dataset_path, seed))
     if validation.dataset:
-        return Corpus(stream, _validation_stream(validation, tokenizer, window, training.dataset_cache_dir))
+        return Corpus(stream, _validation_stream(validation, tokenizer, window, training))
     name = f"held-out {holdout} of {stream.name}"
     return Corpus(stream, WindowStream([p for p, _ in held], [w for _, w in held], name) if held else None)
 
 
-def _validation_stream(validation: Validation, tokenizer: Tokenizer, window: int, cache_dir: str) -> WindowStream:
-    datasets = open_datasets(validation.dataset, validation.dataset_path, tokenizer, cache_dir, "validation")
+def _validation_stream(validation: Validation, tokenizer: Tokenizer, window: int, training: Training) -> WindowStream:
+    datasets = open_datasets(validation.dataset, validation.dataset_path, tokenizer, training.dataset_cache_dir, "validation",
+                             training.verify_data)
     parts = [DatasetWindows(s, window, 0, _windows_of(s, window, "validation.dataset_path"), None) for s, _ in datasets]
     return WindowStream(parts, [w for _, w in datasets], _name(validation.dataset, validation.dataset_path, None))
 

@@ -96,7 +96,7 @@ def _init_worker(tokenizer_path: str) -> None:
     _TOKENIZER = Tokenizer(tokenizer_path)
 
 
-def _tokenize_shard(folder: str, index: int, texts: list[str], dtype_name: str) -> dict[str, int]:
+def _tokenize_shard(folder: str, index: int, texts: list[str], dtype_name: str) -> dict[str, Any]:
     return write_shard(Path(folder), index, _TOKENIZER.encode_documents(texts), dtype_name)
 
 
@@ -130,10 +130,10 @@ def _check_job(folder: Path, job: dict[str, Any]) -> None:
 
 
 def _tokenize_all(source: Source, tokenizer: Tokenizer, folder: Path, workers: int, shard_chars: int,
-                  progress: Progress) -> list[dict[str, int]]:
+                  progress: Progress) -> list[dict[str, Any]]:
     """Every unit of the source as a shard (complete ones kept); manifest entries in order."""
     dtype = token_dtype(tokenizer.vocab_size)
-    entries: dict[int, dict[str, int]] = {}
+    entries: dict[int, dict[str, Any]] = {}
     pending: dict[Future, tuple[int, int]] = {}
 
     def collect(futures) -> None:

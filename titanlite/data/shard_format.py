@@ -1,7 +1,8 @@
 """The prepared-dataset format on disk (docs/data.md): token shards, their document
 indexes and the manifest; written atomically, read by memory map.
 
-    manifest.json         written last: format, version, dtype, counts, tokenizer, shards
+    manifest.json         written last: format, version, dtype, counts, tokenizer, shards (each
+                          with the CRC-32s of its two files, checksums.py)
     shard-00000.bin       the shard's token ids, little-endian uint16 (vocab <= 65,536) or uint32
     shard-00000.idx       little-endian uint64 offsets of its documents: documents + 1 entries,
                           0 first, the shard's token count last
@@ -10,6 +11,12 @@ A shard is written as `<name>.bin.tmp-<pid>` and `<name>.idx.tmp-<pid>`, flushed
 then renamed: the .bin first, the .idx last. So a shard counts as complete exactly when its
 .idx exists and agrees with its .bin's size; anything else is redone by a resumed
 preparation. A folder without manifest.json is not (or not yet) a prepared dataset.
+
+A shard's entry records a CRC-32 of its .bin and .idx, read back from the renamed files, so
+a complete shard kept by a resumed preparation gets the same entry as a freshly written
+one. Manifests written before checksums existed have entries without them: they load as
+before (the format version is unchanged, so older titanlite reads new folders too) and
+cannot be verified.
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from titanlite.data.checksums import SHARD_FILES, shard_crc32
 from titanlite.errors import TitanliteError
 
 FORMAT = "titanlite-tokens"
@@ -58,7 +66,16 @@ def _write_durably(path: Path, data: bytes | np.ndarray) -> None:
         os.fsync(f.fileno())
 
 
-def write_shard(folder: Path, index: int, documents: list[list[int]], dtype_name: str) -> dict[str, int]:
+class ShardEntry(NamedTuple):
+    """One shard as the manifest lists it; `crc32` is None in a manifest from before checksums."""
+
+    name: str
+    tokens: int
+    documents: int
+    crc32: dict[str, str] | None
+
+
+def write_shard(folder: Path, index: int, documents: list[list[int]], dtype_name: str) -> dict[str, Any]:
     """Write one shard atomically (see the module docstring); returns its manifest entry."""
     name, dtype = shard_name(index), DTYPES[dtype_name]
     lengths = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
@@ -71,10 +88,10 @@ def write_shard(folder: Path, index: int, documents: list[list[int]], dtype_name
     _write_durably(idx_tmp, offsets)
     os.replace(bin_tmp, folder / f"{name}.bin")
     os.replace(idx_tmp, folder / f"{name}.idx")
-    return {"name": name, "tokens": int(offsets[-1]), "documents": len(documents)}
+    return {"name": name, "tokens": int(offsets[-1]), "documents": len(documents), "crc32": shard_crc32(folder, name)}
 
 
-def complete_shard(folder: Path, index: int, dtype_name: str) -> dict[str, int] | None:
+def complete_shard(folder: Path, index: int, dtype_name: str) -> dict[str, Any] | None:
     """The manifest entry of shard `index` if it was completely written, else None."""
     name, dtype = shard_name(index), DTYPES[dtype_name]
     idx, bin_ = folder / f"{name}.idx", folder / f"{name}.bin"
@@ -85,7 +102,7 @@ def complete_shard(folder: Path, index: int, dtype_name: str) -> dict[str, int] 
         return None
     if len(offsets) == 0 or offsets[0] != 0 or int(offsets[-1]) * dtype.itemsize != size:
         return None
-    return {"name": name, "tokens": int(offsets[-1]), "documents": len(offsets) - 1}
+    return {"name": name, "tokens": int(offsets[-1]), "documents": len(offsets) - 1, "crc32": shard_crc32(folder, name)}
 
 
 def remove_temporaries(folder: Path) -> None:
@@ -113,7 +130,7 @@ def read_manifest(folder: Path, field: str) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
         version, shards, dtype = manifest["format_version"], manifest["shards"], DTYPES.get(manifest["dtype"])
         tokenizer = manifest["tokenizer"]
-        entries = [(str(s["name"]), int(s["tokens"]), int(s["documents"])) for s in shards]
+        entries = [ShardEntry(str(s["name"]), int(s["tokens"]), int(s["documents"]), _recorded_crc32(s)) for s in shards]
         checks = (int(tokenizer["vocab_size"]), str(tokenizer["sha256"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TitanliteError(f"{field}: {path} is not a titanlite manifest ({type(e).__name__}: {e})") from None
@@ -126,3 +143,13 @@ def read_manifest(folder: Path, field: str) -> dict[str, Any]:
         raise TitanliteError(f"{field}: {path}: unsupported dtype {manifest['dtype']!r} or vocab size {checks[0]}")
     manifest["_entries"] = entries
     return manifest
+
+
+def _recorded_crc32(entry: dict[str, Any]) -> dict[str, str] | None:
+    """A manifest entry's {"bin": CRC-32, "idx": CRC-32}; None when it has none (older manifests)."""
+    if "crc32" not in entry:
+        return None
+    recorded = entry["crc32"]
+    if not all(isinstance(recorded[suffix], str) for suffix in SHARD_FILES):  # KeyError, TypeError: not a manifest
+        raise ValueError(f"shard {entry['name']}: crc32 {recorded!r} is not two hex strings")
+    return {suffix: recorded[suffix] for suffix in SHARD_FILES}

@@ -5,6 +5,10 @@ one line naming the file) but maps nothing; a shard is mapped the first time a r
 touches it, so a rank maps only the shards its windows fall in. Every read checks that its
 ids are inside the manifest's vocabulary: a corrupted shard stops the run with one line
 instead of an index error (CPU) or a device assert (CUDA), or a silent NaN.
+
+Ids that stay inside the vocabulary pass that check, so with `verify` a shard's files are
+also compared with the manifest's CRC-32s (checksums.py) the first time a read maps either
+of them: the run pays one extra read of each shard it touches, and only of those.
 """
 
 from __future__ import annotations
@@ -15,27 +19,34 @@ from pathlib import Path
 
 import numpy as np
 
-from titanlite.data.shard_format import DTYPES, read_manifest
-from titanlite.errors import TitanliteError
+from titanlite.data.checksums import check_shard
+from titanlite.data.shard_format import DTYPES, MANIFEST, read_manifest
+from titanlite.errors import TitanliteError, say_notices
 
 
 class TokenShards:
     """One prepared folder as a single token stream (the shards concatenated in order)."""
 
-    def __init__(self, folder: str | Path, field: str = "training.dataset_path") -> None:
+    def __init__(self, folder: str | Path, field: str = "training.dataset_path", verify: bool = False) -> None:
+        """`verify`: check each shard's CRC-32s before its first read (the module docstring)."""
         self.folder, self.field = Path(folder), field
         manifest = read_manifest(self.folder, field)
         self.manifest = manifest
         self.dtype = DTYPES[manifest["dtype"]]
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
-        self.names = [name for name, _, _ in manifest["_entries"]]
+        self.entries = manifest["_entries"]
+        self.names = [entry.name for entry in self.entries]
         self.starts = [0]
-        for name, tokens, documents in manifest["_entries"]:
-            self._check_files(name, tokens, documents)
-            self.starts.append(self.starts[-1] + tokens)
+        for entry in self.entries:
+            self._check_files(entry.name, entry.tokens, entry.documents)
+            self.starts.append(self.starts[-1] + entry.tokens)
         self.num_tokens = self.starts[-1]
         self._maps: dict[int, np.memmap] = {}
         self._offsets: dict[int, np.memmap] = {}
+        self._unverified = {k for k, entry in enumerate(self.entries) if entry.crc32 is not None} if verify else set()
+        if verify and len(self._unverified) < len(self.entries):
+            say_notices([f"{field}: {self.folder / MANIFEST} records no checksums (prepared before titanlite wrote them), "
+                         "so its shards are read unverified; prepare it again to add them"])
 
     def _check_files(self, name: str, tokens: int, documents: int) -> None:
         for suffix, size in ((".bin", tokens * self.dtype.itemsize), (".idx", (documents + 1) * 8)):
@@ -47,7 +58,16 @@ class TokenShards:
             if actual != size:
                 raise TitanliteError(f"{self.field}: {path} is truncated or altered: {actual:,} bytes, the manifest says {size:,}")
 
+    def _verify_once(self, shard: int) -> None:
+        """Check the shard's CRC-32s if `verify` asked for it and no read has yet. Two threads
+        (prefetch, validation) may both check a shard once; neither reads it unchecked."""
+        if shard in self._unverified:
+            entry = self.entries[shard]
+            check_shard(self.folder, entry.name, entry.crc32, self.field)
+            self._unverified.discard(shard)
+
     def _map(self, shard: int) -> np.memmap:
+        self._verify_once(shard)
         if shard not in self._maps:
             path = self.folder / f"{self.names[shard]}.bin"
             self._maps[shard] = np.memmap(path, dtype=self.dtype, mode="r")
@@ -88,6 +108,7 @@ class TokenShards:
 
     def document_offsets(self, shard: int) -> np.ndarray:
         """Token offsets of shard `shard`'s documents within it (documents + 1 entries), mapped."""
+        self._verify_once(shard)
         if shard not in self._offsets:
             self._offsets[shard] = np.memmap(self.folder / f"{self.names[shard]}.idx", dtype="<u8", mode="r")
         return self._offsets[shard]
