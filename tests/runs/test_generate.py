@@ -1,18 +1,29 @@
 """`python -m titanlite.generate` on a checkpoint the real trainer wrote (debug model, 4 steps,
-fp32, CPU), and on a Hugging Face folder transformers wrote:
+fp32, CPU, one process), and on a Hugging Face folder transformers wrote:
 
-- greedy text is the same on two runs, and is the continuation this test computes itself
-  from the checkpoint's weights (argmax of the model's own logits, token by token);
-- seeded top-k sampling gives the same text on 1 process and at tensor parallel 2 (rank 1
-  prints nothing), and another seed gives another text;
-- bad input is one `titanlite: error:` line and exit code 2;
+- greedy text of a batch of prompts of different lengths is, for each prompt, the
+  continuation this test computes itself from the checkpoint's weights by recomputing the
+  whole sequence for every token (argmax of the model's own logits, each prompt alone):
+  with the KV cache, without it (`--no-kv-cache`), from a prompt file, at tensor parallel
+  2 and under FSDP over 2 ranks; and for GPT-2, which has no KV cache;
+- seeded top-k sampling gives each prompt the text it gets alone, the same text through 2
+  pipeline ranks holding 2 stages each (the output is on rank 1, which samples), and
+  another seed another text;
+- the log lines say the compute dtype and the tokens/s; only rank 0 prints;
+- bad input is one `titanlite: error:` line and exit code 2, and a checkpoint of another
+  flavor is refused as a resume refuses it;
 - from a Hugging Face folder, the first token is the argmax of transformers' own logits.
+
+The one-process runs share one interpreter (`run_mains`), and each layout is one launch
+that decodes the whole batch, to keep the test time small.
 """
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +37,10 @@ from titanlite.data.tokenizers import Tokenizer
 pytestmark = pytest.mark.slow
 
 TIMEOUT = 120
-PROMPT = "The Python language"
+# Of 2, 5 and 9 tokens with the beginning-of-text one: the first forward takes 2 from each,
+# and the longer prompts are fed their own tokens while the shortest generates.
+PROMPTS = ["A", "The Python language", "Lists and dictionaries are"]
+PROMPT = PROMPTS[1]
 NEW_TOKENS = 8
 CONFIG = ["--config", "debug_model", "--training.mixed_precision_param", "float32"]
 TRAIN = [
@@ -43,6 +57,9 @@ TRAIN = [
     "--checkpoint.async_mode", "disabled",
 ]  # fmt: skip
 SAMPLE = ["--temperature", "0.8", "--top-k", "5"]
+# Pipeline: 4 stages on 2 ranks (rank r holds stages r and r + 2), so every step's
+# activations cross ranks three times and the output sits on rank 1.
+PIPELINE = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
 
 
 def _env() -> dict[str, str]:
@@ -63,12 +80,36 @@ def tok() -> Tokenizer:
     return Tokenizer(str(REPO / "assets" / "tokenizer" / "titanlite.model"))
 
 
-def generate(folder: Path, *args: str, new_tokens: int = NEW_TOKENS) -> str:
+def argv_for(folder: Path, *args: str, prompts: list[str] = PROMPTS, new_tokens: int = NEW_TOKENS) -> list[str]:
+    return [*CONFIG, "--checkpoint", str(folder), *[w for p in prompts for w in ("--prompt", p)],
+            "--max-new-tokens", str(new_tokens), *args]
+
+
+def generate(folder: Path, *args: str, prompts: list[str] = PROMPTS, new_tokens: int = NEW_TOKENS) -> str:
     """stdout of one process of `python -m titanlite.generate`, which must succeed."""
-    argv = [*CONFIG, "--checkpoint", str(folder), "--prompt", PROMPT, "--max-new-tokens", str(new_tokens), *args]
+    argv = argv_for(folder, *args, prompts=prompts, new_tokens=new_tokens)
     run = run_command([sys.executable, "-m", "titanlite.generate", *argv], _env(), timeout=TIMEOUT)
     assert run.returncode == 0, run.describe()
     return run.stdout
+
+
+@pytest.fixture(scope="module")
+def one_process(checkpoint, gpt2, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every one-process run of these tests, in one interpreter (the imports paid once)."""
+    prompt_file = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    prompt_file.write_text("\n".join(PROMPTS[:2]) + "\n\n" + PROMPTS[2] + "\n")  # a blank line is skipped
+    runs = {
+        "batch": argv_for(checkpoint),
+        "file": [*CONFIG, "--checkpoint", str(checkpoint), "--prompt-file", str(prompt_file), "--max-new-tokens", str(NEW_TOKENS)],
+        "recompute": argv_for(checkpoint, "--no-kv-cache"),
+        "sample": argv_for(checkpoint, *SAMPLE, "--seed", "3"),
+        "sample_alone": argv_for(checkpoint, *SAMPLE, "--seed", "3", prompts=PROMPTS[2:]),
+        "other_seed": argv_for(checkpoint, *SAMPLE, "--seed", "4"),
+        "tied": argv_for(checkpoint, "--model.flavor", "debugmodel_tied", prompts=PROMPTS[:1]),
+        "gpt2": argv_for(gpt2[0], "--model.name", "gpt2"),
+    }
+    results = run_mains("titanlite.generate.cli", list(runs.values()), 4 * TIMEOUT, env=_env())
+    return dict(zip(runs, results))
 
 
 @contextlib.contextmanager
@@ -99,39 +140,106 @@ def trained_model(step_dir: Path, vocab_size: int) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load here, on one process
-def test_greedy_is_repeatable_and_follows_the_models_argmax(checkpoint, tok):
-    first, second = generate(checkpoint), generate(checkpoint)
-    assert first == second
-    model = trained_model(checkpoint / "step-4", tok.vocab_size)
-    ids = tok.encode(PROMPT, bos=True, eos=False)
+def greedy(model: torch.nn.Module, tok: Tokenizer) -> str:
+    """What generate must print for PROMPTS at temperature 0: each prompt alone, the whole
+    sequence recomputed for every token, argmax, stopping at the end-of-text token."""
+    texts = []
     with one_thread():
-        for _ in range(NEW_TOKENS):
-            chosen = int(model(torch.tensor([ids]))[0, -1].argmax())
-            if chosen == tok.eos_id:  # where generate stops too
-                break
-            ids.append(chosen)
-    assert first == tok.decode(ids) + "\n", f"generate printed {first!r}"
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt, bos=True, eos=False)
+            for _ in range(NEW_TOKENS):
+                chosen = int(model(torch.tensor([ids]))[0, -1].argmax())
+                if chosen == tok.eos_id:
+                    break
+                ids.append(chosen)
+            texts.append(tok.decode(ids) + "\n")
+    return "".join(texts)
 
 
-def test_sampling_is_seeded_and_the_same_under_tensor_parallel(checkpoint):
-    single = generate(checkpoint, *SAMPLE, "--seed", "3")
-    argv = [*CONFIG, "--checkpoint", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS),
-            *SAMPLE, "--seed", "3", "--parallelism.tensor_parallel_degree", "2"]
-    tp = run_ranks(2, ["-m", "titanlite.generate"], argv, TIMEOUT, env=_env())
-    assert tp.returncode == 0, f"{tp.stdout[-3000:]}\n{tp.stderr[-3000:]}"
-    assert tp.stdout == single  # both ranks' stdout: rank 1 printed nothing
-    assert single.startswith(PROMPT) and len(single) > len(PROMPT) + 1
-    # Eight draws among the top 5: two seeds agreeing on all of them is vanishingly unlikely.
-    assert generate(checkpoint, *SAMPLE, "--seed", "4") != single
+@pytest.fixture(scope="module")
+def greedy_text(checkpoint, tok) -> str:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # dcp.load here, on one process
+        return greedy(trained_model(checkpoint / "step-4", tok.vocab_size), tok)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory, tok) -> tuple[Path, str]:
+    """A DCP folder of the GPT-2 debug model (a model without a KV cache) at a seeded init,
+    written here (another writer's checkpoint: no commit record), and its greedy text."""
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.models import get_model_spec
+
+    spec = get_model_spec("gpt2", "debugmodel")
+    model = spec.model_class(spec.args_for("debugmodel", tok.vocab_size))
+    model.init_weights(seed=1)
+    folder = tmp_path_factory.mktemp("gpt2")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(model.state_dict(), checkpoint_id=str(folder), no_dist=True)
+    return folder, greedy(model.eval(), tok)
+
+
+def test_greedy_batch_follows_the_models_argmax_with_and_without_the_cache(one_process, greedy_text):
+    for name in ("batch", "file", "recompute"):
+        run = one_process[name]
+        assert run.returncode == 0, f"{name}:\n{run.stderr[-3000:]}"
+        assert run.stdout == greedy_text, f"{name} printed {run.stdout!r}"
+    batch, recompute = one_process["batch"].stderr, one_process["recompute"].stderr
+    assert "generate: compute dtype float32 (set by training.mixed_precision_param)" in batch
+    assert f"generate: {len(PROMPTS) * NEW_TOKENS} new tokens for {len(PROMPTS)} prompt(s) in " in batch
+    assert " tokens/s (" in batch and "KV cache)" in batch
+    assert "no KV cache: every forward recomputes the whole rows" in recompute
+
+
+def test_a_model_without_a_kv_cache_recomputes_every_sequence(one_process, gpt2):
+    run = one_process["gpt2"]
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == gpt2[1]
+    assert "generate: model gpt2 has no KV cache; each token recomputes the whole sequence" in run.stderr
+
+
+def test_sampling_is_seeded_per_prompt(one_process):
+    sample, alone, other = (one_process[name] for name in ("sample", "sample_alone", "other_seed"))
+    assert sample.returncode == alone.returncode == other.returncode == 0, sample.stderr[-3000:]
+    assert all(text.startswith(prompt) for text, prompt in zip(sample.stdout.splitlines(), PROMPTS))
+    assert sample.stdout.endswith(alone.stdout)  # the last prompt's text, with or without the others
+    # Eight draws among the top 5 for each prompt: two seeds agreeing on all is vanishingly unlikely.
+    assert other.stdout != sample.stdout
+
+
+def test_a_checkpoint_of_another_flavor_is_refused_as_a_resume_refuses_it(one_process):
+    run = one_process["tied"]
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stdout == "" and "Traceback" not in run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("titanlite: error:")]
+    assert len(errors) == 1 and "flavor debugmodel (" in errors[0] and "builds model llama3 flavor debugmodel_tied" in errors[0]
+
+
+@pytest.mark.parametrize("layout, args", [
+    ("tensor_parallel", ["--parallelism.tensor_parallel_degree", "2"]),
+    ("fsdp", ["--parallelism.data_parallel_shard_degree", "2"]),
+    ("pipeline", [*PIPELINE, *SAMPLE, "--seed", "3"]),
+])  # fmt: skip
+def test_every_layout_prints_what_one_process_prints(checkpoint, one_process, greedy_text, layout, args):
+    run = run_ranks(2, ["-m", "titanlite.generate"], argv_for(checkpoint, *args), TIMEOUT, env=_env())
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    expected = one_process["sample"].stdout if "--seed" in args else greedy_text
+    assert run.stdout == expected  # both ranks' stdout: rank 1 printed nothing
+    assert run.stderr.count("tokens/s") == 1
 
 
 @pytest.mark.parametrize("args, mentions", [
     (["--checkpoint", "/no/such/folder", "--prompt", PROMPT], ["--checkpoint", "/no/such/folder"]),
-    (["--prompt", ""], ["--prompt", "empty"]),
+    (["--prompt", PROMPT, "--prompt", ""], ["--prompt", "empty"]),
+    (["--prompt-file", "/no/such/prompts.txt"], ["--prompt-file", "/no/such/prompts.txt"]),
+    (["--prompt", PROMPT, "--prompt-file", "/no/such/prompts.txt"], ["--prompt-file", "--prompt"]),
     (["--prompt", PROMPT, "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
     (["--prompt", PROMPT, "--top-k", "-1"], ["--top-k", ">= 0"]),
-], ids=["missing_checkpoint", "empty_prompt", "no_new_tokens", "negative_top_k"])  # fmt: skip
+    (["--prompt", PROMPT, "--parallelism.context_parallel_degree", "2"], ["parallelism.context_parallel_degree", "use 1"]),
+], ids=["missing_checkpoint", "empty_prompt", "missing_prompt_file", "prompt_and_file", "no_new_tokens", "negative_top_k",
+        "context_parallel"])  # fmt: skip
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, mentions):
     if "--checkpoint" not in args:
         args = ["--checkpoint", str(tmp_path), *args]
@@ -156,5 +264,5 @@ def test_hugging_face_folder_gives_transformers_argmax(tmp_path, tok):
     ids = tok.encode(PROMPT, bos=True, eos=False)
     with one_thread():
         argmax = int(hf_model(torch.tensor([ids])).logits[0, -1].argmax())
-    printed = generate(tmp_path / "hf", new_tokens=1)
+    printed = generate(tmp_path / "hf", prompts=[PROMPT], new_tokens=1)
     assert printed == tok.decode(ids + ([argmax] if argmax != tok.eos_id else [])) + "\n"

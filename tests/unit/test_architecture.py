@@ -26,7 +26,7 @@ ALLOWED = {
     "build": {"config", "data", "errors", "logging", "model_spec", "models", "parallel"},
     "trainer": {"build", "checkpoint", "config", "data", "errors", "logging", "model_spec", "observe", "parallel", "runtime", "step"},
     "train": {"config", "errors", "runtime", "trainer"},
-    "generate": {"build", "checkpoint", "config", "errors", "logging", "parallel", "runtime", "step"},
+    "generate": {"build", "checkpoint", "config", "errors", "logging", "models", "parallel", "runtime", "step"},
     "plan": {"build", "config", "errors", "logging", "parallel"},
     "launch": {"errors", "parallel", "runtime"},
     "__init__": set(),

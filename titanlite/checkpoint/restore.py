@@ -92,9 +92,7 @@ class Restorer:
         def check() -> Metadata:
             if not record.model_weights_only:  # the seed's weights are an init: any tokenizer of its vocab size
                 check_tokenizer(path, record, self.tokenizer)
-            saved = record.fingerprint
-            if saved != self.fingerprint:
-                raise TitanliteError(f"{path}: checkpoint is of {_describe(saved, record.model_args)}, but this run builds {_describe(self.fingerprint, args_dict(self.model_args))}")
+            check_model(path, record, self.fingerprint, self.model_args)
             return read_checked_metadata(path)
 
         metadata = on_rank0(self.group, check)
@@ -220,6 +218,15 @@ def check_tokenizer(path: Path, record: CommitRecord, current: dict[str, Any]) -
         f"model.tokenizer_path: {current['path']} is not the tokenizer {path} was trained with "
         f"({saved.get('path')}): {difference}"
     )
+
+
+def check_model(path: Path, record: CommitRecord, built: dict[str, str], model_args: Any) -> None:
+    """The checkpoint is of the model this run builds (`built`, `commit.fingerprint`): the same
+    model, flavor and hyperparameters. Shapes alone would let a tied flavor load an untied
+    one's weights (both tables have the same shape) without a word."""
+    if record.fingerprint != built:
+        raise TitanliteError(f"{path}: checkpoint is of {_describe(record.fingerprint, record.model_args)}, "
+                             f"but this run builds {_describe(built, args_dict(model_args))}")
 
 
 def check_tensor_shapes(path: Path, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:

@@ -269,13 +269,14 @@ def bound_p2p_waits() -> None:
     from torch.distributed.pipelining import schedules
 
     if hasattr(schedules, "_wait_batch_p2p") and not getattr(schedules._wait_batch_p2p, "bounded", False):
-        schedules._wait_batch_p2p = _wait_with_timeout
+        schedules._wait_batch_p2p = wait_with_timeout
 
 
-def _wait_with_timeout(work: list) -> None:
+def wait_with_timeout(work: list) -> None:
+    """Wait for sends and receives as long as the run's collective timeout (see above)."""
     timeout = collective_timeout()
     for handle in work:
         handle.wait(timeout) if timeout is not None else handle.wait()
 
 
-_wait_with_timeout.bounded = True
+wait_with_timeout.bounded = True

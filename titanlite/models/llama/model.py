@@ -17,6 +17,7 @@ from torch import nn
 
 from titanlite.models.attention import Mask, attend, build_mask
 from titanlite.models.init import ShardInit
+from titanlite.models.kv_cache import KVCache, LayerKVCache
 from titanlite.parallel.context_parallel import ContextParallel
 
 
@@ -108,6 +109,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.context_parallel: ContextParallel | None = None  # set by Llama.enable_context_parallel
+        self.kv_cache: LayerKVCache | None = None  # set by Llama.enable_kv_cache (generation only)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -117,6 +119,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
         if self.context_parallel is not None:  # every cp rank's keys and values
             k, v = self.context_parallel.gather(k, dim=1), self.context_parallel.gather(v, dim=1)
+        elif self.kv_cache is not None:  # generation: every earlier token's keys and values too
+            k, v = self.kv_cache.extend(k, v)
         # GQA inside the kernel: each kv head serves n_heads / kv_heads query heads (also true
         # of a TP shard), read in place instead of copied by repeat_interleave. The transposes
         # are views; the CPU and CUDA kernels take strided heads, and the output's
@@ -179,6 +183,7 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", rope_cos_sin(args, "meta"), persistent=False)
         self.context_parallel: ContextParallel | None = None
+        self.kv_cache: KVCache | None = None
         # Sequence shards of the activations between blocks: tp under sequence parallelism
         # (set by the TP plan), so a stage's input tells the local sequence length.
         self.sequence_shards = 1
@@ -190,18 +195,29 @@ class Llama(nn.Module):
         for block in self.layers.values():
             block.attention.context_parallel = context_parallel
 
+    def enable_kv_cache(self, cache: KVCache | None) -> None:
+        """Incremental decoding (models/kv_cache.py): each forward's tokens follow the cached
+        ones, and each attention layer keeps its keys and values in its own share of `cache`.
+        None turns it off again. Generation only; a pipeline stage caches its own blocks."""
+        self.kv_cache = cache
+        for block in self.layers.values():
+            block.attention.kv_cache = LayerKVCache(cache) if cache is not None else None
+
     def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] (or, on a pipeline stage after the first, the previous stage's
         activations); document_ids [batch, window] with block_causal attention. A pipeline
         stage holds None for the modules of other stages (parallel/pipeline.py)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = tokens.shape[1] if self.tok_embeddings is not None else h.shape[1] * self.sequence_shards
-        positions = key_positions = None
-        if self.context_parallel is not None:
-            positions = self.context_parallel.positions(seq, h.device)
-            key_positions = self.context_parallel.key_positions(seq, h.device)
-        cos_sin = self.rope_cache[:seq] if positions is None else self.rope_cache[positions]
-        mask = build_mask(self.args.attn_mask_type, document_ids, positions, key_positions, flex=h.is_cuda)
+        if self.kv_cache is not None:  # generation: these tokens follow the cached ones
+            cos_sin, mask = self.rope_cache[self.kv_cache.positions(seq, h.device)], self.kv_cache.mask(seq, h.device)
+        else:
+            positions = key_positions = None
+            if self.context_parallel is not None:
+                positions = self.context_parallel.positions(seq, h.device)
+                key_positions = self.context_parallel.key_positions(seq, h.device)
+            cos_sin = self.rope_cache[:seq] if positions is None else self.rope_cache[positions]
+            mask = build_mask(self.args.attn_mask_type, document_ids, positions, key_positions, flex=h.is_cuda)
         for block in self.layers.values():
             h = block(h, cos_sin, mask)
         if self.norm is not None:
