@@ -1,0 +1,75 @@
+"""The routed experts of a mixture-of-experts layer (models/moe.py): one SwiGLU MLP per
+expert, held as stacked weights and run over the tokens grouped by expert.
+
+Stacked weights (`w1 [E, hidden, dim]`, `w2 [E, dim, hidden]`, `w3 [E, hidden, dim]`, each
+expert's slice laid out as a Llama `nn.Linear` weight) are three parameters however many
+experts there are: FSDP shards three tensors instead of 3E, an expert-parallel plan shards
+dim 0, and a grouped matmul takes them whole.
+
+Dropless: the caller hands over every routed (token, expert) pair sorted by expert with the
+count of each group; every pair is computed, whatever the load (no capacity factor, no
+token dropped or padded).
+
+Two ways to run the groups give the same numbers: torch's grouped matmul (one kernel over
+all groups, `torch.nn.functional.grouped_mm`, `torch._grouped_mm` before it was public) and
+a loop over experts (one matmul per group). `use_grouped_mm` picks from the device and dtype
+at run time: the grouped kernel where torch documents one (bfloat16 on CUDA, compute
+capability 8.0 or newer), the loop elsewhere. On CPU torch 2.13's grouped matmul runs
+(float32, bfloat16, float16; not float64) and equals the loop forward and backward to
+rounding (tests/unit/test_moe.py), but it is no faster, needs every stride a multiple of 16 bytes, and its backward fails on an
+expanded gradient (as `out.sum().backward()` gives): the loop is the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# torch 2.13 makes the grouped matmul public; torch 2.11 (the GPU machines) has only the
+# private op, with the same signature.
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def use_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where torch's grouped matmul is one native kernel: bfloat16 on a CUDA device of
+    compute capability 8.0 (Ampere) or newer, as torch documents it. Elsewhere the experts
+    run as a loop, which gives the same numbers."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _aligned(*weights: torch.Tensor) -> bool:
+    """The grouped kernel's layout rule: each weight's rows start 16 bytes apart or a
+    multiple (dims of 8 bf16 values; real models' are, tiny test models may not be)."""
+    return all(w.shape[-1] * w.element_size() % 16 == 0 for w in weights)
+
+
+def run_experts_grouped(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each group of rows of `x` [n, dim] through its expert, in three grouped
+    matmuls; `counts` [E] rows per expert, in expert order (zero allowed). No host sync."""
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    hidden = F.silu(_grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) * _grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+    return _grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
+
+
+def run_experts_loop(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The same as `run_experts_grouped`, one expert at a time (reads `counts` on the host)."""
+    groups = x.split(counts.tolist())
+    return torch.cat([F.linear(F.silu(F.linear(g, w1[e])) * F.linear(g, w3[e]), w2[e]) for e, g in enumerate(groups)])
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: rows of x sorted by expert [n, dim], counts [E] -> [n, dim]."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        grouped = use_grouped_mm(x.device, x.dtype) and self.w1.dtype == x.dtype and _aligned(self.w1, self.w2)
+        run = run_experts_grouped if grouped else run_experts_loop
+        return run(self.w1, self.w2, self.w3, x, counts)
