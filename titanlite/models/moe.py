@@ -1,0 +1,233 @@
+"""A mixture-of-experts feed-forward layer any model can use in place of its MLP:
+token-choice top-k routing, dropless grouped experts (models/moe_experts.py), optional
+shared experts, and the two load-balancing methods in use, each optional:
+
+- Qwen3-MoE's (Switch Transformer's) auxiliary loss: per layer,
+  `coef * E * sum_i f_i * P_i`, f_i the fraction of the tokens routed to expert i (the
+  f_i sum to top_k) and P_i expert i's mean router probability. Computed in a training
+  forward and kept on the layer; the loop adds `aux_losses(model)` to its loss.
+- DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for
+  the top-k choice only (the weights stay the unbiased scores), moved after every
+  optimizer step toward equal load by `update_expert_biases(model, group)`.
+
+Each layer counts the tokens routed to each expert by its training forwards since the last
+`update_expert_biases` (several forwards per step under gradient accumulation or a pipeline
+schedule); `expert_load(model)` reads the balance for metrics. Under activation
+checkpointing a layer's recompute counts its tokens again: every count of that layer
+doubles, which changes neither the balance ratio nor the signs the bias rule reads. The
+bias is a persistent buffer (saved in checkpoints: a resume routes as the run did), the
+counts are not.
+
+Routing runs in float32 (scores, top-k, weights) whatever the compute dtype, as DeepSeek-V3
+and torchtitan do: near-equal bf16 scores would tie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite.models.init import ShardInit, unwrapped_name
+from titanlite.models.moe_experts import GroupedExperts
+from titanlite.parallel.collectives import sum_over
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """Hyperparameters of a mixture-of-experts layer (HF Qwen3-MoE / DeepSeek-V3 names in
+    brackets)."""
+
+    n_experts: int = 8  # routed experts [num_experts, n_routed_experts]
+    top_k: int = 2  # experts per token [num_experts_per_tok]
+    hidden_dim: int = 256  # each routed expert's SwiGLU width [moe_intermediate_size]
+    # Shared experts, run on every token and added to the routed output: one SwiGLU MLP of
+    # width n_shared_experts * hidden_dim (DeepSeek-V3's form); 0: none [n_shared_experts].
+    n_shared_experts: int = 0
+    score_func: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    renormalize: bool = False  # the top-k weights divided by their sum [norm_topk_prob]
+    route_scale: float = 1.0  # the routed output scaled by this [routed_scaling_factor]
+    use_expert_bias: bool = False  # DeepSeek-V3's auxiliary-loss-free balancing
+    bias_update_rate: float = 1e-3  # its bias step per update [bias_update_speed]
+    aux_loss_coef: float = 0.0  # 0: no auxiliary loss [router_aux_loss_coef]
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"MoEArgs.top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"MoEArgs.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
+        if self.hidden_dim <= 0 or self.n_shared_experts < 0 or self.aux_loss_coef < 0 or self.bias_update_rate < 0:
+            raise ValueError(f"MoEArgs: sizes and rates must not be negative: {self}")
+
+
+@dataclass
+class Routing:
+    """Each token's top-k choice: `experts` [T, K] (int64) and their `weights` [T, K]
+    (float32), with every expert's `scores` [T, E] (float32, unbiased)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    scores: torch.Tensor
+
+
+class Router(nn.Module):
+    """Token-choice top-k: scores = softmax or sigmoid of gate(x); the top-k experts by
+    score (+ the per-expert bias when given: it changes the choice, not the weights);
+    weights = the chosen scores, renormalized to sum to 1 if asked, times route_scale."""
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None) -> Routing:
+        logits = self.gate(x).float()
+        scores = logits.softmax(dim=-1) if self.args.score_func == "softmax" else logits.sigmoid()
+        choice = scores if expert_bias is None else scores + expert_bias
+        experts = choice.topk(self.args.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.args.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(experts, weights * self.args.route_scale, scores)
+
+
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, args: MoEArgs) -> torch.Tensor:
+    """Switch Transformer's loss as Qwen3-MoE computes it, without the coefficient, from the
+    router's `scores` [T, E] and the tokens each expert was given, `counts` [E]:
+    E * sum_i f_i * P_i, f_i = counts_i / T (not differentiable), P_i = the mean over tokens
+    of each token's scores normalized to sum to 1 (softmax scores already do; sigmoid ones
+    are normalized as DeepSeek-V3's balance loss does). The gradient reaches the gate
+    through P."""
+    fraction = counts.float() / scores.shape[0]
+    probs = scores if args.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+    return args.n_experts * (fraction * probs.mean(dim=0)).sum()
+
+
+class SwiGLU(nn.Module):
+    """The shared experts: w2(silu(w1 x) * w3 x), Llama's MLP names."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """x [..., dim] -> [..., dim]: each token's output is the weighted sum of its top-k
+    routed experts' outputs (+ the shared experts' output).
+
+    After a training forward, `aux_loss` holds this forward's auxiliary loss (None when
+    `aux_loss_coef` is 0 or in eval), and `tokens_per_expert` has counted its routing.
+    """
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(args.n_experts, dim, args.hidden_dim)
+        shared = args.n_shared_experts * args.hidden_dim
+        self.shared_experts = SwiGLU(dim, shared) if shared else None
+        bias = torch.zeros(args.n_experts) if args.use_expert_bias else None
+        self.register_buffer("expert_bias", bias, persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts, dtype=torch.int64), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        routing = self.router(flat, self.expert_bias)
+        pairs = routing.experts.flatten()  # token t's k-th choice at t * top_k + k
+        counts = torch.bincount(pairs, minlength=self.args.n_experts)
+        order = pairs.argsort(stable=True)  # the pairs grouped by expert
+        routed = self.experts(flat[order // self.args.top_k], counts)
+        # Back to (token, k) order by the inverse permutation (deterministic, unlike a
+        # scatter-add), weighted in float32 and summed over k in a fixed order.
+        unsorted = routed[order.argsort()].view(*routing.weights.shape, -1)
+        wide = torch.promote_types(routed.dtype, torch.float32)
+        out = (unsorted.to(wide) * routing.weights.unsqueeze(-1).to(wide)).sum(dim=1).to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        self._record(routing, counts)
+        return out.view(x.shape)
+
+    def _record(self, routing: Routing, counts: torch.Tensor) -> None:
+        self.aux_loss = None
+        if not self.training:
+            return
+        with torch.no_grad():
+            self.tokens_per_expert += counts
+        if self.args.aux_loss_coef > 0:
+            self.aux_loss = self.args.aux_loss_coef * load_balancing_loss(routing.scores, counts, self.args)
+
+    @torch.no_grad()
+    def init_weights(self, init: ShardInit, std: float) -> None:
+        """Fill this rank's shard of every weight as in any other layout (models/init.py):
+        w1 of the experts std 0.02, the gate and the other projections `std` (the block's
+        depth-scaled output std, as torchtitan does); the bias and the counts zeroed."""
+        init.trunc_normal(self.router.gate.weight, std=std)
+        init.trunc_normal(self.experts.w1, std=0.02)
+        init.trunc_normal(self.experts.w2, std=std)
+        init.trunc_normal(self.experts.w3, std=std)
+        if self.shared_experts is not None:
+            init.trunc_normal(self.shared_experts.w1.weight, std=0.02)
+            init.trunc_normal(self.shared_experts.w2.weight, std=std)
+            init.trunc_normal(self.shared_experts.w3.weight, std=std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """Every MoE layer of `model` by its name (wrappers stripped), in module order."""
+    return {unwrapped_name(name): module for name, module in model.named_modules() if isinstance(module, MoE)}
+
+
+def aux_losses(model: nn.Module) -> torch.Tensor:
+    """The sum of the auxiliary losses of the last training forward of every MoE layer
+    (coefficients applied), to add to the loss before backward; 0 if there are none.
+    Qwen3-MoE in transformers pools f and P over all layers before the product; this is the
+    sum of per-layer losses (torchtitan's, Megatron's), the same for one layer."""
+    losses = [layer.aux_loss for layer in moe_layers(model).values() if layer.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else torch.zeros(())
+
+
+def load_ratio(counts: torch.Tensor) -> float:
+    """max / mean of the tokens per expert: 1.0 is perfect balance, E / top_k the worst
+    (every token on the same top_k experts); nan when nothing was counted."""
+    return float(counts.max() / counts.double().mean())
+
+
+def expert_load(model: nn.Module) -> dict[str, float]:
+    """Each MoE layer's `load_ratio` over this rank's tokens since the last update (no
+    collective; `update_expert_biases` returns the same over all ranks)."""
+    return {name: load_ratio(layer.tokens_per_expert) for name, layer in moe_layers(model).items()}
+
+
+@torch.no_grad()
+def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Close a step's load count; call after every optimizer step. The counts are summed
+    over `group` (the ranks that see different tokens: data parallel, and context parallel
+    if any; None: this process alone), each expert bias moves by `bias_update_rate *
+    sign(mean - count)` (DeepSeek-V3's rule: an overloaded expert's bias falls), then is
+    centered (a shift of every bias changes no choice, and centered biases stay where
+    float32 resolves small differences). The counts are zeroed, with or without a bias.
+    Returns each layer's `load_ratio` over the group's tokens, for metrics."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    local = [layer.tokens_per_expert for layer in layers.values()]
+    counts = sum_over(group, torch.cat(local)).split([len(c) for c in local])  # one all-reduce
+    for layer, count in zip(layers.values(), counts):
+        if layer.expert_bias is not None:
+            step = layer.args.bias_update_rate * torch.sign(count.double().mean() - count)
+            layer.expert_bias += (step - step.mean()).to(layer.expert_bias.dtype)
+        layer.tokens_per_expert.zero_()
+    return {name: load_ratio(count) for name, count in zip(layers, counts)}
