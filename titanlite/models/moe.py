@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.init import ShardInit, unwrapped_name
+from titanlite.models.llama.model import FeedForward
 from titanlite.models.moe_experts import GroupedExperts
 from titanlite.parallel.collectives import sum_over
 
@@ -108,19 +108,6 @@ def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, args: MoEArg
     return args.n_experts * (fraction * probs.mean(dim=0)).sum()
 
 
-class SwiGLU(nn.Module):
-    """The shared experts: w2(silu(w1 x) * w3 x), Llama's MLP names."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class MoE(nn.Module):
     """x [..., dim] -> [..., dim]: each token's output is the weighted sum of its top-k
     routed experts' outputs (+ the shared experts' output).
@@ -134,8 +121,9 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         self.experts = GroupedExperts(args.n_experts, dim, args.hidden_dim)
+        # Llama's SwiGLU MLP (w1/w2/w3), so a TP plan shards it as it shards Llama's MLP.
         shared = args.n_shared_experts * args.hidden_dim
-        self.shared_experts = SwiGLU(dim, shared) if shared else None
+        self.shared_experts = FeedForward(dim, shared) if shared else None
         bias = torch.zeros(args.n_experts) if args.use_expert_bias else None
         self.register_buffer("expert_bias", bias, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts, dtype=torch.int64), persistent=False)
