@@ -42,12 +42,13 @@ class StageForward:
         self.stages = dict(zip(held, loaded.parts))
         dtype = DTYPES[plan.cfg.training.mixed_precision_param]  # autocast where FSDP does not cast, as the trainer does
         self.autocast_dtype = dtype if not plan.dims.fsdp_enabled and dtype != torch.float32 else None
+        self.kv_cache_supported = plan.spec.supports("kv_cache")
         self.caches: list[KVCache] = []
 
     def enable_kv_cache(self, max_len: int) -> bool:
         """Give each of this rank's stages a KV cache of `max_len` tokens per row; False (and a
         log line) for a model that has none."""
-        if not all(hasattr(part, "enable_kv_cache") for part in self.stages.values()):
+        if not self.kv_cache_supported:
             logger.info(f"generate: model {self.model_name} has no KV cache; each token recomputes the whole sequence")
             return False
         for part in self.stages.values():
