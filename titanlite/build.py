@@ -23,7 +23,7 @@ from titanlite.config.dtypes import DTYPES
 from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
-from titanlite.model_spec import ModelSpec
+from titanlite.model_spec import Capability, ModelSpec
 from titanlite.parallel import parallelize as parallel
 from titanlite.parallel.activation_checkpoint import ac_setting
 from titanlite.parallel.memory import check_training_state_fits
@@ -67,21 +67,17 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     planner sizes a model whose tokenizer file is not on this machine.
     """
     spec = get_model_spec(cfg.model.name, cfg.model.flavor)
+    check_capabilities(spec, cfg)
     tokenizer = Tokenizer(tokenizer_file(cfg.model.tokenizer_path, cfg.model.hf_assets_path)) if vocab_size is None else None
-    args = _with_mask_type(spec, spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size),
-                           cfg.model.attn_mask_type)
+    args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size)
+    if spec.supports("document_mask"):
+        args = dataclasses.replace(args, attn_mask_type=cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    if (cfg.checkpoint.last_save_in_hf or cfg.checkpoint.initial_load_format == "hf") and spec.hf_adapter is None:
-        option = "last_save_in_hf" if cfg.checkpoint.last_save_in_hf else "initial_load_format"
-        raise TitanliteError(f"checkpoint.{option}: model {spec.name} has no Hugging Face mapping")
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if reshard.isdigit() and (not dims.fsdp_enabled or (dims.dp_shard * dims.cp) % int(reshard)):
         raise TitanliteError(f"parallelism.fsdp_reshard_after_forward: {reshard} ranks do not divide the FSDP shards "
                              f"(data_parallel_shard_degree x context_parallel_degree = {dims.dp_shard * dims.cp})")
-    if dims.cp_enabled and not hasattr(spec.model_class, "enable_context_parallel"):
-        raise TitanliteError(f"parallelism.context_parallel_degree: model {spec.name} has no context-parallel attention "
-                             "(a model gets it with an enable_context_parallel method, see model_spec.py)")
     max_seq_len = getattr(args, "max_seq_len", None)
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
         raise TitanliteError(f"training.seq_len: {cfg.training.seq_len} exceeds the {cfg.model.flavor} flavor's max_seq_len {max_seq_len}")
@@ -92,14 +88,20 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     return dataclasses.replace(plan, pipeline=_plan_pipeline(plan)) if dims.pp_enabled else plan
 
 
-def _with_mask_type(spec: ModelSpec, args: Any, mask_type: str) -> Any:
-    """The flavor's hyperparameters with `model.attn_mask_type`; refused for a model whose
-    attention has only the causal mask."""
-    if hasattr(args, "attn_mask_type"):
-        return dataclasses.replace(args, attn_mask_type=mask_type)
-    if mask_type != "causal":
-        raise TitanliteError(f"model.attn_mask_type: model {spec.name} has only causal attention (got {mask_type!r})")
-    return args
+def check_capabilities(spec: ModelSpec, cfg: JobConfig) -> None:
+    """The one place a run's options meet what its model declares (`ModelSpec.capabilities`,
+    model_spec.py): an option the model cannot serve is refused here, in one line naming the
+    option, rather than inside the model's first forward or halfway through a load."""
+    needs: list[tuple[bool, str, Capability]] = [
+        (cfg.parallelism.pipeline_parallel_degree > 1, "parallelism.pipeline_parallel_degree", "pipeline_split"),
+        (cfg.parallelism.context_parallel_degree > 1, "parallelism.context_parallel_degree", "context_parallel"),
+        (cfg.model.attn_mask_type == "block_causal", "model.attn_mask_type", "document_mask"),
+        (cfg.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf", "hf_adapter"),
+        (cfg.checkpoint.initial_load_format == "hf", "checkpoint.initial_load_format", "hf_adapter"),
+    ]
+    for needed, option, capability in needs:
+        if needed and not spec.supports(capability):
+            raise TitanliteError(f"{option}: {spec.lacks(capability)}")
 
 
 def _plan_pipeline(plan: RunPlan) -> PipelineLayout:

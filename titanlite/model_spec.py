@@ -1,14 +1,56 @@
-"""What the trainer needs to know about a model, so nothing outside `models/` names one."""
+"""What the trainer needs to know about a model, so nothing outside `models/` names one.
+
+`ModelSpec` is the typed model contract: what every model provides (its class, flavors, TP
+plan, FLOPs) and, in `Capabilities`, what each model declares it supports beyond that. A run
+that needs a capability its model does not declare is refused when it is planned
+(`build.plan_run`, one line naming the option), before a device is touched, instead of failing
+inside the model's first forward. docs/adding_a_model.md explains each capability at length.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+Capability = Literal["pipeline_split", "context_parallel", "document_mask", "kv_cache", "moe", "hf_adapter"]
+
+# Each capability: what a run without it is refused for lacking, and what it needs from the
+# model's code (the refusal line says both; docs/adding_a_model.md at length).
+NEEDS: dict[Capability, tuple[str, str]] = {
+    "pipeline_split": ("pipeline split", "a stage runs the model's own forward, which must skip the top-level "
+                                         "modules the stage holds as None"),
+    "context_parallel": ("context-parallel attention", "an enable_context_parallel method, after which attention "
+                                                       "takes every cp rank's keys and values"),
+    "document_mask": ("document masking", "forward(tokens, document_ids) and an attn_mask_type field in its args"),
+    "kv_cache": ("KV cache", "an enable_kv_cache(KVCache | None) method"),
+    "moe": ("mixture-of-experts layers", "routed experts in its blocks"),
+    "hf_adapter": ("Hugging Face mapping", "a to_hf/from_hf module as ModelSpec.hf_adapter"),
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a model declares it supports beyond the base contract (see `NEEDS` for what each
+    asks of its code). Everything defaults to False: a new model supports nothing extra until
+    its author declares it, and tests/unit/test_model_spec.py then checks each declaration
+    against the model's code, so a declaration cannot claim what the code does not do."""
+
+    # Split into pipeline stages (parallelism.pipeline_parallel_degree > 1).
+    pipeline_split: bool = False
+    # Attention over a sequence split across cp ranks (parallelism.context_parallel_degree > 1).
+    context_parallel: bool = False
+    # Block-causal attention within each packed document (model.attn_mask_type = "block_causal").
+    document_mask: bool = False
+    # Incremental decoding in `titanlite.generate`; without it each token recomputes the sequence.
+    kv_cache: bool = False
+    # Mixture-of-experts layers: the planner and MFU will count the active parameters of such a
+    # model, not all of them. No model declares it yet.
+    moe: bool = False
 
 
 @dataclass(frozen=True)
@@ -18,7 +60,8 @@ class ModelSpec:
     Contract for `model_class(args)`: `args` is a frozen dataclass with a `vocab_size`
     field; the module keeps its repeated blocks in `model.layers` (a ModuleDict), has
     `init_weights(seed)` that fills parameters identically for any parallel layout, and maps
-    token ids [batch, seq] to logits [batch, seq, vocab].
+    token ids [batch, seq] to logits [batch, seq, vocab]. `capabilities` says what else it
+    supports (pipeline stages, context parallelism, document masks, a KV cache, MoE).
     """
 
     name: str
@@ -35,9 +78,22 @@ class ModelSpec:
     # and per key for sharded IO (checkpoint/hf_io.py): hf_name(key), tied_to(key, args),
     # rotary_heads(key, args), ignored_hf_tensor(name, args), interleaved_to_half(weight, heads).
     hf_adapter: Any = None
+    capabilities: Capabilities = Capabilities()
 
     def args_for(self, flavor: str, vocab_size: int) -> Any:
         return dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size)
+
+    def supports(self, capability: Capability) -> bool:
+        """Whether the model declares `capability` (an HF mapping: whether it has an adapter)."""
+        if capability == "hf_adapter":
+            return self.hf_adapter is not None
+        return getattr(self.capabilities, capability)
+
+    def lacks(self, capability: Capability) -> str:
+        """The end of a refusal line: what the model has not, and what it would need."""
+        what, needs = NEEDS[capability]
+        declared = "" if capability == "hf_adapter" else f"; ModelSpec.capabilities.{capability}"
+        return f"model {self.name} has no {what} ({needs}{declared})"
 
 
 def transformer_flops_per_token(n_dense_params: int, n_layers: int, attn_width: int, seq_len: int) -> float:

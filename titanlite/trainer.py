@@ -27,15 +27,13 @@ from titanlite.observe.peak_flops import peak_flops
 from titanlite.observe.profiling import maybe_profile
 from titanlite.observe.run_dir import start_run_dir
 from titanlite.observe.wandb_run import require_wandb
-from titanlite.parallel.collectives import mean_over, sum_over
-from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.runtime.dump_folder import claim_dump_folder
 from titanlite.runtime.gc_schedule import ScheduledGC
 from titanlite.runtime.preemption import die_with_launcher, received
 from titanlite.step.agreement import StepAgreement, agree_on_step
-from titanlite.step.forward_backward import Pipelined, Unpipelined
+from titanlite.step.builder import StepBuilder
 from titanlite.step.nonfinite import NonFiniteSteps
 from titanlite.step.optim import build_lr_scheduler, build_optimizer
 from titanlite.step.precision import resolve_compute_dtype
@@ -59,19 +57,17 @@ class Trainer:
         self.run_dir = start_run_dir(cfg)
 
         self.meshes = plan.dims.build_mesh(self.device.type)
-        dp_mesh, loss_mesh = self.meshes.dp, self.meshes.loss
-        self.loss_group = loss_mesh.get_group() if loss_mesh is not None else None
-        dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        self.steps = StepBuilder.for_run(cfg, dims=plan.dims, pipeline=plan.pipeline, meshes=self.meshes, device=self.device, rank=self.dist.rank)
+        dp_rank = self.meshes.dp.get_local_rank() if self.meshes.dp is not None else 0
         corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
-        documents = cfg.model.attn_mask_type == "block_causal"
+        documents = self.steps.documents
         self.data = build_dataloader(corpus.train, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, documents=documents)
         validation_data = None if corpus.validation is None else build_dataloader(
             corpus.validation, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, prefetch=False, documents=documents)
 
         built = build_model(plan, self.device, self.meshes, self.dist.local_world_size)
         self.model_parts, self.model, self.size = built.parts, built.model, built.size
-        self.pp_group = self.meshes.pp.get_group() if self.meshes.pp is not None else None
-        self.forward_backward = self._build_forward_backward()
+        self.forward_backward = self.steps.forward_backward(self.model, self.model_parts)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -81,7 +77,7 @@ class Trainer:
 
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp * plan.dims.cp * plan.dims.pp, self.run_dir, run_config=to_dict(cfg))
-        self.validator = build_validator(cfg.validation, validation_data, self.model, self.forward_backward.evaluate, self._reported, self.device, self.metrics)
+        self.validator = build_validator(cfg.validation, validation_data, self.model, self.forward_backward.evaluate, self.steps.reported, self.device, self.metrics)
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor}: {self.size.n_params:,} parameters, "
             f"{self.size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.meshes.world}; "
@@ -125,27 +121,6 @@ class Trainer:
             tokenizer=self.plan.tokenizer,
         )
 
-    def _compute_context(self) -> contextlib.AbstractContextManager:
-        """Autocast when FSDP (which owns mixed precision otherwise) is not applied. (Loss
-        parallel needs no context: `cross_entropy` takes the vocab-sharded logits itself.)"""
-        param_dtype = DTYPES[self.cfg.training.mixed_precision_param]
-        if not self.plan.dims.fsdp_enabled and param_dtype != torch.float32:
-            return torch.autocast(self.device.type, dtype=param_dtype)
-        return contextlib.nullcontext()
-
-    def _build_forward_backward(self) -> Unpipelined | Pipelined:
-        """The step's forward and backward: on the whole model, or through the pipeline
-        schedule over this rank's stages. The NaN fault (tests) goes to global rank 0, or
-        under pipeline parallelism to the lowest rank that computes a loss."""
-        layout = self.plan.pipeline
-        context_parallel = ContextParallel(self.meshes.cp) if self.meshes.cp is not None else None
-        if layout is None:
-            return Unpipelined(self.model, self._compute_context, self.device, nan_fault_here=self.dist.rank == 0,
-                               context_parallel=context_parallel)
-        loss_rank = int(self.meshes.world.mesh[layout.last_stage_pp_rank()].min())
-        return Pipelined(layout, self.model_parts, self.meshes.pp, self._compute_context, self.device,
-                         nan_fault_here=self.dist.rank == loss_rank, context_parallel=context_parallel)
-
     def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
         """Forward/backward over the microbatches, clip, agree with every rank on the step
         (`step/agreement.agree_on_step`), step unless it is skipped. Returns (this rank's
@@ -162,13 +137,8 @@ class Trainer:
         self.lr_scheduler.step()
         return loss, grad_norm, agreement
 
-    def _reported(self, loss: torch.Tensor) -> float:
-        """A loss as every rank reports it: summed over the pipeline ranks (only those with
-        the last stage hold it), averaged over the data- and context-parallel ranks."""
-        return mean_over(self.loss_group, sum_over(self.pp_group, loss)).item()
-
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
-        return self.metrics.log(step, self._reported(loss), grad_norm.item(), self.step_lr, self.state.tokens_seen)
+        return self.metrics.log(step, self.steps.reported(loss), grad_norm.item(), self.step_lr, self.state.tokens_seen)
 
     def train(self) -> list[dict[str, float]]:
         """Run to `training.steps` (resuming from a checkpoint if there is one); returns the

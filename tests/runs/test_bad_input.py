@@ -2,8 +2,10 @@
 `titanlite: error:` line on stderr naming what is wrong, no traceback, no process left.
 
 A table of cases: wrong types, zero and negative degrees, unknown keys and sections,
-impossible meshes and pipeline or context-parallel layouts, bad paths, TOML files that are broken, empty or folders, bad dtypes and
-enum values, overrides without values or given twice, and the run's files: a dump folder
+impossible meshes and pipeline or context-parallel layouts, options a model does not declare
+(GPT-2: context parallelism, Hugging Face loads and saves), bad paths, TOML files that are
+broken, empty or folders, bad dtypes and enum values, overrides without values or given
+twice, and the run's files: a dump folder
 under a file, a locked dump folder, too little disk for one checkpoint, a truncated or a
 corrupted checkpoint shard, a prepared data shard corrupted inside the vocabulary (with
 training.verify_data), another tokenizer than the checkpoint's, a Hugging Face
@@ -237,7 +239,14 @@ CASES: dict[str, Case] = {
                                        {PP: "2", "parallelism.pipeline_parallel_split_points": "layers.9"}, world_size=2),
     "pp_tied_embeddings": Case([PP, "debugmodel_tied", "tok_embeddings and output"], {PP: "2", "model.flavor": "debugmodel_tied"}, world_size=2),
     "cp_seq_len_not_divisible": Case([CP, "training.seq_len 66", "2 x context_parallel_degree = 4"], {CP: "2", "training.seq_len": "66"}, world_size=2),
-    "cp_model_without_context_parallel_attention": Case([CP, "model gpt2"], {CP: "2", "model.name": "gpt2"}, world_size=2),
+    # what a registered model does not declare (ModelSpec.capabilities), refused when the run is planned
+    "cp_model_without_context_parallel_attention": Case([CP, "model gpt2 has no context-parallel attention"],
+                                                        {CP: "2", "model.name": "gpt2"}, world_size=2),
+    "hf_load_of_a_model_without_hf_mapping": Case(["checkpoint.initial_load_format", "model gpt2 has no Hugging Face mapping"],
+                                                  {"model.name": "gpt2", "checkpoint.initial_load_format": "hf",
+                                                   "checkpoint.initial_load_path": f"{CASE}/hf"}, prepare=folder("hf")),
+    "hf_save_of_a_model_without_hf_mapping": Case(["checkpoint.last_save_in_hf", "model gpt2 has no Hugging Face mapping"],
+                                                  {**CHECKPOINTING, "model.name": "gpt2", "checkpoint.last_save_in_hf": "true"}),
     "mask_type_unknown": Case(["model.attn_mask_type", "sliding"], {"model.attn_mask_type": "sliding"}),
     # through the launcher, 2 processes: every rank meets it, rank 0 alone says it
     "launcher_pp_too_few_microbatches": Case(["1F1B needs at least one microbatch per stage"], {PP: "2", "training.local_batch_size": "1"}, nproc=2),

@@ -71,6 +71,6 @@ def check_checkpoint(plan: RunPlan) -> None:
 def causal(plan: RunPlan) -> RunPlan:
     """The plan with causal attention: each prompt is one document. (The checkpoint's
     fingerprint was compared with the configured mask type, which is part of it.)"""
-    if getattr(plan.model_args, "attn_mask_type", "causal") == "causal":
+    if not plan.spec.supports("document_mask") or plan.model_args.attn_mask_type == "causal":
         return plan
     return dataclasses.replace(plan, model_args=dataclasses.replace(plan.model_args, attn_mask_type="causal"))

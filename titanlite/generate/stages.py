@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.config.dtypes import DTYPES
 from titanlite.generate.load import LoadedModel
 from titanlite.logging import logger
 from titanlite.models.kv_cache import KVCache
 from titanlite.parallel.pipeline import wait_with_timeout
+from titanlite.step.precision import autocast_dtype
 
 
 class StageForward:
@@ -37,17 +37,17 @@ class StageForward:
             self.holders = [next(rank for rank in range(layout.degree) if stage in layout.stage_indices(rank))
                             for stage in range(len(layout.stages))]
             # The rank that samples: the lowest global rank that holds the output.
-            self.output_rank = int(meshes.world.mesh[layout.last_stage_pp_rank()].min())
+            self.output_rank = layout.output_rank(meshes.world)
             held = layout.stage_indices(self.pp_rank)
         self.stages = dict(zip(held, loaded.parts))
-        dtype = DTYPES[plan.cfg.training.mixed_precision_param]  # autocast where FSDP does not cast, as the trainer does
-        self.autocast_dtype = dtype if not plan.dims.fsdp_enabled and dtype != torch.float32 else None
+        self.autocast_dtype = autocast_dtype(plan.cfg.training.mixed_precision_param, plan.dims.fsdp_enabled)  # as the trainer does
+        self.kv_cache_supported = plan.spec.supports("kv_cache")
         self.caches: list[KVCache] = []
 
     def enable_kv_cache(self, max_len: int) -> bool:
         """Give each of this rank's stages a KV cache of `max_len` tokens per row; False (and a
         log line) for a model that has none."""
-        if not all(hasattr(part, "enable_kv_cache") for part in self.stages.values()):
+        if not self.kv_cache_supported:
             logger.info(f"generate: model {self.model_name} has no KV cache; each token recomputes the whole sequence")
             return False
         for part in self.stages.values():

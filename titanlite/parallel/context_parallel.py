@@ -17,6 +17,8 @@ reordering is needed.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,6 +56,16 @@ class ContextParallel:
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's part of `x` along `dim`, in rank order; gradients reduce-scatter back."""
         return _GatherAlong.apply(x, dim, self.mesh.get_group())
+
+
+@runtime_checkable
+class ContextParallelModel(Protocol):
+    """What context parallelism needs from a model (the registry's models declare it as
+    `ModelSpec.capabilities.context_parallel`): to be handed this rank's `ContextParallel`,
+    after which its attention gathers every cp rank's keys and values and masks and rotates at
+    global positions (`positions`, `key_positions`)."""
+
+    def enable_context_parallel(self, context_parallel: ContextParallel) -> None: ...
 
 
 # torch 2.13 names them *_single (the *_tensor names warn as deprecated); torch 2.11 has only these.

@@ -12,6 +12,7 @@ ranks); the loss is averaged over dp x cp; gradient norms are reduced over the w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.errors import TitanliteError
+from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.distributed import adopt_groups
 
 
@@ -162,6 +164,9 @@ class Meshes:
     pp:   the pipeline-parallel dim (stages pass activations along it).
     cp:   the context-parallel dim (the sequence split, keys and values all-gathered).
     loss: loss averaging: dp x cp (every rank that holds different tokens of one step).
+    context_parallel: this rank's place on cp (None without it), built once per mesh: the
+          model's attention (`parallelize`) and the step that cuts its batches to this rank's
+          tokens (`step/builder.py`) share it.
     """
 
     world: DeviceMesh | None
@@ -171,6 +176,10 @@ class Meshes:
     pp: DeviceMesh | None = None
     cp: DeviceMesh | None = None
     loss: DeviceMesh | None = None
+
+    @functools.cached_property
+    def context_parallel(self) -> ContextParallel | None:
+        return ContextParallel(self.cp) if self.cp is not None else None
 
 
 def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from titanlite.errors import TitanliteError
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
-from titanlite.parallel.context_parallel import ContextParallel
+from titanlite.parallel.context_parallel import ContextParallelModel
 from titanlite.parallel.fsdp import shard_model
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.units import Selector, innermost_first, outermost_named, select
@@ -69,10 +69,10 @@ def parallelize(
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
     if tp_plan is not None:
         tp_plan(model, meshes.tp) if callable(tp_plan) else parallelize_module(model, meshes.tp, tp_plan)
-    if meshes.cp is not None:
-        if not hasattr(model, "enable_context_parallel"):
+    if meshes.context_parallel is not None:
+        if not isinstance(model, ContextParallelModel):
             raise TitanliteError("parallelize: the mesh has a cp dimension but the model has no enable_context_parallel method")
-        model.enable_context_parallel(ContextParallel(meshes.cp))
+        model.enable_context_parallel(meshes.context_parallel)
     names = [name for name, _ in outermost_named(select(model, blocks, "parallelize: blocks"))]
     if (ac != "none" or compile) and not names:
         raise TitanliteError("parallelize: ac and compile wrap blocks: pass blocks= (the model has no `layers`)")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from titanlite.errors import TitanliteError
 from titanlite.parallel.distributed import collective_timeout
@@ -91,6 +92,11 @@ class PipelineLayout:
     def last_stage_pp_rank(self) -> int:
         """The pp rank holding the last stage (which computes the loss)."""
         return next(r for r in range(self.degree) if len(self.stages) - 1 in self.stage_indices(r))
+
+    def output_rank(self, world: DeviceMesh) -> int:
+        """The lowest global rank of the `world` mesh (pp outermost) that holds the last stage:
+        the one that takes the tests' NaN fault in training and samples in generation."""
+        return int(world.mesh[self.last_stage_pp_rank()].min())
 
     def describe(self) -> str:
         return (f"pipeline {self.schedule}: {len(self.stages)} stages on {self.degree} ranks, "

@@ -11,14 +11,17 @@ microbatches where the loss is computed, 0 on pipeline ranks that hold no last s
 trainer sums over the pipeline ranks, then averages over the dp ranks). Gradients are those of
 that mean either way: an accumulated step's microbatches weigh 1/accumulation each, and a
 pipeline's loss function carries 1/(microbatches x accumulation), so the schedule scales
-nothing and several schedule steps accumulate exactly.
+nothing and several schedule steps accumulate exactly. That scale and the step number are
+arguments of each schedule call (`StepLoss`), not state set on the runner before it.
+
+`step/builder.py` builds the one that fits the run's layout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -73,47 +76,69 @@ class Unpipelined:
             return cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels)
 
 
+class StepLoss:
+    """What a pipeline schedule computes on the last stage for each of its microbatches:
+    cross-entropy times the call's scale, with the NaN fault on the loss rank. The scale and
+    the step come with each schedule call (`passing`) as the schedule's `loss_kwargs`."""
+
+    def __init__(self, nan_fault_here: bool):
+        self.nan_fault_here = nan_fault_here
+        self._held: dict[str, float | int] | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, **loss_kwargs: float | int) -> torch.Tensor:
+        arguments = loss_kwargs or self._held
+        return inject_nan(arguments["step"], cross_entropy(logits, labels) * arguments["scale"], self.nan_fault_here)
+
+    @contextlib.contextmanager
+    def passing(self, schedule, scale: float, step: int) -> Iterator[dict]:
+        """The keyword arguments that hand `scale` and `step` to this loss through one call of
+        `schedule`. torch 2.11's schedules (the GPU machines') take no `loss_kwargs`: there
+        they are held here for the length of the call only."""
+        if "loss_kwargs" in inspect.signature(schedule.step).parameters:
+            yield {"loss_kwargs": {"scale": scale, "step": step}}
+            return
+        self._held = {"scale": scale, "step": step}
+        try:
+            yield {}
+        finally:
+            self._held = None
+
+
 class Pipelined:
     """One schedule step per accumulated microbatch; the schedule splits it into the
     pipeline's microbatches. The first stage is fed the inputs, the last the labels; a rank
     holding neither (a middle stage) only passes activations on."""
 
     def __init__(self, layout: PipelineLayout, parts: list[nn.Module], pp_mesh: DeviceMesh, compute_context: ComputeContext,
-                 device: torch.device, nan_fault_here: bool, context_parallel: ContextParallel | None = None):
+                 device: torch.device, loss: StepLoss, context_parallel: ContextParallel | None = None):
         pp_rank = pp_mesh.get_local_rank()
         held = layout.stage_indices(pp_rank)
         self.has_first, self.has_last = 0 in held, len(layout.stages) - 1 in held
         self.n_microbatches, self.compute_context, self.device = layout.n_microbatches, compute_context, device
-        self.nan_fault_here, self.context_parallel = nan_fault_here, context_parallel
-        self._scale, self._step = 1.0, 0
-        self.schedule = build_schedule(layout, parts, pp_rank, pp_mesh.get_group(), device, self.loss_fn)
+        self.loss, self.context_parallel = loss, context_parallel
+        self.schedule = build_schedule(layout, parts, pp_rank, pp_mesh.get_group(), device, loss)
         # The last stage would otherwise keep every microbatch's logits to hand them back.
         self._no_outputs = {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
 
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """What the schedule calls on the last stage for each of its microbatches."""
-        return inject_nan(self._step, cross_entropy(logits, labels) * self._scale, self.nan_fault_here)
-
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
-        self._scale, self._step = 1.0 / (self.n_microbatches * len(microbatches)), step
+        scale = 1.0 / (self.n_microbatches * len(microbatches))
         loss_sum = torch.zeros((), device=self.device)
         for batch in microbatches:
-            loss_sum += self._run(self.schedule.step, batch)
+            loss_sum += self._run(self.schedule.step, batch, scale, step)
         return loss_sum
 
     def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
-        self._scale, self._step = 1.0 / self.n_microbatches, 0
         with torch.no_grad():
-            return self._run(self.schedule.eval, batch)
+            return self._run(self.schedule.eval, batch, 1.0 / self.n_microbatches, 0)
 
-    def _run(self, run: Callable, batch: Microbatch) -> torch.Tensor:
+    def _run(self, run: Callable, batch: Microbatch, scale: float, step: int) -> torch.Tensor:
         """One schedule step; every stage gets the document ids (each of its blocks needs them)."""
         inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses, **self._no_outputs} if self.has_last else {}
-        with self.compute_context():
-            run(*args, **kwargs, **_model_kwargs(documents))
+        with self.compute_context(), self.loss.passing(self.schedule, scale, step) as loss_arguments:
+            run(*args, **kwargs, **loss_arguments, **_model_kwargs(documents))
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float().to(self.device) for loss in losses]).sum()

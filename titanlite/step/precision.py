@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from titanlite.config.dtypes import DTYPES
 from titanlite.observe.peak_flops import measure_cpu_matmul_flops
 from titanlite.parallel.collectives import on_rank0
 
@@ -67,3 +68,10 @@ def resolve_compute_dtype(setting: str, device: torch.device) -> ComputeDtype:
     """The one compute dtype every rank uses: rank 0's decision, broadcast when "auto"."""
     spread = setting == "auto" and dist.is_initialized() and dist.get_world_size() > 1
     return on_rank0(dist.group.WORLD if spread else None, lambda: decide_compute_dtype(setting, device))
+
+
+def autocast_dtype(setting: str, fsdp: bool) -> torch.dtype | None:
+    """The dtype a forward autocasts to for a concrete `setting` (after `resolve_compute_dtype`):
+    none under FSDP, whose mixed-precision policy casts the parameters itself, nor in float32."""
+    dtype = DTYPES[setting]
+    return dtype if not fsdp and dtype != torch.float32 else None

@@ -2,7 +2,7 @@
 
 from titanlite.models.gpt2.model import GPT2, GPT2Args
 from titanlite.models.gpt2.parallelize import apply_tp, tp_problems
-from titanlite.model_spec import ModelSpec, transformer_flops_per_token
+from titanlite.model_spec import Capabilities, ModelSpec, transformer_flops_per_token
 
 gpt2_flavors: dict[str, GPT2Args] = {
     # CPU-sized, like llama3's debugmodel.
@@ -26,6 +26,9 @@ gpt2_spec = ModelSpec(
     apply_tp=apply_tp,
     tp_problems=tp_problems,
     flops_per_token=flops_per_token,
+    # Its attention has no cp gather (learned positions would also need each rank's global
+    # ones) and it has neither a KV cache nor a Hugging Face mapping yet.
+    capabilities=Capabilities(pipeline_split=True, document_mask=True),
 )
 
 __all__ = ["GPT2", "GPT2Args", "gpt2_flavors", "gpt2_spec"]

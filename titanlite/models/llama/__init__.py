@@ -3,7 +3,7 @@
 from titanlite.models.llama import hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
 from titanlite.models.llama.parallelize import apply_tp, tp_problems
-from titanlite.model_spec import ModelSpec, transformer_flops_per_token
+from titanlite.model_spec import Capabilities, ModelSpec, transformer_flops_per_token
 
 # Llama 3.1 long-context RoPE scaling: factor, low/high frequency factors, original context.
 _LLAMA31_ROPE_SCALING = (8.0, 1.0, 4.0, 8192)
@@ -48,6 +48,7 @@ llama3_spec = ModelSpec(
     apply_tp=apply_tp,
     tp_problems=tp_problems,
     hf_adapter=hf_adapter,
+    capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True),
     # The embedding lookup does no matmul; a tied table is counted once, as the head.
     flops_per_token=lambda args, n_params, seq_len: transformer_flops_per_token(
         n_params - (0 if args.tie_word_embeddings else args.vocab_size * args.dim), args.n_layers, args.n_heads * args.head_dim, seq_len

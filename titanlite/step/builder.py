@@ -1,0 +1,93 @@
+"""The parallel plumbing of a training step, in one place: the trainer asks `StepBuilder` for
+its forward-backward runner in one line, and for the loss every rank reports, and computes no
+mesh group, rank or flag of its own (DESIGN.md, 2026-11-25 review: the trainer stays a
+composition root).
+
+What it owns:
+
+- the context-parallel helper: the mesh's one (`Meshes.context_parallel`), which
+  `parallelize` also handed the model's attention, so the step cuts each batch to exactly the
+  global positions the model rotates and masks at;
+- the pipeline's group and loss rank: the lowest global rank that holds the last stage
+  computes the loss (and takes the tests' NaN fault); a loss is summed over the pp group
+  before it is averaged over the data- and context-parallel ranks;
+- the document flag: the loaders hand out document ids when `model.attn_mask_type` is
+  "block_causal", and the runners pass them to the model's forward;
+- the loss: the compute context (autocast where FSDP does not own mixed precision) and the
+  pipeline's `StepLoss`, to which each schedule call passes its scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanlite.config import JobConfig
+from titanlite.parallel.collectives import mean_over, sum_over
+from titanlite.parallel.mesh import Meshes, ParallelDims
+from titanlite.parallel.pipeline import PipelineLayout
+from titanlite.step.forward_backward import Pipelined, StepLoss, Unpipelined
+from titanlite.step.precision import autocast_dtype
+
+
+@dataclass(frozen=True)
+class StepBuilder:
+    """What a step needs to know about the run's layout, derived once from the plan."""
+
+    meshes: Meshes
+    pipeline: PipelineLayout | None
+    device: torch.device
+    rank: int
+    documents: bool  # windows come with document ids (block-causal attention)
+    autocast: torch.dtype | None  # the compute dtype where FSDP does not cast; None: no autocast
+
+    @classmethod
+    def for_run(cls, cfg: JobConfig, *, dims: ParallelDims, pipeline: PipelineLayout | None, meshes: Meshes,
+                device: torch.device, rank: int) -> StepBuilder:
+        """From the run's config (compute dtype already concrete), degrees, stages and meshes."""
+        return cls(meshes, pipeline, device, rank, documents=cfg.model.attn_mask_type == "block_causal",
+                   autocast=autocast_dtype(cfg.training.mixed_precision_param, dims.fsdp_enabled))
+
+    @property
+    def loss_rank(self) -> int:
+        """The global rank the NaN fault goes to: 0, or under pipeline parallelism the lowest
+        rank that computes a loss (holds the last stage)."""
+        if self.pipeline is None:
+            return 0
+        return self.pipeline.output_rank(self.meshes.world)
+
+    @functools.cached_property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.meshes.pp.get_group() if self.meshes.pp is not None else None
+
+    @functools.cached_property
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold different tokens of one step: dp x cp."""
+        return self.meshes.loss.get_group() if self.meshes.loss is not None else None
+
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        """Autocast when FSDP (which owns mixed precision otherwise) is not applied. (Loss
+        parallel needs no context: `cross_entropy` takes the vocab-sharded logits itself.)"""
+        if self.autocast is not None:
+            return torch.autocast(self.device.type, dtype=self.autocast)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, model: nn.Module, parts: list[nn.Module]) -> Unpipelined | Pipelined:
+        """The step's forward and backward: on the whole `model`, or through the pipeline
+        schedule over this rank's stage `parts`."""
+        nan_fault_here = self.rank == self.loss_rank
+        if self.pipeline is None:
+            return Unpipelined(model, self.compute_context, self.device, nan_fault_here=nan_fault_here,
+                               context_parallel=self.meshes.context_parallel)
+        return Pipelined(self.pipeline, parts, self.meshes.pp, self.compute_context, self.device,
+                         loss=StepLoss(nan_fault_here), context_parallel=self.meshes.context_parallel)
+
+    def reported(self, loss: torch.Tensor) -> float:
+        """A loss as every rank reports it: summed over the pipeline ranks (only those with
+        the last stage hold it), averaged over the data- and context-parallel ranks."""
+        return mean_over(self.loss_group, sum_over(self.pp_group, loss)).item()
