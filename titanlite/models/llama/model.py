@@ -116,7 +116,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+        q, k = self.rotate(q, k, cos_sin)
         if self.context_parallel is not None:  # every cp rank's keys and values
             k, v = self.context_parallel.gather(k, dim=1), self.context_parallel.gather(v, dim=1)
         elif self.kv_cache is not None:  # generation: every earlier token's keys and values too
@@ -127,6 +127,16 @@ class Attention(nn.Module):
         # [batch, seq, heads, head_dim] memory makes the reshape below a view too.
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.grouped)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k at their positions: Llama's interleaved RoPE. A family whose attention
+        differs only here (Qwen3: a norm per head, then RoPE in the half layout) overrides it."""
+        return apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+
+    def init_weights(self, init: ShardInit, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            init.trunc_normal(linear.weight, std=0.02)
+        init.trunc_normal(self.wo.weight, std=out_std)
 
 
 class FeedForward(nn.Module):
@@ -139,44 +149,59 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def init_weights(self, init: ShardInit, out_std: float) -> None:
+        init.trunc_normal(self.w1.weight, std=0.02)
+        for linear in (self.w2, self.w3):
+            init.trunc_normal(linear.weight, std=out_std)
+
 
 class TransformerBlock(nn.Module):
+    """Pre-norm attention and feed-forward with residuals. A family that changes only the
+    attention or the feed-forward (Qwen3) overrides `make_attention` / `make_feed_forward`."""
+
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = self.make_attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.feed_forward = self.make_feed_forward(layer_id, args)
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_proj_std = 0.02 / (2 * depth) ** 0.5
+
+    def make_attention(self, args: LlamaArgs) -> nn.Module:
+        return Attention(args)
+
+    def make_feed_forward(self, layer_id: int, args: LlamaArgs) -> nn.Module:
+        return FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos_sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, init: ShardInit) -> None:
+        """Norms 1, first projections std 0.02, output projections the depth-scaled std
+        (each sub-module's own `init_weights`; values are keyed by name, not by order)."""
         init.ones(self.attention_norm.weight)
-        for linear in (self.attention.wq, self.attention.wk, self.attention.wv):
-            init.trunc_normal(linear.weight, std=0.02)
-        init.trunc_normal(self.attention.wo.weight, std=self.out_proj_std)
+        self.attention.init_weights(init, self.out_proj_std)
         init.ones(self.ffn_norm.weight)
-        init.trunc_normal(self.feed_forward.w1.weight, std=0.02)
-        for linear in (self.feed_forward.w2, self.feed_forward.w3):
-            init.trunc_normal(linear.weight, std=self.out_proj_std)
+        self.feed_forward.init_weights(init, self.out_proj_std)
 
 
 class Llama(nn.Module):
-    """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+    """Token ids [batch, seq] -> logits [batch, seq, vocab]. A family with other blocks and
+    this decoder around them (Qwen3) sets `block_class`."""
+
+    block_class: type[TransformerBlock] = TransformerBlock
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
         if args.vocab_size <= 0:
-            raise ValueError("LlamaArgs.vocab_size must be set from the tokenizer")
+            raise ValueError(f"{type(args).__name__}.vocab_size must be set from the tokenizer")
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed "0".."n-1" keeps parameter names stable when blocks are
         # wrapped (activation checkpointing, compile) and lets plans address blocks by name.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_class(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
