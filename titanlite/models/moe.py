@@ -20,20 +20,37 @@ counts are not.
 
 Routing runs in float32 (scores, top-k, weights) whatever the compute dtype, as DeepSeek-V3
 and torchtitan do: near-equal bf16 scores would tie.
+
+Training through a pipeline schedule, which owns the loss function, cannot add the aux loss
+to the loss. `aux_loss_gradients(model, scale)` instead makes each layer hand its aux loss's
+gradient to autograd itself (Megatron's MoEAuxLossAutoScaler): the layer's output passes
+through unchanged, and its backward adds d(scale * aux_loss) to the router's gradients, as
+if `scale * aux_loss` had been added to the loss. The trainer does this at every layout.
+
+Under tensor parallelism the layer runs whole on every tp rank (the TP plan hands it the
+whole sequence): its parameters are Replicate DTensors on the tp mesh, read as plain
+tensors (`local_weight`). Under context parallelism each rank routes its own tokens and the
+per-sequence token counts of the aux loss are summed over the cp ranks
+(`context_parallel`, set by the model like its attention's).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.init import ShardInit, unwrapped_name
 from titanlite.models.llama.model import FeedForward
-from titanlite.models.moe_experts import GroupedExperts
+from titanlite.models.moe_experts import GroupedExperts, local_weight
 from titanlite.parallel.collectives import sum_over
+from titanlite.parallel.context_parallel import ContextParallel
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -55,6 +72,11 @@ class MoEArgs:
     use_expert_bias: bool = False  # DeepSeek-V3's auxiliary-loss-free balancing
     bias_update_rate: float = 1e-3  # its bias step per update [bias_update_speed]
     aux_loss_coef: float = 0.0  # 0: no auxiliary loss [router_aux_loss_coef]
+    # The aux loss of each sequence (f and P over its tokens), averaged over the sequences,
+    # instead of one loss over all of a forward's tokens (transformers' Qwen3-MoE). Only
+    # the per-sequence form is the same however a batch is split (data-parallel ranks,
+    # gradient accumulation, pipeline microbatches), so every layout trains alike.
+    aux_loss_per_sequence: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.n_experts:
@@ -86,7 +108,7 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, args.n_experts, bias=False)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None) -> Routing:
-        logits = self.gate(x).float()
+        logits = F.linear(x, local_weight(self.gate.weight)).float()
         scores = logits.softmax(dim=-1) if self.args.score_func == "softmax" else logits.sigmoid()
         choice = scores if expert_bias is None else scores + expert_bias
         experts = choice.topk(self.args.top_k, dim=-1).indices
@@ -96,16 +118,34 @@ class Router(nn.Module):
         return Routing(experts, weights * self.args.route_scale, scores)
 
 
-def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, args: MoEArgs) -> torch.Tensor:
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, args: MoEArgs, tokens: int | None = None) -> torch.Tensor:
     """Switch Transformer's loss as Qwen3-MoE computes it, without the coefficient, from the
     router's `scores` [T, E] and the tokens each expert was given, `counts` [E]:
     E * sum_i f_i * P_i, f_i = counts_i / T (not differentiable), P_i = the mean over tokens
     of each token's scores normalized to sum to 1 (softmax scores already do; sigmoid ones
     are normalized as DeepSeek-V3's balance loss does). The gradient reaches the gate
-    through P."""
-    fraction = counts.float() / scores.shape[0]
+    through P.
+
+    Per sequence: `scores` [B, S, E] and `counts` [B, E] give each sequence's loss, and
+    their mean. `tokens`: the tokens f counts over when they are more than `scores` holds
+    (a sequence split over context-parallel ranks, whose counts were summed over them)."""
+    fraction = counts.float() / (scores.shape[-2] if tokens is None else tokens)
     probs = scores if args.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-    return args.n_experts * (fraction * probs.mean(dim=0)).sum()
+    return args.n_experts * (fraction * probs.mean(dim=-2)).sum(dim=-1).mean()
+
+
+class _AuxLossGradient(torch.autograd.Function):
+    """Returns `out` unchanged; in backward also gives `aux_loss` the gradient `scale`, as if
+    `scale * aux_loss` had been added to the loss (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.like = scale, aux_loss.detach()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full_like(ctx.like, ctx.scale), None
 
 
 class MoE(nn.Module):
@@ -114,6 +154,8 @@ class MoE(nn.Module):
 
     After a training forward, `aux_loss` holds this forward's auxiliary loss (None when
     `aux_loss_coef` is 0 or in eval), and `tokens_per_expert` has counted its routing.
+    `aux_loss_scale` (set by `aux_loss_gradients`) makes the forward add the aux loss's
+    gradient itself.
     """
 
     def __init__(self, dim: int, args: MoEArgs):
@@ -128,6 +170,8 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", bias, persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts, dtype=torch.int64), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        self.aux_loss_scale: float | None = None
+        self.context_parallel: ContextParallel | None = None  # set by the model's enable_context_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -143,17 +187,37 @@ class MoE(nn.Module):
         out = (unsorted.to(wide) * routing.weights.unsqueeze(-1).to(wide)).sum(dim=1).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        self._record(routing, counts)
-        return out.view(x.shape)
+        out = out.view(x.shape)
+        self._record(routing, counts, x.shape)
+        if self.aux_loss is not None and self.aux_loss_scale is not None:
+            out = _AuxLossGradient.apply(out, self.aux_loss, self.aux_loss_scale)
+        return out
 
-    def _record(self, routing: Routing, counts: torch.Tensor) -> None:
+    def _record(self, routing: Routing, counts: torch.Tensor, shape: torch.Size) -> None:
         self.aux_loss = None
         if not self.training:
             return
         with torch.no_grad():
             self.tokens_per_expert += counts
         if self.args.aux_loss_coef > 0:
-            self.aux_loss = self.args.aux_loss_coef * load_balancing_loss(routing.scores, counts, self.args)
+            self.aux_loss = self.args.aux_loss_coef * self._balance_loss(routing, counts, shape)
+
+    def _balance_loss(self, routing: Routing, counts: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The aux loss over the whole batch, or per sequence of x [B, S, dim] (MoEArgs.
+        aux_loss_per_sequence). Under context parallelism f counts the tokens of every cp
+        rank (one all-reduce of [B, E] counts); P stays this rank's mean, which the
+        gradient average over the cp ranks completes, as it does the cross-entropy."""
+        n_experts, scores = self.args.n_experts, routing.scores
+        sequences = shape[0] if self.args.aux_loss_per_sequence and len(shape) == 3 else 1
+        if sequences > 1 or self.context_parallel is not None:
+            owner = torch.arange(routing.experts.shape[0], device=scores.device) // (scores.shape[0] // sequences)
+            slots = (owner.unsqueeze(-1) * n_experts + routing.experts).flatten()
+            counts = torch.bincount(slots, minlength=sequences * n_experts).view(sequences, n_experts)
+        tokens = scores.shape[0] // sequences
+        if self.context_parallel is not None:
+            counts = sum_over(self.context_parallel.mesh.get_group(), counts)
+            tokens *= self.context_parallel.size
+        return load_balancing_loss(scores.view(sequences, -1, n_experts), counts, self.args, tokens)
 
     @torch.no_grad()
     def init_weights(self, init: ShardInit, std: float) -> None:
@@ -185,6 +249,44 @@ def aux_losses(model: nn.Module) -> torch.Tensor:
     sum of per-layer losses (torchtitan's, Megatron's), the same for one layer."""
     losses = [layer.aux_loss for layer in moe_layers(model).values() if layer.aux_loss is not None]
     return torch.stack(losses).sum() if losses else torch.zeros(())
+
+
+@contextlib.contextmanager
+def aux_loss_gradients(model: nn.Module, scale: float) -> Iterator[None]:
+    """Within this context every MoE layer of `model` adds its aux loss's gradient to the
+    backward of its own output, as if `scale * aux_loss` were added to the loss: the way
+    to train the aux loss through a pipeline schedule, whose loss function never sees the
+    layers of other stages. `scale` is the weight the step gives this forward's loss (1 /
+    microbatches). Do not add `aux_losses(model)` to the loss as well."""
+    layers = list(moe_layers(model).values())
+    for layer in layers:
+        layer.aux_loss_scale = scale
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.aux_loss_scale = None
+
+
+def token_counts(model: nn.Module) -> torch.Tensor:
+    """Every layer's tokens per expert since the last update, in one tensor (a copy)."""
+    layers = moe_layers(model).values()
+    return torch.cat([layer.tokens_per_expert for layer in layers]) if layers else torch.zeros(0, dtype=torch.int64)
+
+
+def discount_tokens(model: nn.Module, counts: torch.Tensor) -> None:
+    """Take `counts` (a `token_counts` difference) back out of the layers' counts: for a
+    forward that was not training (a pipeline stage's metadata forward, step/experts.py)."""
+    layers = list(moe_layers(model).values())
+    for layer, count in zip(layers, counts.split([layer.args.n_experts for layer in layers])):
+        layer.tokens_per_expert -= count
+
+
+def drop_expert_counts(model: nn.Module) -> None:
+    """Zero every layer's token counts without moving a bias: after a step whose update was
+    skipped (a non-finite loss or grad norm), whose routing should not steer the bias."""
+    for layer in moe_layers(model).values():
+        layer.tokens_per_expert.zero_()
 
 
 def load_ratio(counts: torch.Tensor) -> float:

@@ -25,10 +25,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # torch 2.13 makes the grouped matmul public; torch 2.11 (the GPU machines) has only the
 # private op, with the same signature.
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def local_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A parameter as the plain tensor this rank computes with. Under tensor parallelism a
+    mixture-of-experts layer runs whole on every rank (its parameters Replicate DTensors on
+    the tp mesh, so every parameter shares one mesh for the grad norm and FSDP), on plain
+    tensors: routing (top-k, counts, sorting) has no DTensor rules. `to_local` is
+    differentiable: the gradient comes back as the Replicate DTensor every rank computed in
+    full. A plain tensor is returned as it is."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def use_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
@@ -70,6 +81,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        grouped = use_grouped_mm(x.device, x.dtype) and self.w1.dtype == x.dtype and _aligned(self.w1, self.w2)
+        w1, w2, w3 = local_weight(self.w1), local_weight(self.w2), local_weight(self.w3)
+        grouped = use_grouped_mm(x.device, x.dtype) and w1.dtype == x.dtype and _aligned(w1, w2)
         run = run_experts_grouped if grouped else run_experts_loop
-        return run(self.w1, self.w2, self.w3, x, counts)
+        return run(w1, w2, w3, x, counts)

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -41,14 +41,17 @@ from torch.distributed.tensor.placement_types import Placement
 __all__ = [
     "ColwiseParallel",
     "ReplicateParallel",
+    "WholeOnEachRank",
     "activations_layout",
     "block_entry",
     "norm",
+    "norm_over_heads",
     "output_projection",
     "present",
     "rowwise_exit",
     "sequence_parallel_for",
     "vocab_sharded_embedding",
+    "whole_on_each_rank",
 ]
 
 
@@ -105,6 +108,58 @@ def vocab_sharded_embedding(sequence_parallel: bool) -> RowwiseParallel:
 def norm(sequence_parallel: bool) -> ParallelStyle:
     """A norm (weights replicated) on sequence shards, or on the whole replicated sequence."""
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
+
+
+def norm_over_heads() -> SequenceParallel:
+    """A norm over each attention head's features (Qwen3's q_norm / k_norm), applied to the
+    heads a colwise projection left on this rank ([batch, seq, local heads, head_dim]): the
+    weight replicated, the input read as head shards (Shard(2)), the output handed back as
+    the plain local heads. The weight's gradient is Partial (each rank saw its own heads) and
+    is summed like a sequence-parallel norm's."""
+    return SequenceParallel(sequence_dim=2, use_local_output=True)
+
+
+class WholeOnEachRank(ParallelStyle):
+    """A module every tp rank computes in full, on plain tensors (a mixture-of-experts layer,
+    whose routing has no DTensor rules): its parameters become Replicate DTensors on the tp
+    mesh (so every parameter shares the mesh the grad norm and FSDP see) and the module reads
+    them as local tensors (`models/moe_experts.local_weight`); its buffers stay plain (the
+    same values on every rank). Its first input arrives in the residual layout and is handed
+    over as the whole sequence, a plain tensor (an all-gather of sequence shards under
+    sequence parallelism); its output, the whole sequence, leaves in the residual layout (this
+    rank's sequence shard: a slice, no communication). Gradients come back Replicate: every
+    rank computed them in full from the same tokens."""
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.layout = activations_layout(sequence_parallel)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Not distribute_module: it would make the buffers DTensors too.
+        for submodule in module.modules():
+            for key, param in list(submodule._parameters.items()):
+                if param is not None and not isinstance(param, DTensor):
+                    replicated = distribute_tensor(param.data, device_mesh, [Replicate()])
+                    submodule.register_parameter(key, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(lambda mod, inputs: self._whole_input(mod, inputs, device_mesh))
+        module.register_forward_hook(lambda mod, inputs, output: self._residual_output(mod, output, device_mesh))
+        return module
+
+    def _whole_input(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        x, *rest = inputs
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.layout,), run_check=False)
+        return (x.redistribute(mesh, (Replicate(),)).to_local(), *rest)
+
+    def _residual_output(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        if isinstance(self.layout, Replicate):
+            return output
+        return DTensor.from_local(output, mesh, (Replicate(),), run_check=False).redistribute(mesh, (self.layout,)).to_local()
+
+
+def whole_on_each_rank(sequence_parallel: bool) -> WholeOnEachRank:
+    """See `WholeOnEachRank`: a module run in full on every tp rank, between residual layouts."""
+    return WholeOnEachRank(sequence_parallel)
 
 
 def block_entry(sequence_parallel: bool, extra_inputs: int = 0) -> PrepareModuleInput:
