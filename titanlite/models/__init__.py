@@ -12,8 +12,9 @@ from titanlite.model_spec import ModelSpec
 def _registry() -> dict[str, ModelSpec]:
     from titanlite.models.gpt2 import gpt2_spec
     from titanlite.models.llama import llama3_spec
+    from titanlite.models.qwen3 import qwen3_spec
 
-    return {spec.name: spec for spec in (llama3_spec, gpt2_spec)}
+    return {spec.name: spec for spec in (llama3_spec, gpt2_spec, qwen3_spec)}
 
 
 def get_model_spec(name: str, flavor: str | None = None) -> ModelSpec:

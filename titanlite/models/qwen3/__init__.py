@@ -1,0 +1,76 @@
+"""Qwen3 (dense) and Qwen3-MoE: the model, its flavors and its tensor-parallel plan, as one
+registry entry.
+
+The published sizes are the Hugging Face config.json files of Qwen/Qwen3-0.6B, -1.7B, -4B,
+-8B, -14B, -32B, -30B-A3B and -235B-A22B (the first releases, 2025-04, not the -2507
+updates, which raise rope_theta and max_position_embeddings): hidden_size, num_hidden_layers,
+num_attention_heads, num_key_value_heads, head_dim 128, intermediate_size, rope_theta 1e6,
+rms_norm_eps 1e-6, max_position_embeddings 40960, tie_word_embeddings (true up to 4B), and for
+the MoE sizes num_experts 128, num_experts_per_tok 8, moe_intermediate_size, norm_topk_prob
+true, router_aux_loss_coef 0.001, decoder_sparse_step 1, mlp_only_layers []. vocab_size
+(151936 with Qwen's tokenizer) comes from the tokenizer in use.
+"""
+
+from titanlite.models.moe import MoEArgs
+from titanlite.models.qwen3.model import Qwen3, Qwen3Args
+from titanlite.models.qwen3.parallelize import apply_tp, tp_problems
+from titanlite.model_spec import Capabilities, ModelSpec, transformer_flops_per_token
+
+
+def qwen3_moe(n_experts: int, top_k: int, hidden_dim: int, **extra) -> MoEArgs:
+    """Qwen3-MoE's layer: softmax router, top-k renormalized (norm_topk_prob), no shared
+    experts, aux loss 0.001, computed per sequence (MoEArgs.aux_loss_per_sequence: the form
+    every parallel layout trains alike; transformers pools a forward's tokens)."""
+    return MoEArgs(n_experts=n_experts, top_k=top_k, hidden_dim=hidden_dim, score_func="softmax", renormalize=True,
+                   aux_loss_coef=1e-3, aux_loss_per_sequence=True, **extra)
+
+
+qwen3_flavors: dict[str, Qwen3Args] = {
+    # CPU-sized: trains in seconds on 2 cores with the bundled 4k-vocab tokenizer. Llama's
+    # debugmodel widths, Qwen3's shape: q wider than dim (8 heads x 64 = 512 > 256), QK norms.
+    "debugmodel": Qwen3Args(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048),
+    # 8 experts, top-2. It also runs DeepSeek-V3's expert-bias balancing (with a faster bias
+    # step), which no published Qwen3 has, so that the tests train every path of the MoE layer.
+    "debugmodel_moe": Qwen3Args(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048,
+                                moe=qwen3_moe(8, 2, 256, use_expert_bias=True, bias_update_rate=1e-2)),
+    "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, tie_word_embeddings=True),
+    "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, tie_word_embeddings=True),
+    "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, tie_word_embeddings=True),
+    "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288),
+    "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408),
+    "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600),
+    # MoE: intermediate_size (6144, 12288) is in their config.json but no block uses it.
+    "30B-A3B": Qwen3Args(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, hidden_dim=6144, moe=qwen3_moe(128, 8, 768)),
+    "235B-A22B": Qwen3Args(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, hidden_dim=12288, moe=qwen3_moe(128, 8, 1536)),
+}
+
+
+def active_parameters(args: Qwen3Args, n_params: int) -> int:
+    """The parameters one token's forward multiplies by: all of them but the embedding table
+    (a lookup; a tied table is counted once, as the head) and, in each MoE block, the
+    routed experts it is not sent to (n_experts - top_k of them)."""
+    embedding = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
+    idle = 0
+    if args.moe is not None:
+        idle = args.n_moe_layers * (args.moe.n_experts - args.moe.top_k) * 3 * args.dim * args.moe.hidden_dim
+    return n_params - embedding - idle
+
+
+def flops_per_token(args: Qwen3Args, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token from the active parameters (PaLM's accounting, as Llama's)."""
+    return transformer_flops_per_token(active_parameters(args, n_params), args.n_layers, args.n_heads * args.head_dim, seq_len)
+
+
+qwen3_spec = ModelSpec(
+    name="qwen3",
+    model_class=Qwen3,
+    flavors=qwen3_flavors,
+    apply_tp=apply_tp,
+    tp_problems=tp_problems,
+    hf_adapter=None,
+    # moe: the code has MoE blocks; which flavors use them is in their args (Qwen3Args.moe).
+    capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True, moe=True),
+    flops_per_token=flops_per_token,
+)
+
+__all__ = ["Qwen3", "Qwen3Args", "qwen3_flavors", "qwen3_spec"]
