@@ -22,7 +22,7 @@ from titanlite.config import JobConfig
 from titanlite.config.dtypes import DTYPES
 from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
-from titanlite.models import get_model_spec
+from titanlite.models import get_model_spec, moe
 from titanlite.model_spec import Capability, ModelSpec
 from titanlite.parallel import parallelize as parallel
 from titanlite.parallel.activation_checkpoint import ac_setting
@@ -160,11 +160,14 @@ class ModelSize:
 class BuiltModel:
     """This rank's model: `parts` are what runs forward (the whole model, or this rank's
     pipeline stages), `model` what the optimizer, gradient clipping and checkpoints read
-    (the one part, or all of them under the whole model's names)."""
+    (the one part, or all of them under the whole model's names). `experts`: the functions
+    of its mixture-of-experts layers (models/moe.py, which `step/experts.ExpertLayers`
+    describes) when the flavor has any, else None."""
 
     parts: list[torch.nn.Module]
     model: torch.nn.Module
     size: ModelSize
+    experts: Any = None
 
 
 def build_parts_on_meta(plan: RunPlan, meshes: Meshes) -> list[torch.nn.Module]:
@@ -211,4 +214,14 @@ def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_p
     offload = plan.dims.fsdp_enabled and cfg.training.enable_cpu_offload
     check_training_state_fits(n_params, plan.dims.shards, device, offload, processes_per_host)
     materialize(model, plan, device)
-    return BuiltModel(parts, model, size)
+    return BuiltModel(parts, model, size, experts=_experts(plan.spec, model))
+
+
+def _experts(spec: ModelSpec, model: torch.nn.Module) -> Any:
+    """models/moe.py's layer functions when `model` has MoE layers, which its spec must
+    declare (`Capabilities.moe`: the planner and MFU count such a model's active parameters)."""
+    if not moe.moe_layers(model):
+        return None
+    if not spec.supports("moe"):
+        raise ValueError(f"model {spec.name} has MoE layers but does not declare ModelSpec.capabilities.moe")
+    return moe

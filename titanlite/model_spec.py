@@ -28,7 +28,7 @@ NEEDS: dict[Capability, tuple[str, str]] = {
                                                        "takes every cp rank's keys and values"),
     "document_mask": ("document masking", "forward(tokens, document_ids) and an attn_mask_type field in its args"),
     "kv_cache": ("KV cache", "an enable_kv_cache(KVCache | None) method"),
-    "moe": ("mixture-of-experts layers", "routed experts in its blocks"),
+    "moe": ("mixture-of-experts layers", "routed experts (models/moe.py's MoE) in its blocks"),
     "hf_adapter": ("Hugging Face mapping", "a to_hf/from_hf module as ModelSpec.hf_adapter"),
 }
 
@@ -48,8 +48,10 @@ class Capabilities:
     document_mask: bool = False
     # Incremental decoding in `titanlite.generate`; without it each token recomputes the sequence.
     kv_cache: bool = False
-    # Mixture-of-experts layers: the planner and MFU will count the active parameters of such a
-    # model, not all of them. No model declares it yet.
+    # Mixture-of-experts layers (models/moe.py) in some of its flavors: declared per model,
+    # what each flavor has is in its args (Qwen3Args.moe). Its flops_per_token counts the
+    # active parameters (the experts a token is routed to); the trainer trains the layers'
+    # aux loss, updates their expert biases and logs their load wherever the built model has them.
     moe: bool = False
 
 

@@ -67,7 +67,8 @@ class Trainer:
 
         built = build_model(plan, self.device, self.meshes, self.dist.local_world_size)
         self.model_parts, self.model, self.size = built.parts, built.model, built.size
-        self.forward_backward = self.steps.forward_backward(self.model, self.model_parts)
+        self.forward_backward = self.steps.forward_backward(self.model, self.model_parts, built.experts)
+        self.expert_balance = self.steps.expert_balance(self.model, built.experts)  # None without MoE layers
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -129,16 +130,21 @@ class Trainer:
         loss = self.forward_backward.train(microbatches, self.state.step)
         grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
         agreement = agree_on_step(self.signals.stop_signal, loss, grad_norm)
-        if self.nonfinite.allows_update(self.state.step, agreement, grad_norm):
+        updated = self.nonfinite.allows_update(self.state.step, agreement, grad_norm)
+        if updated:
             self.optimizer.step()
         else:
             self.metrics.log_skipped_steps(self.state.step, self.nonfinite.skipped)
+        if self.expert_balance is not None:
+            self.expert_balance.after_step(updated)
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # what this step trained with, before the schedule moves on
         self.lr_scheduler.step()
         return loss, grad_norm, agreement
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
-        return self.metrics.log(step, self.steps.reported(loss), grad_norm.item(), self.step_lr, self.state.tokens_seen)
+        expert_load = self.expert_balance.load() if self.expert_balance is not None else None
+        return self.metrics.log(step, self.steps.reported(loss), grad_norm.item(), self.step_lr, self.state.tokens_seen,
+                                expert_load=expert_load)
 
     def train(self) -> list[dict[str, float]]:
         """Run to `training.steps` (resuming from a checkpoint if there is one); returns the

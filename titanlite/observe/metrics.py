@@ -65,9 +65,13 @@ class MetricsLogger:
     def add_tokens(self, count: int) -> None:
         self.tokens += count
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int) -> dict[str, float]:
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int,
+            expert_load: tuple[float, float] | None = None) -> dict[str, float]:
         """Emit one line and the scalars for the window since the last call; returns them.
-        `tokens_seen` counts every rank's tokens since the run's first step (resumes included)."""
+        `tokens_seen` counts every rank's tokens since the run's first step (resumes included).
+        `expert_load` (models with mixture-of-experts layers only): the (mean, max) over the
+        MoE layers of each layer's max / mean tokens per expert in the last step (1.0 is even
+        load), shown as `moe_load mean/max` and recorded as moe_load_mean, moe_load_max."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tps = self.tokens / elapsed / self.devices_per_replica
         scalars = {
@@ -82,9 +86,13 @@ class MetricsLogger:
         if self.peak.flops:
             scalars["mfu"] = 100 * tps * self.flops_per_token / self.peak.flops
             mfu_text = f"{scalars['mfu']:.1f}%"
+        moe_text = ""
+        if expert_load is not None:
+            scalars["moe_load_mean"], scalars["moe_load_max"] = expert_load
+            moe_text = f"  moe_load {expert_load[0]:.2f}/{expert_load[1]:.2f}"
         logger.info(
             f"step {step:>5}  loss {loss:7.4f}  grad_norm {grad_norm:6.3f}  lr {lr:.1e}  "
-            f"tps {tps:,.0f}  mfu {mfu_text}  mem {scalars['memory_gib']:.2f} GiB"
+            f"tps {tps:,.0f}  mfu {mfu_text}  mem {scalars['memory_gib']:.2f} GiB{moe_text}"
         )
         self._record(step, scalars)
         self.tokens = 0

@@ -14,7 +14,9 @@ What it owns:
 - the document flag: the loaders hand out document ids when `model.attn_mask_type` is
   "block_causal", and the runners pass them to the model's forward;
 - the loss: the compute context (autocast where FSDP does not own mixed precision) and the
-  pipeline's `StepLoss`, to which each schedule call passes its scale.
+  pipeline's `StepLoss`, to which each schedule call passes its scale;
+- mixture-of-experts layers (`experts`, from the built model): their aux loss trained in each
+  forward, and `ExpertBalance` after each optimizer step, over the dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from titanlite.config import JobConfig
 from titanlite.parallel.collectives import mean_over, sum_over
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.parallel.pipeline import PipelineLayout
+from titanlite.step.experts import ExpertBalance, ExpertLayers
 from titanlite.step.forward_backward import Pipelined, StepLoss, Unpipelined
 from titanlite.step.precision import autocast_dtype
 
@@ -77,15 +80,23 @@ class StepBuilder:
             return torch.autocast(self.device.type, dtype=self.autocast)
         return contextlib.nullcontext()
 
-    def forward_backward(self, model: nn.Module, parts: list[nn.Module]) -> Unpipelined | Pipelined:
+    def forward_backward(self, model: nn.Module, parts: list[nn.Module], experts: ExpertLayers | None = None) -> Unpipelined | Pipelined:
         """The step's forward and backward: on the whole `model`, or through the pipeline
-        schedule over this rank's stage `parts`."""
+        schedule over this rank's stage `parts`; with `experts`, training their aux loss."""
         nan_fault_here = self.rank == self.loss_rank
         if self.pipeline is None:
             return Unpipelined(model, self.compute_context, self.device, nan_fault_here=nan_fault_here,
-                               context_parallel=self.meshes.context_parallel)
+                               context_parallel=self.meshes.context_parallel, experts=experts)
         return Pipelined(self.pipeline, parts, self.meshes.pp, self.compute_context, self.device,
-                         loss=StepLoss(nan_fault_here), context_parallel=self.meshes.context_parallel)
+                         loss=StepLoss(nan_fault_here), context_parallel=self.meshes.context_parallel, experts=experts)
+
+    def expert_balance(self, model: nn.Module, experts: ExpertLayers | None) -> ExpertBalance | None:
+        """The bias update and load of `model`'s MoE layers (None without any): counts summed
+        over the ranks that hold different tokens of a step, dp x cp (tp ranks route the same
+        tokens; pp ranks hold other layers, combined only for the reported load)."""
+        if experts is None:
+            return None
+        return ExpertBalance(experts, model, self.loss_group, self.pp_group, self.device)
 
     def reported(self, loss: torch.Tensor) -> float:
         """A loss as every rank reports it: summed over the pipeline ranks (only those with

@@ -14,6 +14,11 @@ pipeline's loss function carries 1/(microbatches x accumulation), so the schedul
 nothing and several schedule steps accumulate exactly. That scale and the step number are
 arguments of each schedule call (`StepLoss`), not state set on the runner before it.
 
+A model with mixture-of-experts layers (`experts`) trains their aux loss in the same
+forwards: each layer adds its gradient to the backward of its own output, weighted as that
+forward's loss is (`step/experts.aux_loss_gradients`), so a pipeline schedule, whose loss
+function sees only the last stage's logits, trains it too.
+
 `step/builder.py` builds the one that fits the run's layout.
 """
 
@@ -30,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.pipeline import PipelineLayout, build_schedule
+from titanlite.step.experts import ExpertLayers, aux_loss_gradients, uncounted_metadata_forwards
 from titanlite.step.loss import cross_entropy
 from titanlite.step.nonfinite import inject_nan
 
@@ -53,20 +59,21 @@ class Unpipelined:
     """Gradient accumulation on one model: FSDP reduces gradients once, after the last microbatch."""
 
     def __init__(self, model: nn.Module, compute_context: ComputeContext, device: torch.device, nan_fault_here: bool,
-                 context_parallel: ContextParallel | None = None):
+                 context_parallel: ContextParallel | None = None, experts: ExpertLayers | None = None):
         self.model, self.compute_context, self.device, self.nan_fault_here = model, compute_context, device, nan_fault_here
-        self.context_parallel = context_parallel
+        self.context_parallel, self.experts = context_parallel, experts
 
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
-        for index, batch in enumerate(microbatches):
-            set_gradient_sync(self.model, index == len(microbatches) - 1)
-            inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
-            with self.compute_context():
-                loss = cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels) / len(microbatches)
-                loss = inject_nan(step, loss, self.nan_fault_here)
-                loss.backward()
-            loss_sum += loss.detach()
+        with aux_loss_gradients(self.experts, [self.model], 1.0 / len(microbatches)):
+            for index, batch in enumerate(microbatches):
+                set_gradient_sync(self.model, index == len(microbatches) - 1)
+                inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
+                with self.compute_context():
+                    loss = cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels) / len(microbatches)
+                    loss = inject_nan(step, loss, self.nan_fault_here)
+                    loss.backward()
+                loss_sum += loss.detach()
         return loss_sum
 
     def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
@@ -110,12 +117,13 @@ class Pipelined:
     holding neither (a middle stage) only passes activations on."""
 
     def __init__(self, layout: PipelineLayout, parts: list[nn.Module], pp_mesh: DeviceMesh, compute_context: ComputeContext,
-                 device: torch.device, loss: StepLoss, context_parallel: ContextParallel | None = None):
+                 device: torch.device, loss: StepLoss, context_parallel: ContextParallel | None = None,
+                 experts: ExpertLayers | None = None):
         pp_rank = pp_mesh.get_local_rank()
         held = layout.stage_indices(pp_rank)
         self.has_first, self.has_last = 0 in held, len(layout.stages) - 1 in held
         self.n_microbatches, self.compute_context, self.device = layout.n_microbatches, compute_context, device
-        self.loss, self.context_parallel = loss, context_parallel
+        self.loss, self.context_parallel, self.parts, self.experts = loss, context_parallel, parts, experts
         self.schedule = build_schedule(layout, parts, pp_rank, pp_mesh.get_group(), device, loss)
         # The last stage would otherwise keep every microbatch's logits to hand them back.
         self._no_outputs = {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
@@ -123,8 +131,9 @@ class Pipelined:
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
         scale = 1.0 / (self.n_microbatches * len(microbatches))
         loss_sum = torch.zeros((), device=self.device)
-        for batch in microbatches:
-            loss_sum += self._run(self.schedule.step, batch, scale, step)
+        with aux_loss_gradients(self.experts, self.parts, scale):
+            for batch in microbatches:
+                loss_sum += self._run(self.schedule.step, batch, scale, step)
         return loss_sum
 
     def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
@@ -137,7 +146,8 @@ class Pipelined:
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses, **self._no_outputs} if self.has_last else {}
-        with self.compute_context(), self.loss.passing(self.schedule, scale, step) as loss_arguments:
+        with (self.compute_context(), self.loss.passing(self.schedule, scale, step) as loss_arguments,
+              uncounted_metadata_forwards(self.experts, self.parts, self.n_microbatches)):
             run(*args, **kwargs, **loss_arguments, **_model_kwargs(documents))
         if not losses:
             return torch.zeros((), device=self.device)
