@@ -5,11 +5,14 @@ The state (parameters, gradients, AdamW's two moments, buffers) is read from the
 local shapes of the model `build.parallelize` produced, so it is exact for any layout. The
 rest is a formula (docs/planning.md explains each term), counting what autograd keeps for
 backward in the Llama block as titanlite writes it. Notation: b = training.local_batch_size,
-s = seq_len, t = tensor-parallel degree, d = dim, k = n_kv_heads x head_dim, f = ffn hidden
-size, V = vocab, p = bytes of the compute dtype (mixed_precision_param), 4 = float32.
+s = seq_len, t = tensor-parallel degree, d = dim, q = n_heads x head_dim (d for Llama),
+k = n_kv_heads x head_dim, f = ffn hidden size, V = vocab, p = bytes of the compute dtype
+(mixed_precision_param), 4 = float32.
 
     tokens          N = b s / c (c = context-parallel degree);  r = t under sequence parallelism, else 1
-    one block       A = N (2 d/r p + 2 d p + (d + k)/t 4 + (2 d + 2 k c)/t p + 4 f/t p)
+    one block       A = N (2 d/r p + 2 d p + (q + k)/t 4 + (2 q + 2 k c)/t p + 4 f/t p)
+                    (+ (q + k)/t p for the inputs of QK norms; a mixture-of-experts block's
+                    feed-forward term is `feed_forward_per_token`'s)
     checkpointed    N d/r p  (only its input)
     head            N d/r p + N d p + N V' 4, V' = V/t with loss parallel, else V
     peak            blocks kept + head + max(N V' p, A if any block is checkpointed)
@@ -132,8 +135,10 @@ def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = Non
     n, t, p, c = shape.batch * shape.seq_len / shape.cp, shape.tp, shape.act_bytes, shape.cp
     d, f = args.dim, args.ffn_hidden_dim
     k = getattr(args, "kv_heads", args.n_heads) * args.head_dim
+    q = args.n_heads * args.head_dim  # d, unless head_dim is set apart from dim (Qwen3)
     r = t if shape.sequence_parallel else 1
-    block = n * (2 * d / r * p + 2 * d * p + (d + k) / t * 4 + (2 * d + 2 * k * c) / t * p + 4 * f / t * p)
+    attention = (q + k) / t * 4 + (2 * q + 2 * k * c) / t * p + ((q + k) / t * p if getattr(args, "qk_norm", False) else 0)
+    block = n * (2 * d / r * p + 2 * d * p + attention + feed_forward_per_token(args, t, p))
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
     n_blocks = args.n_layers if n_blocks is None else n_blocks
     n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_option)
@@ -146,6 +151,21 @@ def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = Non
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
     extra = max(n * vocab * p if holds_head else 0.0, recompute)
     return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight, boundary_buffers * n * d / r * p)
+
+
+def feed_forward_per_token(args: Any, t: int, p: int) -> float:
+    """Bytes a block's feed-forward keeps per token, averaged over the blocks: SwiGLU's four
+    hidden-size tensors (4 f/t p), or in a mixture-of-experts block (`args.moe`, in
+    `args.n_moe_layers` of the blocks, not split by tp) the router's float32 logits and
+    scores (2 E 4) and, for each of the top_k copies of the token, its gathered input, the
+    expert's four hidden tensors, its output and that output in float32 for the weighting
+    (K (2 d p + 4 h p + 4 d))."""
+    dense = 4 * args.ffn_hidden_dim / t * p
+    moe, n_moe = getattr(args, "moe", None), getattr(args, "n_moe_layers", 0)
+    if moe is None or not n_moe:
+        return dense
+    sparse = 2 * moe.n_experts * 4 + moe.top_k * (2 * args.dim * p + 4 * moe.hidden_dim * p + 4 * args.dim)
+    return (n_moe * sparse + (args.n_layers - n_moe) * dense) / args.n_layers
 
 
 def in_flight_microbatches(schedule: str, degree: int, n_microbatches: int, stages_per_rank: int, pp_rank: int) -> int:
