@@ -35,11 +35,17 @@ LAYOUTS = {
     "hsdp2x2_tp2_ac": (8, "llama3", ["--parallelism.data_parallel_replicate_degree", "2",
                                      "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
     "gpt2_fsdp4_tp2": (8, "gpt2", ["--parallelism.tensor_parallel_degree", "2"]),
+    # QK norms replicated over tp, the router and the stacked experts whole on each tp rank
+    # and FSDP-sharded by expert.
+    "qwen3_moe_fsdp4_tp2": (8, "qwen3/debugmodel_moe", ["--parallelism.tensor_parallel_degree", "2"]),
 }  # fmt: skip
 
 
 def plan_for(model: str, overrides: list[str], world: int):
-    cfg = load_config(["--config", "debug_model", "--model.name", model, "--training.seed", str(SEED), "--training.mixed_precision_param", "float32",
+    """`model`: a model name, or name/flavor."""
+    name, _, flavor = model.partition("/")
+    cfg = load_config(["--config", "debug_model", "--model.name", name, *(["--model.flavor", flavor] if flavor else []),
+                       "--training.seed", str(SEED), "--training.mixed_precision_param", "float32",
                        "--training.local_batch_size", "16", *overrides])  # fmt: skip
     return plan_run(cfg, world, vocab_size=VOCAB)
 

@@ -18,6 +18,7 @@ from titanlite.generate.load import LoadedModel
 from titanlite.generate.stages import StageForward
 from titanlite.model_spec import Capabilities, ModelSpec
 from titanlite.models import _registry, get_model_spec
+from titanlite.models.moe import moe_layers
 from titanlite.parallel.context_parallel import ContextParallelModel
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.pipeline import plan_layout, split_stage
@@ -116,4 +117,7 @@ def test_each_declared_capability_holds_for_the_models_code(name):
         assert all("attn_mask_type" in {f.name for f in dataclasses.fields(args)} for args in spec.flavors.values())
     if declared.kv_cache:
         assert callable(getattr(spec.model_class, "enable_kv_cache", None))
-    assert not declared.moe  # no model has experts yet: the flag that Qwen3-MoE will declare
+    # MoE: declared exactly when some flavor builds MoE layers (the planner and MFU count active parameters).
+    with torch.device("meta"):
+        has_experts = any(moe_layers(spec.model_class(spec.args_for(flavor, VOCAB))) for flavor in spec.flavors)
+    assert declared.moe == has_experts
