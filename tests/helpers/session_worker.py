@@ -53,6 +53,9 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
         "optim_bytes": local_bytes(optim),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in params),
         "norm_param_bytes": sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "norm" in n),
+        # A mixture-of-experts layer's router and routed experts, which tensor parallelism keeps whole on each rank.
+        "moe_param_bytes": sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters()
+                               if ".router." in n or ".experts." in n),
     }
 
 

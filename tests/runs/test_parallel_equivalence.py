@@ -23,6 +23,8 @@ CP = ["--parallelism.context_parallel_degree", "2"]
 TP = ["--parallelism.tensor_parallel_degree", "2"]
 BLOCK = ["--model.attn_mask_type", "block_causal"]
 GPT2 = ["--model.name", "gpt2"]
+QWEN3 = ["--model.name", "qwen3"]
+QWEN3_MOE = [*QWEN3, "--model.flavor", "debugmodel_moe"]
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
@@ -37,7 +39,7 @@ def schedule(name: str) -> list[str]:
 
 
 # The single-process references, by the model options they share with their layouts.
-REFERENCES = {"causal": [], "block_causal": BLOCK, "gpt2": GPT2, "validation": VALIDATION}
+REFERENCES = {"causal": [], "block_causal": BLOCK, "gpt2": GPT2, "validation": VALIDATION, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 
 # name: (processes, overrides, reference). Global batch 8 = local_batch_size x dp x accumulation;
 # pipeline and context-parallel ranks of one dp rank share its batch.
@@ -86,6 +88,19 @@ LAYOUTS = {
     "cp2_tp2_sp": (4, [*batch(8), *CP, *TP, "--parallelism.sequence_parallel", "on"], "causal"),
     "cp2_tp2_block_causal": (4, [*batch(8), *CP, *TP, *BLOCK], "block_causal"),
     "cp2_pp2_block_causal": (4, [*batch(8), *CP, *PP, *BLOCK], "block_causal"),
+    # Qwen3 dense and MoE (8 experts, top-2, aux loss and expert bias) at each parallelism:
+    # the MoE layer runs whole on each tp rank, its aux loss trains through the pipeline
+    # schedule, its per-sequence counts are summed over cp, its bias over dp x cp.
+    "qwen3_fsdp2": (2, [*batch(4), *QWEN3], "qwen3"),
+    "qwen3_tp2": (2, [*batch(8), *TP, *QWEN3], "qwen3"),
+    "qwen3_pp2": (2, [*batch(8), *PP, *QWEN3], "qwen3"),
+    "qwen3_cp2": (2, [*batch(8), *CP, *QWEN3], "qwen3"),
+    "qwen3_moe_fsdp2": (2, [*batch(4), *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_moe_tp2": (2, [*batch(8), *TP, *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_moe_pp2": (2, [*batch(8), *PP, *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_moe_cp2": (2, [*batch(8), *CP, *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_fsdp2_tp2": (4, [*batch(4), *TP, *QWEN3], "qwen3"),
+    "qwen3_moe_fsdp2_tp2_sp": (4, [*batch(4), *TP, "--parallelism.sequence_parallel", "on", *QWEN3_MOE], "qwen3_moe"),
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
 }
@@ -122,6 +137,9 @@ def test_layout_matches_single_process(layout, sessions):
     reference = sessions[f"reference_{reference_name}"]
     assert reference["history"][-1]["loss"] < reference["history"][0]["loss"]
     assert_same_curve(sessions[layout]["history"], reference["history"], layout)
+    if "moe_load_mean" in reference["history"][0]:  # the same routing: the same expert load, every layer (all stages)
+        for key in ("moe_load_mean", "moe_load_max"):
+            assert [h[key] for h in sessions[layout]["history"]] == pytest.approx([h[key] for h in reference["history"]], rel=1e-6), key
     if reference["validation_loss"] is not None:  # validation through the same layout's forward
         assert sessions[layout]["validation_loss"] == pytest.approx(reference["validation_loss"], rel=1e-5)
 
@@ -129,8 +147,8 @@ def test_layout_matches_single_process(layout, sessions):
         return  # stages and sequence shards hold other shares; the planner tests check those
     dp_shard, tp = degrees(overrides, nproc)
     for sizes in sessions[layout]["ranks"]:
-        norms = sizes["norm_param_bytes"]
-        expected = (sizes["full_param_bytes"] - norms) / (dp_shard * tp) + norms / dp_shard
+        whole_on_tp = sizes["norm_param_bytes"] + sizes["moe_param_bytes"]  # replicated over tp, sharded by FSDP
+        expected = (sizes["full_param_bytes"] - whole_on_tp) / (dp_shard * tp) + whole_on_tp / dp_shard
         for kind, factor in (("param_bytes", 1), ("grad_bytes", 1), ("optim_bytes", 2)):  # AdamW: exp_avg, exp_avg_sq
             assert sizes[kind] == pytest.approx(factor * expected, rel=0.05), f"{kind} on a rank of {layout}"
 
