@@ -77,3 +77,20 @@ def test_tokens_per_second_are_per_device_of_the_replica(tmp_path, monkeypatch):
     metrics.add_tokens(1600)
     scalars = metrics.log(1, loss=1.0, grad_norm=1.0, lr=1e-4, tokens_seen=1600)
     assert scalars["tps"] == 1600 / 2.0 / 8 and scalars["mfu"] == 100 * 100 * 1e6 / 1e9
+
+
+def test_a_model_with_moe_layers_logs_its_expert_load_and_a_dense_one_does_not(tmp_path, caplog):
+    """The step line's `moe_load mean/max` field and metrics.jsonl's moe_load_mean and
+    moe_load_max (TensorBoard and W&B take the same scalars), only when the trainer passes a load."""
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    metrics = logger_in(run_dir)
+    with caplog.at_level("INFO", logger="titanlite"):
+        metrics.log(1, loss=8.5, grad_norm=1.0, lr=1e-4, tokens_seen=512, expert_load=(1.2345, 1.5))
+        metrics.log(2, loss=8.4, grad_norm=1.0, lr=1e-4, tokens_seen=1024)
+    metrics.close()
+    moe, dense = read_metrics(run_dir)
+    assert set(moe) == TRAIN_FIELDS | {"moe_load_mean", "moe_load_max"} and set(dense) == TRAIN_FIELDS
+    assert (moe["moe_load_mean"], moe["moe_load_max"]) == (1.2345, 1.5)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step")]
+    assert lines[0].endswith("moe_load 1.23/1.50") and "moe_load" not in lines[1]

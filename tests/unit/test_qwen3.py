@@ -95,6 +95,27 @@ def test_q_and_k_are_normalized_per_head_before_rope():
     assert torch.allclose(attention.rotate(q, k, model.rope_cache)[0].norm(dim=-1), 2 * rotated_q.norm(dim=-1), rtol=1e-5)
 
 
+@torch.no_grad()
+def test_the_kv_cache_decodes_the_moe_flavor_as_one_full_forward():
+    """Llama's cache under Qwen3's rotate (QK norm, half-layout RoPE at the cached positions)
+    and MoE blocks (eval: no counting, no aux loss)."""
+    from titanlite.models.kv_cache import KVCache
+
+    _, model = build("debugmodel_moe")
+    model.eval()
+    sequence = tokens(3, 12)
+    full = model(sequence)
+    cache = KVCache(max_len=12)
+    model.enable_kv_cache(cache)
+    pieces = []
+    for start, stop in ((0, 5), (5, 8), *((i, i + 1) for i in range(8, 12))):
+        pieces.append(model(sequence[:, start:stop]))
+        cache.advance(stop - start)
+    model.enable_kv_cache(None)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert all(int(layer.tokens_per_expert.sum()) == 0 for layer in moe_layers(model).values())
+
+
 def test_tied_flavors_share_one_table_and_untied_ones_do_not():
     """As published: 0.6B, 1.7B and 4B tie the embedding and the head, the others do not."""
     assert {name for name, args in qwen3_flavors.items() if args.tie_word_embeddings} == {"0.6B", "1.7B", "4B"}
@@ -229,3 +250,27 @@ def test_the_planner_counts_each_routed_copy_of_a_token_in_moe_blocks():
 
     half = dataclasses.replace(moe_args, mlp_only_layers=(0, 1, 2))
     assert half.n_moe_layers == 3 and feed_forward_per_token(half, 2, 2) == (sparse + dense) / 2
+
+
+def test_a_pipeline_stages_metadata_forward_is_not_counted():
+    """torch 2.13's stages run one forward more (first, to learn shapes) on the first schedule
+    call: with n microbatches and n + 1 forwards, the first one's counts are taken back out;
+    with n forwards nothing is."""
+    from titanlite.models import moe as moe_functions
+    from titanlite.step.experts import uncounted_metadata_forwards
+
+    _, model = build("debugmodel_moe")
+    model.train()
+    for extra in (True, False):
+        model.zero_grad()
+        moe_functions.drop_expert_counts(model)
+        with uncounted_metadata_forwards(moe_functions, [model], n_microbatches=2):
+            if extra:
+                model(tokens(1, 24, seed=9))  # the metadata forward, on other tokens
+            model(tokens(1, 24, seed=1))
+            model(tokens(1, 24, seed=2))
+        counted = moe_functions.token_counts(model)
+        moe_functions.drop_expert_counts(model)
+        model(tokens(1, 24, seed=1))
+        model(tokens(1, 24, seed=2))
+        assert torch.equal(counted, moe_functions.token_counts(model))
