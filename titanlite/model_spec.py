@@ -49,7 +49,7 @@ class Capabilities:
     # Incremental decoding in `titanlite.generate`; without it each token recomputes the sequence.
     kv_cache: bool = False
     # Mixture-of-experts layers (models/moe.py) in some of its flavors: declared per model,
-    # what each flavor has is in its args (Qwen3Args.moe). Its flops_per_token counts the
+    # what each flavor has is in its args (e.g. an `moe` field). Its flops_per_token counts the
     # active parameters (the experts a token is routed to); the trainer trains the layers'
     # aux loss, updates their expert biases and logs their load wherever the built model has them.
     moe: bool = False

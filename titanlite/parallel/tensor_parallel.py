@@ -111,7 +111,7 @@ def norm(sequence_parallel: bool) -> ParallelStyle:
 
 
 def norm_over_heads() -> SequenceParallel:
-    """A norm over each attention head's features (Qwen3's q_norm / k_norm), applied to the
+    """A norm over each attention head's features (per-head q and k norms), applied to the
     heads a colwise projection left on this rank ([batch, seq, local heads, head_dim]): the
     weight replicated, the input read as head shards (Shard(2)), the output handed back as
     the plain local heads. The weight's gradient is Partial (each rank saw its own heads) and
