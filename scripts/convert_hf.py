@@ -1,11 +1,12 @@
-"""Convert between our checkpoints and Hugging Face Llama weights (one process, no GPU).
+"""Convert between our checkpoints and Hugging Face weights (Llama, Qwen3, Qwen3-MoE; one process, no GPU).
 
-    # ours -> HF: sharded safetensors + index + config.json, loadable by LlamaForCausalLM.from_pretrained
+    # ours -> HF: sharded safetensors + index + config.json, loadable by transformers' from_pretrained
     python scripts/convert_hf.py to-hf outputs/checkpoint/step-1000 hf_out/ [--dtype bfloat16]
     python scripts/convert_hf.py to-hf model.pt hf_out/ --model llama3 --flavor 8B --vocab-size 128256
 
     # HF -> ours: a DCP folder usable as checkpoint.initial_load_path (format dcp), or a .pt file
     python scripts/convert_hf.py from-hf hf_model/ seed_ckpt/ [--model llama3] [--flavor 8B]
+    python scripts/convert_hf.py from-hf Qwen3-30B-A3B/ seed_ckpt/ --model qwen3 --flavor 30B-A3B
 
 Our checkpoints say which model they hold (commit.json); a bare .pt file does not, so
 to-hf then needs --model/--flavor/--vocab-size. from-hf reads the hyperparameters from
@@ -42,9 +43,26 @@ def args_from_record(record: commit.CommitRecord) -> tuple[ModelSpec, Any]:
     is in its record, so any flavor serves as the base."""
     spec = get_model_spec(record.fingerprint["name"])
     base = spec.flavors.get(record.fingerprint["flavor"]) or next(iter(spec.flavors.values()))
-    fields = {f.name for f in dataclasses.fields(base)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in record.model_args.items() if k in fields}
-    return spec, dataclasses.replace(base, **values)
+    return spec, _rebuilt(base, record.model_args, list(spec.flavors.values()))
+
+
+def _rebuilt(base: Any, recorded: dict[str, Any], flavors: list[Any]) -> Any:
+    """`base` (a hyperparameter dataclass) with the recorded values put back: lists as the
+    tuples they were, and a nested dataclass (an MoE layer's args, recorded as a dict) as
+    its own type, whether `base` has one there or None (a flavor that has one serves as
+    the pattern)."""
+    values = {}
+    for field in dataclasses.fields(base):
+        if field.name not in recorded:
+            continue
+        value = recorded[field.name]
+        if isinstance(value, dict):
+            pattern = next((p for p in (getattr(f, field.name) for f in [base, *flavors]) if dataclasses.is_dataclass(p)), None)
+            if pattern is None:
+                raise TitanliteError(f"the checkpoint records {field.name} = {value}, which no flavor of the model has")
+            value = _rebuilt(pattern, value, [])
+        values[field.name] = tuple(value) if isinstance(value, list) else value
+    return dataclasses.replace(base, **values)
 
 
 def _adapter(spec: ModelSpec) -> Any:

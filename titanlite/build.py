@@ -70,6 +70,9 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     check_capabilities(spec, cfg)
     tokenizer = Tokenizer(tokenizer_file(cfg.model.tokenizer_path, cfg.model.hf_assets_path)) if vocab_size is None else None
     args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size)
+    if cfg.checkpoint.last_save_in_hf and (problems := spec.hf_adapter.hf_export_problems(args)):
+        raise TitanliteError(f"checkpoint.last_save_in_hf: model {spec.name} flavor {cfg.model.flavor} has what Hugging Face's "
+                             f"class cannot hold: {', '.join(problems)}")
     if spec.supports("document_mask"):
         args = dataclasses.replace(args, attn_mask_type=cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)

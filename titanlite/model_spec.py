@@ -77,8 +77,12 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int, int], float]
     # Optional Hugging Face conversion: a module with to_hf(state_dict, args) / from_hf(...),
     # hf_config(args, dtype), check_hf_config(config, args) -> mismatches, args_from_hf_config,
-    # and per key for sharded IO (checkpoint/hf_io.py): hf_name(key), tied_to(key, args),
-    # rotary_heads(key, args), ignored_hf_tensor(name, args), interleaved_to_half(weight, heads).
+    # hf_export_problems(args) -> what HF's class cannot hold (a run that would write it is
+    # refused when planned), and per key for sharded IO (checkpoint/hf_io.py): hf_name(key),
+    # tied_to(key, args), stacked_hf_names(key, args) (a tensor held as [E, ...], stored by HF
+    # one slice per name), zero_in_hf(key, args) (state HF's class lacks, acting as zero there),
+    # rotary_heads(key, args), ignored_hf_tensor(name, args), interleaved_to_half(weight, heads)
+    # (only when rotary_heads names any).
     hf_adapter: Any = None
     capabilities: Capabilities = Capabilities()
 

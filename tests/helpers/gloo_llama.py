@@ -1,6 +1,7 @@
-"""A tiny Llama on real gloo process groups, spawned with torch.multiprocessing: built at
-any FSDP x TP layout, its full logits, a checkpoint manager for it, and the spawn that
-bounds the workers by a timeout (a hang fails the test instead of blocking CI)."""
+"""A tiny Llama (or another registered model's args) on real gloo process groups, spawned
+with torch.multiprocessing: built at any FSDP x TP layout, its full logits, a checkpoint
+manager for it, and the spawn that bounds the workers by a timeout (a hang fails the test
+instead of blocking CI)."""
 
 from __future__ import annotations
 
@@ -23,18 +24,19 @@ def checkpoint_cfg(**overrides) -> Checkpoint:
     return Checkpoint(**{"enable_checkpoint": True, "interval": 2, "keep_latest_k": 2, **overrides})
 
 
-def build(dp: int, tp: int, seed: int):
+def build(dp: int, tp: int, seed: int, spec=None, args=None):
+    """The tiny Llama of ARGS, or `spec`'s model of `args`, at FSDP dp x TP tp."""
     from titanlite.models.llama import llama3_spec
-    from titanlite.models.llama.model import Llama, LlamaArgs
+    from titanlite.models.llama.model import LlamaArgs
     from titanlite.parallel.parallelize import parallelize
     from titanlite.parallel.mesh import ParallelDims
 
-    args = LlamaArgs(**ARGS)
+    spec, args = spec or llama3_spec, args or LlamaArgs(**ARGS)
     meshes = ParallelDims(1, dp, tp, dp * tp).build_mesh("cpu")
     with torch.device("meta"):
-        model = Llama(args)
+        model = spec.model_class(args)
     if tp > 1:
-        llama3_spec.apply_tp(model, meshes.tp, False, False)
+        spec.apply_tp(model, meshes.tp, False, False)
     if dp > 1:
         parallelize(model, meshes.fsdp)
     model.to_empty(device="cpu")
@@ -42,14 +44,14 @@ def build(dp: int, tp: int, seed: int):
     return args, model
 
 
-def manager_for(cfg, folder, args, model, optimizer=None, scheduler=None, loader=None, state=None):
+def manager_for(cfg, folder, args, model, optimizer=None, scheduler=None, loader=None, state=None, spec=None):
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.checkpoint.train_state import TrainState
     from titanlite.models.llama import llama3_spec
 
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
     return CheckpointManager(
-        cfg, str(folder), llama3_spec, "tiny", args, model=model, optimizer=optimizer,
+        cfg, str(folder), spec or llama3_spec, "tiny", args, model=model, optimizer=optimizer,
         lr_scheduler=scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
         dataloader=loader or CountingLoader(), train_state=state or TrainState(),
     )

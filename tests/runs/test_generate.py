@@ -12,7 +12,8 @@ fp32, CPU, one process), and on a Hugging Face folder transformers wrote:
 - the log lines say the compute dtype and the tokens/s; only rank 0 prints;
 - bad input is one `titanlite: error:` line and exit code 2, and a checkpoint of another
   flavor is refused as a resume refuses it;
-- from a Hugging Face folder, the first token is the argmax of transformers' own logits.
+- from a Hugging Face folder, the first token is the argmax of transformers' own logits
+  (Llama), and the whole greedy text is transformers' greedy text (Qwen3, Qwen3-MoE).
 
 The one-process runs share one interpreter (`run_mains`), and each layout is one launch
 that decodes the whole batch, to keep the test time small.
@@ -94,7 +95,44 @@ def generate(folder: Path, *args: str, prompts: list[str] = PROMPTS, new_tokens:
 
 
 @pytest.fixture(scope="module")
-def one_process(checkpoint, gpt2, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+def hf_folders(tmp_path_factory, tok) -> dict[str, tuple[list[str], str]]:
+    """Hugging Face folders transformers wrote, with generate's argv for each and what it
+    must print: for Llama the first token (transformers' argmax), for Qwen3 and Qwen3-MoE
+    (the debug flavor with an expert bias: zero from HF, as HF routes) the greedy text of
+    every prompt, recomputed by transformers. Empty without transformers (the other runs go on)."""
+    try:
+        import safetensors  # noqa: F401
+        import transformers
+    except ImportError:
+        return {}
+    from tests.helpers.hf_qwen3 import transformers_model
+    from titanlite.models import get_model_spec
+    from titanlite.models.llama import hf_adapter
+
+    folder = tmp_path_factory.mktemp("hf")
+    flavor = hf_adapter.hf_config(get_model_spec("llama3", "debugmodel").args_for("debugmodel", tok.vocab_size))
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "tie_word_embeddings")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: flavor[k] for k in keys}, attn_implementation="eager")
+    llama = transformers.LlamaForCausalLM(config).eval()
+    llama.save_pretrained(folder / "llama")
+    ids = tok.encode(PROMPT, bos=True, eos=False)
+    with one_thread():
+        argmax = int(llama(torch.tensor([ids])).logits[0, -1].argmax())
+    out = {"hf_llama": (argv_for(folder / "llama", prompts=[PROMPT], new_tokens=1),
+                        tok.decode(ids + ([argmax] if argmax != tok.eos_id else [])) + "\n")}
+    spec = get_model_spec("qwen3")
+    for flavor in ("debugmodel", "debugmodel_moe"):
+        model = transformers_model(spec.args_for(flavor, tok.vocab_size), seed=2)
+        model.save_pretrained(folder / flavor)
+        out[f"hf_qwen3_{flavor}"] = (argv_for(folder / flavor, "--model.name", "qwen3", "--model.flavor", flavor),
+                                     greedy(lambda x, model=model: model(x).logits, tok))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process(checkpoint, gpt2, hf_folders, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """Every one-process run of these tests, in one interpreter (the imports paid once)."""
     prompt_file = tmp_path_factory.mktemp("prompts") / "prompts.txt"
     prompt_file.write_text("\n".join(PROMPTS[:2]) + "\n\n" + PROMPTS[2] + "\n")  # a blank line is skipped
@@ -107,6 +145,7 @@ def one_process(checkpoint, gpt2, tmp_path_factory) -> dict[str, subprocess.Comp
         "other_seed": argv_for(checkpoint, *SAMPLE, "--seed", "4"),
         "tied": argv_for(checkpoint, "--model.flavor", "debugmodel_tied", prompts=PROMPTS[:1]),
         "gpt2": argv_for(gpt2[0], "--model.name", "gpt2"),
+        **{name: argv for name, (argv, _) in hf_folders.items()},
     }
     results = run_mains("titanlite.generate.cli", list(runs.values()), 4 * TIMEOUT, env=_env())
     return dict(zip(runs, results))
@@ -248,21 +287,10 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, mentions):
     assert run.stdout == ""
 
 
-def test_hugging_face_folder_gives_transformers_argmax(tmp_path, tok):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors")
-    from titanlite.models import get_model_spec
-    from titanlite.models.llama import hf_adapter
-
-    flavor = hf_adapter.hf_config(get_model_spec("llama3", "debugmodel").args_for("debugmodel", tok.vocab_size))
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "tie_word_embeddings")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{k: flavor[k] for k in keys}, attn_implementation="eager")
-    hf_model = transformers.LlamaForCausalLM(config).eval()
-    hf_model.save_pretrained(tmp_path / "hf")
-    ids = tok.encode(PROMPT, bos=True, eos=False)
-    with one_thread():
-        argmax = int(hf_model(torch.tensor([ids])).logits[0, -1].argmax())
-    printed = generate(tmp_path / "hf", prompts=[PROMPT], new_tokens=1)
-    assert printed == tok.decode(ids + ([argmax] if argmax != tok.eos_id else [])) + "\n"
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen3_debugmodel", "hf_qwen3_debugmodel_moe"])
+def test_hugging_face_folder_gives_transformers_tokens(one_process, hf_folders, name):
+    if not hf_folders:
+        pytest.skip("transformers and safetensors are not both installed")
+    run = one_process[name]
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == hf_folders[name][1]

@@ -7,6 +7,9 @@ shard is half a head, the case where the RoPE rows of one shard come from two pl
 with logits equal to transformers' to 1e-4, through the trainer's own restore path. Each
 layout then saves its model with `hf_io.save_hf_weights` (every rank its own shards, then
 consolidated), and transformers loads every one of those folders with the same logits.
+Qwen3 and Qwen3-MoE do the same at FSDP 2 in the same processes (each rank reads and writes
+its own experts, one HF tensor each), and a Qwen3-MoE trainer run starts from a Hugging
+Face folder and ends with `last_save_in_hf` beside the Llama runs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 from tests.helpers.gloo_llama import ARGS, build, checkpoint_cfg, full_logits, init_gloo, manager_for, spawn
+from tests.helpers.hf_qwen3 import SMALL_FILES, TINY, hf_logits, save_source, transformers_model
 from titanlite.checkpoint import hf_io
 from titanlite.models.llama import hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
@@ -25,19 +29,12 @@ from titanlite.models.llama.model import Llama, LlamaArgs
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-SMALL_FILES = 8 * 1024  # bytes a file: the tiny model spreads over several
-
-
-def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        return model(tokens).logits
-
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """transformers' random tiny Llama of ARGS' shapes, saved in several files, with its
-    logits on fixed tokens (reference.pt)."""
+    logits on fixed tokens (reference.pt); and the tiny Qwen3 and Qwen3-MoE alike in the
+    subfolders qwen3/ and qwen3_moe/."""
     folder = tmp_path_factory.mktemp("hf-source")
     args = LlamaArgs(**ARGS)
     torch.manual_seed(0)
@@ -47,36 +44,55 @@ def source(tmp_path_factory) -> Path:
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.save({"tokens": tokens, "logits": model(tokens).logits}, folder / "reference.pt")
+    for kind, qwen3_args in TINY.items():
+        (folder / kind).mkdir()
+        save_source(qwen3_args, folder / kind)
     return folder
 
 
-def load_and_save_worker(rank: int, world: int, port: int, folder: str, layouts: list[tuple[int, int]]) -> None:
+def _model(kind: str):
+    """(spec, args) of a source: the tiny Llama, or a tiny Qwen3 of tests/helpers/hf_qwen3.py."""
+    from titanlite.models import get_model_spec
+
+    return (None, None) if kind == "llama" else (get_model_spec("qwen3"), TINY[kind])
+
+
+def load_and_save_worker(rank: int, world: int, port: int, folder: str, layouts: list[tuple[str, int, int]]) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     init_gloo(rank, world, port)
-    folder = Path(folder)
-    reference = torch.load(folder / "reference.pt")
-    for dp, tp in layouts:
-        args, model = build(dp, tp, seed=7)
-        cfg = checkpoint_cfg(enable_checkpoint=False, initial_load_path=str(folder / "hf"), initial_load_format="hf")
-        manager = manager_for(cfg, folder / f"run-{dp}x{tp}", args, model)
+    for kind, dp, tp in layouts:
+        source = Path(folder) / ("" if kind == "llama" else kind)
+        reference = torch.load(source / "reference.pt")
+        spec, args = _model(kind)
+        args, model = build(dp, tp, seed=7, spec=spec, args=args)
+        cfg = checkpoint_cfg(enable_checkpoint=False, initial_load_path=str(source / "hf"), initial_load_format="hf")
+        manager = manager_for(cfg, source / f"run-{dp}x{tp}", args, model, spec=spec)
         manager.load()
         with torch.no_grad():
             logits = full_logits(model, reference["tokens"])
-        torch.testing.assert_close(logits, reference["logits"], rtol=1e-4, atol=1e-4, msg=lambda m: f"fsdp {dp} x tp {tp}: {m}")
-        hf_io.save_hf_weights(get_model_state_dict(model), folder / f"saved-{dp}x{tp}", hf_adapter, args, dist.group.WORLD,
+        torch.testing.assert_close(logits, reference["logits"], rtol=1e-4, atol=1e-4, msg=lambda m: f"{kind} fsdp {dp} x tp {tp}: {m}")
+        adapter = hf_adapter if spec is None else spec.hf_adapter
+        hf_io.save_hf_weights(get_model_state_dict(model), source / f"saved-{dp}x{tp}", adapter, args, dist.group.WORLD,
                               max_file_bytes=SMALL_FILES)
         manager.close()
     dist.barrier()
     dist.destroy_process_group()
 
 
+def weight_map(folder: Path) -> dict[str, str]:
+    return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+
+
 def check_saved(folder: Path, name: str) -> None:
+    """A folder the ranks wrote: several whole files, the source's tensor names (each
+    expert its own), and transformers' logits of the source."""
     saved = folder / name
-    files = set(json.loads((saved / "model.safetensors.index.json").read_text())["weight_map"].values())
+    files = set(weight_map(saved).values())
     assert len(files) > 2 and all((saved / f).is_file() for f in files), sorted(p.name for p in saved.iterdir())
     assert not list(folder.glob("*.partial")) and not (saved / "sharded").exists()
+    assert weight_map(saved).keys() == weight_map(folder / "hf").keys()
     reference = torch.load(folder / "reference.pt")
     torch.testing.assert_close(hf_logits(saved, reference["tokens"]), reference["logits"], rtol=1e-4, atol=1e-4)
 
@@ -97,16 +113,24 @@ def test_transformers_folder_loads_at_one_process_and_saves_back(source):
 
 @pytest.mark.timeout(240)
 def test_fsdp2_and_tp2_load_and_save(source):
-    spawn(load_and_save_worker, 2, str(source), [(2, 1), (1, 2)], timeout=180)
+    """Llama at FSDP 2 and TP 2, Qwen3 and Qwen3-MoE at FSDP 2 (2 and 1 of its 3 experts a rank)."""
+    spawn(load_and_save_worker, 2, str(source), [("llama", 2, 1), ("llama", 1, 2), ("qwen3", 2, 1), ("qwen3_moe", 2, 1)],
+          timeout=180)
     for name in ("saved-2x1", "saved-1x2"):
         check_saved(source, name)
+    for kind in TINY:
+        check_saved(source / kind, "saved-2x1")
 
 
 @pytest.mark.timeout(300)
 def test_fsdp2_x_tp2_and_fsdp4_load_and_save(source):
-    spawn(load_and_save_worker, 4, str(source), [(2, 2), (4, 1)], timeout=240)
+    """Llama at FSDP 2 x TP 2 and FSDP 4; Qwen3-MoE at FSDP 4, more ranks than its 3 experts:
+    each rank holds rows of every expert (fsdp.shard_dim), read and written as blocks of the
+    per-expert HF tensors."""
+    spawn(load_and_save_worker, 4, str(source), [("llama", 2, 2), ("llama", 4, 1), ("qwen3_moe", 4, 1)], timeout=240)
     for name in ("saved-2x2", "saved-4x1"):
         check_saved(source, name)
+    check_saved(source / "qwen3_moe", "saved-4x1")
 
 
 @pytest.mark.timeout(300)
@@ -114,21 +138,33 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     """Trainer runs of the debug model at PP 2 and at FSDP 2 start from the same Hugging
     Face folder (several files) and end with `last_save_in_hf`: each pipeline stage reads and
     writes only its own layers. Both train the same curve (1e-5), and their two HF outputs are
-    the same model to transformers."""
-    from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve
+    the same model to transformers. In the same session, Qwen3-MoE (its debug flavor without
+    an expert bias) at FSDP 2 starts from transformers' folder and ends with one of the same
+    tensor names (each expert its own), which transformers reads as the run's last
+    checkpoint."""
+    from tests.helpers.distributed import EQUIVALENCE_ARGS, EQUIVALENCE_STEPS, assert_same_curve
     from tests.helpers.sessions import Case, run_session
     from titanlite.build import plan_run
+    from titanlite.checkpoint import export
     from titanlite.config.load import load_config
+    from titanlite.models.qwen3 import Qwen3
 
     args = plan_run(load_config(EQUIVALENCE_ARGS), 1).model_args
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(hf_adapter.hf_config(args)))
     model.save_pretrained(tmp_path / "hf", max_shard_size=2 * 1024**2)
-    start = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_format", "hf",
-             "--checkpoint.last_save_in_hf", "true"]
-    cases = [Case("pp2", [*EQUIVALENCE_ARGS, *start, "--training.local_batch_size", "8",
-                          "--parallelism.pipeline_parallel_degree", "2"]),
-             Case("fsdp2", [*EQUIVALENCE_ARGS, *start, "--training.local_batch_size", "4"])]
+    qwen3_moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_aux"]
+    moe_args = plan_run(load_config([*EQUIVALENCE_ARGS, *qwen3_moe]), 1).model_args
+    moe_model = transformers_model(moe_args, std=0.02)
+    moe_model.save_pretrained(tmp_path / "hf_moe", max_shard_size=2 * 1024**2)
+    start = ["--checkpoint.initial_load_format", "hf", "--checkpoint.last_save_in_hf", "true"]
+    cases = [Case("pp2", [*EQUIVALENCE_ARGS, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                          "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
+             Case("fsdp2", [*EQUIVALENCE_ARGS, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+                            "--training.local_batch_size", "4"]),
+             Case("qwen3_moe_fsdp2", [*EQUIVALENCE_ARGS, *qwen3_moe, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf_moe"),
+                                      "--training.local_batch_size", "4", "--checkpoint.enable_checkpoint", "true",
+                                      "--checkpoint.interval", str(EQUIVALENCE_STEPS), "--checkpoint.async_mode", "disabled"])]
     session = run_session(2, cases, tmp_path / "runs", 240)
     assert_same_curve(session["pp2"]["history"], session["fsdp2"]["history"], "pp2 vs fsdp2")
     steps = session["fsdp2"]["history"][-1]["step"]
@@ -140,3 +176,14 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     torch.testing.assert_close(logits["pp2"], logits["fsdp2"], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert not torch.allclose(logits["fsdp2"], model(tokens).logits, atol=1e-3)  # trained since the start
+
+    assert session["qwen3_moe_fsdp2"]["history"][-1]["step"] == steps
+    moe_run = tmp_path / "runs" / "qwen3_moe_fsdp2" / "checkpoint"
+    assert weight_map(moe_run / f"step-{steps}-hf").keys() == weight_map(tmp_path / "hf_moe").keys()
+    ours = Qwen3(moe_args)
+    ours.init_weights(seed=0)  # the RoPE table; the weights come next
+    ours.load_state_dict(export.read_dcp_model(moe_run / f"step-{steps}"))
+    theirs = hf_logits(moe_run / f"step-{steps}-hf", tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs, ours.eval()(tokens), rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(theirs, moe_model(tokens).logits, atol=1e-3)  # trained since the start

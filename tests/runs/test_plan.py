@@ -1,6 +1,6 @@
 """The dry-run planner (`python -m titanlite.plan`): exact per-rank shares of the 70B and
-405B presets at 512 ranks, the figures in the presets' comments and in docs/planning.md (pipelined
-layouts included) equal to what it prints, the materialized rank's memory, refused layouts,
+405B presets at 512 ranks, the figures in the presets' comments (Llama's and Qwen3's, MoE
+included) and in docs/planning.md (pipelined layouts included) equal to what it prints, the materialized rank's memory, refused layouts,
 the trainer's own config errors, and the debug model's figures against a real run's (a
 pipeline's stages included)."""
 
@@ -162,12 +162,18 @@ LAYOUT_KEYS = {"pp": "parallelism.pipeline_parallel_degree", "tp": "parallelism.
                "local_batch_size": "training.local_batch_size", "seq_len": "training.seq_len"}
 
 
+# Each preset's vocabulary as its comments plan it: Llama 3's tokenizer, Qwen's published
+# (padded) embedding. The Qwen3 presets say one layout each, one planner run apiece.
+PRESET_VOCAB = {"llama_8b": "128256", "llama_70b": "128256", "llama_405b": "128256", "qwen3_8b": "151936",
+                "qwen3_32b": "151936", "qwen3_30b_a3b": "151936", "qwen3_235b_a22b": "151936"}
+
+
 def preset_lines() -> list[tuple[str, list[str], str, str]]:
     """(preset, planner argv, verdict, GiB) of every layout line in the presets' comments."""
     found = []
-    for preset in ("llama_8b", "llama_70b", "llama_405b"):
+    for preset, vocab in PRESET_VOCAB.items():
         for world, layout, verdict, gib in PRESET_LINE.findall((REPO / "train_configs" / f"{preset}.toml").read_text()):
-            argv = ["--config", preset, "--world-size", world, *VOCAB]
+            argv = ["--config", preset, "--world-size", world, "--vocab-size", vocab]
             for key, value in re.findall(r"\b(pp|tp|cp|dp_replicate|local_batch_size|seq_len) (\d+)", layout):
                 argv += [f"--{LAYOUT_KEYS[key]}", value]
             found.append((preset, argv, verdict, gib))
@@ -178,7 +184,9 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     """Every layout line of the presets' comments (pipelined ones included) is the planner's
     verdict and rank 0's total to two decimals, and docs/planning.md's sample is its output."""
     lines = preset_lines()
-    assert len(lines) >= 10 and sum("--parallelism.pipeline_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
+    assert len(lines) >= 14 and sum("--parallelism.pipeline_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
+    qwen3 = [argv for preset, argv, verdict, _ in lines if preset.startswith("qwen3") and verdict == "fits"]
+    assert len(qwen3) == 4 and all(int(argv[argv.index("--world-size") + 1]) >= 512 for argv in qwen3)
     assert sum("--parallelism.context_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
     doc = (REPO / "docs" / "planning.md").read_text()
     sample_command = re.search(r"```bash\npython -m titanlite.plan (.*)\n```\n\n```\n(.*?)```", doc, re.S)
@@ -186,6 +194,9 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     for (preset, argv, verdict, gib), result in zip(lines, results):
         said = re.search(r"^verdict: (fits|does not fit): ([\d.]+) GiB", result.stdout, re.M)
         assert said and (said.group(1), said.group(2)) == (verdict, gib), f"{preset} {argv}: comment {verdict}, {gib} GiB; planner {said and said.groups()}"
+        if preset in ("qwen3_30b_a3b", "qwen3_235b_a22b"):  # 128 experts over 512 ranks: an equal block each (fsdp.shard_dim)
+            least, most = (int(n.replace(",", "")) for n in re.search(r"ranks hold ([\d,]+) \(rank \d+\) to ([\d,]+)", result.stdout).groups())
+            assert most < 1.02 * least, f"{preset}: ranks hold {least:,} to {most:,} parameters"
     assert results[-1].stdout == sample_command.group(2), "docs/planning.md's sample is not the planner's output"
 
 

@@ -72,6 +72,16 @@ def test_llama_presets_carry_the_published_settings(name, flavor, lr, tp, ac):
     assert (cfg.training.dataset, cfg.training.dataset_path) == ("files", "data/")
 
 
+@pytest.mark.parametrize("name, flavor, tp", [("qwen3_8b", "8B", 1), ("qwen3_32b", "32B", 8), ("qwen3_30b_a3b", "30B-A3B", 1),
+                                           ("qwen3_235b_a22b", "235B-A22B", 1)])
+def test_qwen3_presets_carry_the_published_architecture_and_torchtitans_settings(name, flavor, tp):
+    cfg = load_config(["--config", name])
+    assert (cfg.model.name, cfg.model.flavor, cfg.parallelism.tensor_parallel_degree) == ("qwen3", flavor, tp)
+    assert (cfg.optimizer.lr, cfg.lr_scheduler.warmup_steps, cfg.training.seq_len, cfg.training.steps) == (8e-4, 600, 4096, 3000)
+    assert cfg.activation_checkpoint.mode == "full" and cfg.training.mixed_precision_param == "bfloat16"
+    assert cfg.model.hf_assets_path == f"assets/hf/Qwen3-{flavor}"
+
+
 @pytest.mark.parametrize("name", ["debug_model", "debug_model.toml", "train_configs/debug_model.toml"])
 def test_config_lookup_by_bare_name_or_path(name, monkeypatch):
     monkeypatch.chdir(REPO)

@@ -113,3 +113,18 @@ def test_build_mesh_checks_degrees_and_gives_none_views_on_one_process():
         build_mesh(tp=0)
     with pytest.raises(TitanliteError, match="but the world size is 1"):
         build_mesh(dp_shard=2)
+
+
+def test_fsdp_shards_a_tensor_with_fewer_rows_than_ranks_along_a_later_dim_it_divides():
+    """More ranks than experts (128 over 512): a stacked expert weight is split along a later
+    dim every rank gets an equal block of; dim 0 otherwise, and wherever no later dim divides
+    evenly (FSDP2 allows uneven shards on dim 0 only)."""
+    from torch.distributed.tensor import Shard
+
+    from titanlite.parallel.fsdp import shard_dim
+
+    place = shard_dim(4)
+    assert place(torch.nn.Parameter(torch.empty(3, 24, 32))) == Shard(1)
+    assert place(torch.nn.Parameter(torch.empty(3, 6, 32))) == Shard(2)
+    assert place(torch.nn.Parameter(torch.empty(3, 5, 7))) is None
+    assert place(torch.nn.Parameter(torch.empty(8, 6, 32))) is None and place(torch.nn.Parameter(torch.empty(3))) is None

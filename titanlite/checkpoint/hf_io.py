@@ -4,21 +4,22 @@ slices of the tensors it holds.
 
 Load: the model's own (sharded) state dict is renamed to Hugging Face names and handed to
 `dcp.load`; DCP plans one read per local shard, so an FSDP/TP/HSDP rank reads only its rows
-and columns of each file. The RoPE layouts differ (ours rotates interleaved pairs, HF's
-halves: see the adapter's docstring) by a permutation of rows inside each head, which
-`RotaryRowsPlanner` folds into the read plan: our row 2i+j of a head is HF row j*d/2+i, so
-a shard's rows come from two runs of HF rows per head and land in every other row of the
-local shard. No rank materializes a tensor it does not hold, whatever the shard boundaries.
+and columns of each file. Where HF's layout differs from ours, hf_plan.py folds the
+difference into the read plan: Llama's RoPE rows (a permutation inside each head) and
+stacked tensors (an MoE layer's experts, one tensor [E, ...] here, one HF tensor per expert
+there: a shard's reads come from the experts it covers). No rank materializes a tensor it
+does not hold, whatever the shard boundaries.
 
 Save: each rank permutes its own rows to HF's order (a shard that does not hold whole heads
-cannot, so that tensor alone is gathered first: one q/k projection is the fixed buffer), DCP
-writes each rank's shards, and the ranks then consolidate them into whole-tensor files (one
-output file per rank at a time; no process holds more than one tensor of them) with
-`model.safetensors.index.json`. One process writes the final files directly. The folder is
-written under a `.partial` name and renamed when complete: never a half-written export.
+cannot, so that tensor alone is gathered first: one q/k projection is the fixed buffer),
+DCP writes each rank's shards (a stacked tensor's as per-expert tensors, hf_plan.py), and
+the ranks then consolidate them into whole-tensor files (one output file per rank at a
+time; no process holds more than one tensor of them) with `model.safetensors.index.json`.
+One process writes the final files directly. The folder is written under a `.partial` name
+and renamed when complete: never a half-written export.
 
-The model's `hf_adapter` knows the names, the rotary rows and config.json; this module knows
-the file format and the plan.
+The model's `hf_adapter` knows the names (whole, stacked, or state HF has no place for),
+the rotary rows and config.json; this module knows the file format and the plan.
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.checkpoint.export import single_process
+from titanlite.checkpoint.hf_plan import HFReadPlanner, HFWritePlanner, local_chunks
 from titanlite.checkpoint.load_progress import HFProgressReader
 from titanlite.errors import TitanliteError, user_errors
 
@@ -112,9 +112,25 @@ def read_hf_shapes(folder: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
 
 
 def hf_names(keys: list[str], adapter: Any, args: Any) -> dict[str, str]:
-    """Our state-dict key -> its Hugging Face name, for the keys HF stores (a tied head is
-    its embedding, stored once)."""
-    return {key: adapter.hf_name(key) for key in keys if not adapter.tied_to(key, args)}
+    """Our state-dict key -> its Hugging Face name, for the keys HF stores whole under one
+    name. Left out: a tied head (its embedding, stored once), a stacked tensor (`stacked_hf_names`)
+    and state HF's class has no place for (`adapter.zero_in_hf`)."""
+    return {key: adapter.hf_name(key) for key in keys
+            if not (adapter.tied_to(key, args) or adapter.zero_in_hf(key, args) or adapter.stacked_hf_names(key, args))}
+
+
+def stacked_hf_names(keys: list[str], adapter: Any, args: Any) -> dict[str, list[str]]:
+    """Our key -> the HF name of each slice along its dim 0, for the tensors we hold stacked
+    and HF stores one slice each (an MoE layer's experts)."""
+    return {key: names for key in keys if (names := adapter.stacked_hf_names(key, args))}
+
+
+def _expected(wanted: dict[str, tuple[int, ...]], adapter: Any, args: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF name -> (our key, the shape HF stores) of every tensor a folder must hold."""
+    expected = {name: (key, tuple(wanted[key])) for key, name in hf_names(list(wanted), adapter, args).items()}
+    for key, names in stacked_hf_names(list(wanted), adapter, args).items():
+        expected.update({name: (key, tuple(wanted[key][1:])) for name in names})
+    return expected
 
 
 def check_hf_folder(folder: str | os.PathLike, adapter: Any, args: Any,
@@ -128,79 +144,19 @@ def check_hf_folder(folder: str | os.PathLike, adapter: Any, args: Any,
     if wrong:
         raise TitanliteError(f"{folder / HF_CONFIG_FILE}: describes another model: {', '.join(wrong)}")
     found = read_hf_shapes(folder)
-    names = hf_names(list(wanted), adapter, args)
-    for key, name in names.items():
+    expected = _expected(wanted, adapter, args)
+    for name, (key, needed) in expected.items():
         if name not in found:
             raise TitanliteError(f"{folder}: tensor {name} is missing (this model's {key})")
         shape, _, path = found[name]
-        if shape != tuple(wanted[key]):
-            raise TitanliteError(f"{path}: tensor {name} has shape {list(shape)}, this model's {key} is {list(wanted[key])}")
-    known = {adapter.hf_name(k) for k in wanted}
+        if shape != needed:
+            part = "" if needed == tuple(wanted[key]) else f", {list(needed)} for each of its slices"
+            raise TitanliteError(f"{path}: tensor {name} has shape {list(shape)}, this model's {key} is {list(wanted[key])}{part}")
+    known = set(expected) | {adapter.hf_name(k) for k in wanted if adapter.tied_to(k, args)}
     unknown = sorted(k for k in found if k not in known and not adapter.ignored_hf_tensor(k, args))
     if unknown:
         raise TitanliteError(f"{found[unknown[0]][2]}: tensor {unknown[0]} is not part of this model")
     return found
-
-
-def _local_chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
-    if isinstance(obj, DTensor):
-        return obj.__create_chunk_list__()
-    return [ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())]
-
-
-def rotary_row_reads(fqn: str, chunk: ChunkStorageMetadata, head_dim: int) -> list[ReadItem]:
-    """The reads that fill one local shard of a q/k projection (our interleaved rows) from
-    the whole HF tensor (rotate-half rows): per head the shard overlaps, one run of HF rows
-    for the even rows of the shard and one for the odd ones."""
-    (row0, col0), (rows, cols) = chunk.offsets, chunk.sizes
-    half, reads = head_dim // 2, []
-    for head in range(row0 // head_dim, (row0 + rows - 1) // head_dim + 1):
-        base = head * head_dim
-        lo, hi = max(row0, base), min(row0 + rows, base + head_dim)
-        for parity in (0, 1):
-            first = (lo - base - parity + 1) // 2  # the first pair index i with base+2i+parity >= lo
-            last = (hi - base - parity - 1) // 2  # the last with base+2i+parity < hi
-            if last < first:
-                continue
-            reads.append(ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(fqn, chunk.offsets),
-                dest_offsets=torch.Size([base + 2 * first + parity - row0, 0]),
-                storage_index=MetadataIndex(fqn, torch.Size([0, 0])),
-                storage_offsets=torch.Size([base + parity * half + first, col0]),
-                lengths=torch.Size([last - first + 1, cols]),
-            ))
-    return reads
-
-
-class RotaryRowsPlanner(DefaultLoadPlanner):
-    """DCP's default plan, except for the q/k projections (`head_dims`: HF name -> head
-    dim), whose reads follow the RoPE row permutation and write every other row of the
-    destination shard (a strided view: the reader copies into it in place)."""
-
-    def __init__(self, head_dims: dict[str, int]):
-        super().__init__(allow_partial_load=False)
-        self.head_dims = head_dims
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        items = [item for item in plan.items if item.dest_index.fqn not in self.head_dims]
-        for fqn, head_dim in self.head_dims.items():
-            obj, stored = self.state_dict[fqn], self.metadata.state_dict_metadata[fqn]
-            if len(stored.chunks) != 1:
-                raise TitanliteError(f"tensor {fqn} is stored in {len(stored.chunks)} pieces; a Hugging Face folder holds whole tensors")
-            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
-                continue
-            for chunk in _local_chunks(obj):
-                items += rotary_row_reads(fqn, chunk, head_dim)
-        plan.items[:] = items
-        return plan
-
-    def transform_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> torch.Tensor:
-        if read_item.dest_index.fqn not in self.head_dims:
-            return super().transform_tensor(read_item, tensor)
-        (row, col), (rows, cols) = read_item.dest_offsets, read_item.lengths
-        return tensor[row : row + 2 * rows - 1 : 2, col : col + cols]
 
 
 def _quiet(group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager:
@@ -215,13 +171,19 @@ def _group(group: dist.ProcessGroup | None) -> dict[str, Any]:
 def load_hf_weights(state_dict: dict[str, torch.Tensor], folder: str | os.PathLike, adapter: Any, args: Any,
                     group: dist.ProcessGroup | None = None) -> None:
     """Fill `state_dict` (our keys; plain tensors or this rank's DTensor shards) in place
-    from a Hugging Face folder, each rank reading only its slices. Collective over `group`
+    from a Hugging Face folder, each rank reading only its slices; state HF's class has no
+    place for is zeroed (where HF's model acts as if it were zero). Collective over `group`
     (None: one process). Call `check_hf_folder` first, on one rank."""
     names = hf_names(list(state_dict), adapter, args)
-    request = {name: state_dict[key] for key, name in names.items()}
+    stacked = stacked_hf_names(list(state_dict), adapter, args)
+    request = {name: state_dict[key] for key, name in names.items()} | {key: state_dict[key] for key in stacked}
     head_dims = {name: args.head_dim for key, name in names.items() if adapter.rotary_heads(key, args)}
+    with torch.no_grad():
+        for key, value in state_dict.items():
+            if adapter.zero_in_hf(key, args):
+                value.zero_()
     with user_errors(f"{folder}: cannot load Hugging Face weights"), _quiet(group):
-        dcp.load(request, storage_reader=HFProgressReader(folder), planner=RotaryRowsPlanner(head_dims), **_group(group))
+        dcp.load(request, storage_reader=HFProgressReader(folder), planner=HFReadPlanner(head_dims, stacked), **_group(group))
 
 
 def whole_model_shapes(model_class: Any, args: Any) -> dict[str, tuple[int, ...]]:
@@ -239,8 +201,9 @@ def read_hf_model(folder: str | os.PathLike, adapter: Any, args: Any, model_clas
 
     wanted = whole_model_shapes(model_class, args)
     found = check_hf_folder(folder, adapter, args, wanted)
-    names = hf_names(list(wanted), adapter, args)
-    state = {key: torch.empty(wanted[key], dtype=DTYPE_MAP.get(found[name][1], torch.float32)) for key, name in names.items()}
+    dtypes = {key: DTYPE_MAP.get(found[name][1], torch.float32) for name, (key, _) in _expected(wanted, adapter, args).items()}
+    state = {key: torch.empty(wanted[key], dtype=dtypes.get(key, torch.float32))
+             for key in wanted if key in dtypes or adapter.zero_in_hf(key, args)}
     load_hf_weights(state, folder, adapter, args)
     for key in wanted:
         if (source := adapter.tied_to(key, args)) is not None:
@@ -257,10 +220,8 @@ def _to_hf_rows(values: dict[str, torch.Tensor], heads: dict[str, int], head_dim
     """The q/k projections in HF's row order. Each rank permutes its own rows when every
     rank's shard holds whole heads (one all-reduce decides, so all ranks agree); otherwise
     the tensor is gathered and permuted whole, and saved once (replicated)."""
-    interleaved_to_half = adapter.interleaved_to_half
-
     def whole_heads(value: torch.Tensor) -> bool:
-        return all(c.offsets[0] % head_dim == 0 and c.sizes[0] % head_dim == 0 for c in _local_chunks(value))
+        return all(c.offsets[0] % head_dim == 0 and c.sizes[0] % head_dim == 0 for c in local_chunks(value))
 
     local_ok = all(whole_heads(values[k]) for k in heads)
     everywhere = torch.tensor([int(local_ok)])
@@ -271,13 +232,13 @@ def _to_hf_rows(values: dict[str, torch.Tensor], heads: dict[str, int], head_dim
         if key not in heads:
             out[key] = value
         elif not isinstance(value, DTensor):
-            out[key] = interleaved_to_half(value, heads[key])
+            out[key] = adapter.interleaved_to_half(value, heads[key])
         elif everywhere.item():
             local = value.to_local()
-            permuted = interleaved_to_half(local, local.shape[0] // head_dim) if local.numel() else local.clone()
+            permuted = adapter.interleaved_to_half(local, local.shape[0] // head_dim) if local.numel() else local.clone()
             out[key] = DTensor.from_local(permuted, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False)
         else:
-            full = interleaved_to_half(value.full_tensor(), heads[key])
+            full = adapter.interleaved_to_half(value.full_tensor(), heads[key])
             out[key] = DTensor.from_local(full, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False)
     return out
 
@@ -307,10 +268,15 @@ def file_indices(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
     return mapping
 
 
-def _global_sizes(values: dict[str, torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, int]:
-    """Every tensor's whole size in bytes, over all ranks: a pipeline stage holds only its
-    own layers, and the file plan must be the same everywhere."""
-    sizes = {name: value.numel() * value.element_size() for name, value in values.items()}  # a DTensor's numel is global
+def _global_sizes(values: dict[str, torch.Tensor], stacked: dict[str, list[str]],
+                  group: dist.ProcessGroup | None) -> dict[str, int]:
+    """Every HF tensor's whole size in bytes (each slice of a stacked tensor its own), over
+    all ranks: a pipeline stage holds only its own layers, and the file plan must be the
+    same everywhere."""
+    sizes = {}
+    for key, value in values.items():
+        nbytes = value.numel() * value.element_size()  # a DTensor's numel is global
+        sizes.update(dict.fromkeys(stacked[key], nbytes // len(stacked[key])) if key in stacked else {key: nbytes})
     if group is None:
         return sizes
     everyone: list[dict[str, int]] = [{} for _ in range(dist.get_world_size(group))]
@@ -325,17 +291,21 @@ def save_hf_weights(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathL
     config.json and `extra_files` (the tokenizer). Collective over `group` (None: one
     process); `state_dict` has our keys, plain tensors or this rank's DTensor shards."""
     out_dir = Path(out_dir)
+    problems = adapter.hf_export_problems(args)
+    if problems:  # before any collective: every rank has the same args, and refuses alike
+        raise TitanliteError(f"{out_dir}: Hugging Face's model class cannot hold this model: {', '.join(problems)}")
     partial = out_dir.with_name(out_dir.name + ".partial")
     rank = _rank(group)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     names = hf_names(list(state_dict), adapter, args)
+    stacked = stacked_hf_names(list(state_dict), adapter, args)
     values = {name: (state_dict[key].to(dtype) if dtype is not None and state_dict[key].is_floating_point() else state_dict[key])
-              for key, name in names.items()}
+              for key, name in [*names.items(), *((key, key) for key in stacked)]}
     heads = {name: count for key, name in names.items() if (count := adapter.rotary_heads(key, args))}
     values = _to_hf_rows(values, heads, args.head_dim, adapter, group)
-    mapping = file_indices(_global_sizes(values, group), max_file_bytes)
+    mapping = file_indices(_global_sizes(values, stacked, group), max_file_bytes)
     distributed = group is not None and dist.get_world_size(group) > 1
     with user_errors(f"{out_dir}: cannot write Hugging Face weights"), _quiet(group):
         if distributed:
@@ -344,10 +314,11 @@ def save_hf_weights(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathL
             dist.barrier(group=group)  # the folder exists before any rank writes into it
             pieces = partial / "sharded"
             writer = HuggingFaceStorageWriter(str(pieces), fqn_to_index_mapping=mapping, save_distributed=True)
-            dcp.save(values, storage_writer=writer, process_group=group)
+            dcp.save(values, storage_writer=writer, planner=HFWritePlanner(stacked), process_group=group)
             consolidate_safetensors_files_on_every_rank(str(pieces), str(partial), mapping, process_group=group)
         else:
-            dcp.save(values, storage_writer=HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=mapping), no_dist=True)
+            dcp.save(values, storage_writer=HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=mapping),
+                     planner=HFWritePlanner(stacked), no_dist=True)
     if rank == 0:
         shutil.rmtree(partial / "sharded", ignore_errors=True)
         floating = next((v.dtype for v in values.values() if v.is_floating_point()), torch.float32)

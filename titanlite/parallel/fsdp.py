@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from titanlite.parallel.units import outermost
 
@@ -19,6 +20,23 @@ def reshard_policy(setting: str | bool | int, last: bool, pipelined: bool) -> bo
     if setting.isdigit():
         return int(setting)
     return {"always": True, "never": False, "default": not (last or pipelined)}[setting]
+
+
+def shard_dim(shards: int):
+    """FSDP2's `shard_placement_fn` over `shards` ranks: a parameter with fewer rows than ranks
+    (an MoE layer's stacked experts [E, ...] or its router [E, dim] once the ranks outnumber the
+    experts: 128 experts over 512 ranks) is sharded along its first later dim the ranks divide
+    (FSDP2 shards other dims than 0 only evenly), as torchtitan shards experts, so every rank
+    holds an equal block instead of a quarter of the ranks holding one expert each and the
+    rest none. Everything else takes FSDP's dim 0, as does a tensor-parallel DTensor (FSDP2
+    shards TP parameters along dim 0 only)."""
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        if param.shape[0] >= shards or isinstance(param, DTensor):
+            return None
+        return next((Shard(d) for d in range(1, param.ndim) if param.shape[d] % shards == 0), None)
+
+    return placement
 
 
 def shard_model(
@@ -44,7 +62,7 @@ def shard_model(
     runs several microbatches' forwards before their backwards, and resharding would
     all-gather again for each.
     """
-    config = {"mesh": mesh, "mp_policy": mp_policy}
+    config = {"mesh": mesh, "mp_policy": mp_policy, "shard_placement_fn": shard_dim(mesh.size(mesh.ndim - 1))}
     if ignored_params:  # left unsharded, as they are (FSDP1's ignored_modules)
         config["ignored_params"] = ignored_params
     if cpu_offload:

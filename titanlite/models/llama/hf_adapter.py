@@ -8,7 +8,8 @@ the pair (2i, 2i+1) lands at (i, i + d/2); that is what HF's own conversion scri
 permutation uses n_kv_heads. wv, wo and the MLP have no rotary structure and keep their rows.
 
 `to_hf`/`from_hf` convert plain full state dicts; sharded loads and saves use the per-key
-pieces (`hf_name`, `rotary_heads`, `tied_to`) with checkpoint/hf_io.py, which
+pieces (`hf_name`, `rotary_heads`, `tied_to`, and `stacked_hf_names` / `zero_in_hf` /
+`hf_export_problems`, which have nothing to say for Llama) with checkpoint/hf_io.py, which
 folds the row permutation into each rank's read plan. This module is the
 model's `hf_adapter` (ModelSpec). It is the one place that knows Llama's config.json keys.
 """
@@ -75,6 +76,21 @@ def rotary_heads(key: str, args: Any) -> int | None:
     if key.endswith("attention.wk.weight"):
         return args.kv_heads
     return None
+
+
+def stacked_hf_names(key: str, args: Any) -> list[str] | None:
+    """HF stores every Llama tensor whole: none is stacked (an MoE model's experts are)."""
+    return None
+
+
+def zero_in_hf(key: str, args: Any) -> bool:
+    """Llama has no state that LlamaForCausalLM lacks."""
+    return False
+
+
+def hf_export_problems(args: Any) -> list[str]:
+    """What of this model LlamaForCausalLM cannot hold: nothing, every flavor maps."""
+    return []
 
 
 def ignored_hf_tensor(name: str, args: Any) -> bool:

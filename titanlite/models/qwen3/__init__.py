@@ -11,18 +11,10 @@ true, router_aux_loss_coef 0.001, decoder_sparse_step 1, mlp_only_layers []. voc
 (151936 with Qwen's tokenizer) comes from the tokenizer in use.
 """
 
-from titanlite.models.moe import MoEArgs
-from titanlite.models.qwen3.model import Qwen3, Qwen3Args
+from titanlite.models.qwen3 import hf_adapter
+from titanlite.models.qwen3.model import Qwen3, Qwen3Args, qwen3_moe
 from titanlite.models.qwen3.parallelize import apply_tp, tp_problems
 from titanlite.model_spec import Capabilities, ModelSpec, transformer_flops_per_token
-
-
-def qwen3_moe(n_experts: int, top_k: int, hidden_dim: int, **extra) -> MoEArgs:
-    """Qwen3-MoE's layer: softmax router, top-k renormalized (norm_topk_prob), no shared
-    experts, aux loss 0.001, computed per sequence (MoEArgs.aux_loss_per_sequence: the form
-    every parallel layout trains alike; transformers pools a forward's tokens)."""
-    return MoEArgs(n_experts=n_experts, top_k=top_k, hidden_dim=hidden_dim, score_func="softmax", renormalize=True,
-                   aux_loss_coef=1e-3, aux_loss_per_sequence=True, **extra)
 
 
 qwen3_flavors: dict[str, Qwen3Args] = {
@@ -33,6 +25,10 @@ qwen3_flavors: dict[str, Qwen3Args] = {
     # step), which no published Qwen3 has, so that the tests train every path of the MoE layer.
     "debugmodel_moe": Qwen3Args(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048,
                                 moe=qwen3_moe(8, 2, 256, use_expert_bias=True, bias_update_rate=1e-2)),
+    # The same layer balanced as Qwen3-MoE is, by the aux loss alone: the debug MoE flavor
+    # Hugging Face's Qwen3MoeForCausalLM holds both ways (it has no expert bias).
+    "debugmodel_moe_aux": Qwen3Args(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048,
+                                    moe=qwen3_moe(8, 2, 256)),
     "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, tie_word_embeddings=True),
     "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, tie_word_embeddings=True),
     "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, tie_word_embeddings=True),
@@ -67,7 +63,8 @@ qwen3_spec = ModelSpec(
     flavors=qwen3_flavors,
     apply_tp=apply_tp,
     tp_problems=tp_problems,
-    hf_adapter=None,
+    # Qwen3ForCausalLM / Qwen3MoeForCausalLM, the experts one HF tensor each (hf_adapter.py).
+    hf_adapter=hf_adapter,
     # moe: the code has MoE blocks; which flavors use them is in their args (Qwen3Args.moe).
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True, moe=True),
     flops_per_token=flops_per_token,

@@ -133,3 +133,11 @@ class Qwen3(Llama):
         for block in self.layers.values():
             if isinstance(block.feed_forward, MoE):
                 block.feed_forward.context_parallel = context_parallel
+
+
+def qwen3_moe(n_experts: int, top_k: int, hidden_dim: int, **extra) -> MoEArgs:
+    """Qwen3-MoE's layer: softmax router, top-k renormalized (norm_topk_prob), no shared
+    experts, aux loss 0.001, computed per sequence (MoEArgs.aux_loss_per_sequence: the form
+    every parallel layout trains alike; transformers pools a forward's tokens)."""
+    return MoEArgs(n_experts=n_experts, top_k=top_k, hidden_dim=hidden_dim, score_func="softmax", renormalize=True,
+                   aux_loss_coef=1e-3, aux_loss_per_sequence=True, **extra)

@@ -1,0 +1,98 @@
+"""Training throughput of the Qwen3-MoE debug model beside a dense Qwen3 of the same active
+parameters, one process, same settings, in one run.
+
+    python bench/moe_throughput.py [--steps 10] [--warmup-steps 3] [--seq-len 512] [--batch 4]
+                                   [--vocab 4096] [--threads N]
+
+The MoE model is the `debugmodel_moe` flavor (8 experts of width 256, top 2, with its expert
+bias and aux loss). The dense one is the `debugmodel` flavor with the SwiGLU width a token
+of the MoE model multiplies by, top_k x 256 = 512 instead of 768: the same matmul weights per
+token but the router's (dim x 8 per block, 0.5% of a block's feed-forward). Each trains
+`--warmup-steps` + `--steps` steps of a plain loop on random tokens (forward, cross-entropy
+plus the MoE aux loss, backward, fused AdamW, the expert-bias update): the model's own cost,
+not the trainer's. Printed: active and total parameters, tokens/s and achieved model FLOP/s
+(the registry's FLOPs per token, PaLM's accounting on active parameters), and the ratio MoE /
+dense. On CPU the experts run as a loop (models/moe_experts.py): routing, sorting and the
+per-expert matmuls of smaller groups are what the ratio prices. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from titanlite.models import get_model_spec  # noqa: E402
+from titanlite.models.moe import aux_losses, update_expert_biases  # noqa: E402
+from titanlite.models.qwen3 import active_parameters  # noqa: E402
+
+
+def models(vocab: int) -> dict[str, object]:
+    """name -> the Qwen3 args to compare: the MoE debug flavor and its active-size dense peer."""
+    spec = get_model_spec("qwen3")
+    moe = spec.args_for("debugmodel_moe", vocab)
+    dense = dataclasses.replace(spec.args_for("debugmodel", vocab), hidden_dim=moe.moe.top_k * moe.moe.hidden_dim)
+    return {"moe (debugmodel_moe)": moe, f"dense (debugmodel, hidden {dense.hidden_dim})": dense}
+
+
+def measure(args, batch: int, seq_len: int, steps: int, warmup: int) -> tuple[list[float], int, int]:
+    """Seconds of each measured step, and (active, total) parameters."""
+    spec = get_model_spec("qwen3")
+    model = spec.model_class(args)
+    model.init_weights(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for step in range(warmup + steps):
+        tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=generator)
+        started = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux_losses(model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        update_expert_biases(model)
+        if step >= warmup:
+            times.append(time.perf_counter() - started)
+    total = sum(p.numel() for p in model.parameters())
+    return times, active_parameters(args, total), total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096, help="the bundled tokenizer's size by default")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = get_model_spec("qwen3")
+    print(f"one process, float32, batch {args.batch} x seq {args.seq_len}, {torch.get_num_threads()} threads, "
+          f"{args.steps} steps after {args.warmup_steps} warmup")
+    rates = {}
+    for name, model_args in models(args.vocab).items():
+        times, active, total = measure(model_args, args.batch, args.seq_len, args.steps, args.warmup_steps)
+        tokens_per_s = args.batch * args.seq_len / statistics.median(times)
+        flops = spec.flops_per_token(model_args, total, args.seq_len) * tokens_per_s
+        rates[name] = tokens_per_s
+        print(f"{name:34s} active {active:>11,} of {total:>11,} parameters  {tokens_per_s:>9,.0f} tokens/s  "
+              f"{flops / 1e9:7.1f} GFLOP/s (median step {statistics.median(times) * 1e3:.0f} ms)")
+    moe, dense = rates.values()
+    print(f"ratio moe / dense tokens/s: {moe / dense:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
