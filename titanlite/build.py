@@ -77,6 +77,8 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
         args = dataclasses.replace(args, attn_mask_type=cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
+    if dims.ep_enabled:
+        dims.check_experts(_experts_per_layer(spec, args), f"model {spec.name} flavor {cfg.model.flavor}")
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if reshard.isdigit() and (not dims.fsdp_enabled or (dims.dp_shard * dims.cp) % int(reshard)):
         raise TitanliteError(f"parallelism.fsdp_reshard_after_forward: {reshard} ranks do not divide the FSDP shards "
@@ -105,6 +107,13 @@ def check_capabilities(spec: ModelSpec, cfg: JobConfig) -> None:
     for needed, option, capability in needs:
         if needed and not spec.supports(capability):
             raise TitanliteError(f"{option}: {spec.lacks(capability)}")
+
+
+def _experts_per_layer(spec: ModelSpec, args: Any) -> list[int]:
+    """The routed experts of each MoE layer, from a meta build of the model (no memory)."""
+    with torch.device("meta"):
+        model = spec.model_class(args)
+    return [layer.args.n_experts for layer in moe.moe_layers(model).values()]
 
 
 def _plan_pipeline(plan: RunPlan) -> PipelineLayout:

@@ -138,6 +138,9 @@ class Parallelism:
     fsdp_shard_modules: list[str] = _opt([], "module class names to fully_shard; empty = the model's transformer blocks")
     context_parallel_degree: int = _opt(1, "ways each training window's sequence is split (keys and values "
                                         "all-gathered in attention; load-balanced for the causal mask)", ge=1)
+    expert_parallel_degree: int = _opt(1, "ways an MoE model's routed experts are split, over ranks borrowed from "
+                                       "data_parallel_shard_degree x context_parallel_degree (tokens exchanged by "
+                                       "all-to-all); it must divide both and the experts per layer", ge=1)
     pipeline_parallel_degree: int = _opt(1, "pipeline stages' ranks: the model split into consecutive stages, each on "
                                          "its own ranks (the outermost mesh dim)", ge=1)
     pipeline_parallel_schedule: str = _opt("1F1B", "pipeline schedule (torch's pipelining): one stage per rank (1F1B, "

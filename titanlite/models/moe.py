@@ -31,7 +31,9 @@ Under tensor parallelism the layer runs whole on every tp rank (the TP plan hand
 whole sequence): its parameters are Replicate DTensors on the tp mesh, read as plain
 tensors (`local_weight`). Under context parallelism each rank routes its own tokens and the
 per-sequence token counts of the aux loss are summed over the cp ranks
-(`context_parallel`, set by the model like its attention's).
+(`context_parallel`, set by the model like its attention's). Under expert parallelism
+(`enable_expert_parallel`, parallel/expert_parallel.py) routing stays this rank's own, the
+same as above, and only the routed rows travel to the ranks that hold their experts and back.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from titanlite.models.llama.model import FeedForward
 from titanlite.models.moe_experts import GroupedExperts, local_weight
 from titanlite.parallel.collectives import sum_over
 from titanlite.parallel.context_parallel import ContextParallel
+from titanlite.parallel.expert_parallel import ExpertParallel
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -172,6 +175,7 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.aux_loss_scale: float | None = None
         self.context_parallel: ContextParallel | None = None  # set by the model's enable_context_parallel
+        self.expert_parallel: ExpertParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -179,7 +183,11 @@ class MoE(nn.Module):
         pairs = routing.experts.flatten()  # token t's k-th choice at t * top_k + k
         counts = torch.bincount(pairs, minlength=self.args.n_experts)
         order = pairs.argsort(stable=True)  # the pairs grouped by expert
-        routed = self.experts(flat[order // self.args.top_k], counts)
+        rows = flat[order // self.args.top_k]
+        if self.expert_parallel is None:
+            routed = self.experts(rows, counts)
+        else:
+            routed = self.expert_parallel.run(self.experts, rows, counts)
         # Back to (token, k) order by the inverse permutation (deterministic, unlike a
         # scatter-add), weighted in float32 and summed over k in a fixed order.
         unsorted = routed[order.argsort()].view(*routing.weights.shape, -1)
@@ -192,6 +200,12 @@ class MoE(nn.Module):
         if self.aux_loss is not None and self.aux_loss_scale is not None:
             out = _AuxLossGradient.apply(out, self.aux_loss, self.aux_loss_scale)
         return out
+
+    def enable_expert_parallel(self, expert_parallel: ExpertParallel) -> nn.Module:
+        """Run the routed experts on the ranks of `expert_parallel` (each holding its share of
+        them, laid out by the caller); returns the experts module."""
+        self.expert_parallel = expert_parallel
+        return self.experts
 
     def _record(self, routing: Routing, counts: torch.Tensor, shape: torch.Size) -> None:
         self.aux_loss = None

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from titanlite.parallel.expert_parallel import experts_placement
 from titanlite.parallel.units import outermost
 
 
@@ -50,6 +51,8 @@ def shard_model(
     prefetch_depth: int = 0,
     pipelined: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
+    experts: list[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """`fully_shard` each unit (innermost first, see `units.innermost_first`), then the root,
     over `mesh` (2D replicate x shard means HSDP).
@@ -68,11 +71,26 @@ def shard_model(
     if cpu_offload:
         # Pinned host memory speeds host<->GPU copies; there is nothing to pin for without one.
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if experts:
+        _shard_experts(experts, expert_mesh, mesh.size(mesh.ndim - 1), config, reshard_after_forward, pipelined)
     for index, unit in enumerate(units):
         fully_shard(unit, reshard_after_forward=reshard_policy(reshard_after_forward, index == len(units) - 1, pipelined), **config)
     fully_shard(model, reshard_after_forward=reshard_after_forward is True or reshard_after_forward == "always", **config)
     if prefetch_depth > 0:
         set_explicit_prefetch(outermost(units, model), prefetch_depth)
+
+
+def _shard_experts(experts: list[nn.Module], mesh: DeviceMesh, shards: int, config: dict,
+                   reshard_after_forward: str | bool | int, pipelined: bool) -> None:
+    """`fully_shard` each experts module over the efsdp ranks. Each rank's experts gradient
+    already sums its ep group's tokens, so the reduction divides by every dp_shard x cp rank
+    (`shards`), not only efsdp's."""
+    ep = shards // mesh.size()
+    options = {**config, "mesh": mesh, "shard_placement_fn": experts_placement(ep, mesh.size())}
+    policy = reshard_policy(reshard_after_forward, False, pipelined)
+    for module in experts:  # a reshard to k ranks (k dividing dp_shard x cp) is a full reshard here
+        fully_shard(module, reshard_after_forward=policy if isinstance(policy, bool) else True, **options)
+        module.set_gradient_divide_factor(float(shards))
 
 
 def set_explicit_prefetch(units: list[nn.Module], depth: int) -> None:

@@ -8,6 +8,8 @@ to the next stage, are farthest apart. Data loading uses "dp", the flattened (dp
 dp_shard) submesh (every pipeline stage and cp rank of one dp rank reads the same batches);
 FSDP shards over dp_shard x cp (cp ranks hold different tokens of the same model, like dp
 ranks); the loss is averaged over dp x cp; gradient norms are reduced over the whole mesh.
+Expert parallelism adds no dim: its ep ranks are borrowed from dp_shard x cp, whose view is
+unflattened into ("efsdp", "ep"), ep innermost (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
@@ -42,6 +45,7 @@ class ParallelDims:
         tp = parallelism.tensor_parallel_degree
         pp = parallelism.pipeline_parallel_degree
         cp = parallelism.context_parallel_degree
+        ep = parallelism.expert_parallel_degree
         with_pp = (f" x context_parallel_degree {cp}" if cp > 1 else "") + (f" x pipeline_parallel_degree {pp}" if pp > 1 else "")
         others = f"data_parallel_replicate_degree {replicate} x tensor_parallel_degree {tp}{with_pp}"
         model_ranks = tp * pp * cp
@@ -59,7 +63,29 @@ class ParallelDims:
                 f"parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} "
                 f"x tensor_parallel_degree {tp}{with_pp} = {replicate * shard * model_ranks}, but the world size is {world_size}"
             )
-        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp)
+        cls._check_ep(ep, replicate, shard, cp)
+        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep)
+
+    @staticmethod
+    def _check_ep(ep: int, replicate: int, shard: int, cp: int) -> None:
+        """ep ranks are data-parallel ranks (dp_shard x cp) that split the experts between them."""
+        if ep == 1:
+            return
+        if (shard * cp) % ep:
+            raise TitanliteError(f"parallelism.expert_parallel_degree: {ep} does not divide data_parallel_shard_degree {shard} "
+                                 f"x context_parallel_degree {cp} = {shard * cp} (the ranks expert parallelism borrows)")
+        if replicate > 1:
+            raise TitanliteError(f"parallelism.expert_parallel_degree: {ep} with data_parallel_replicate_degree {replicate} "
+                                 "(HSDP) is not supported; shard the data-parallel ranks instead")
+
+    def check_experts(self, n_experts: list[int], model: str) -> None:
+        """ep > 1 needs MoE layers (`n_experts`: each one's routed experts) whose experts it divides."""
+        if self.ep == 1:
+            return
+        if not n_experts:
+            raise TitanliteError(f"parallelism.expert_parallel_degree: {self.ep} needs a model with MoE layers; {model} has none")
+        if uneven := sorted({n for n in n_experts if n % self.ep}):
+            raise TitanliteError(f"parallelism.expert_parallel_degree: {self.ep} does not divide {model}'s {uneven[0]} experts per layer")
 
     @property
     def dp(self) -> int:
@@ -70,6 +96,10 @@ class ParallelDims:
         """FSDP shards over dp_shard x cp (and replicates over dp_replicate): it is what reduces
         the gradients of context-parallel ranks too."""
         return self.dp > 1 or self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def cp_enabled(self) -> bool:
@@ -140,7 +170,11 @@ class ParallelDims:
         shard, shard_name = view(("dp_shard", "cp"), "dp_shard_cp")
         loss, _ = view(("dp_replicate", "dp_shard", "cp"), "dp_cp")
         fsdp = world[("dp_replicate", shard_name)] if "dp_replicate" in names and shard is not None else shard
-        flat = [mesh.get_group() for mesh in (dp, shard, loss) if mesh is not None]
+        ep = expert_fsdp = None
+        if self.ep_enabled:  # ep ranks neighbours within dp_shard x cp; efsdp: the rest of them
+            split = shard._unflatten(0, (shard.size() // self.ep, self.ep), ("efsdp", "ep"))
+            ep, expert_fsdp = split["ep"], split["efsdp"]
+        flat = [mesh.get_group() for mesh in (dp, shard, loss, ep, expert_fsdp) if mesh is not None]
         adopt_groups([*world.get_all_groups(), *flat])  # the run's timeouts
         return Meshes(
             world=world,
@@ -150,6 +184,8 @@ class ParallelDims:
             pp=world["pp"] if self.pp_enabled else None,
             cp=world["cp"] if self.cp_enabled else None,
             loss=loss,
+            ep=ep,
+            expert_fsdp=expert_fsdp,
         )
 
 
@@ -164,6 +200,10 @@ class Meshes:
     pp:   the pipeline-parallel dim (stages pass activations along it).
     cp:   the context-parallel dim (the sequence split, keys and values all-gathered).
     loss: loss averaging: dp x cp (every rank that holds different tokens of one step).
+    ep:   expert parallelism: the inner ep ranks of dp_shard x cp (one group splits the
+          experts and exchanges tokens by all-to-all).
+    expert_fsdp: what `fully_shard` of the experts gets: the outer (dp_shard x cp) / ep
+          ranks, which hold the same experts ("efsdp").
     context_parallel: this rank's place on cp (None without it), built once per mesh: the
           model's attention (`parallelize`) and the step that cuts its batches to this rank's
           tokens (`step/builder.py`) share it.
@@ -176,20 +216,23 @@ class Meshes:
     pp: DeviceMesh | None = None
     cp: DeviceMesh | None = None
     loss: DeviceMesh | None = None
+    ep: DeviceMesh | None = None
+    expert_fsdp: DeviceMesh | None = None
 
     @functools.cached_property
     def context_parallel(self) -> ContextParallel | None:
         return ContextParallel(self.cp) if self.cp is not None else None
 
 
-def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1,
+def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1,
                device_type: str | None = None) -> Meshes:
     """The library's mesh: the trainer's named mesh and views from degrees (`dp_shard` -1 =
     the rest of the world), checked as the trainer checks its config. Every rank calls it,
     after `init_distributed`; one process gets a `Meshes` of None views."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     degrees = SimpleNamespace(data_parallel_replicate_degree=dp_replicate, data_parallel_shard_degree=dp_shard,
-                              tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp)
+                              tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp,
+                              expert_parallel_degree=ep)
     for name, value in vars(degrees).items():
         if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not (name == "data_parallel_shard_degree" and value == -1)):
             raise TitanliteError(f"build_mesh: {name} must be a whole number >= 1 (dp_shard also -1), got {value!r}")

@@ -1,8 +1,9 @@
 """`parallelize`: titanlite's parallelisms applied to any model in their fixed order, the one
 path the trainer (`build.parallelize`) and a library user's own loop share.
 
-The order is torchtitan's: the TP plan first (it turns parameters into DTensors on the tp
-mesh, which FSDP then shards further), the model's context-parallel attention, activation
+The order is torchtitan's: expert parallelism and the TP plan first (they turn parameters
+into DTensors on the ep and tp meshes, which FSDP then shards further; the experts first, so
+the TP plan finds them laid out and leaves them), the model's context-parallel attention, activation
 checkpointing and `torch.compile` per block (so FSDP's hooks sit outside the wrappers and
 the compiled graphs), and last `fully_shard` per unit, innermost first, then the root.
 """
@@ -21,6 +22,7 @@ from titanlite.errors import TitanliteError
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context_parallel import ContextParallelModel
+from titanlite.parallel.expert_parallel import apply_ep
 from titanlite.parallel.fsdp import shard_model
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.units import Selector, innermost_first, outermost_named, select
@@ -67,6 +69,9 @@ def parallelize(
     """
     meshes = as_meshes(mesh)
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
+    experts = apply_ep(model, meshes.ep, meshes.tp) if meshes.ep is not None else []
+    if meshes.ep is not None and not experts:
+        raise TitanliteError("parallelize: the mesh has an ep dimension but the model has no layer with enable_expert_parallel")
     if tp_plan is not None:
         tp_plan(model, meshes.tp) if callable(tp_plan) else parallelize_module(model, meshes.tp, tp_plan)
     if meshes.context_parallel is not None:
@@ -86,7 +91,7 @@ def parallelize(
             units = innermost_first(select(model, fsdp_modules, "parallelize: fsdp_modules"))
         shard_model(model, meshes.fsdp, units, mp_policy=mixed_precision or MixedPrecisionPolicy(),
                     reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, prefetch_depth=prefetch,
-                    pipelined=pipelined)
+                    pipelined=pipelined, experts=experts, expert_mesh=meshes.expert_fsdp)
     return model
 
 

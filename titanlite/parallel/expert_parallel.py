@@ -1,0 +1,108 @@
+"""Expert parallelism: a mixture-of-experts layer's routed experts split over the "ep" ranks.
+
+The ep ranks are borrowed from the data-parallel ones (dp_shard x cp, as torchtitan borrows
+them): ep rank i of a group holds experts [i * E/ep, (i+1) * E/ep) and computes only those,
+for the tokens of every rank of its group. Each rank routes its own tokens as before (the
+router, top-k, aux loss, bias and load counts see exactly what one process would), then:
+
+1. the tokens each rank sends to each expert (its per-expert counts) go out first, in one
+   all-to-all of E integers, so every rank knows how many rows it will receive from whom;
+2. the routed rows, already sorted by expert (so grouped by destination rank), are
+   dispatched with one `all_to_all_single` with per-rank splits (uneven and zero splits
+   allowed: dropless, no capacity, no padding); they arrive grouped by source rank, and are
+   regrouped by local expert (a stable sort, undone after);
+3. the local experts run; the outputs go back by the reverse all-to-all (combine).
+
+The all-to-alls are torch's autograd-aware functional collective
+(`all_to_all_single_autograd`: the backward is the reverse exchange), which gloo runs on CPU.
+
+Weights: each expert parameter is a DTensor sharded on dim 0 over the ep mesh (and
+replicated over tp, whose ranks compute the same tokens), so checkpoints hold the stacked
+`[E, ...]` tensor whatever the layout. FSDP then shards the experts over the data-parallel
+ranks left after ep ("efsdp"), a `fully_shard` of its own before the block's, whose gradient
+reduction divides by all dp_shard x cp ranks: every rank's experts gradient already sums the
+contributions of the tokens of its whole ep group.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+
+class ExpertParallel:
+    """This rank's place on the ep mesh, and the token exchange around its local experts."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.size = mesh.size()
+
+    def run(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`experts(rows, local_counts)` applied to every routed row of `x` [n, dim] (sorted by
+        global expert, `counts` [E] rows each) by the rank that holds its expert; returns the
+        outputs in `x`'s order."""
+        local = counts.numel() // self.size
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # [source rank, local expert]
+        received = received.view(self.size, local)
+        sent = counts.view(self.size, local).sum(dim=1).tolist()
+        arriving = received.sum(dim=1).tolist()
+        rows = all_to_all_single_autograd(x, arriving, sent, self.group)
+        expert_of_row = torch.arange(local, device=x.device).repeat(self.size).repeat_interleave(received.flatten())
+        order = expert_of_row.argsort(stable=True)  # source-major -> expert-major
+        out = experts(rows[order], received.sum(dim=0))
+        return all_to_all_single_autograd(out[order.argsort()], sent, arriving, self.group)
+
+
+@runtime_checkable
+class ExpertParallelModule(Protocol):
+    """A layer whose routed experts expert parallelism can split (models/moe.MoE)."""
+
+    def enable_expert_parallel(self, expert_parallel: ExpertParallel) -> nn.Module:
+        """Run the routed experts this way from now on; return the experts module, whose
+        parameters `shard_experts` lays out."""
+        ...
+
+
+def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Each parameter of `experts` (stacked, dim 0 = expert) a DTensor Shard(0) over
+    `ep_mesh`, with Replicate over the further dims of a 2-D (ep, tp) mesh."""
+    placements = [Shard(0)] + [Replicate()] * (ep_mesh.ndim - 1)
+    for name, param in list(experts.named_parameters(recurse=False)):
+        sharded = distribute_tensor(param.data, ep_mesh, placements, src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> list[nn.Module]:
+    """Split every expert-parallel layer's experts over `ep_mesh` (replicated over `tp_mesh`
+    when given); returns the experts modules, which FSDP shards on their own mesh."""
+    weights_mesh = ep_mesh if tp_mesh is None else DeviceMesh._concatenate([ep_mesh, tp_mesh])
+    expert_parallel = ExpertParallel(ep_mesh)
+    units = []
+    for module in list(model.modules()):
+        if isinstance(module, ExpertParallelModule):
+            experts = module.enable_expert_parallel(expert_parallel)
+            shard_experts(experts, weights_mesh)
+            units.append(experts)
+    return units
+
+
+def experts_placement(ep: int, shards: int):
+    """FSDP2's `shard_placement_fn` for expert weights already split over `ep` ranks, sharded
+    further over `shards` efsdp ranks: dim 0 (the local experts) while there are as many
+    local experts as shards, else the first later dim the shards divide (128 experts at ep
+    64 leave 2 per rank for 8 efsdp ranks), as `fsdp.shard_dim` does for plain tensors."""
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        if param.shape[0] // ep >= shards:
+            return None
+        return next((Shard(d) for d in range(1, param.ndim) if param.shape[d] % shards == 0), None)
+
+    return placement
