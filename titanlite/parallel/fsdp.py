@@ -84,13 +84,16 @@ def _shard_experts(experts: list[nn.Module], mesh: DeviceMesh, shards: int, conf
                    reshard_after_forward: str | bool | int, pipelined: bool) -> None:
     """`fully_shard` each experts module over the efsdp ranks. Each rank's experts gradient
     already sums its ep group's tokens, so the reduction divides by every dp_shard x cp rank
-    (`shards`), not only efsdp's."""
+    (`shards`), not only efsdp's. FSDP2 divides by such a factor inside the collective
+    (NCCL's PREMUL_SUM) unless told to sum and divide apart, which is what gloo can do."""
     ep = shards // mesh.size()
     options = {**config, "mesh": mesh, "shard_placement_fn": experts_placement(ep, mesh.size())}
     policy = reshard_policy(reshard_after_forward, False, pipelined)
     for module in experts:  # a reshard to k ranks (k dividing dp_shard x cp) is a full reshard here
         fully_shard(module, reshard_after_forward=policy if isinstance(policy, bool) else True, **options)
         module.set_gradient_divide_factor(float(shards))
+        if mesh.size() > 1:  # one rank: torch 2.13 divides once, and twice if this is set
+            module.set_force_sum_reduction_for_comms(True)  # a sum, then a division: gloo has no PREMUL_SUM
 
 
 def set_explicit_prefetch(units: list[nn.Module], depth: int) -> None:
