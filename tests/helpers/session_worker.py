@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.build import plan_run
 from titanlite.config import load_config
+from titanlite.models.moe import moe_layers
 from titanlite.parallel.distributed import init_distributed, world_from_env
 from titanlite.trainer import Trainer, create_seed_checkpoint
 
@@ -59,6 +60,21 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
     }
 
 
+def watch_expert_compute(trainer: Trainer) -> dict[str, int]:
+    """The routed-experts bytes this rank computes with, as each MoE layer's experts see
+    their weights in forward (after FSDP's all-gather): the whole stack without expert
+    parallelism, this rank's experts with it. Summed over the layers of this rank."""
+    seen: dict[int, int] = {}
+
+    def record(module, _inputs) -> None:
+        seen[id(module)] = local_bytes(module.parameters())
+
+    for part in trainer.model_parts:
+        for layer in moe_layers(part).values():
+            layer.experts.register_forward_pre_hook(record)
+    return seen
+
+
 def copy_checkpoint(source: str, step: int, cfg) -> None:
     target = Path(cfg.job.dump_folder) / cfg.checkpoint.folder / f"step-{step}"
     shutil.rmtree(target.parent, ignore_errors=True)
@@ -80,9 +96,10 @@ def run_case(case: dict) -> dict:
         create_seed_checkpoint(plan)
         return {"history": [], "ranks": [], "validation_loss": None, "error": None}
     trainer = Trainer(plan)
+    expert_compute = watch_expert_compute(trainer)
     try:
         history = trainer.train()
-        sizes = held_bytes(trainer)
+        sizes = {**held_bytes(trainer), "expert_compute_bytes": sum(expert_compute.values())}
         validation = trainer.validator.evaluate() if trainer.validator is not None else None
     finally:
         trainer.close()

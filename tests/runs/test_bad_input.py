@@ -43,6 +43,8 @@ CHECKPOINTING = {"checkpoint.enable_checkpoint": "true", "checkpoint.async_mode"
 TP = "parallelism.tensor_parallel_degree"
 PP = "parallelism.pipeline_parallel_degree"
 CP = "parallelism.context_parallel_degree"
+EP = "parallelism.expert_parallel_degree"
+MOE = {"model.name": "qwen3", "model.flavor": "debugmodel_moe"}
 DUMP = "{dump}"  # placeholders, filled per case
 CASE = "{case}"
 
@@ -239,6 +241,14 @@ CASES: dict[str, Case] = {
                                        {PP: "2", "parallelism.pipeline_parallel_split_points": "layers.9"}, world_size=2),
     "pp_tied_embeddings": Case([PP, "debugmodel_tied", "tok_embeddings and output"], {PP: "2", "model.flavor": "debugmodel_tied"}, world_size=2),
     "cp_seq_len_not_divisible": Case([CP, "training.seq_len 66", "2 x context_parallel_degree = 4"], {CP: "2", "training.seq_len": "66"}, world_size=2),
+    # expert parallelism borrows dp_shard x cp ranks and splits each MoE layer's experts
+    "ep_does_not_divide_dp_shard_x_cp": Case([EP, "3 does not divide data_parallel_shard_degree 4 x context_parallel_degree 1 = 4"],
+                                             {**MOE, EP: "3"}, world_size=4),
+    "ep_does_not_divide_the_experts": Case([EP, "3 does not divide model qwen3 flavor debugmodel_moe's 8 experts"],
+                                           {**MOE, EP: "3"}, world_size=3),
+    "ep_on_a_dense_model": Case([EP, "2 needs a model with MoE layers", "model llama3 flavor debugmodel has none"], {EP: "2"}, world_size=2),
+    "ep_with_hsdp": Case([EP, "data_parallel_replicate_degree 2 (HSDP) is not supported"],
+                         {**MOE, EP: "2", "parallelism.data_parallel_replicate_degree": "2"}, world_size=4),
     # what a registered model does not declare (ModelSpec.capabilities), refused when the run is planned
     "cp_model_without_context_parallel_attention": Case([CP, "model gpt2 has no context-parallel attention"],
                                                         {CP: "2", "model.name": "gpt2"}, world_size=2),

@@ -25,6 +25,8 @@ BLOCK = ["--model.attn_mask_type", "block_causal"]
 GPT2 = ["--model.name", "gpt2"]
 QWEN3 = ["--model.name", "qwen3"]
 QWEN3_MOE = [*QWEN3, "--model.flavor", "debugmodel_moe"]
+QWEN3_MOE_AUX = [*QWEN3, "--model.flavor", "debugmodel_moe_aux"]
+EP = ["--parallelism.expert_parallel_degree", "2"]
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
@@ -39,7 +41,8 @@ def schedule(name: str) -> list[str]:
 
 
 # The single-process references, by the model options they share with their layouts.
-REFERENCES = {"causal": [], "block_causal": BLOCK, "gpt2": GPT2, "validation": VALIDATION, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
+REFERENCES = {"causal": [], "block_causal": BLOCK, "gpt2": GPT2, "validation": VALIDATION, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE,
+              "qwen3_moe_aux": QWEN3_MOE_AUX}
 
 # name: (processes, overrides, reference). Global batch 8 = local_batch_size x dp x accumulation;
 # pipeline and context-parallel ranks of one dp rank share its batch.
@@ -99,6 +102,14 @@ LAYOUTS = {
     "qwen3_moe_tp2": (2, [*batch(8), *TP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_moe_pp2": (2, [*batch(8), *PP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_moe_cp2": (2, [*batch(8), *CP, *QWEN3_MOE], "qwen3_moe"),
+    # Expert parallelism: the routed experts split over ep ranks borrowed from dp_shard x cp,
+    # tokens exchanged by all-to-all, with the bias-balanced router and the aux-loss one.
+    "qwen3_moe_ep2": (2, [*batch(4), *EP, *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_moe_aux_ep2": (2, [*batch(4), *EP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
+    "qwen3_moe_aux_ep2_cp2": (2, [*batch(8), *EP, *CP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
+    "qwen3_moe_ep2_fsdp4": (4, [*batch(2), *EP, *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_moe_aux_ep2_tp2": (4, [*batch(4), *EP, *TP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
+    "qwen3_moe_ep2_pp2": (4, [*batch(4), *EP, *PP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_fsdp2_tp2": (4, [*batch(4), *TP, *QWEN3], "qwen3"),
     "qwen3_moe_fsdp2_tp2_sp": (4, [*batch(4), *TP, "--parallelism.sequence_parallel", "on", *QWEN3_MOE], "qwen3_moe"),
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
@@ -116,6 +127,7 @@ def sessions(tmp_path_factory) -> dict[str, dict]:
     for name, (nproc, overrides, _) in LAYOUTS.items():
         by_world.setdefault(nproc, []).append(Case(name, [*EQUIVALENCE_ARGS, *overrides]))
     by_world[4].append(Case("fsdp_options", [], call="tests.helpers.fsdp_options_checks:run_checks"))
+    by_world[2].append(Case("expert_parallel_layer", [], call="tests.helpers.expert_parallel_checks:run_checks"))
     for nproc, cases in by_world.items():
         session = run_session(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}"), TIMEOUT_S[nproc])
         results.update({case.name: session[case.name] for case in cases})
@@ -143,6 +155,10 @@ def test_layout_matches_single_process(layout, sessions):
     if reference["validation_loss"] is not None:  # validation through the same layout's forward
         assert sessions[layout]["validation_loss"] == pytest.approx(reference["validation_loss"], rel=1e-5)
 
+    if EP[0] in overrides:  # each rank computes with its half of the experts: half the one process's bytes
+        ranks, whole = sessions[layout]["ranks"], reference["ranks"][0]["expert_compute_bytes"]
+        layers_here = 0.5 if PP[0] in overrides else 1.0  # a pipeline stage holds half the MoE layers
+        assert [sizes["expert_compute_bytes"] for sizes in ranks] == pytest.approx([whole * layers_here / 2] * len(ranks), rel=0.05)
     if any(flag in overrides for flag in (PP[0], CP[0])):
         return  # stages and sequence shards hold other shares; the planner tests check those
     dp_shard, tp = degrees(overrides, nproc)
@@ -151,6 +167,30 @@ def test_layout_matches_single_process(layout, sessions):
         expected = (sizes["full_param_bytes"] - whole_on_tp) / (dp_shard * tp) + whole_on_tp / dp_shard
         for kind, factor in (("param_bytes", 1), ("grad_bytes", 1), ("optim_bytes", 2)):  # AdamW: exp_avg, exp_avg_sq
             assert sizes[kind] == pytest.approx(factor * expected, rel=0.05), f"{kind} on a rank of {layout}"
+
+
+def test_fsdp_alone_computes_with_every_expert(sessions):
+    """What expert parallelism saves: FSDP all-gathers the whole expert stack for every MoE
+    layer, so each rank computes with the one process's expert bytes."""
+    whole = sessions["reference_qwen3_moe"]["ranks"][0]["expert_compute_bytes"]
+    assert whole > 0
+    assert [r["expert_compute_bytes"] for r in sessions["qwen3_moe_fsdp2"]["ranks"]] == [whole, whole]
+
+
+@pytest.mark.parametrize("router", ["routed", "skewed"])
+def test_one_moe_layer_split_over_ep_ranks_equals_the_whole_layer(sessions, router):
+    """tests/helpers/expert_parallel_checks.py at ep 2: outputs, input and weight gradients
+    as one process's; the skewed router sends every token to rank 0's experts (rank 1 sends
+    and receives nothing) and no token is dropped."""
+    ranks = [rank[router] for rank in sessions["expert_parallel_layer"]["checks"]["ranks"]]
+    for rank in ranks:
+        assert rank["local_experts"] == [4]
+        assert rank["out"] < 1e-6 and rank["input_grad"] < 1e-6 and rank["weight_grads"] < 1e-6, rank
+    if router == "skewed":
+        assert all(rank["tokens_per_expert_here"][2:] == [0] * 6 for rank in ranks)
+        assert all(sum(rank["tokens_per_expert_here"]) == 2 * 12 for rank in ranks)  # top-2 of 12 tokens each
+    else:  # both ranks receive tokens: the splits are uneven, not all to one side
+        assert all(sum(rank["tokens_per_expert_here"][4:]) not in (0, 24) for rank in ranks)
 
 
 def test_block_causal_differs_from_causal_where_windows_hold_several_documents(sessions):
