@@ -165,7 +165,8 @@ def header(r: Report) -> list[str]:
     ac = cfg.activation_checkpoint.mode + ((" (per op)" if option == "op" else f" (every {option})") if cfg.activation_checkpoint.mode == "selective" else "")
     return [
         f"model: {cfg.model.name} {cfg.model.flavor}, {r.n_params:,} parameters ({r.vocab_note})",
-        f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}; rank {r.rank} ({r.coordinate})",
+        f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}"
+        + (f", experts split over ep {dims.ep} of them" if dims.ep_enabled else "") + f"; rank {r.rank} ({r.coordinate})",
         f"step: local_batch_size {cfg.training.local_batch_size} x seq_len {cfg.training.seq_len}, "
         f"{cfg.training.mixed_precision_param} compute, activation checkpointing {ac}"
         + (", loss parallel" if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else "")
@@ -184,7 +185,8 @@ def holdings(r: Report) -> list[str]:
         ("buffers", r.state.buffers, f"{r.state.buffers:,} bytes"),
         ("activations", a.total, f"estimate: {_in_flight(a)}{a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} "
          f"checkpointed x {gib(a.checkpointed_block)}, head {gib(a.head)}{')' if a.in_flight > 1 else ''}, peak extra {gib(a.peak_extra)}"
-         + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")),
+         + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")
+         + (f", all-to-all buffers {gib(a.all_to_all)}" if a.all_to_all else "")),
     ]  # fmt: skip
     if r.fsdp:
         rows.append(("FSDP gathered", r.fsdp.total, f"estimate: root weights and grads {gib(r.fsdp.root)}, blocks {gib(r.fsdp.blocks)}"))
@@ -253,7 +255,7 @@ def run(argv: list[str]) -> int:
     measured = measure_materialize(model, plan) if args.materialize else None
     shards = None
     if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None:  # last: it leaves rank r's world
-        shards = census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape))
+        shards = census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape), plan.dims.ep)
     print("\n".join(header(report) + holdings(report) + verdict(report) + shard_lines(report, shards) + measured_lines(report, measured)))
     return 0 if report.total <= report.device_bytes else 1
 

@@ -9,7 +9,9 @@ step 3 (and 6); each resume starts from a copy of step 3 and must log steps 4-6
   pp 2 -> FSDP 2 x TP 2, cp 2 -> 1 process, and the reverse, 1 process -> pp 2 and
   FSDP 2 x TP 2 -> pp 2.
 The same for Qwen3-MoE's debug flavor, whose expert biases are buffers every step moves:
-pp 2 resumed at pp 2 (==) and a one-process checkpoint resumed at pp 2 (1e-6).
+pp 2 resumed at pp 2 (==) and a one-process checkpoint resumed at pp 2 (1e-6); and with its
+experts split by expert parallelism (each rank's experts a shard of the stacked tensor):
+ep 2 resumed at ep 2 (==), ep 2 -> 1 process, FSDP 2 and ep 4, and 1 process -> ep 2 (1e-6).
 And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
 one-process run from the same seed does (1e-5), and not as from its own init.
 Runs of one world size are cases of one training session (tests/helpers/sessions.py).
@@ -30,6 +32,7 @@ ARGS = [
     "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
 ]  # fmt: skip
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+EP = "--parallelism.expert_parallel_degree"
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
@@ -37,6 +40,9 @@ LAYOUTS = {
     "fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
     "moe_single": (1, ["--training.local_batch_size", "8", *QWEN3_MOE]),
     "moe_pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", *QWEN3_MOE]),
+    "moe_ep2": (2, ["--training.local_batch_size", "4", EP, "2", *QWEN3_MOE]),
+    "moe_fsdp2": (2, ["--training.local_batch_size", "4", *QWEN3_MOE]),
+    "moe_ep4": (4, ["--training.local_batch_size", "2", EP, "4", *QWEN3_MOE]),
 }
 # resume case: (layout it runs at, layout whose step-3 checkpoint it starts from)
 RESUMES = {
@@ -49,6 +55,11 @@ RESUMES = {
     "pp2_from_fsdp2_tp2": ("pp2", "fsdp2_tp2"),
     "moe_pp2_from_moe_pp2": ("moe_pp2", "moe_pp2"),
     "moe_pp2_from_moe_single": ("moe_pp2", "moe_single"),
+    "moe_ep2_from_moe_ep2": ("moe_ep2", "moe_ep2"),
+    "moe_single_from_moe_ep2": ("moe_single", "moe_ep2"),
+    "moe_fsdp2_from_moe_ep2": ("moe_fsdp2", "moe_ep2"),
+    "moe_ep4_from_moe_ep2": ("moe_ep4", "moe_ep2"),
+    "moe_ep2_from_moe_single": ("moe_ep2", "moe_single"),
 }
 
 
@@ -74,11 +85,12 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
     plan = [
         (1, [uninterrupted("single"), seed, uninterrupted("moe_single")]),
-        (4, [uninterrupted("fsdp2_tp2")]),
-        (2, [uninterrupted("pp2"), uninterrupted("cp2"), uninterrupted("moe_pp2"), from_seed("pp2"),
+        (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4")]),
+        (2, [uninterrupted("pp2"), uninterrupted("cp2"), uninterrupted("moe_pp2"), uninterrupted("moe_ep2"),
+             uninterrupted("moe_fsdp2"), from_seed("pp2"),
              *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 2]]),
-        (1, [from_seed("single"), *[resume(n) for n, (at, _) in RESUMES.items() if at == "single"]]),
-        (4, [resume(n) for n, (at, _) in RESUMES.items() if at == "fsdp2_tp2"]),
+        (1, [from_seed("single"), *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 1]]),
+        (4, [resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 4]),
     ]
     for nproc, cases in plan:
         session = run_session(nproc, cases, root / f"world{nproc}", timeout=600)

@@ -158,7 +158,7 @@ def test_materialized_70b_rank_costs_its_shard():
 # A preset comment's layout line: "512 GPUs, pp 8 x dp_shard 8 x tp 8, local_batch_size 16:  fits, 30.88 GiB".
 PRESET_LINE = re.compile(r"^#\s+(\d+) GPUs?,?\s*([^:]*):\s+(fits|does not fit), ([\d.]+) GiB", re.M)
 LAYOUT_KEYS = {"pp": "parallelism.pipeline_parallel_degree", "tp": "parallelism.tensor_parallel_degree",
-               "cp": "parallelism.context_parallel_degree", "dp_replicate": "parallelism.data_parallel_replicate_degree",
+               "cp": "parallelism.context_parallel_degree", "ep": "parallelism.expert_parallel_degree", "dp_replicate": "parallelism.data_parallel_replicate_degree",
                "local_batch_size": "training.local_batch_size", "seq_len": "training.seq_len"}
 
 
@@ -174,7 +174,7 @@ def preset_lines() -> list[tuple[str, list[str], str, str]]:
     for preset, vocab in PRESET_VOCAB.items():
         for world, layout, verdict, gib in PRESET_LINE.findall((REPO / "train_configs" / f"{preset}.toml").read_text()):
             argv = ["--config", preset, "--world-size", world, "--vocab-size", vocab]
-            for key, value in re.findall(r"\b(pp|tp|cp|dp_replicate|local_batch_size|seq_len) (\d+)", layout):
+            for key, value in re.findall(r"\b(pp|tp|cp|ep|dp_replicate|local_batch_size|seq_len) (\d+)", layout):
                 argv += [f"--{LAYOUT_KEYS[key]}", value]
             found.append((preset, argv, verdict, gib))
     return found
@@ -186,7 +186,8 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     lines = preset_lines()
     assert len(lines) >= 14 and sum("--parallelism.pipeline_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
     qwen3 = [argv for preset, argv, verdict, _ in lines if preset.startswith("qwen3") and verdict == "fits"]
-    assert len(qwen3) == 4 and all(int(argv[argv.index("--world-size") + 1]) >= 512 for argv in qwen3)
+    assert len(qwen3) == 6 and all(int(argv[argv.index("--world-size") + 1]) >= 512 for argv in qwen3)
+    assert sum("--parallelism.expert_parallel_degree" in argv for argv in qwen3) == 2
     assert sum("--parallelism.context_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
     doc = (REPO / "docs" / "planning.md").read_text()
     sample_command = re.search(r"```bash\npython -m titanlite.plan (.*)\n```\n\n```\n(.*?)```", doc, re.S)
@@ -194,14 +195,16 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     for (preset, argv, verdict, gib), result in zip(lines, results):
         said = re.search(r"^verdict: (fits|does not fit): ([\d.]+) GiB", result.stdout, re.M)
         assert said and (said.group(1), said.group(2)) == (verdict, gib), f"{preset} {argv}: comment {verdict}, {gib} GiB; planner {said and said.groups()}"
-        if preset in ("qwen3_30b_a3b", "qwen3_235b_a22b"):  # 128 experts over 512 ranks: an equal block each (fsdp.shard_dim)
+        if preset in ("qwen3_30b_a3b", "qwen3_235b_a22b"):  # 128 experts over 512 ranks: an equal block each (fsdp.shard_dim, with ep expert_parallel.experts_placement)
             least, most = (int(n.replace(",", "")) for n in re.search(r"ranks hold ([\d,]+) \(rank \d+\) to ([\d,]+)", result.stdout).groups())
             assert most < 1.02 * least, f"{preset}: ranks hold {least:,} to {most:,} parameters"
     assert results[-1].stdout == sample_command.group(2), "docs/planning.md's sample is not the planner's output"
 
 
-@pytest.mark.parametrize("nproc, layout", [(1, []), (2, []), (4, []), (2, ["--parallelism.pipeline_parallel_degree", "2"])],
-                         ids=["1", "2", "4", "pp2"])
+@pytest.mark.parametrize("nproc, layout", [(1, []), (2, []), (4, []), (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+                                           (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
+                                                "--parallelism.expert_parallel_degree", "2"])],
+                         ids=["1", "2", "4", "pp2", "moe_ep2"])
 def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypatch):
     """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds (each
     pipeline stage's its own), and the estimated step working set (activations + FSDP
@@ -216,7 +219,7 @@ def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypat
         planned = figures(report.stdout)
         assert (planned["parameters"], planned["gradients"], planned["optimizer"]) == (real["param_bytes"], real["grad_bytes"], real["optim_bytes"])
         estimate = planned["activations"] + planned["FSDP gathered"]
-        if layout:  # a stage's step: its gradients (allocated by the step) weigh as much as its few microbatches' activations
+        if "--parallelism.pipeline_parallel_degree" in layout:  # a stage's step: its gradients (allocated by the step) weigh as much as its few microbatches' activations
             estimate += planned["gradients"]
         assert estimate == pytest.approx(real["step_peak_bytes"], rel=0.3), f"rank {rank}: {estimate:,.0f} vs {real['step_peak_bytes']:,}"
 

@@ -29,6 +29,11 @@ are held for `in_flight` microbatches at once: those a schedule has run forward 
 backward at its peak on this rank (`in_flight_microbatches`). On top, torch's stages allocate
 their receive buffers up front, one per microbatch and direction: `boundary_buffers` of
 N d/r p each (activations in, unless the first stage; output gradients in, unless the last).
+
+Under expert parallelism (ep > 1) a rank computes the routed copies its experts receive
+instead of its own: N K of them on average, as many as it sends (balanced routing), so the
+kept terms do not change. On top, one MoE layer's all-to-all buffers at a time: the rows
+received and the outputs sent back, 2 N K d p.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class StepShape:
     ac_mode: str
     ac_option: str  # selective: "k" (every k-th block) or "op"
     cp: int = 1
+    ep: int = 1
 
     @classmethod
     def from_config(cls, cfg: Any, tp: int) -> StepShape:
@@ -92,7 +98,7 @@ class StepShape:
         return cls(
             cfg.training.local_batch_size, cfg.training.seq_len, tp, cfg.parallelism.enable_loss_parallel and tp > 1,
             sequence_parallel, act_bytes, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
-            cfg.parallelism.context_parallel_degree,
+            cfg.parallelism.context_parallel_degree, cfg.parallelism.expert_parallel_degree,
         )  # fmt: skip
 
 
@@ -108,6 +114,7 @@ class Activations:
     peak_extra: float  # on top at the peak: loss gradients or one block's recompute
     in_flight: int = 1  # microbatches held at once (pipeline schedules)
     buffers: float = 0.0  # a pipeline stage's receive buffers
+    all_to_all: float = 0.0  # expert parallelism's exchange buffers of one MoE layer
 
     @property
     def kept(self) -> float:
@@ -116,7 +123,7 @@ class Activations:
 
     @property
     def total(self) -> float:
-        return self.kept + self.peak_extra + self.buffers
+        return self.kept + self.peak_extra + self.buffers + self.all_to_all
 
 
 def checkpointed_blocks(n_layers: int, mode: str, option: str) -> int:
@@ -150,7 +157,15 @@ def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = Non
         block, recompute = kept, block - kept
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
     extra = max(n * vocab * p if holds_head else 0.0, recompute)
-    return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight, boundary_buffers * n * d / r * p)
+    return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight, boundary_buffers * n * d / r * p,
+                       all_to_all_bytes(args, n, p) if shape.ep > 1 else 0.0)
+
+
+def all_to_all_bytes(args: Any, n: float, p: int) -> float:
+    """Expert parallelism's buffers for one MoE layer of `n` tokens: the routed copies
+    received (n top_k rows of dim, balanced) and the outputs sent back; 0 without MoE."""
+    moe = getattr(args, "moe", None)
+    return 2 * n * moe.top_k * args.dim * p if moe is not None and getattr(args, "n_moe_layers", 0) else 0.0
 
 
 def feed_forward_per_token(args: Any, t: int, p: int) -> float:
@@ -199,14 +214,22 @@ class FsdpWorkingSet:
         return self.root + self.blocks
 
 
+def gathered_elements(param: torch.Tensor, dp_shard: int) -> int:
+    """Elements of `param` FSDP all-gathers on this rank: local x dp_shard, or local x the
+    efsdp ranks for expert-parallel experts (each rank gathers its own experts only)."""
+    names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else ()
+    ranks = param.device_mesh.size(names.index("efsdp")) if "efsdp" in names else dp_shard
+    return local_tensor(param).numel() * ranks
+
+
 def estimate_fsdp(model: nn.Module, dp_shard: int, param_bytes: int, reduce_bytes: int, parallelism: Any) -> FsdpWorkingSet:
-    """Unsharded = local x dp_shard elements, in the compute dtype. The root stays gathered
+    """Unsharded = local x dp_shard elements (`gathered_elements`), in the compute dtype. The root stays gathered
     from forward through backward and its gradients from the output layer's backward to the
     end; blocks are gathered one at a time plus the prefetched ones (all with "never", and in
     a pipeline stage, which keeps them between its microbatches' forwards and backwards)."""
-    per_layer = [sum(local_tensor(p).numel() for p in layer.parameters()) for layer in model.layers.values()]
-    root = (sum(local_tensor(p).numel() for p in model.parameters()) - sum(per_layer)) * dp_shard
-    block = max(per_layer) * dp_shard
+    per_layer = [sum(gathered_elements(p, dp_shard) for p in layer.parameters()) for layer in model.layers.values()]
+    root = sum(gathered_elements(p, dp_shard) for p in model.parameters()) - sum(per_layer)
+    block = max(per_layer)
     in_flight = 1 + max(1, parallelism.fsdp_prefetch_depth)
     pipelined = parallelism.pipeline_parallel_degree > 1 and parallelism.fsdp_reshard_after_forward != "always"
     if parallelism.fsdp_reshard_after_forward == "never" or pipelined:

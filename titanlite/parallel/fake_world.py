@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titanlite.parallel.placement import shard_indices
@@ -54,37 +54,50 @@ class ShardCensus:
     covered: int  # sum over ranks of each tensor's local elements / the ranks replicating it
 
 
-def census(specs: Counter[ShardSpec], names: tuple[str, ...], shape: tuple[int, ...]) -> ShardCensus | None:
+def census(specs: Counter[ShardSpec], names: tuple[str, ...], shape: tuple[int, ...], ep: int = 1) -> ShardCensus | None:
     """Every rank's local parameter count, from DTensor's own split of each layout
     (`shard_indices` on small CPU tensors), for parameters laid out on the whole world mesh
-    (`names`, `shape`); None if some parameter lives on part of it.
+    (`names`, `shape`) or, with expert parallelism (`ep` > 1), on its experts' view of it
+    (`expert_view`); None if some parameter lives on another part of it.
 
     Joins the fake world as each rank in turn (milliseconds a rank; its mesh is made without
     process groups, which splitting a tensor does not use), so the process group and meshes
     this process had are gone afterwards.
     """
-    if any(spec.mesh_dims != names for spec in specs):
-        return None
+    views = [(names, shape)] + ([expert_view(names, shape, ep)] if ep > 1 else [])
+    layouts = {}
+    for spec in specs:
+        view = next((v for v in views if set(spec.mesh_dims) <= set(v[0])), None)
+        if view is None or (view[0] == names and spec.mesh_dims != names):
+            return None
+        placements = dict(zip(spec.mesh_dims, spec.placements))
+        layouts[spec] = (view, tuple(placements.get(name, Replicate()) for name in view[0]))
     world_size = math.prod(shape)
     per_rank, summed = [], Counter()
     for rank in range(world_size):
         init_fake_world(world_size, rank)
-        mesh = DeviceMesh("cpu", torch.arange(world_size).view(shape), mesh_dim_names=names, _init_backend=False)
+        meshes = {v: DeviceMesh("cpu", torch.arange(world_size).view(v[1]), mesh_dim_names=v[0], _init_backend=False) for v in views}
         held = 0
         for spec, count in specs.items():
-            local = math.prod(len(index) for index in shard_indices(spec.shape, mesh, spec.placements))
+            view, placements = layouts[spec]
+            local = math.prod(len(index) for index in shard_indices(spec.shape, meshes[view], placements))
             summed[spec] += local
             held += local * count
         per_rank.append(held)
-    sizes = dict(zip(names, shape))
-    covered = sum(summed[spec] * count // _replicas(spec, sizes) for spec, count in specs.items())
+    covered = sum(summed[spec] * count // _replicas(*layouts[spec]) for spec, count in specs.items())
     return ShardCensus(per_rank, covered)
 
 
-def _replicas(spec: ShardSpec, sizes: dict[str, int]) -> int:
+def expert_view(names: tuple[str, ...], shape: tuple[int, ...], ep: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The world mesh as expert parallelism sees it, in the same rank order: dp_shard x cp
+    (adjacent, either may be absent) unflattened into ("efsdp", "ep"), ep innermost
+    (parallel/mesh.py)."""
+    inner = [i for i, name in enumerate(names) if name in ("dp_shard", "cp")]
+    first, last = inner[0], inner[-1] + 1
+    ranks = math.prod(shape[first:last])
+    return (names[:first] + ("efsdp", "ep") + names[last:], shape[:first] + (ranks // ep, ep) + shape[last:])
+
+
+def _replicas(view: tuple[tuple[str, ...], tuple[int, ...]], placements: tuple[Placement, ...]) -> int:
     """Ranks holding each element of a layout: the product of its Replicate mesh dims."""
-    replicas = 1
-    for name, placement in zip(spec.mesh_dims, spec.placements):
-        if placement.is_replicate():
-            replicas *= sizes[name]
-    return replicas
+    return math.prod(size for size, placement in zip(view[1], placements) if placement.is_replicate())
