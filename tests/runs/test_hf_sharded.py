@@ -8,8 +8,9 @@ with logits equal to transformers' to 1e-4, through the trainer's own restore pa
 layout then saves its model with `hf_io.save_hf_weights` (every rank its own shards, then
 consolidated), and transformers loads every one of those folders with the same logits.
 Qwen3 and Qwen3-MoE do the same at FSDP 2 in the same processes (each rank reads and writes
-its own experts, one HF tensor each), and a Qwen3-MoE trainer run starts from a Hugging
-Face folder and ends with `last_save_in_hf` beside the Llama runs.
+its own experts, one HF tensor each), and Qwen3-MoE trainer runs at FSDP 2 and at expert
+parallelism 2 (each rank holding half the experts) start from a Hugging Face folder and end
+with `last_save_in_hf` beside the Llama runs.
 """
 
 from __future__ import annotations
@@ -164,7 +165,9 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
                             "--training.local_batch_size", "4"]),
              Case("qwen3_moe_fsdp2", [*EQUIVALENCE_ARGS, *qwen3_moe, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf_moe"),
                                       "--training.local_batch_size", "4", "--checkpoint.enable_checkpoint", "true",
-                                      "--checkpoint.interval", str(EQUIVALENCE_STEPS), "--checkpoint.async_mode", "disabled"])]
+                                      "--checkpoint.interval", str(EQUIVALENCE_STEPS), "--checkpoint.async_mode", "disabled"]),
+             Case("qwen3_moe_ep2", [*EQUIVALENCE_ARGS, *qwen3_moe, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf_moe"),
+                                    "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"])]
     session = run_session(2, cases, tmp_path / "runs", 240)
     assert_same_curve(session["pp2"]["history"], session["fsdp2"]["history"], "pp2 vs fsdp2")
     steps = session["fsdp2"]["history"][-1]["step"]
@@ -187,3 +190,8 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(theirs, ours.eval()(tokens), rtol=1e-4, atol=1e-4)
         assert not torch.allclose(theirs, moe_model(tokens).logits, atol=1e-3)  # trained since the start
+    # At ep 2 each rank read and wrote its own 4 experts: the same curve, the same model.
+    assert_same_curve(session["qwen3_moe_ep2"]["history"], session["qwen3_moe_fsdp2"]["history"], "qwen3_moe ep2 vs fsdp2")
+    ep_folder = tmp_path / "runs" / "qwen3_moe_ep2" / "checkpoint" / f"step-{steps}-hf"
+    assert weight_map(ep_folder).keys() == weight_map(tmp_path / "hf_moe").keys()
+    torch.testing.assert_close(hf_logits(ep_folder, tokens), theirs, rtol=1e-4, atol=1e-4)

@@ -1,7 +1,8 @@
 """Every parallel layout trains exactly like one process: FSDP, HSDP, TP, accumulation,
 activation checkpointing, CPU offload, pipeline parallelism with each schedule, context
-parallelism, and their combinations, with causal and block-causal (document) attention;
-and every FSDP strategy and option shows its effect (the last section).
+parallelism, expert parallelism, and their combinations (every dimension at once in one
+16-process session), with causal and block-causal (document) attention; and every FSDP
+strategy and option shows its effect (the last section).
 
 Real gloo runs of the trainer on the debug model, fp32, fixed seed, the same global batch of
 8 windows: losses and gradient norms of each step match the single-process reference within
@@ -116,6 +117,13 @@ LAYOUTS = {
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
 }
 TIMEOUT_S = {1: 240, 2: 420, 4: 600, 8: 600}
+# Every dimension at once, 16 processes, one session of its own (slow: about 330 s of wall
+# on a busy 2-core host): the dense model at pp 2 x dp_shard 2 x cp 2 x tp 2, and Qwen3-MoE
+# with ep 2 borrowed inside pp 2 x dp_shard 4 x tp 2.
+ALL_DIMENSIONS = {
+    "pp2_dp2_cp2_tp2": ([*batch(4), *PP, *CP, *TP], "causal"),
+    "qwen3_moe_ep2_pp2_dp4_tp2": ([*batch(2), *EP, *PP, *TP, *QWEN3_MOE], "qwen3_moe"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +175,23 @@ def test_layout_matches_single_process(layout, sessions):
         expected = (sizes["full_param_bytes"] - whole_on_tp) / (dp_shard * tp) + whole_on_tp / dp_shard
         for kind, factor in (("param_bytes", 1), ("grad_bytes", 1), ("optim_bytes", 2)):  # AdamW: exp_avg, exp_avg_sq
             assert sizes[kind] == pytest.approx(factor * expected, rel=0.05), f"{kind} on a rank of {layout}"
+
+
+@pytest.fixture(scope="module")
+def all_dimensions(tmp_path_factory) -> dict[str, dict]:
+    cases = [Case(name, [*EQUIVALENCE_ARGS, *overrides]) for name, (overrides, _) in ALL_DIMENSIONS.items()]
+    session = run_session(16, cases, tmp_path_factory.mktemp("world16"), 900)
+    return {case.name: session[case.name] for case in cases}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900 + sum(TIMEOUT_S.values()))
+@pytest.mark.parametrize("layout", ALL_DIMENSIONS)
+def test_every_dimension_at_once_matches_single_process(layout, all_dimensions, sessions):
+    reference = sessions[f"reference_{ALL_DIMENSIONS[layout][1]}"]["history"]
+    assert_same_curve(all_dimensions[layout]["history"], reference, layout)
+    if "moe_load_mean" in reference[0]:
+        assert [h["moe_load_max"] for h in all_dimensions[layout]["history"]] == pytest.approx([h["moe_load_max"] for h in reference], rel=1e-6)
 
 
 def test_fsdp_alone_computes_with_every_expert(sessions):

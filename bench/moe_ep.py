@@ -1,0 +1,125 @@
+"""Expert parallelism on the Qwen3-MoE debug model: throughput and per-rank memory at ep 1
+(FSDP alone) against ep 2, on the same 2 gloo processes, with the all-to-all's share of the
+step, printed as ratios.
+
+    python bench/moe_ep.py [--steps 6] [--seq-len 256] [--batch 4] [--threads 1]
+
+Both layouts are the trainer's own (`Trainer` from a config, as `titanlite.train` builds it),
+dp_shard 2, fp32, the `debugmodel_moe` flavor, one after the other in one process group. Per
+rank: tokens/s (median over the steps after the first), peak resident memory, the routed
+experts' bytes a rank computes with (FSDP all-gathers all 8 experts at ep 1; ep 2 keeps each
+rank's 4), and, from a torch.profiler trace of the same steps, the time in the all-to-all
+ops (dispatch, combine, the counts; forward and backward) over the steps' time. On CPU the
+exchange is gloo's over local sockets, so the ratio prices it, not a GPU interconnect.
+Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from titanlite.build import plan_run  # noqa: E402
+from titanlite.config import load_config  # noqa: E402
+from titanlite.models.moe import moe_layers  # noqa: E402
+from titanlite.parallel.memory import peak_rss_bytes, reset_peak_rss  # noqa: E402
+from titanlite.trainer import Trainer  # noqa: E402
+
+WORLD = 2
+EXCHANGE_OPS = ("all_to_all", "alltoall")
+
+
+def expert_compute_bytes(trainer: Trainer) -> dict[int, int]:
+    """Filled during forward: each MoE layer's experts' bytes as they compute (after FSDP's
+    all-gather, so this rank's experts at ep 2 and all of them at ep 1)."""
+    seen: dict[int, int] = {}
+
+    def record(module, _inputs) -> None:
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]
+        seen[id(module)] = sum(t.numel() * t.element_size() for t in local)
+
+    for layer in moe_layers(trainer.model).values():
+        layer.experts.register_forward_pre_hook(record)
+    return seen
+
+
+def run_layout(ep: int, args: argparse.Namespace, folder: str) -> dict[str, float]:
+    argv = ["--config", "debug_model", "--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
+            "--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len),
+            "--training.local_batch_size", str(args.batch), "--training.mixed_precision_param", "float32",
+            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--metrics.peak_flops", "1e11",
+            "--parallelism.expert_parallel_degree", str(ep), "--job.dump_folder", f"{folder}/ep{ep}"]
+    trainer = Trainer(plan_run(load_config(argv), WORLD))
+    experts = expert_compute_bytes(trainer)
+    reset_peak_rss()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            started = time.perf_counter()
+            history = trainer.train()
+            seconds = time.perf_counter() - started
+    finally:
+        trainer.close()
+    exchange_us = sum(e.self_cpu_time_total for e in profile.key_averages() if any(op in e.key.lower() for op in EXCHANGE_OPS))
+    return {"tps": statistics.median(h["tps"] for h in history[1:]), "peak_rss": peak_rss_bytes(),
+            "expert_bytes": sum(experts.values()), "exchange_share": exchange_us / 1e6 / seconds}
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    results = {ep: run_layout(ep, args, folder) for ep in (1, 2)}
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        report(gathered, args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def report(ranks: list[dict[int, dict[str, float]]], args: argparse.Namespace) -> None:
+    print(f"Qwen3-MoE debugmodel_moe, {WORLD} gloo processes (dp_shard 2), float32, batch {args.batch} x seq {args.seq_len} "
+          f"per rank, {args.threads} thread(s) each, {args.steps} steps")
+    for ep in (1, 2):
+        rows = [rank[ep] for rank in ranks]
+        print(f"ep {ep}: {statistics.mean(r['tps'] for r in rows):8,.0f} tokens/s per rank  "
+              f"peak RSS {max(r['peak_rss'] for r in rows) / 2**30:.2f} GiB  "
+              f"experts computed with {rows[0]['expert_bytes'] / 2**20:.1f} MiB  "
+              f"all-to-all {max(r['exchange_share'] for r in rows):.1%} of the steps")
+    one, two = ([rank[ep] for rank in ranks] for ep in (1, 2))
+    print(f"ratio ep 2 / ep 1: tokens/s {statistics.mean(r['tps'] for r in two) / statistics.mean(r['tps'] for r in one):.2f}, "
+          f"peak RSS {max(r['peak_rss'] for r in two) / max(r['peak_rss'] for r in one):.2f}, "
+          f"expert bytes computed with {two[0]['expert_bytes'] / one[0]['expert_bytes']:.2f}; "
+          f"all-to-all share of the ep 2 step {max(r['exchange_share'] for r in two):.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = parser.parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(worker, args=(port, args, folder), nprocs=WORLD)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
