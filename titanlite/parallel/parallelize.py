@@ -70,7 +70,7 @@ def parallelize(
     meshes = as_meshes(mesh)
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
     experts = apply_ep(model, meshes.ep, meshes.tp) if meshes.ep is not None else []
-    if meshes.ep is not None and not experts:
+    if meshes.ep is not None and not experts and not pipelined:  # a pipeline stage may hold dense blocks only
         raise TitanliteError("parallelize: the mesh has an ep dimension but the model has no layer with enable_expert_parallel")
     if tp_plan is not None:
         tp_plan(model, meshes.tp) if callable(tp_plan) else parallelize_module(model, meshes.tp, tp_plan)
