@@ -38,7 +38,9 @@ def local_weight(weight: torch.Tensor) -> torch.Tensor:
     the tp mesh, so every parameter shares one mesh for the grad norm and FSDP), on plain
     tensors: routing (top-k, counts, sorting) has no DTensor rules. `to_local` is
     differentiable: the gradient comes back as the Replicate DTensor every rank computed in
-    full. A plain tensor is returned as it is."""
+    full. Under expert parallelism the routed experts are Shard(0) DTensors over the ep ranks
+    (parallel/expert_parallel.py): the local tensor is this rank's experts. A plain tensor is
+    returned as it is."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 

@@ -11,7 +11,8 @@ feed-forward.
 - An MoE feed-forward runs whole on every tp rank (`tp.whole_on_each_rank`): its router and
   routed experts are replicated, it is handed the whole sequence as a plain tensor and hands
   back the residual layout. Routing is the same on every rank (same tokens, same weights),
-  so splitting experts across ranks is expert parallelism's job, a later plan.
+  so splitting experts across ranks is expert parallelism's job (parallel/expert_parallel.py,
+  over data-parallel ranks): its experts arrive here already laid out and are left as they are.
 """
 
 from __future__ import annotations
