@@ -9,9 +9,9 @@ from titanlite.models.llama import llama3_spec
 from titanlite.parallel.mesh import ParallelDims
 
 
-def parallelism(replicate=1, shard=-1, tp=1):
+def parallelism(replicate=1, shard=-1, tp=1, ep=1):
     return SimpleNamespace(data_parallel_replicate_degree=replicate, data_parallel_shard_degree=shard, tensor_parallel_degree=tp,
-                           pipeline_parallel_degree=1, context_parallel_degree=1)
+                           pipeline_parallel_degree=1, context_parallel_degree=1, expert_parallel_degree=ep)
 
 
 def test_shard_degree_fills_the_world():
@@ -25,6 +25,8 @@ def test_shard_degree_fills_the_world():
         (parallelism(tp=3), 4, "world size 4 is not divisible"),
         (parallelism(shard=2, tp=1), 4, "= 2, but the world size is 4"),
         (parallelism(replicate=2, shard=1), 2, "data_parallel_replicate_degree"),
+        (parallelism(tp=2, ep=3), 8, "expert_parallel_degree: 3 does not divide data_parallel_shard_degree 4 x context_parallel_degree 1 = 4"),
+        (parallelism(replicate=2, ep=2), 8, "expert_parallel_degree: 2 with data_parallel_replicate_degree 2"),
     ],
 )
 def test_degree_errors_name_the_numbers(config, world, message):
@@ -70,3 +72,29 @@ def test_meshes_of_hsdp_x_tp_on_a_fake_world():
         assert meshes.tp.size() == 2 and meshes.tp.get_local_rank() == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_ep_borrows_neighbouring_dp_shard_ranks_on_a_fake_world():
+    """Rank 5 of a (dp_shard 4, tp 2) world at ep 2: its dp_shard rank 2 is ep rank 0 of
+    dp_shard ranks {2, 3} (world ranks 5 and 7, its tp index), and holds the same experts as
+    dp_shard rank 0 (world rank 1): the efsdp group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        meshes = ParallelDims.from_config(parallelism(tp=2, ep=2), 8).build_mesh("cpu")
+        assert meshes.ep.mesh.tolist() == [5, 7] and meshes.ep.get_local_rank() == 0
+        assert meshes.expert_fsdp.mesh.tolist() == [1, 5] and meshes.expert_fsdp.get_local_rank() == 1
+        assert meshes.fsdp.mesh.tolist() == [1, 3, 5, 7]  # everything else: all of dp_shard
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep_needs_moe_layers_whose_experts_it_divides():
+    dims = ParallelDims.from_config(parallelism(ep=2), 4)
+    with pytest.raises(TitanliteError, match="expert_parallel_degree: 2 needs a model with MoE layers; model x has none"):
+        dims.check_experts([], "model x")
+    with pytest.raises(TitanliteError, match="expert_parallel_degree: 2 does not divide model x's 3 experts per layer"):
+        dims.check_experts([8, 3], "model x")
+    dims.check_experts([8, 8], "model x")
