@@ -6,7 +6,8 @@ step, printed as ratios.
 
 Both layouts are the trainer's own (`Trainer` from a config, as `titanlite.train` builds it),
 dp_shard 2, fp32, the `debugmodel_moe` flavor, one after the other in one process group. Per
-rank: tokens/s (median over the steps after the first), peak resident memory, the routed
+rank: tokens/s (median over the steps after the first), peak resident memory (of the
+process: the second layout's includes what the allocator kept from the first), the routed
 experts' bytes a rank computes with (FSDP all-gathers all 8 experts at ep 1; ep 2 keeps each
 rank's 4), and, from a torch.profiler trace of the same steps, the time in the all-to-all
 ops (dispatch, combine, the counts; forward and backward) over the steps' time. On CPU the
