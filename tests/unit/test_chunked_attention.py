@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from titanlite.models.attention import attend, build_mask
-from titanlite.models.chunked_attention import plan_chunks
+from titanlite.models.chunked_attention import ChunkPlan, Piece, QueryChunk, chunked_attention, plan_chunks
 from titanlite.parallel.context_parallel import _rank_order, _window_order, chunk_positions, chunk_starts
 
 SEQ = 64
@@ -93,3 +93,21 @@ def test_the_gathers_window_order_inverts_the_rank_order(cp):
     rank_order = torch.cat([chunk_positions(SEQ, rank, cp) for rank in range(cp)])
     assert torch.equal(_window_order(rank_order, cp), torch.arange(SEQ))
     assert torch.equal(_rank_order(torch.arange(SEQ), cp), rank_order)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_cuda_kernels_shapes_on_meta_tensors(dtype):
+    """The CUDA path (flash for bf16 pieces, memory-efficient for float32 and masked ones, kv
+    heads repeated for it) run on meta tensors, whose shapes torch registers for those kernels:
+    the output and every gradient come back in their inputs' shapes."""
+    q = torch.empty(2, 4, 40, 16, device="meta", dtype=dtype, requires_grad=True)
+    k = torch.empty(2, 2, 80, 16, device="meta", dtype=dtype, requires_grad=True)
+    v = torch.empty(2, 2, 80, 16, device="meta", dtype=dtype, requires_grad=True)
+    causal = plan_chunks("causal", None, [0, 60], 20, dtype)
+    masked = ChunkPlan((QueryChunk(0, 20, (Piece(0, 20, causal=True),)),
+                        QueryChunk(20, 20, (Piece(30, 80, bias=torch.zeros(2, 1, 20, 50, device="meta", dtype=dtype)),))))
+    for plan in (causal, masked):
+        out = chunked_attention(q, k, v, plan)
+        assert out.shape == q.shape and out.dtype == dtype
+        out.sum().backward()
+        assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)

@@ -13,7 +13,8 @@ gradients exact without differentiating through the merge.
   place, as F.scaled_dot_product_attention's flash path); otherwise the memory-efficient
   kernel, which takes a float32 input and an additive bias but no GQA, so kv heads are
   repeated for it and their gradients summed back; its LSE is padded to a multiple of 32
-  queries, which the merge slices off and the backward pads back.
+  queries, which the merge slices off and the backward pads back. Meta tensors take this
+  path too (torch registers these kernels' shapes), which is how CPU-only CI checks it.
 
 Tensors are [batch, heads, seq, head_dim]; the LSE is float32 [batch, heads, queries].
 """
@@ -36,7 +37,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     output, its LSE, and what `backward` needs."""
     if bias is not None and bias.dtype != q.dtype:
         bias = bias.to(q.dtype)
-    if not q.is_cuda:
+    if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
         return out, lse, (bias,)
     if bias is None and q.dtype in (torch.float16, torch.bfloat16):
@@ -52,7 +53,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, causal: bool, saved: Saved) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for one piece, given the merged `out` and `lse` of its query rows."""
-    if not q.is_cuda:
+    if q.device.type == "cpu":
         (bias,) = saved
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias)
     if saved[0] == "flash":
