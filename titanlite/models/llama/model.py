@@ -118,8 +118,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = self.rotate(q, k, cos_sin)
-        if self.context_parallel is not None:  # every cp rank's keys and values
-            k, v = self.context_parallel.gather(k, dim=1), self.context_parallel.gather(v, dim=1)
+        if self.context_parallel is not None:  # every cp rank's keys and values, in one collective
+            k, v = self.context_parallel.gather(torch.stack((k, v)), dim=2).unbind(0)
         elif self.kv_cache is not None:  # generation: every earlier token's keys and values too
             k, v = self.kv_cache.extend(k, v)
         # GQA inside the kernel: each kv head serves n_heads / kv_heads query heads (also true
