@@ -34,7 +34,10 @@ than the machine has is skipped. Nothing is asserted. The pipeline layouts (pp2,
 pp2_interleaved, pp2_zbv) and the context-parallel ones (cp2, cp2_block_causal, and
 fsdp2_block_causal to compare with) are not in the default list; `bench/pipeline_bubble.py`
 measures the pipelines' bubble. For context parallelism use a long sequence, e.g.
-`--layouts fsdp2,cp2 --seq-len 2048 --local-batch-size 2`.
+`--layouts fsdp2,cp2 --seq-len 2048 --local-batch-size 2`, and beyond 2048 tokens the debug
+model's long flavor: `--seq-len 8192 --local-batch-size 1 -- --model.flavor debugmodel_long`.
+(At the same local batch a CP 2 rank trains half the tokens per step of an FSDP 2 rank, so
+per-step costs weigh twice; `--layouts cp2 --local-batch-size 2b` gives it FSDP 2's at b.)
 """
 
 from __future__ import annotations
