@@ -87,15 +87,21 @@ def time_matmuls(matmuls: list[tuple[int, int, int, bool, bool, int]], dtype: to
 
 def rank_ceiling(trainer) -> dict[str, float]:
     """This rank's step matmuls timed alone (all ranks at once): {"seconds", "flops",
-    "tokens_per_device"}, the last the step's tokens per device as the logged `tps` counts
-    them (a data-parallel replica's tokens over its tp x cp x pp devices), so that
+    "peak_flops", "tokens_per_device"}: then a 2048^3 matmul's FLOP/s on the same threads at
+    the same moment (all ranks at once again), the peak the ceiling is compared with on a
+    host whose speed moves; and the step's tokens per device as the logged `tps` counts them
+    (a data-parallel replica's tokens over its tp x cp x pp devices), so that
     tokens_per_device / tps is the step's time."""
     plan, training = trainer.plan, trainer.cfg.training
     dims, microbatches = plan.dims, plan.pipeline.n_microbatches if plan.pipeline is not None else 1
     forwards = plan.grad_accum_steps * microbatches
     tokens = training.local_batch_size // microbatches * training.seq_len // dims.cp
     matmuls = step_matmuls(linear_shapes(list(trainer.model_parts)), tokens, forwards)
+    dtype = getattr(torch, training.mixed_precision_param)
     dist.barrier()
-    seconds, flops = time_matmuls(matmuls, getattr(torch, training.mixed_precision_param), trainer.device)
+    seconds, flops = time_matmuls(matmuls, dtype, trainer.device)
+    dist.barrier()
+    peak_seconds, peak_flops = time_matmuls([(2048, 2048, 2048, False, True, 1)], dtype, trainer.device, min_seconds=1.0)
     replica_tokens = plan.grad_accum_steps * training.local_batch_size * training.seq_len
-    return {"seconds": seconds, "flops": flops, "tokens_per_device": replica_tokens / (dims.tp * dims.cp * dims.pp)}
+    return {"seconds": seconds, "flops": flops, "peak_flops": peak_flops / peak_seconds,
+            "tokens_per_device": replica_tokens / (dims.tp * dims.cp * dims.pp)}

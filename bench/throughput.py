@@ -26,8 +26,9 @@ Figures, averaged over the steps after `--warmup-steps` (the trainer logs every 
 - % of ceiling: the layout's ceiling (bench/matmul_ceiling.py: the step's own matmuls, the
   same shapes, dtype and counts, timed alone by every rank on its own threads at the end of
   the run; the slowest rank's) over the step's time: how much of the step is its matmuls;
-- ceiling % of peak: the ceiling's own FLOP rate over the peak: what the model's matmul
-  shapes reach at best on this hardware.
+- ceiling % of peak: the ceiling's own FLOP rate over the same ranks' 2048^3 matmul rate,
+  timed by every rank right after its ceiling (so both see the host at the same moment):
+  what the model's matmul shapes reach at best on this hardware.
 
 Then the ratios TP / FSDP 2 and 1 process / FSDP 2 per setting. A layout needing more GPUs
 than the machine has is skipped. Nothing is asserted. The pipeline layouts (pp2, pp2_gpipe,
@@ -104,7 +105,7 @@ class Result:
     flops_per_token: float
     memory_gib: float
     ceiling_share: float  # the step's matmuls timed alone / the step's time
-    ceiling_flops: float  # the ceiling's FLOP/s, all ranks
+    ceiling_of_peak: float  # the ceiling's FLOP/s over the ranks' 2048^3 FLOP/s, timed together
 
 
 
@@ -157,14 +158,14 @@ def steady_tokens_per_s(summary: dict, warmup_steps: int) -> float:
 
 
 def ceiling(summary: dict, warmup_steps: int) -> tuple[float, float]:
-    """(share, FLOP/s): the slowest rank's step matmuls timed alone over the ranks' mean step
-    time after warm-up (tokens per device over the harmonic-mean `tps`), and all ranks'
-    matmul FLOPs over that slowest time."""
+    """(share of the step, share of the peak): the slowest rank's step matmuls timed alone over
+    the ranks' mean step time after warm-up (tokens per device over the harmonic-mean `tps`);
+    all ranks' matmul FLOPs over that slowest time, over the ranks' summed 2048^3 rates."""
     ceilings = summary["ceilings"]
     step_s = statistics.mean(c["tokens_per_device"] / statistics.harmonic_mean([h["tps"] for h in history if h["step"] > warmup_steps])
                              for history, c in zip(summary["ranks"], ceilings))
     slowest = max(c["seconds"] for c in ceilings)
-    return slowest / step_s, sum(c["flops"] for c in ceilings) / slowest
+    return slowest / step_s, sum(c["flops"] for c in ceilings) / slowest / sum(c["peak_flops"] for c in ceilings)
 
 
 def peak_flops(dtype: str, gpus_used: int) -> tuple[float, str]:
@@ -236,9 +237,9 @@ def run_one(args: argparse.Namespace, name: str, setting: Setting, folder: Path,
     summary = launch(nproc, trainer_args, dump / "out.json", args.timeout, cpu_bind=not gpus and args.cpu_bind)
     memory = max(max(h["memory_gib"] for h in history) for history in summary["ranks"])
     threads = 1 if gpus else max(1, usable_cores() // nproc)
-    share, ceiling_flops = ceiling(summary, args.warmup_steps)
+    share, of_peak = ceiling(summary, args.warmup_steps)
     return Result(setting, nproc, threads, steady_tokens_per_s(summary, args.warmup_steps), summary["flops_per_token"], memory,
-                  share, ceiling_flops)
+                  share, of_peak)
 
 
 def run_all(args: argparse.Namespace, settings: list[Setting], gpus: int) -> dict[str, list[Result]]:
@@ -284,7 +285,7 @@ def print_table(results: dict[str, list[Result]], peaks: dict[tuple[str, int], t
             peak, _ = peaks[(r.setting.dtype, min(gpus, r.processes))]
             print(f"| {LAYOUTS[name][0]} | {names}{mark} | {r.processes} x {r.threads} | {r.tokens_per_s:,.0f} | "
                   f"{flops / 1e9:,.1f} | {100 * flops / peak:.1f}% {r.setting.dtype} | {100 * r.ceiling_share:.1f}% | "
-                  f"{100 * r.ceiling_flops / peak:.1f}% | {r.memory_gib:.2f} GiB |")
+                  f"{100 * r.ceiling_of_peak:.1f}% | {r.memory_gib:.2f} GiB |")
 
 
 def print_ratios(results: dict[str, list[Result]]) -> None:
