@@ -22,14 +22,23 @@ Figures, averaged over the steps after `--warmup-steps` (the trainer logs every 
   attention, PaLM's accounting);
 - % of peak: model FLOP/s over the matmul peak of the run's compute dtype on the hardware
   the layout uses: on CPU a 2048^3 `F.linear` measured here on all usable cores (every
-  layout shares those cores); on GPUs the table in observe/peak_flops.py times the GPUs used.
+  layout shares those cores); on GPUs the table in observe/peak_flops.py times the GPUs used;
+- % of ceiling: the layout's ceiling (bench/matmul_ceiling.py: the step's own matmuls, the
+  same shapes, dtype and counts, timed alone by every rank on its own threads at the end of
+  the run; the slowest rank's) over the step's time: how much of the step is its matmuls;
+- ceiling % of peak: the ceiling's own FLOP rate over the same ranks' 2048^3 matmul rate,
+  timed by every rank right after its ceiling (so both see the host at the same moment):
+  what the model's matmul shapes reach at best on this hardware.
 
 Then the ratios TP / FSDP 2 and 1 process / FSDP 2 per setting. A layout needing more GPUs
 than the machine has is skipped. Nothing is asserted. The pipeline layouts (pp2, pp2_gpipe,
 pp2_interleaved, pp2_zbv) and the context-parallel ones (cp2, cp2_block_causal, and
 fsdp2_block_causal to compare with) are not in the default list; `bench/pipeline_bubble.py`
 measures the pipelines' bubble. For context parallelism use a long sequence, e.g.
-`--layouts fsdp2,cp2 --seq-len 2048 --local-batch-size 2`.
+`--layouts fsdp2,cp2 --seq-len 2048 --local-batch-size 2`, and beyond 2048 tokens the debug
+model's long flavor: `--seq-len 8192 --local-batch-size 1 -- --model.flavor debugmodel_long`.
+(At the same local batch a CP 2 rank trains half the tokens per step of an FSDP 2 rank, so
+per-step costs weigh twice; `--layouts cp2 --local-batch-size 2b` gives it FSDP 2's at b.)
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from bench.matmul_ceiling import rank_ceiling  # noqa: E402
 from titanlite.observe.peak_flops import GPU_BF16_PEAK_FLOPS, measure_cpu_matmul_flops  # noqa: E402
 from titanlite.parallel.distributed import usable_cores  # noqa: E402
 from titanlite.step.precision import decide_compute_dtype  # noqa: E402
@@ -94,6 +104,9 @@ class Result:
     tokens_per_s: float
     flops_per_token: float
     memory_gib: float
+    ceiling_share: float  # the step's matmuls timed alone / the step's time
+    ceiling_of_peak: float  # the ceiling's FLOP/s over the ranks' 2048^3 FLOP/s, timed together
+
 
 
 def run_worker(out_path: str, trainer_args: list[str]) -> None:
@@ -110,9 +123,9 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
     trainer = Trainer(plan_run(load_config(trainer_args), world_from_env()[1]))
     history = trainer.train()
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, history)
+    dist.all_gather_object(gathered, (history, rank_ceiling(trainer)))
     if dist.get_rank() == 0:
-        summary = {"ranks": gathered, "n_params": trainer.size.n_params, "flops_per_token": trainer.size.flops_per_token,
+        summary = {"ranks": [h for h, _ in gathered], "ceilings": [c for _, c in gathered], "n_params": trainer.size.n_params, "flops_per_token": trainer.size.flops_per_token,
                    "tp": trainer.plan.dims.tp, "device": str(trainer.device)}
         Path(out_path).write_text(json.dumps(summary))
     trainer.close()
@@ -142,6 +155,17 @@ def steady_tokens_per_s(summary: dict, warmup_steps: int) -> float:
             raise SystemExit(f"no steps after --warmup-steps {warmup_steps}; raise --steps")
         total += statistics.harmonic_mean(steady)
     return total
+
+
+def ceiling(summary: dict, warmup_steps: int) -> tuple[float, float]:
+    """(share of the step, share of the peak): the slowest rank's step matmuls timed alone over
+    the ranks' mean step time after warm-up (tokens per device over the harmonic-mean `tps`);
+    all ranks' matmul FLOPs over that slowest time, over the ranks' summed 2048^3 rates."""
+    ceilings = summary["ceilings"]
+    step_s = statistics.mean(c["tokens_per_device"] / statistics.harmonic_mean([h["tps"] for h in history if h["step"] > warmup_steps])
+                             for history, c in zip(summary["ranks"], ceilings))
+    slowest = max(c["seconds"] for c in ceilings)
+    return slowest / step_s, sum(c["flops"] for c in ceilings) / slowest / sum(c["peak_flops"] for c in ceilings)
 
 
 def peak_flops(dtype: str, gpus_used: int) -> tuple[float, str]:
@@ -213,7 +237,9 @@ def run_one(args: argparse.Namespace, name: str, setting: Setting, folder: Path,
     summary = launch(nproc, trainer_args, dump / "out.json", args.timeout, cpu_bind=not gpus and args.cpu_bind)
     memory = max(max(h["memory_gib"] for h in history) for history in summary["ranks"])
     threads = 1 if gpus else max(1, usable_cores() // nproc)
-    return Result(setting, nproc, threads, steady_tokens_per_s(summary, args.warmup_steps), summary["flops_per_token"], memory)
+    share, of_peak = ceiling(summary, args.warmup_steps)
+    return Result(setting, nproc, threads, steady_tokens_per_s(summary, args.warmup_steps), summary["flops_per_token"], memory,
+                  share, of_peak)
 
 
 def run_all(args: argparse.Namespace, settings: list[Setting], gpus: int) -> dict[str, list[Result]]:
@@ -242,8 +268,9 @@ def best(runs: list[Result]) -> Result:
 def print_table(results: dict[str, list[Result]], peaks: dict[tuple[str, int], tuple[float, str]], gpus: int) -> None:
     """One row per distinct run; a run that serves two settings (best eager = fp32 where auto
     picks float32) is one row named after both."""
-    print("| layout | setting | processes x threads | global tokens/s | model GFLOP/s | % of matmul peak | peak memory per rank |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| layout | setting | processes x threads | global tokens/s | model GFLOP/s | % of matmul peak | % of ceiling "
+          "| ceiling % of peak | peak memory per rank |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for name, runs in results.items():
         winner = best(runs) if len(runs) > 1 else None
         seen: set[tuple[str, bool]] = set()
@@ -257,7 +284,8 @@ def print_table(results: dict[str, list[Result]], peaks: dict[tuple[str, int], t
             flops = r.tokens_per_s * r.flops_per_token
             peak, _ = peaks[(r.setting.dtype, min(gpus, r.processes))]
             print(f"| {LAYOUTS[name][0]} | {names}{mark} | {r.processes} x {r.threads} | {r.tokens_per_s:,.0f} | "
-                  f"{flops / 1e9:,.1f} | {100 * flops / peak:.1f}% {r.setting.dtype} | {r.memory_gib:.2f} GiB |")
+                  f"{flops / 1e9:,.1f} | {100 * flops / peak:.1f}% {r.setting.dtype} | {100 * r.ceiling_share:.1f}% | "
+                  f"{100 * r.ceiling_of_peak:.1f}% | {r.memory_gib:.2f} GiB |")
 
 
 def print_ratios(results: dict[str, list[Result]]) -> None:

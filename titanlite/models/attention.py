@@ -7,9 +7,11 @@
 - "block_causal": a token attends only to earlier tokens of its own document, as Llama 3 was
   pretrained. The loader hands each window's document ids (`data/loader.py`).
 
-Under context parallelism (parallel/context_parallel.py) the local queries sit at global
-positions and the keys are every rank's, so the mask is built from positions even for
-"causal". Positions and RoPE stay the window's: a document that starts mid-window keeps its
+Under context parallelism (parallel/context_parallel.py) the local queries are chunks of the
+window at global positions and the keys are the whole window's: attention runs per chunk
+without a dense mask (models/chunked_attention.py, a `ChunkPlan` in place of the mask).
+`build_mask` also takes positions, for queries that follow cached keys (models/kv_cache.py).
+Positions and RoPE stay the window's: a document that starts mid-window keeps its
 window positions, as in torchtitan and Meta's reference (block masking changes what a token
 sees, not where it is).
 
@@ -26,8 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from titanlite.models.chunked_attention import ChunkPlan, chunked_attention
+
 MASK_TYPES = ("causal", "block_causal")
-Mask = Union[torch.Tensor, BlockMask, None]
+Mask = Union[torch.Tensor, BlockMask, ChunkPlan, None]
 
 _compiled_flex = None
 _compiled_block_mask = None
@@ -79,7 +83,9 @@ def _block_mask(docs: torch.Tensor | None, q_positions: torch.Tensor, k_position
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, grouped: bool) -> torch.Tensor:
     """Attention of q [batch, heads, queries, head_dim] over k, v [batch, kv_heads, keys,
-    head_dim] (GQA when `grouped`): SDPA causal, SDPA with a boolean mask, or flex."""
+    head_dim] (GQA when `grouped`): SDPA causal, SDPA with a boolean mask, flex, or per chunk."""
+    if isinstance(mask, ChunkPlan):
+        return chunked_attention(q, k, v, mask)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
     if isinstance(mask, BlockMask):

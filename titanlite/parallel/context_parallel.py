@@ -11,8 +11,9 @@ reduces over dp_shard x cp, and the logged loss is averaged over both).
 Load balancing: the window's tokens are cut into 2 x cp chunks and cp rank r holds chunks r
 and 2cp-1-r. Under a causal mask a query's work grows with its position, so pairing an early
 chunk with a late one gives every rank the same attention work (torchtitan's "head-tail").
-The gathered keys stay in rank order; the mask is built from their global positions, so no
-reordering is needed.
+The gather puts the keys back in window order (one copy of k and v per layer), so a query
+chunk's earlier keys are one slice: attention runs per chunk without a dense mask
+(models/chunked_attention.py), from each rank's `chunk_starts`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,24 @@ def chunk_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     return torch.cat([first, last])
 
 
+def chunk_starts(seq_len: int, cp_rank: int, cp: int) -> list[int]:
+    """Global starts of cp rank `cp_rank`'s two chunks, in its local order."""
+    chunk = seq_len // (2 * cp)
+    return [cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk]
+
+
+def _window_order(rank_order: torch.Tensor, cp: int) -> torch.Tensor:
+    """[cp x (chunk r, chunk 2cp-1-r), ...] along dim 0 -> chunks 0 .. 2cp-1 (a copy)."""
+    pairs = rank_order.unflatten(0, (cp, 2, -1))
+    return torch.cat([pairs[:, 0], pairs[:, 1].flip(0)]).flatten(0, 1)
+
+
+def _rank_order(window_order: torch.Tensor, cp: int) -> torch.Tensor:
+    """The inverse of `_window_order` (a contiguous copy)."""
+    halves = window_order.unflatten(0, (2, cp, -1))
+    return torch.stack([halves[0], halves[1].flip(0)], dim=1).flatten(0, 2)
+
+
 class ContextParallel:
     """This rank's place on the cp dim, and the sequence operations attention needs."""
 
@@ -44,17 +63,17 @@ class ContextParallel:
         """Global positions of this rank's `local_len` tokens."""
         return chunk_positions(local_len * self.size, self.rank, self.size).to(device)
 
-    def key_positions(self, local_len: int, device: torch.device) -> torch.Tensor:
-        """Global positions of the gathered keys: every rank's tokens, in rank order."""
-        seq_len = local_len * self.size
-        return torch.cat([chunk_positions(seq_len, r, self.size) for r in range(self.size)]).to(device)
+    def chunk_starts(self, local_len: int) -> list[int]:
+        """Global starts of this rank's two chunks of `local_len` / 2 tokens each."""
+        return chunk_starts(local_len * self.size, self.rank, self.size)
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of a whole-sequence tensor (inputs, labels), along `dim`."""
         return x.index_select(dim, chunk_positions(x.shape[dim], self.rank, self.size).to(x.device))
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's part of `x` along `dim`, in rank order; gradients reduce-scatter back."""
+        """The whole window of `x` along `dim`, in window order, from every rank's part;
+        gradients reduce-scatter back."""
         return _GatherAlong.apply(x, dim, self.mesh.get_group())
 
 
@@ -62,8 +81,8 @@ class ContextParallel:
 class ContextParallelModel(Protocol):
     """What context parallelism needs from a model (the registry's models declare it as
     `ModelSpec.capabilities.context_parallel`): to be handed this rank's `ContextParallel`,
-    after which its attention gathers every cp rank's keys and values and masks and rotates at
-    global positions (`positions`, `key_positions`)."""
+    after which its attention gathers every cp rank's keys and values, rotates at global
+    positions (`positions`) and attends per chunk (`chunk_starts`)."""
 
     def enable_context_parallel(self, context_parallel: ContextParallel) -> None: ...
 
@@ -74,8 +93,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class _GatherAlong(torch.autograd.Function):
-    """All-gather along a dim, whose backward reduce-scatters (sums) the gradient back to
-    each rank's part: torch's own collectives in an autograd.Function. (torch 2.13's
+    """All-gather along a dim into window order, whose backward reduce-scatters (sums) the
+    gradient back to each rank's part: torch's own collectives in an autograd.Function. (torch 2.13's
     `all_gather_tensor_autograd` with gather_dim=1 on a [batch, seq, heads, head_dim] key
     returned a tensor that does not require grad, so wk and wv silently got no gradient;
     gather_dim=0 keeps the graph. Checked on gloo, see TORCH_NOTES.)"""
@@ -86,11 +105,11 @@ class _GatherAlong(torch.autograd.Function):
         front = x.movedim(dim, 0).contiguous()
         out = front.new_empty((front.shape[0] * dist.get_world_size(group), *front.shape[1:]))
         _all_gather(out, front, group=group)
-        return out.movedim(0, dim)
+        return _window_order(out, dist.get_world_size(group)).movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        front = grad.movedim(ctx.dim, 0).contiguous()
+        front = _rank_order(grad.movedim(ctx.dim, 0), dist.get_world_size(ctx.group))
         out = front.new_empty((front.shape[0] // dist.get_world_size(ctx.group), *front.shape[1:]))
         _reduce_scatter(out, front, group=ctx.group)
         return out.movedim(0, ctx.dim), None, None

@@ -13,6 +13,8 @@ _LLAMA32_ROPE_SCALING = (32.0, 1.0, 4.0, 8192)
 llama3_flavors: dict[str, LlamaArgs] = {
     # CPU-sized: trains on 2 cores in minutes with the bundled 4k-vocab tokenizer.
     "debugmodel": LlamaArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, rope_theta=500000.0, max_seq_len=2048),
+    # The same up to 8192 tokens: long sequences (context parallelism) in benches.
+    "debugmodel_long": LlamaArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, rope_theta=500000.0, max_seq_len=8192),
     # The same with one table for embedding and head, as Llama 3.2 has: tying on CPU layouts.
     "debugmodel_tied": LlamaArgs(
         dim=256, n_layers=6, n_heads=8, n_kv_heads=4, rope_theta=500000.0, max_seq_len=2048, tie_word_embeddings=True

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titanlite.models.attention import Mask, attend, build_mask
+from titanlite.models.chunked_attention import plan_chunks
 from titanlite.models.init import ShardInit
 from titanlite.models.kv_cache import KVCache, LayerKVCache
 from titanlite.parallel.context_parallel import ContextParallel
@@ -117,8 +118,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = self.rotate(q, k, cos_sin)
-        if self.context_parallel is not None:  # every cp rank's keys and values
-            k, v = self.context_parallel.gather(k, dim=1), self.context_parallel.gather(v, dim=1)
+        if self.context_parallel is not None:  # every cp rank's keys and values, in one collective
+            k, v = self.context_parallel.gather(torch.stack((k, v)), dim=2).unbind(0)
         elif self.kv_cache is not None:  # generation: every earlier token's keys and values too
             k, v = self.kv_cache.extend(k, v)
         # GQA inside the kernel: each kv head serves n_heads / kv_heads query heads (also true
@@ -236,13 +237,12 @@ class Llama(nn.Module):
         seq = tokens.shape[1] if self.tok_embeddings is not None else h.shape[1] * self.sequence_shards
         if self.kv_cache is not None:  # generation: these tokens follow the cached ones
             cos_sin, mask = self.rope_cache[self.kv_cache.positions(seq, h.device)], self.kv_cache.mask(seq, h.device)
+        elif self.context_parallel is not None:  # this rank's two chunks, attended per chunk
+            cos_sin = self.rope_cache[self.context_parallel.positions(seq, h.device)]
+            mask = plan_chunks(self.args.attn_mask_type, document_ids, self.context_parallel.chunk_starts(seq), seq // 2, h.dtype)
         else:
-            positions = key_positions = None
-            if self.context_parallel is not None:
-                positions = self.context_parallel.positions(seq, h.device)
-                key_positions = self.context_parallel.key_positions(seq, h.device)
-            cos_sin = self.rope_cache[:seq] if positions is None else self.rope_cache[positions]
-            mask = build_mask(self.args.attn_mask_type, document_ids, positions, key_positions, flex=h.is_cuda)
+            cos_sin = self.rope_cache[:seq]
+            mask = build_mask(self.args.attn_mask_type, document_ids, None, None, flex=h.is_cuda)
         for block in self.layers.values():
             h = block(h, cos_sin, mask)
         if self.norm is not None:
