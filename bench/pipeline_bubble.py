@@ -14,7 +14,12 @@ first two and over the ranks:
 
 next to the bubble of the textbook schedule, (p - 1) / (m + p - 1) for 1F1B and GPipe (p
 stages, m microbatches). The measured figure includes the sends and receives, so it sits
-above the textbook one by their cost; both fall as m grows. Nothing is asserted.
+above the textbook one by their cost; both fall as m grows. The textbook assumes equal
+stages; the last column is the bubble of the stages as measured (each rank's compute per
+step, printed): the slowest stage paces m - 1 microbatches and each runs one more in the fill
+and the drain, (m - 1) t_max + sum t_i. What the measured idle has above that column is the
+schedule's own cost (sends, receives, bookkeeping). `--split-points` moves the stage boundary.
+Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -106,10 +111,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--split-points", default="", help="parallelism.pipeline_parallel_split_points (default: the balanced split)")
     args = parser.parse_args()
     print(f"debug model, pp {DEGREE}, seq_len {args.seq_len}, 1 sequence per microbatch, {args.steps} steps (first 2 left out)")
-    print("| schedule | microbatches | step time | compute share | measured idle | textbook bubble (p-1)/(m+p-1) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| schedule | microbatches | step time | compute per rank | compute share | measured idle | textbook bubble (p-1)/(m+p-1) "
+          "| bubble of these stages |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         for schedule in args.schedules.split(","):
             for m in (int(x) for x in args.microbatches.split(",")):
@@ -119,13 +126,22 @@ def main() -> None:
                     "--training.local_batch_size", str(m), "--training.mixed_precision_param", "float32",
                     "--parallelism.pipeline_parallel_degree", str(DEGREE), "--parallelism.pipeline_parallel_schedule", schedule,
                     "--metrics.enable_tensorboard", "false", "--metrics.peak_flops", "1e11", "--job.dump_folder", str(dump),
+                    *(["--parallelism.pipeline_parallel_split_points", args.split_points] if args.split_points else []),
                 ]  # fmt: skip
                 ranks = launch(trainer_args, dump.with_suffix(".json"), args.timeout)
                 steady = [s for rank in ranks for s in rank[2:]]
                 wall = statistics.mean(s["wall"] for s in steady)
                 compute = statistics.mean(s["compute"] / s["wall"] for s in steady)
                 textbook = (DEGREE - 1) / (m + DEGREE - 1)
-                print(f"| {schedule} | {m} | {wall * 1000:,.0f} ms | {compute:.1%} | {1 - compute:.1%} | {textbook:.1%} |", flush=True)
+                per_rank = [statistics.mean(s["compute"] for s in rank[2:]) for rank in ranks]
+                # The schedule at these stages' own speeds: the slowest stage paces m - 1 microbatches
+                # and every stage runs one in the fill and the drain, (m - 1) t_max + sum t_i
+                # (the textbook's (m + p - 1) t when the stages are equal).
+                ideal = ((m - 1) * max(per_rank) + sum(per_rank)) / m
+                balanced = 1 - statistics.mean(per_rank) / ideal
+                stages = " / ".join(f"{c * 1000:,.0f}" for c in per_rank)
+                print(f"| {schedule} | {m} | {wall * 1000:,.0f} ms | {stages} ms | {compute:.1%} | {1 - compute:.1%} | {textbook:.1%} "
+                      f"| {balanced:.1%} |", flush=True)
 
 
 if __name__ == "__main__":
