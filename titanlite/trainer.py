@@ -79,9 +79,11 @@ class Trainer:
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp * plan.dims.cp * plan.dims.pp, self.run_dir, run_config=to_dict(cfg))
         self.validator = build_validator(cfg.validation, validation_data, self.model, self.forward_backward.evaluate, self.steps.reported, self.device, self.metrics)
+        dims = plan.dims
+        experts = f" (experts: ep {dims.ep} x efsdp {dims.dp_shard * dims.cp // dims.ep})" if dims.ep > 1 else ""
         logger.info(
             f"model {cfg.model.name} {cfg.model.flavor}: {self.size.n_params:,} parameters, "
-            f"{self.size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.meshes.world}; "
+            f"{self.size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {self.meshes.world}{experts}; "
             f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
         )
         if plan.pipeline is not None:

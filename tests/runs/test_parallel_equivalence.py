@@ -104,8 +104,9 @@ LAYOUTS = {
     "qwen3_moe_pp2": (2, [*batch(8), *PP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_moe_cp2": (2, [*batch(8), *CP, *QWEN3_MOE], "qwen3_moe"),
     # Expert parallelism: the routed experts split over ep ranks borrowed from dp_shard x cp,
-    # tokens exchanged by all-to-all, with the bias-balanced router and the aux-loss one.
-    "qwen3_moe_ep2": (2, [*batch(4), *EP, *QWEN3_MOE], "qwen3_moe"),
+    # tokens exchanged by all-to-all, with the bias-balanced router and the aux-loss one; under
+    # full activation checkpointing once (the recompute repeats the exchange, and the counts).
+    "qwen3_moe_ep2_ac_full": (2, [*batch(4), *EP, *QWEN3_MOE, "--activation_checkpoint.mode", "full"], "qwen3_moe"),
     "qwen3_moe_aux_ep2": (2, [*batch(4), *EP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
     "qwen3_moe_aux_ep2_cp2": (2, [*batch(8), *EP, *CP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
     "qwen3_moe_ep2_fsdp4": (4, [*batch(2), *EP, *QWEN3_MOE], "qwen3_moe"),
