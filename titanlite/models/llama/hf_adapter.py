@@ -17,12 +17,12 @@ model's `hf_adapter` (ModelSpec). It is the one place that knows Llama's config.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
 
 from titanlite.config.dtypes import dtype_name
+from titanlite.models.hf_names import NameTable
 
 # Our name (with {i} for the layer) -> Hugging Face name.
 _NAMES = {
@@ -41,25 +41,12 @@ _NAMES = {
 }
 
 
-def _compile(table: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
-    return [(re.compile("^" + re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst) for src, dst in table.items()]
-
-
-_TO_HF = _compile(_NAMES)
-_FROM_HF = _compile({v: k for k, v in _NAMES.items()})
-
-
-def _rename(key: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
-    for pattern, target in rules:
-        match = pattern.match(key)
-        if match:
-            return target.replace("{i}", match.group(1)) if match.groups() else target
-    raise KeyError(key)
+_TABLE = NameTable(_NAMES)
 
 
 def hf_name(key: str) -> str:
     """Our state-dict key -> its Hugging Face name (KeyError for a key HF has no name for)."""
-    return _rename(key, _TO_HF)
+    return _TABLE.to_hf(key)
 
 
 def tied_to(key: str, args: Any) -> str | None:
@@ -130,7 +117,7 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.T
     for key, value in state_dict.items():
         if key.endswith("rotary_emb.inv_freq"):
             continue
-        name = _rename(key, _FROM_HF)
+        name = _TABLE.from_hf(key)
         heads = rotary_heads(name, args)
         out[name] = (half_to_interleaved(value, heads) if heads else value).contiguous()
     if args.tie_word_embeddings:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from titanlite.config.dtypes import dtype_name
+from titanlite.models.hf_names import NameTable
 from titanlite.models.moe import MoEArgs
 
 # Our name (with {i} for the layer) -> Hugging Face name, for tensors stored whole.
@@ -53,25 +54,12 @@ _STACKED = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
 
 
-def _compile(table: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
-    return [(re.compile("^" + re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst) for src, dst in table.items()]
-
-
-_TO_HF = _compile(_NAMES)
-_FROM_HF = _compile({v: k for k, v in _NAMES.items()})
-
-
-def _rename(key: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
-    for pattern, target in rules:
-        match = pattern.match(key)
-        if match:
-            return target.replace("{i}", match.group(1)) if match.groups() else target
-    raise KeyError(key)
+_TABLE = NameTable(_NAMES)
 
 
 def hf_name(key: str) -> str:
     """Our key of a tensor HF stores whole -> its Hugging Face name (KeyError otherwise)."""
-    return _rename(key, _TO_HF)
+    return _TABLE.to_hf(key)
 
 
 def stacked_hf_names(key: str, args: Any) -> list[str] | None:
@@ -146,7 +134,7 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.T
             weight = next(w for w, k in _EXPERTS.items() if k == kind)
             experts.setdefault(f"layers.{layer}.feed_forward.experts.{weight}", {})[int(e)] = value
         elif not ignored_hf_tensor(name, args):
-            out[_rename(name, _FROM_HF)] = value
+            out[_TABLE.from_hf(name)] = value
     for key, slices in experts.items():
         out[key] = torch.stack([slices[e] for e in range(args.moe.n_experts)])
     if args.moe is not None and args.moe.use_expert_bias:
