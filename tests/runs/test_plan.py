@@ -195,7 +195,7 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     for (preset, argv, verdict, gib), result in zip(lines, results):
         said = re.search(r"^verdict: (fits|does not fit): ([\d.]+) GiB", result.stdout, re.M)
         assert said and (said.group(1), said.group(2)) == (verdict, gib), f"{preset} {argv}: comment {verdict}, {gib} GiB; planner {said and said.groups()}"
-        if preset in ("qwen3_30b_a3b", "qwen3_235b_a22b"):  # 128 experts over 512 ranks: an equal block each (fsdp.shard_dim, with ep expert_parallel.experts_placement)
+        if preset in ("qwen3_30b_a3b", "qwen3_235b_a22b"):  # 128 experts over 512 ranks: an equal block each (fsdp.shard_dim, with ep fsdp.expert_shard_dim)
             least, most = (int(n.replace(",", "")) for n in re.search(r"ranks hold ([\d,]+) \(rank \d+\) to ([\d,]+)", result.stdout).groups())
             assert most < 1.02 * least, f"{preset}: ranks hold {least:,} to {most:,} parameters"
     assert results[-1].stdout == sample_command.group(2), "docs/planning.md's sample is not the planner's output"

@@ -92,17 +92,3 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) 
             shard_experts(experts, weights_mesh)
             units.append(experts)
     return units
-
-
-def experts_placement(ep: int, shards: int):
-    """FSDP2's `shard_placement_fn` for expert weights already split over `ep` ranks, sharded
-    further over `shards` efsdp ranks: dim 0 (the local experts) while there are as many
-    local experts as shards, else the first later dim the shards divide (128 experts at ep
-    64 leave 2 per rank for 8 efsdp ranks), as `fsdp.shard_dim` does for plain tensors."""
-
-    def placement(param: nn.Parameter) -> Shard | None:
-        if param.shape[0] // ep >= shards:
-            return None
-        return next((Shard(d) for d in range(1, param.ndim) if param.shape[d] % shards == 0), None)
-
-    return placement

@@ -8,7 +8,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from titanlite.parallel.expert_parallel import experts_placement
 from titanlite.parallel.units import outermost
 
 
@@ -35,9 +34,26 @@ def shard_dim(shards: int):
     def placement(param: nn.Parameter) -> Shard | None:
         if param.shape[0] >= shards or isinstance(param, DTensor):
             return None
-        return next((Shard(d) for d in range(1, param.ndim) if param.shape[d] % shards == 0), None)
+        return _later_dim(param, shards)
 
     return placement
+
+
+def expert_shard_dim(ep: int, shards: int):
+    """`shard_dim` for expert weights already split over `ep` ranks (Shard(0) DTensors on the
+    ep mesh), sharded further over `shards` efsdp ranks: dim 0 (the local experts) while there
+    are as many local experts as shards, else the first later dim the shards divide (128
+    experts at ep 64 leave 2 per rank for 8 efsdp ranks)."""
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        return None if param.shape[0] // ep >= shards else _later_dim(param, shards)
+
+    return placement
+
+
+def _later_dim(param: nn.Parameter, shards: int) -> Shard | None:
+    """Shard(d) for the first dim after 0 that `shards` divides evenly, or None (dim 0)."""
+    return next((Shard(d) for d in range(1, param.ndim) if param.shape[d] % shards == 0), None)
 
 
 def shard_model(
@@ -87,7 +103,7 @@ def _shard_experts(experts: list[nn.Module], mesh: DeviceMesh, shards: int, conf
     (`shards`), not only efsdp's. FSDP2 divides by such a factor inside the collective
     (NCCL's PREMUL_SUM) unless told to sum and divide apart, which is what gloo can do."""
     ep = shards // mesh.size()
-    options = {**config, "mesh": mesh, "shard_placement_fn": experts_placement(ep, mesh.size())}
+    options = {**config, "mesh": mesh, "shard_placement_fn": expert_shard_dim(ep, mesh.size())}
     policy = reshard_policy(reshard_after_forward, False, pipelined)
     for module in experts:  # a reshard to k ranks (k dividing dp_shard x cp) is a full reshard here
         fully_shard(module, reshard_after_forward=policy if isinstance(policy, bool) else True, **options)
