@@ -82,7 +82,9 @@ def test_state_round_trips_through_dcp(tmp_path, shards):
 
 
 def test_prefetch_gives_the_same_batches_and_forwards_errors(tmp_path, shards):
-    assert_same(take(loader(stream_of(shards), 3), 80), take(loader(stream_of(shards), 3, prefetch=False), 80))
+    prefetched = loader(stream_of(shards), 3)
+    assert_same(take(prefetched, 80), take(loader(stream_of(shards), 3, prefetch=False), 80))
+    prefetched.close()  # its thread must not read the shard rewritten below (a fault, SIGBUS, kills the process)
     path = shards.folder / "shard-00001.bin"
     raw = bytearray(path.read_bytes())
     raw[0:2] = (50_000).to_bytes(2, "little")
@@ -91,6 +93,22 @@ def test_prefetch_gives_the_same_batches_and_forwards_errors(tmp_path, shards):
     with pytest.raises(TitanliteError, match=r"shard-00001\.bin is corrupted"):
         take(corrupted, 20)
     corrupted.close()
+
+
+def test_a_loader_dropped_without_close_stops_its_prefetch_thread(shards):
+    """A thread that outlived its loader kept reading the memory-mapped shards, and a shard
+    rewritten later (another test's tmp data) faulted the whole process (SIGBUS)."""
+    import gc
+    import threading
+
+    before = set(threading.enumerate())
+    dropped = loader(stream_of(shards), 3)
+    take(dropped, 2)
+    (thread,) = [t for t in threading.enumerate() if t.name == "titanlite-prefetch" and t not in before]
+    del dropped
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
 
 
 def test_state_of_other_data_warns_and_keeps_the_position(shards, caplog):

@@ -5,12 +5,18 @@ Batches are a pure function of their position (see windows.py), so the thread on
 where to start and how far each batch advances; restarting at another position (a resumed
 checkpoint) is stopping the thread and starting a new one. Reading from a memory map and
 converting with numpy release the GIL for the bulk of the work.
+
+A thread left running after its consumer is gone keeps reading the memory-mapped shards; if
+one of them is then truncated or rewritten, the read faults (SIGBUS) and kills the process.
+So the thread holds its producer's owner only weakly (`owned_by`), and `stop()` is safe to
+call from a finalizer.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -50,6 +56,30 @@ class Prefetcher(Generic[T]):
             raise value
         return value
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Ask the thread to end after its current item; does not wait (safe in a finalizer)."""
         self._stop.set()
+
+    def close(self) -> None:
+        self.stop()
         self._thread.join(timeout=10)
+
+    @classmethod
+    def owned_by(cls, owner: object, method: str, start: int, stride: int, depth: int = 2) -> Prefetcher:
+        """A prefetcher of `getattr(owner, method)(position)` that does not keep `owner` alive
+        and stops when it is collected (a consumer dropped without `close()`)."""
+        ref = weakref.ref(owner)
+
+        def produce(position: int):
+            current = ref()
+            if current is None:
+                raise _OwnerGone
+            return getattr(current, method)(position)
+
+        prefetcher = cls(produce, start, stride, depth)
+        weakref.finalize(owner, prefetcher.stop)
+        return prefetcher
+
+
+class _OwnerGone(Exception):
+    """Raised on the thread when the prefetcher's owner was collected: ends the thread."""
