@@ -12,8 +12,18 @@ Timing those matmuls alone, in the step's dtype, on the threads and cores the ra
 (called at the end of a bench worker, every rank at once after a barrier), gives the time a
 step would take if it did nothing else: the step's share of it is how much of the step is
 its matmuls, and the ceiling's own FLOP rate over the 2048^3 peak is how much the model's
-shapes themselves lose. Attention, the loss, norms and communication are what lies between.
-Mixture-of-experts expert weights (grouped matmuls, not nn.Linear) are not counted.
+shapes themselves lose. The loss, norms, the attention kernel's softmax and communication are
+what lies between. Mixture-of-experts expert weights (grouped matmuls, not nn.Linear) are not
+counted.
+
+Attention's own matmuls are counted too (every module with a `head_dim`, its local query
+heads read from its output projection, the last nn.Linear it registers: Llama's `wo`,
+GPT-2's `c_proj`): per forward and query head, the scores Q K^T and the output P V, and in
+the backward dP = dO V^T, dV = P^T dO, dQ = dS K and dK = dS^T Q, as batched matmuls of the
+rank's queries (seq / cp) against half the keys (seq / 2): a causal kernel computes half the
+square, and a cp rank's queries (two chunks, load-balanced) see half the keys on average.
+Block-causal attention needs less still; its ceiling counts the causal half all the same.
+(PaLM's model FLOPs, the "% of peak" column's, count the whole square.)
 """
 
 from __future__ import annotations
@@ -49,31 +59,62 @@ def _computed_shape(weight: torch.Tensor) -> list[int]:
     return shape
 
 
-def step_matmuls(shapes: Counter[tuple[int, int]], tokens: int, forwards: int) -> list[tuple[int, int, int, bool, bool, int]]:
-    """(m, k, n, transpose a, transpose b, count) of each matmul a step does: per linear and
-    forward, X W^T, dY W and dY^T X."""
+# (batch, m, k, n, transpose a, transpose b, count): `count` products of [batch,] m x k by k x n.
+Matmul = tuple[int, int, int, int, bool, bool, int]
+
+
+def step_matmuls(shapes: Counter[tuple[int, int]], tokens: int, forwards: int) -> list[Matmul]:
+    """Each matmul of the linears a step does: per linear and forward, X W^T, dY W and dY^T X."""
     matmuls = []
     for (d_in, d_out), count in shapes.items():
         n = count * forwards
-        matmuls += [(tokens, d_in, d_out, False, True, n), (tokens, d_out, d_in, False, False, n), (d_out, tokens, d_in, True, False, n)]
+        matmuls += [(1, tokens, d_in, d_out, False, True, n), (1, tokens, d_out, d_in, False, False, n),
+                    (1, d_out, tokens, d_in, True, False, n)]  # fmt: skip
     return matmuls
 
 
-def time_matmuls(matmuls: list[tuple[int, int, int, bool, bool, int]], dtype: torch.dtype, device: torch.device,
-                 min_seconds: float = 2.0) -> tuple[float, float]:
+def attention_widths(parts: list[nn.Module]) -> Counter[tuple[int, int]]:
+    """(local query heads, head_dim) of every attention module in `parts` (see the module
+    docstring): the output projection's input features, tp-sharded ones counted locally."""
+    widths: Counter[tuple[int, int]] = Counter()
+    for part in parts:
+        for module in part.modules():
+            head_dim = getattr(module, "head_dim", None)
+            linears = [m for m in module.children() if isinstance(m, nn.Linear)]
+            if isinstance(head_dim, int) and linears:
+                widths[(_computed_shape(linears[-1].weight)[1] // head_dim, head_dim)] += 1
+    return widths
+
+
+def attention_matmuls(widths: Counter[tuple[int, int]], sequences: int, q_len: int, k_len: int, forwards: int) -> list[Matmul]:
+    """Each batched matmul of attention a step does: per module and forward, over sequences x
+    heads, Q K^T and P V forward, dO V^T, P^T dO, dS K and dS^T Q backward, against the causal
+    half of the keys."""
+    keys = max(1, k_len // 2)
+    matmuls = []
+    for (heads, head_dim), count in widths.items():
+        b, n = sequences * heads, count * forwards
+        matmuls += [(b, q_len, head_dim, keys, False, False, n), (b, q_len, keys, head_dim, False, False, n),  # forward
+                    (b, q_len, head_dim, keys, False, False, n), (b, keys, q_len, head_dim, False, False, n),  # dP, dV
+                    (b, q_len, keys, head_dim, False, False, n), (b, keys, q_len, head_dim, False, False, n)]  # dQ, dK
+    return matmuls
+
+
+def time_matmuls(matmuls: list[Matmul], dtype: torch.dtype, device: torch.device, min_seconds: float = 2.0) -> tuple[float, float]:
     """Seconds one step's matmuls take, run back to back (the average of whole repeats, at
     least `min_seconds` in all, after one repeat to warm up), and their FLOPs."""
     operands = []
-    for m, k, n, trans_a, trans_b, count in matmuls:
-        a = torch.randn((k, m) if trans_a else (m, k), dtype=dtype, device=device)
-        b = torch.randn((n, k) if trans_b else (k, n), dtype=dtype, device=device)
-        operands.append((a.t() if trans_a else a, b.t() if trans_b else b, count))
-    flops = sum(2.0 * m * k * n * count for m, k, n, _, _, count in matmuls)
+    for batch, m, k, n, trans_a, trans_b, count in matmuls:
+        lead = (batch,) if batch > 1 else ()
+        a = torch.randn((*lead, k, m) if trans_a else (*lead, m, k), dtype=dtype, device=device)
+        b = torch.randn((*lead, n, k) if trans_b else (*lead, k, n), dtype=dtype, device=device)
+        operands.append((a.transpose(-1, -2) if trans_a else a, b.transpose(-1, -2) if trans_b else b, count))
+    flops = sum(2.0 * batch * m * k * n * count for batch, m, k, n, _, _, count in matmuls)
 
     def one_step() -> None:
         for a, b, count in operands:
             for _ in range(count):
-                torch.mm(a, b)
+                torch.matmul(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -95,14 +136,17 @@ def rank_ceiling(trainer) -> dict[str, float]:
     plan, training = trainer.plan, trainer.cfg.training
     dims, microbatches = plan.dims, plan.pipeline.n_microbatches if plan.pipeline is not None else 1
     forwards = plan.grad_accum_steps * microbatches
-    tokens = training.local_batch_size // microbatches * training.seq_len // dims.cp
-    matmuls = step_matmuls(linear_shapes(list(trainer.model_parts)), tokens, forwards)
+    sequences = training.local_batch_size // microbatches
+    q_len = training.seq_len // dims.cp
+    parts = list(trainer.model_parts)
+    matmuls = (step_matmuls(linear_shapes(parts), sequences * q_len, forwards)
+               + attention_matmuls(attention_widths(parts), sequences, q_len, training.seq_len, forwards))
     dtype = getattr(torch, training.mixed_precision_param)
     dist.barrier()
     seconds, flops = time_matmuls(matmuls, dtype, trainer.device)
     dist.barrier()
     # The fastest of a few short timings: a neighbour's burst on a shared host lowers a mean.
-    peak_seconds, peak_flops = min(time_matmuls([(2048, 2048, 2048, False, True, 1)], dtype, trainer.device, min_seconds=0.3)
+    peak_seconds, peak_flops = min(time_matmuls([(1, 2048, 2048, 2048, False, True, 1)], dtype, trainer.device, min_seconds=0.3)
                                    for _ in range(4))
     replica_tokens = plan.grad_accum_steps * training.local_batch_size * training.seq_len
     return {"seconds": seconds, "flops": flops, "peak_flops": peak_flops / peak_seconds,

@@ -1,11 +1,14 @@
 """The pipeline bubble, measured: the share of a schedule step each rank spends not computing.
 
     python bench/pipeline_bubble.py [--microbatches 2,4,8,16] [--schedules 1F1B,GPipe] [--steps 8]
-                                    [--seq-len 256] [--timeout 600]
+                                    [--seq-len 256] [--n-layers 7] [--balance flops] [--timeout 600]
 
 Each (schedule, microbatches) is a real 2-rank run of the trainer on the debug model (pp 2,
 gloo on CPU, each rank bound to its own core by `titanlite.launch --cpu-bind`), one sequence
-per microbatch. In every rank the stage's compute (torch's `PipelineStage` forward, backward
+per microbatch. The debug model's shapes with 7 blocks by default (`--n-layers`; the flavor
+has 6): its output head costs about one block, so 6 blocks cannot split evenly into two
+stages around it and the measured idle would be mostly the stages' imbalance, not the
+schedule's cost; 7 split 4 | 3 + head. `--balance` is `parallelism.pipeline_parallel_balance`. In every rank the stage's compute (torch's `PipelineStage` forward, backward
 and weight-gradient chunks) is timed; the rest of the schedule step's wall time is the bubble
 plus the time spent moving activations. Printed per run, averaged over the steps after the
 first two and over the ranks:
@@ -59,8 +62,30 @@ def time_stage_compute() -> list[float]:
     return spent
 
 
-def run_worker(out_path: str, trainer_args: list[str]) -> None:
-    """One rank: train step by step, recording the compute and wall time of each step."""
+BENCH_FLAVOR = "debugmodel_bench"
+
+
+def register_bench_flavor(n_layers: int) -> None:
+    """The debug model's shapes with `n_layers` blocks, as the Llama flavor BENCH_FLAVOR."""
+    import dataclasses
+
+    from titanlite.models.llama import llama3_flavors
+
+    llama3_flavors[BENCH_FLAVOR] = dataclasses.replace(llama3_flavors["debugmodel"], n_layers=n_layers)
+
+
+def describe_split(trainer_args: list[str], n_layers: int) -> str:
+    """The stages the trainer will build, planned here without a device."""
+    from titanlite.build import plan_run
+    from titanlite.config import load_config
+
+    register_bench_flavor(n_layers)
+    return plan_run(load_config([*trainer_args, "--model.flavor", BENCH_FLAVOR]), DEGREE).pipeline.describe().split("; ", 1)[1]
+
+
+def run_worker(out_path: str, n_layers: int, trainer_args: list[str]) -> None:
+    """One rank: train step by step, recording the compute and wall time of each step, on the
+    debug model's shapes with `n_layers` blocks."""
     import torch.distributed as dist
 
     from titanlite.build import plan_run
@@ -70,8 +95,9 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
     from titanlite.trainer import Trainer
 
     bind_from_env()
+    register_bench_flavor(n_layers)
     spent = time_stage_compute()
-    trainer = Trainer(plan_run(load_config(trainer_args), world_from_env()[1]))
+    trainer = Trainer(plan_run(load_config([*trainer_args, "--model.flavor", BENCH_FLAVOR]), world_from_env()[1]))
     batches, steps = iter(trainer.data), []
     for step in range(1, trainer.cfg.training.steps + 1):
         trainer.state.step = step
@@ -91,10 +117,10 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def launch(trainer_args: list[str], out: Path, timeout: float) -> list[list[dict]]:
+def launch(n_layers: int, trainer_args: list[str], out: Path, timeout: float) -> list[list[dict]]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={DEGREE}", "--cpu-bind",
-           str(Path(__file__).resolve()), "--worker", str(out), *trainer_args]  # fmt: skip
+           str(Path(__file__).resolve()), "--worker", str(out), str(n_layers), *trainer_args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -103,7 +129,7 @@ def launch(trainer_args: list[str], out: Path, timeout: float) -> list[list[dict
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        run_worker(sys.argv[2], sys.argv[3:])
+        run_worker(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--microbatches", default="2,4,8,16")
@@ -111,12 +137,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--split-points", default="", help="parallelism.pipeline_parallel_split_points (default: the balanced split)")
+    parser.add_argument("--n-layers", type=int, default=7, help="blocks of the debug model's shapes (the flavor has 6)")
+    parser.add_argument("--balance", default="flops", choices=("layers", "flops"), help="parallelism.pipeline_parallel_balance")
+    parser.add_argument("--split-points", default="", help="parallelism.pipeline_parallel_split_points (instead of --balance)")
     args = parser.parse_args()
-    print(f"debug model, pp {DEGREE}, seq_len {args.seq_len}, 1 sequence per microbatch, {args.steps} steps (first 2 left out)")
-    print("| schedule | microbatches | step time | compute per rank | compute share | measured idle | textbook bubble (p-1)/(m+p-1) "
-          "| bubble of these stages |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"debug model's shapes with {args.n_layers} blocks, pp {DEGREE}, seq_len {args.seq_len}, 1 sequence per microbatch, "
+          f"{args.steps} steps (first 2 left out)")
+    header = ("| schedule | microbatches | step time | compute per rank | compute share | measured idle | textbook bubble (p-1)/(m+p-1) "
+              "| bubble of these stages |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    printed_split = False
     with tempfile.TemporaryDirectory() as folder:
         for schedule in args.schedules.split(","):
             for m in (int(x) for x in args.microbatches.split(",")):
@@ -126,9 +155,14 @@ def main() -> None:
                     "--training.local_batch_size", str(m), "--training.mixed_precision_param", "float32",
                     "--parallelism.pipeline_parallel_degree", str(DEGREE), "--parallelism.pipeline_parallel_schedule", schedule,
                     "--metrics.enable_tensorboard", "false", "--metrics.peak_flops", "1e11", "--job.dump_folder", str(dump),
-                    *(["--parallelism.pipeline_parallel_split_points", args.split_points] if args.split_points else []),
+                    *(["--parallelism.pipeline_parallel_split_points", args.split_points] if args.split_points
+                      else ["--parallelism.pipeline_parallel_balance", args.balance]),
                 ]  # fmt: skip
-                ranks = launch(trainer_args, dump.with_suffix(".json"), args.timeout)
+                if not printed_split:
+                    print(f"split: {describe_split(trainer_args, args.n_layers)}\n")
+                    print(header)
+                    printed_split = True
+                ranks = launch(args.n_layers, trainer_args, dump.with_suffix(".json"), args.timeout)
                 steady = [s for rank in ranks for s in rank[2:]]
                 wall = statistics.mean(s["wall"] for s in steady)
                 compute = statistics.mean(s["compute"] / s["wall"] for s in steady)

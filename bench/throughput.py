@@ -1,7 +1,7 @@
 """Training throughput per parallel layout, in float32 and in the best correct setting, in one run.
 
     python bench/throughput.py [--steps 20] [--warmup-steps 10] [--seq-len 512] [--local-batch-size 8]
-                               [--layouts one,fsdp2,tp2,fsdp2_tp2] [-- extra trainer overrides]
+                               [--layouts one,fsdp2,tp2,fsdp2_tp2] [--profile] [-- extra trainer overrides]
 
 Each (layout, setting) is a real run of `titanlite.trainer`'s Trainer under `python -m
 titanlite.launch --standalone` (gloo on CPU, NCCL on GPUs; on CPU with `--cpu-bind`, each
@@ -24,13 +24,17 @@ Figures, averaged over the steps after `--warmup-steps` (the trainer logs every 
   the layout uses: on CPU a 2048^3 `F.linear` measured here on all usable cores (every
   layout shares those cores); on GPUs the table in observe/peak_flops.py times the GPUs used;
 - % of ceiling: the layout's ceiling (bench/matmul_ceiling.py: the step's own matmuls, the
-  same shapes, dtype and counts, timed alone by every rank on its own threads at the end of
-  the run; the slowest rank's) over the step's time: how much of the step is its matmuls;
+  linears' and attention's (the causal half of the scores and values), the same shapes, dtype
+  and counts, timed alone by every rank on its own threads at the end of the run; the slowest
+  rank's) over the step's time: how much of the step is its matmuls;
 - ceiling % of peak: the ceiling's own FLOP rate over the same ranks' 2048^3 matmul rate,
   timed by every rank right after its ceiling (so both see the host at the same moment):
   what the model's matmul shapes reach at best on this hardware.
 
-Then the ratios TP / FSDP 2 and 1 process / FSDP 2 per setting. A layout needing more GPUs
+Then the ratios TP / FSDP 2 and 1 process / FSDP 2 per setting. With `--profile`, each run
+profiles one more step and rank 0's time is printed by op group (bench/op_groups.py: matmul,
+attention, communication, DTensor, copies, optimizer, elementwise, other ranges, unprofiled),
+with the largest ops outside matmul and attention. A layout needing more GPUs
 than the machine has is skipped. Nothing is asserted. The pipeline layouts (pp2, pp2_gpipe,
 pp2_interleaved, pp2_zbv) and the context-parallel ones (cp2, cp2_block_causal, and
 fsdp2_block_causal to compare with) are not in the default list; `bench/pipeline_bubble.py`
@@ -38,7 +42,8 @@ measures the pipelines' bubble. For context parallelism use a long sequence, e.g
 `--layouts fsdp2,cp2 --seq-len 2048 --local-batch-size 2`, and beyond 2048 tokens the debug
 model's long flavor: `--seq-len 8192 --local-batch-size 1 -- --model.flavor debugmodel_long`.
 (At the same local batch a CP 2 rank trains half the tokens per step of an FSDP 2 rank, so
-per-step costs weigh twice; `--layouts cp2 --local-batch-size 2b` gives it FSDP 2's at b.)
+per-step costs weigh twice; `cp2_fsdp_batch` and `cp2_block_causal_fsdp_batch` train CP 2 at
+FSDP 2's global batch, twice the local batch, which is how one compares them at one batch.)
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from bench.matmul_ceiling import rank_ceiling  # noqa: E402
+from bench.op_groups import GROUPS, profile_step  # noqa: E402
 from titanlite.observe.peak_flops import GPU_BF16_PEAK_FLOPS, measure_cpu_matmul_flops  # noqa: E402
 from titanlite.parallel.distributed import usable_cores  # noqa: E402
 from titanlite.step.precision import decide_compute_dtype  # noqa: E402
@@ -81,7 +87,13 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "cp2": ("CP 2", 2, ["--parallelism.context_parallel_degree", "2"]),
     "cp2_block_causal": ("CP 2 (block causal)", 2, ["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "block_causal"]),
     "fsdp2_block_causal": ("FSDP 2 (block causal)", 2, ["--model.attn_mask_type", "block_causal"]),
+    # CP 2 at FSDP 2's global batch (twice the local batch: its one dp rank takes both of FSDP 2's).
+    "cp2_fsdp_batch": ("CP 2, FSDP 2's batch", 2, ["--parallelism.context_parallel_degree", "2"]),
+    "cp2_block_causal_fsdp_batch": ("CP 2 (block causal), FSDP 2's batch", 2, ["--parallelism.context_parallel_degree", "2",
+                                                                             "--model.attn_mask_type", "block_causal"]),
 }
+# Layouts that train `factor` x --local-batch-size per data-parallel rank.
+BATCH_FACTOR = {"cp2_fsdp_batch": 2, "cp2_block_causal_fsdp_batch": 2}
 DEFAULT_LAYOUTS = ("one", "fsdp2", "tp2", "fsdp2_tp2")
 
 
@@ -106,11 +118,13 @@ class Result:
     memory_gib: float
     ceiling_share: float  # the step's matmuls timed alone / the step's time
     ceiling_of_peak: float  # the ceiling's FLOP/s over the ranks' 2048^3 FLOP/s, timed together
+    ops: dict | None = None  # rank 0's profiled step by op group (--profile)
 
 
 
-def run_worker(out_path: str, trainer_args: list[str]) -> None:
-    """One rank of one run: train, then rank 0 writes every rank's logged history."""
+def run_worker(out_path: str, profile: bool, trainer_args: list[str]) -> None:
+    """One rank of one run: train, time the ceiling, with `profile` profile one more step
+    (bench/op_groups.py); then rank 0 writes every rank's logged history."""
     import torch.distributed as dist
 
     from titanlite.build import plan_run
@@ -122,22 +136,25 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
     bind_from_env()  # as the trainer's command line does, before any thread of ours starts
     trainer = Trainer(plan_run(load_config(trainer_args), world_from_env()[1]))
     history = trainer.train()
+    ceiling_here = rank_ceiling(trainer)
+    ops = profile_step(trainer) if profile else None
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (history, rank_ceiling(trainer)))
+    dist.all_gather_object(gathered, (history, ceiling_here, ops))
     if dist.get_rank() == 0:
-        summary = {"ranks": [h for h, _ in gathered], "ceilings": [c for _, c in gathered], "n_params": trainer.size.n_params, "flops_per_token": trainer.size.flops_per_token,
+        summary = {"ranks": [h for h, _, _ in gathered], "ceilings": [c for _, c, _ in gathered], "ops": [o for _, _, o in gathered],
+                   "n_params": trainer.size.n_params, "flops_per_token": trainer.size.flops_per_token,
                    "tp": trainer.plan.dims.tp, "device": str(trainer.device)}
         Path(out_path).write_text(json.dumps(summary))
     trainer.close()
     dist.destroy_process_group()
 
 
-def launch(nproc: int, trainer_args: list[str], out: Path, timeout: float, cpu_bind: bool) -> dict:
+def launch(nproc: int, trainer_args: list[str], out: Path, timeout: float, cpu_bind: bool, profile: bool) -> dict:
     """Start one run with the launcher (which sets CPU threads, and binds CPU workers to
     their cores with `cpu_bind`) and return rank 0's summary."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}", *(["--cpu-bind"] if cpu_bind else []),
-           str(Path(__file__).resolve()), "--worker", str(out), *trainer_args]  # fmt: skip
+           str(Path(__file__).resolve()), "--worker", str(out), "profile" if profile else "-", *trainer_args]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise SystemExit(f"run with {nproc} processes failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -202,6 +219,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
                         help="CPU: leave the workers unbound (default: titanlite.launch --cpu-bind, one block of cores per rank)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it counts as hung")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step per run and print rank 0's step by op group (bench/op_groups.py)")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides, after --")
     args = parser.parse_args()
     args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
@@ -233,13 +252,14 @@ def run_one(args: argparse.Namespace, name: str, setting: Setting, folder: Path,
     print(f"running {label}, {setting.name} ({nproc} process(es)) ...", file=sys.stderr, flush=True)
     dump = folder / f"{name}-{setting.dtype}-{setting.compile}"
     dump.mkdir()
-    trainer_args = common_overrides(args) + overrides + setting.overrides + ["--job.dump_folder", str(dump)]
-    summary = launch(nproc, trainer_args, dump / "out.json", args.timeout, cpu_bind=not gpus and args.cpu_bind)
+    batch = ["--training.local_batch_size", str(args.local_batch_size * BATCH_FACTOR[name])] if name in BATCH_FACTOR else []
+    trainer_args = common_overrides(args) + overrides + batch + setting.overrides + ["--job.dump_folder", str(dump)]
+    summary = launch(nproc, trainer_args, dump / "out.json", args.timeout, cpu_bind=not gpus and args.cpu_bind, profile=args.profile)
     memory = max(max(h["memory_gib"] for h in history) for history in summary["ranks"])
     threads = 1 if gpus else max(1, usable_cores() // nproc)
     share, of_peak = ceiling(summary, args.warmup_steps)
     return Result(setting, nproc, threads, steady_tokens_per_s(summary, args.warmup_steps), summary["flops_per_token"], memory,
-                  share, of_peak)
+                  share, of_peak, summary["ops"][0])
 
 
 def run_all(args: argparse.Namespace, settings: list[Setting], gpus: int) -> dict[str, list[Result]]:
@@ -301,9 +321,27 @@ def print_ratios(results: dict[str, list[Result]]) -> None:
         print(f"{label}: " + "; ".join(ratios))
 
 
+def print_op_groups(results: dict[str, list[Result]]) -> None:
+    """Rank 0's profiled step per layout and setting: each op group's share of the step, and
+    the largest ops outside matmuls and attention (what item 4 of issue 31 removes from)."""
+    print("\nrank 0's profiled step (one step after the timed ones; the profiler adds its own cost per op), share by op group:\n")
+    print("| layout | setting | step | " + " | ".join(GROUPS) + " |")
+    print("|---|---|---:|" + "---:|" * len(GROUPS))
+    for name, runs in results.items():
+        for r in runs:
+            wall, groups = r.ops["wall"], r.ops["groups"]
+            print(f"| {LAYOUTS[name][0]} | {r.setting.name} | {wall * 1000:,.0f} ms | "
+                  + " | ".join(f"{100 * groups[g] / wall:.1f}%" for g in GROUPS) + " |")
+    print("\nlargest ops outside matmul and attention (ms of the profiled step):\n")
+    for name, runs in results.items():
+        for r in runs:
+            top = ", ".join(f"{op} {seconds * 1000:,.0f}" for op, seconds in r.ops["top"][:8])
+            print(f"- {LAYOUTS[name][0]}, {r.setting.name}: {top}")
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        run_worker(sys.argv[2], sys.argv[3:])
+        run_worker(sys.argv[2], sys.argv[3] == "profile", sys.argv[4:])
         return
     args = parse_args()
     gpus = torch.cuda.device_count()
@@ -321,6 +359,8 @@ def main() -> None:
     print()
     print_table(results, peaks, gpus)
     print_ratios(results)
+    if args.profile:
+        print_op_groups(results)
 
 
 if __name__ == "__main__":

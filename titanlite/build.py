@@ -28,7 +28,7 @@ from titanlite.parallel import parallelize as parallel
 from titanlite.parallel.activation_checkpoint import ac_setting
 from titanlite.parallel.memory import check_training_state_fits
 from titanlite.parallel.mesh import Meshes, ParallelDims
-from titanlite.parallel.pipeline import ModelParts, PipelineLayout, plan_layout, shared_parameters, split_stage
+from titanlite.parallel.pipeline import ModelParts, PipelineLayout, part_flops, plan_layout, shared_parameters, split_stage
 from titanlite.parallel.tensor_parallel import sequence_parallel_for
 from titanlite.parallel.units import select
 
@@ -124,7 +124,12 @@ def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
     if shared:
         raise TitanliteError(f"parallelism.pipeline_parallel_degree: the {plan.cfg.model.flavor} flavor shares one tensor between "
                              f"{shared[0]}, which sit on the first and the last stage; pipeline an untied flavor")
-    return plan_layout(plan.cfg.parallelism, len(model.layers), plan.cfg.training.local_batch_size)
+    costs = None
+    if plan.cfg.parallelism.pipeline_parallel_balance == "flops":
+        flops = plan.spec.flops_per_token
+        attention = (flops(plan.model_args, 0, plan.cfg.training.seq_len) - flops(plan.model_args, 0, 0)) / len(model.layers)
+        costs = part_flops(model, attention)
+    return plan_layout(plan.cfg.parallelism, len(model.layers), plan.cfg.training.local_batch_size, costs)
 
 
 def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:

@@ -66,7 +66,8 @@ LAYOUTS = {
                                              "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention",
                                              "--activation_checkpoint.mode", "selective",
                                              "--activation_checkpoint.selective_ac_option", "op"], "causal"),
-    "pp2_gpipe": (2, [*batch(8), *schedule("GPipe")], "causal"),
+    # Split by counted FLOPs: the head weighs ~1.3 blocks at seq 64, so 4 blocks | 2 + head (3 | 3 by layers).
+    "pp2_gpipe_balance_flops": (2, [*batch(8), *schedule("GPipe"), "--parallelism.pipeline_parallel_balance", "flops"], "causal"),
     "pp2_1f1b": (2, [*batch(8), *schedule("1F1B")], "causal"),
     "pp2_interleaved_1f1b": (2, [*batch(8), *schedule("Interleaved1F1B")], "causal"),
     "pp2_zbv": (2, [*batch(8), *schedule("ZBVZeroBubble")], "causal"),
@@ -217,6 +218,15 @@ def test_one_moe_layer_split_over_ep_ranks_equals_the_whole_layer(sessions, rout
         assert all(sum(rank["tokens_per_expert_here"]) == 2 * 12 for rank in ranks)  # top-2 of 12 tokens each
     else:  # both ranks receive tokens: the splits are uneven, not all to one side
         assert all(sum(rank["tokens_per_expert_here"][4:]) not in (0, 24) for rank in ranks)
+
+
+def test_the_split_by_flops_moves_a_block_off_the_heads_stage(sessions):
+    """`pipeline_parallel_balance = "flops"` at seq 64 (the head ~1.3 blocks): pp rank 0 holds
+    the embedding and blocks 0-3, where the split by layers gives it blocks 0-2."""
+    by_layers = [r["full_param_bytes"] for r in sessions["pp2_1f1b"]["ranks"]]
+    by_flops = [r["full_param_bytes"] for r in sessions["pp2_gpipe_balance_flops"]["ranks"]]
+    moved = by_flops[0] - by_layers[0]
+    assert moved > 0 and by_layers[1] - by_flops[1] == moved
 
 
 def test_block_causal_differs_from_causal_where_windows_hold_several_documents(sessions):

@@ -12,14 +12,14 @@ import torch
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
 from titanlite.parallel.estimate import in_flight_microbatches
-from titanlite.parallel.pipeline import ModelParts, plan_layout, shared_parameters, split_stage
+from titanlite.parallel.pipeline import ModelParts, _cheapest_runs, part_flops, plan_layout, shared_parameters, split_stage
 
 
-def parallelism(degree=2, schedule="1F1B", microbatch=1, per_stage=None, split=(), first=1, last=1):
+def parallelism(degree=2, schedule="1F1B", microbatch=1, per_stage=None, split=(), first=1, last=1, balance="layers"):
     return SimpleNamespace(pipeline_parallel_degree=degree, pipeline_parallel_schedule=schedule,
                            pipeline_parallel_microbatch_size=microbatch, pipeline_parallel_layers_per_stage=per_stage,
                            pipeline_parallel_split_points=list(split), pipeline_parallel_first_stage_less_layers=first,
-                           pipeline_parallel_last_stage_less_layers=last)  # fmt: skip
+                           pipeline_parallel_last_stage_less_layers=last, pipeline_parallel_balance=balance)  # fmt: skip
 
 
 def blocks(layout) -> list[list[int]]:
@@ -35,6 +35,63 @@ def test_the_automatic_split_counts_the_embedding_and_the_output_as_a_block_each
     assert [len(s) for s in blocks(plan_layout(parallelism(degree=4), 32, 8))] == [8, 9, 8, 7]
     assert blocks(plan_layout(parallelism(first=0, last=0), 6, 8)) == [[0, 1, 2], [3, 4, 5]]
     assert blocks(plan_layout(parallelism(first=2, last=0), 6, 8)) == [[0, 1], [2, 3, 4, 5]]
+
+
+def test_the_split_by_flops_makes_the_slowest_stage_the_cheapest_possible():
+    """Against every split of a few blocks (a middle stage holds a block; the first and last
+    may hold none): the largest stage cost is the smallest any split reaches."""
+    import itertools
+    import random
+
+    assert _cheapest_runs([0.0, 1, 1, 1, 1, 1, 1, 1.2], 2) == [(0, 4), (4, 6)]  # 4 | 2 + a head of 1.2 blocks
+    assert _cheapest_runs([0.0, 1, 1, 1, 1, 1, 1, 0.5], 2) == [(0, 3), (3, 6)]
+    assert _cheapest_runs([0.0, 1, 1, 4.0], 3) == [(0, 1), (1, 2), (2, 2)]  # the head alone on the last stage
+    rng = random.Random(0)
+    for _ in range(200):
+        n_layers, n_stages = rng.randint(1, 7), rng.randint(1, 4)
+        if n_stages > 2 and n_layers < n_stages - 2:
+            continue
+        costs = [rng.uniform(0, 3) for _ in range(n_layers + 2)]
+
+        def largest(runs):
+            last = len(runs) - 1
+            return max(sum(costs[1 + a:1 + b]) + (costs[0] if i == 0 else 0) + (costs[-1] if i == last else 0)
+                       for i, (a, b) in enumerate(runs))
+
+        splits = []
+        for cuts in itertools.combinations_with_replacement(range(n_layers + 1), n_stages - 1):
+            bounds = [0, *cuts, n_layers]
+            runs = list(zip(bounds, bounds[1:]))
+            if all(b > a for a, b in runs[1:-1]):
+                splits.append(runs)
+        got = _cheapest_runs(costs, n_stages)
+        assert got in splits and largest(got) == pytest.approx(min(largest(r) for r in splits))
+
+
+def test_part_flops_count_what_the_model_spec_counts_and_balance_the_debug_model():
+    """The parts' FLOPs sum to the spec's FLOPs per token (less the norms' weights, which do no
+    matmul); an MoE block counts its routed experts at top_k / n_experts. The debug model's
+    head is ~1.1 blocks at seq 256, so the split puts 4 blocks before it, and 3 at seq 2048,
+    where attention makes the blocks heavier."""
+    for name, flavor in (("llama3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("gpt2", "debugmodel")):
+        spec = get_model_spec(name, flavor)
+        args = spec.args_for(flavor, 4096)
+        with torch.device("meta"):
+            model = spec.model_class(args)
+        n_params = sum(p.numel() for p in model.parameters())
+        attention = (spec.flops_per_token(args, 0, 512) - spec.flops_per_token(args, 0, 0)) / len(model.layers)
+        parts = part_flops(model, attention)
+        assert parts[0] == 0.0 and sum(parts) == pytest.approx(spec.flops_per_token(args, n_params, 512), rel=2e-3)
+    spec = get_model_spec("llama3", "debugmodel")
+    with torch.device("meta"):
+        model = spec.model_class(spec.args_for("debugmodel", 4096))
+    for seq, want in ((256, [[0, 1, 2, 3], [4, 5]]), (2048, [[0, 1, 2], [3, 4, 5]])):
+        attention = (spec.flops_per_token(model.args, 0, seq) - spec.flops_per_token(model.args, 0, 0)) / 6
+        layout = plan_layout(parallelism(balance="flops"), 6, 8, part_flops(model, attention))
+        assert blocks(layout) == want
+    assert layout.stages[1].describe().startswith("stage 1: layers 3-5 + output (") and "MFLOP/token" in layout.stages[1].describe()
+    with pytest.raises(TitanliteError, match="^parallelism.pipeline_parallel_split_points: set together with"):
+        plan_layout(parallelism(balance="flops", split=["layers.2"]), 6, 8, part_flops(model, 0.0))
 
 
 def test_a_stage_may_hold_only_the_embedding_or_the_head():

@@ -156,6 +156,11 @@ class Parallelism:
     pipeline_parallel_split_points: list[str] = _opt([], "explicit stage boundaries, each the first block of a stage "
                                                      "after the first: e.g. layers.3,layers.6 (3 stages); empty = "
                                                      "balanced automatically")
+    pipeline_parallel_balance: str = _opt("layers", "automatic split: 'layers' counts blocks, the embedding and the "
+                                          "output as the *_less_layers below (torchtitan's rule); 'flops' weighs every "
+                                          "block, the embedding and the output head by its training FLOPs per token "
+                                          "and picks the split whose slowest stage is the cheapest",
+                                          choices=("layers", "flops"))
     pipeline_parallel_first_stage_less_layers: int = _opt(1, "automatic split: the first stage takes this many blocks "
                                                           "fewer, for the embedding", ge=0)
     pipeline_parallel_last_stage_less_layers: int = _opt(1, "automatic split: the last stage takes this many blocks "

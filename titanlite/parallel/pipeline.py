@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,16 +54,19 @@ _ROUNDS = {"Interleaved1F1B", "InterleavedZeroBubble"}
 @dataclass(frozen=True)
 class StageSpec:
     """One pipeline stage: its index, the keys of `model.layers` it holds, and whether it is
-    the first (embedding) or the last (final norm, output, loss)."""
+    the first (embedding) or the last (final norm, output, loss); `flops`: its training FLOPs
+    per token when the split was balanced by them."""
 
     index: int
     blocks: tuple[str, ...]
     first: bool
     last: bool
+    flops: float | None = None
 
     def describe(self) -> str:
         parts = (["input"] if self.first else []) + ([_block_range(self.blocks)] if self.blocks else []) + (["output"] if self.last else [])
-        return f"stage {self.index}: {' + '.join(parts)}"
+        cost = "" if self.flops is None else f" ({self.flops / 1e6:,.1f} MFLOP/token)"
+        return f"stage {self.index}: {' + '.join(parts)}{cost}"
 
 
 def _block_range(blocks: tuple[str, ...]) -> str:
@@ -104,14 +107,23 @@ class PipelineLayout:
                 + "; ".join(s.describe() for s in self.stages))
 
 
-def plan_layout(parallelism, n_layers: int, local_batch_size: int) -> PipelineLayout:
+def plan_layout(parallelism, n_layers: int, local_batch_size: int, part_costs: Sequence[float] | None = None) -> PipelineLayout:
     """Stages and microbatches from `parallelism.pipeline_parallel_*`; a TitanliteError naming
-    the key for any combination the schedule cannot run."""
+    the key for any combination the schedule cannot run. `part_costs` (`part_flops`: the
+    embedding, each block, the output) is what `pipeline_parallel_balance = "flops"` splits."""
     degree, schedule = parallelism.pipeline_parallel_degree, parallelism.pipeline_parallel_schedule
     style = SCHEDULE_STYLES[schedule]
     blocks = [str(i) for i in range(n_layers)]
+    by_flops = parallelism.pipeline_parallel_balance == "flops"
     if parallelism.pipeline_parallel_split_points:
+        if by_flops:
+            raise TitanliteError(f"{FIELD}_split_points: set together with {FIELD}_balance = \"flops\", which chooses the "
+                                 "boundaries itself; set one of them")
         runs = _split_at(parallelism.pipeline_parallel_split_points, n_layers)
+    elif by_flops:
+        if part_costs is None or len(part_costs) != n_layers + 2:
+            raise ValueError(f"plan_layout: balance by flops needs the costs of the embedding, the {n_layers} blocks and the output")
+        runs = _cheapest_runs(part_costs, _stage_count(parallelism, n_layers, style))
     else:
         runs = _balanced_runs(n_layers, _stage_count(parallelism, n_layers, style), parallelism.pipeline_parallel_first_stage_less_layers,
                               parallelism.pipeline_parallel_last_stage_less_layers)
@@ -123,7 +135,12 @@ def plan_layout(parallelism, n_layers: int, local_batch_size: int) -> PipelineLa
     if (style == "single" and per_rank != 1) or (style == "loop" and per_rank < 2) or (style == "v" and per_rank != 2):
         raise TitanliteError(f"{FIELD}_schedule: {schedule} runs {wanted}, but the split gives {n_stages} stages on "
                              f"{degree} ranks ({per_rank} per rank)")
-    stages = tuple(StageSpec(i, tuple(blocks[a:b]), i == 0, i == n_stages - 1) for i, (a, b) in enumerate(runs))
+    def flops(i: int, a: int, b: int) -> float | None:
+        if not by_flops:
+            return None
+        return sum(part_costs[1 + a:1 + b]) + (part_costs[0] if i == 0 else 0.0) + (part_costs[-1] if i == n_stages - 1 else 0.0)
+
+    stages = tuple(StageSpec(i, tuple(blocks[a:b]), i == 0, i == n_stages - 1, flops(i, a, b)) for i, (a, b) in enumerate(runs))
     return PipelineLayout(schedule, degree, stages, _microbatches(parallelism, local_batch_size, n_stages, degree))
 
 
@@ -155,6 +172,76 @@ def _balanced_runs(n_layers: int, n_stages: int, first_less: int, last_less: int
     for size in sizes:
         bounds.append(bounds[-1] + size)
     return list(zip(bounds, bounds[1:]))
+
+
+def _cheapest_runs(costs: Sequence[float], n_stages: int) -> list[tuple[int, int]]:
+    """[start, stop) block ranges of `n_stages` consecutive stages whose largest cost is the
+    smallest possible; `costs` = [embedding, block 0, ..., block n-1, output], the embedding
+    on the first stage and the output on the last. As in torchtitan's rule, the first or the
+    last stage may hold no block; a stage between them holds at least one.
+
+    A stage's time is what paces a pipeline: the slowest stage sets every other stage's
+    wait once per microbatch, so the split minimizes the largest stage, not the spread."""
+    n_layers = len(costs) - 2
+    if n_stages > n_layers + 2 or (n_stages > 2 and n_layers < n_stages - 2):
+        raise TitanliteError(f"{FIELD}_degree: {n_stages} stages for a model of {n_layers} blocks: too many stages")
+    prefix = [0.0]
+    for cost in costs[1:-1]:
+        prefix.append(prefix[-1] + cost)
+
+    def stage_cost(stage: int, start: int, stop: int) -> float:
+        return (prefix[stop] - prefix[start] + (costs[0] if stage == 0 else 0.0)
+                + (costs[-1] if stage == n_stages - 1 else 0.0))
+
+    if n_stages == 1:
+        return [(0, n_layers)]
+    # best[j]: the smallest largest-stage cost of stages 0..s covering blocks [0, j), with
+    # cut[s][j] the start of stage s in that split (dynamic programming over stages).
+    inf = float("inf")
+    best = [stage_cost(0, 0, j) for j in range(n_layers + 1)]
+    cuts: list[list[int]] = [[0] * (n_layers + 1)]
+    for stage in range(1, n_stages):
+        last = stage == n_stages - 1
+        nxt, cut = [inf] * (n_layers + 1), [0] * (n_layers + 1)
+        for stop in ([n_layers] if last else range(n_layers + 1)):
+            for start in range(stop + (1 if last else 0)):  # a middle stage holds a block; the last may hold none
+                value = max(best[start], stage_cost(stage, start, stop))
+                if value < nxt[stop]:
+                    nxt[stop], cut[stop] = value, start
+        best = nxt
+        cuts.append(cut)
+    bounds = [n_layers]
+    for stage in range(n_stages - 1, 0, -1):
+        bounds.append(cuts[stage][bounds[-1]])
+    bounds.append(0)
+    bounds.reverse()
+    return list(zip(bounds, bounds[1:]))
+
+
+def part_flops(model: nn.Module, attention_per_block: float) -> list[float]:
+    """Training FLOPs per token of the model's pipeline parts: [the children before `layers`,
+    each block, the children after it], 6 per matmul weight (an `nn.Linear`'s, and a routed
+    expert's times the share of experts a token is sent to, top_k / n_experts) plus
+    `attention_per_block` in each block. A lookup (the embedding) counts nothing; the loss's
+    elementwise work over the vocabulary is not counted. torchtitan weighs the embedding and
+    the output as one block each (`*_less_layers`); at Llama 3 8B's 128,256-token vocabulary
+    the output alone is ~1.8 blocks at seq 8192, and more at shorter sequences."""
+    from titanlite.models.moe import moe_layers
+
+    def matmul_flops(module: nn.Module | None) -> float:
+        if module is None:
+            return 0.0
+        flops = 6.0 * sum(p.numel() for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters())
+        for layer in moe_layers(module).values():
+            routed = sum(p.numel() for p in layer.experts.parameters())
+            flops += 6.0 * routed * layer.args.top_k / layer.args.n_experts
+        return flops
+
+    names = [name for name, _ in model.named_children()]
+    at = names.index("layers")
+    before = sum(matmul_flops(getattr(model, name)) for name in names[:at])
+    after = sum(matmul_flops(getattr(model, name)) for name in names[at + 1:])
+    return [before, *(matmul_flops(block) + attention_per_block for block in model.layers.values()), after]
 
 
 def _split_at(points: list[str], n_layers: int) -> list[tuple[int, int]]:
