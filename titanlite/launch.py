@@ -1,7 +1,7 @@
 """`python -m titanlite.launch [torchrun args] -m titanlite.train ...`: torchrun, with one-line endings.
 
 This is torchrun itself (`torch.distributed.run`): same flags, same c10d rendezvous, same
-elastic agent and `--max-restarts`. It adds CPU thread settings for the workers and how a run ends.
+elastic agent and `--max-restarts`. It adds CPU thread and allocator settings for the workers and how a run ends.
 
 On a host without GPUs the workers share its cores, so unless the caller set them:
 OMP_NUM_THREADS = cores / processes (torchrun's own default is 1 thread per process),
@@ -13,6 +13,13 @@ thread to sleep between two kernels that follow each other within microseconds. 
 spin (1000 iterations, libgomp's GOMP_SPINCOUNT overrides the policy's count; other OpenMP
 runtimes read only the policy) keeps both: docs/performance.md has the measurements.
 libgomp reads these once, at start, so they must be in the workers' environment.
+So does glibc's malloc, which by default serves every block over 32 MiB (and, past its
+adaptive threshold, smaller ones) with a fresh mmap and returns it on free: a CPU training
+step allocates and frees its activations, logits and gradients anew every step, and each
+time the kernel maps and zeroes them again, page by page (55-63 thousand page faults per
+debug-model step, ~5% of the step). MALLOC_MMAP_MAX_ = 0 and MALLOC_TRIM_THRESHOLD_ = 1 TiB
+keep freed blocks in the heap for the next step (1-3 thousand faults): the process keeps
+its peak footprint, which a training step reaches every step anyway.
 `--cpu-bind` (opt-in) also binds each CPU worker to its own block of cores (runtime/cpu_binding.py).
 
 How a run ends:
@@ -259,15 +266,22 @@ def _signal_line(sig: signal.Signals) -> str:
     return f"titanlite: stopped by {sig.name}; the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 saves one first)"
 
 
-def set_cpu_thread_defaults(nproc_per_node: str, env: MutableMapping[str, str] = os.environ) -> None:
-    """Thread settings for CPU workers (see the module docstring) into `env` (this process's
-    environment, which torchrun hands to the workers); values the caller set are kept."""
+# glibc malloc: never mmap a block, never give the heap's top back (see the module docstring).
+CPU_MALLOC_DEFAULTS = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
+def set_cpu_worker_defaults(nproc_per_node: str, env: MutableMapping[str, str] = os.environ) -> None:
+    """Thread and allocator settings for CPU workers (see the module docstring) into `env`
+    (this process's environment, which torchrun hands to the workers); values the caller
+    set are kept."""
     if torch.cuda.is_available():
         return
     if nproc_per_node.isdigit():
         env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // int(nproc_per_node))))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("GOMP_SPINCOUNT", "1000")
+    for name, value in CPU_MALLOC_DEFAULTS.items():
+        env.setdefault(name, value)
 
 
 def _parser():
@@ -303,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see module doc
     _take_stop_signals(args)
-    set_cpu_thread_defaults(str(args.nproc_per_node))
+    set_cpu_worker_defaults(str(args.nproc_per_node))
     try:
         run(args)
     except ChildFailedError as error:

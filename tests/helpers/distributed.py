@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.launch import set_cpu_thread_defaults
+from titanlite.launch import set_cpu_worker_defaults
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("trainer_worker.py")
@@ -49,7 +49,7 @@ def run_ranks(nproc: int, entry: list[str], args: list[str], timeout: float, env
     own and are then killed; the result's return code is the first failure's. A run past
     `timeout` is killed and raises `subprocess.TimeoutExpired`, so a hang fails the test."""
     env = {**run_env(), **(env or {})}
-    set_cpu_thread_defaults(str(nproc), env)  # what titanlite.launch gives CPU workers
+    set_cpu_worker_defaults(str(nproc), env)  # what titanlite.launch gives CPU workers
     if nproc > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     command = [sys.executable, *entry, *args]
