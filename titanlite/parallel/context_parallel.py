@@ -41,14 +41,41 @@ def chunk_starts(seq_len: int, cp_rank: int, cp: int) -> list[int]:
 
 def _window_order(rank_order: torch.Tensor, cp: int) -> torch.Tensor:
     """[cp x (chunk r, chunk 2cp-1-r), ...] along dim 0 -> chunks 0 .. 2cp-1 (a copy)."""
-    pairs = rank_order.unflatten(0, (cp, 2, -1))
-    return torch.cat([pairs[:, 0], pairs[:, 1].flip(0)]).flatten(0, 1)
+    window = torch.empty_like(rank_order)
+    _copy_window_order(window, rank_order, cp)
+    return window
 
 
 def _rank_order(window_order: torch.Tensor, cp: int) -> torch.Tensor:
     """The inverse of `_window_order` (a contiguous copy)."""
-    halves = window_order.unflatten(0, (2, cp, -1))
-    return torch.stack([halves[0], halves[1].flip(0)], dim=1).flatten(0, 2)
+    ranks = torch.empty_like(window_order)
+    _copy_rank_order(ranks, window_order, cp)
+    return ranks
+
+
+def _copy_window_order(window: torch.Tensor, ranks: torch.Tensor, cp: int) -> None:
+    """Write `ranks` (dim 0 in rank order) into `window` (any strides) in window order."""
+    pairs, halves = ranks.unflatten(0, (cp, 2, -1)), window.unflatten(0, (2, cp, -1))
+    halves[0].copy_(pairs[:, 0])
+    for rank in range(cp):
+        halves[1, cp - 1 - rank].copy_(pairs[rank, 1])
+
+
+def _copy_rank_order(ranks: torch.Tensor, window: torch.Tensor, cp: int) -> None:
+    """Write `window` (dim 0 in window order) into `ranks` in rank order."""
+    pairs, halves = ranks.unflatten(0, (cp, 2, -1)), window.unflatten(0, (2, cp, -1))
+    pairs[:, 0].copy_(halves[0])
+    for rank in range(cp):
+        pairs[rank, 1].copy_(halves[1, cp - 1 - rank])
+
+
+def _empty_in_memory_order(shape: list[int], memory_order: tuple[int, ...] | None, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor of `shape` whose dims lie in memory in `memory_order`
+    (outermost first; None: row-major)."""
+    if memory_order is None:
+        return like.new_empty(shape)
+    inverse = sorted(range(len(memory_order)), key=memory_order.__getitem__)
+    return like.new_empty([shape[d] for d in memory_order]).permute(inverse)
 
 
 class ContextParallel:
@@ -71,10 +98,12 @@ class ContextParallel:
         """This rank's tokens of a whole-sequence tensor (inputs, labels), along `dim`."""
         return x.index_select(dim, chunk_positions(x.shape[dim], self.rank, self.size).to(x.device))
 
-    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The whole window of `x` along `dim`, in window order, from every rank's part;
-        gradients reduce-scatter back."""
-        return _GatherAlong.apply(x, dim, self.mesh.get_group())
+    def gather(self, parts: tuple[torch.Tensor, ...], dim: int, memory_order: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
+        """The whole window of each of `parts` (same shapes) along `dim`, in window order,
+        from every rank's part, in one collective; each result laid out in memory in
+        `memory_order` (e.g. keys [batch, seq, heads, head_dim] as (0, 2, 1, 3): every head's
+        keys contiguous, as the attention kernels read them). Gradients reduce-scatter back."""
+        return _GatherAlong.apply(dim, self.mesh.get_group(), memory_order, *parts)
 
 
 @runtime_checkable
@@ -93,23 +122,43 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class _GatherAlong(torch.autograd.Function):
-    """All-gather along a dim into window order, whose backward reduce-scatters (sums) the
-    gradient back to each rank's part: torch's own collectives in an autograd.Function. (torch 2.13's
-    `all_gather_tensor_autograd` with gather_dim=1 on a [batch, seq, heads, head_dim] key
-    returned a tensor that does not require grad, so wk and wv silently got no gradient;
-    gather_dim=0 keeps the graph. Checked on gloo, see TORCH_NOTES.)"""
+    """All-gather of several same-shaped tensors along a dim into window order, whose backward
+    reduce-scatters (sums) the gradients back to each rank's part: torch's own collectives in
+    an autograd.Function. (torch 2.13's `all_gather_tensor_autograd` with gather_dim=1 on a
+    [batch, seq, heads, head_dim] key returned a tensor that does not require grad, so wk and
+    wv silently got no gradient; gather_dim=0 keeps the graph. Checked on gloo, see
+    TORCH_NOTES.) One copy each way besides the collective's: the parts into one send buffer
+    (dim first), and the gathered rows into each result, reordered and laid out as asked."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, dim: int, group: dist.ProcessGroup, memory_order: tuple[int, ...] | None, *parts: torch.Tensor):
         ctx.dim, ctx.group = dim, group
-        front = x.movedim(dim, 0).contiguous()
-        out = front.new_empty((front.shape[0] * dist.get_world_size(group), *front.shape[1:]))
-        _all_gather(out, front, group=group)
-        return _window_order(out, dist.get_world_size(group)).movedim(0, dim)
+        cp = dist.get_world_size(group)
+        first = parts[0].movedim(dim, 0)
+        front = first.new_empty((first.shape[0], len(parts), *first.shape[1:]))
+        for i, part in enumerate(parts):
+            front[:, i] = part.movedim(dim, 0)
+        gathered = front.new_empty((front.shape[0] * cp, *front.shape[1:]))
+        _all_gather(gathered, front, group=group)
+        results = []
+        for i, part in enumerate(parts):
+            shape = list(part.shape)
+            shape[dim] *= cp
+            result = _empty_in_memory_order(shape, memory_order, part)
+            _copy_window_order(result.movedim(dim, 0), gathered[:, i], cp)
+            results.append(result)
+        return tuple(results)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        front = _rank_order(grad.movedim(ctx.dim, 0), dist.get_world_size(ctx.group))
-        out = front.new_empty((front.shape[0] // dist.get_world_size(ctx.group), *front.shape[1:]))
+    def backward(ctx, *grads: torch.Tensor | None):
+        cp = dist.get_world_size(ctx.group)
+        present = next(g for g in grads if g is not None).movedim(ctx.dim, 0)
+        front = present.new_empty((present.shape[0], len(grads), *present.shape[1:]))
+        for i, grad in enumerate(grads):
+            if grad is None:
+                front[:, i] = 0
+            else:
+                _copy_rank_order(front[:, i], grad.movedim(ctx.dim, 0), cp)
+        out = front.new_empty((front.shape[0] // cp, *front.shape[1:]))
         _reduce_scatter(out, front, group=ctx.group)
-        return out.movedim(0, ctx.dim), None, None
+        return (None, None, None, *(out[:, i].movedim(0, ctx.dim) for i in range(len(grads))))

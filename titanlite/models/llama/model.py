@@ -118,8 +118,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = self.rotate(q, k, cos_sin)
-        if self.context_parallel is not None:  # every cp rank's keys and values, in one collective
-            k, v = self.context_parallel.gather(torch.stack((k, v)), dim=2).unbind(0)
+        if self.context_parallel is not None:  # every cp rank's keys and values, in one collective,
+            k, v = self.context_parallel.gather((k, v), dim=1, memory_order=(0, 2, 1, 3))  # each head's contiguous
         elif self.kv_cache is not None:  # generation: every earlier token's keys and values too
             k, v = self.kv_cache.extend(k, v)
         # GQA inside the kernel: each kv head serves n_heads / kv_heads query heads (also true
