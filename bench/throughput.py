@@ -32,7 +32,7 @@ Figures, averaged over the steps after `--warmup-steps` (the trainer logs every 
   what the model's matmul shapes reach at best on this hardware.
 
 Then the ratios TP / FSDP 2 and 1 process / FSDP 2 per setting. With `--profile`, each run
-profiles one more step and rank 0's time is printed by op group (bench/op_groups.py: matmul,
+profiles one more step and each rank's time is printed by op group (bench/op_groups.py: matmul,
 attention, communication, DTensor, copies, optimizer, elementwise, other ranges, unprofiled),
 with the largest ops outside matmul and attention. A layout needing more GPUs
 than the machine has is skipped. Nothing is asserted. The pipeline layouts (pp2, pp2_gpipe,
@@ -118,7 +118,7 @@ class Result:
     memory_gib: float
     ceiling_share: float  # the step's matmuls timed alone / the step's time
     ceiling_of_peak: float  # the ceiling's FLOP/s over the ranks' 2048^3 FLOP/s, timed together
-    ops: dict | None = None  # rank 0's profiled step by op group (--profile)
+    ops: list[dict] | None = None  # each rank's profiled step by op group (--profile)
 
 
 
@@ -220,7 +220,7 @@ def parse_args() -> argparse.Namespace:
                         help="CPU: leave the workers unbound (default: titanlite.launch --cpu-bind, one block of cores per rank)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it counts as hung")
     parser.add_argument("--profile", action="store_true",
-                        help="profile one more step per run and print rank 0's step by op group (bench/op_groups.py)")
+                        help="profile one more step per run and print each rank's step by op group (bench/op_groups.py)")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides, after --")
     args = parser.parse_args()
     args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
@@ -233,12 +233,12 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def common_overrides(args: argparse.Namespace) -> list[str]:
+def common_overrides(args: argparse.Namespace, batch_factor: int = 1) -> list[str]:
     return [
         "--config", "debug_model",
         "--training.steps", str(args.steps),
         "--training.seq_len", str(args.seq_len),
-        "--training.local_batch_size", str(args.local_batch_size),
+        "--training.local_batch_size", str(args.local_batch_size * batch_factor),
         "--metrics.log_freq", "1",
         "--metrics.enable_tensorboard", "false",
         "--checkpoint.enable_checkpoint", "false",
@@ -252,14 +252,13 @@ def run_one(args: argparse.Namespace, name: str, setting: Setting, folder: Path,
     print(f"running {label}, {setting.name} ({nproc} process(es)) ...", file=sys.stderr, flush=True)
     dump = folder / f"{name}-{setting.dtype}-{setting.compile}"
     dump.mkdir()
-    batch = ["--training.local_batch_size", str(args.local_batch_size * BATCH_FACTOR[name])] if name in BATCH_FACTOR else []
-    trainer_args = common_overrides(args) + overrides + batch + setting.overrides + ["--job.dump_folder", str(dump)]
+    trainer_args = common_overrides(args, BATCH_FACTOR.get(name, 1)) + overrides + setting.overrides + ["--job.dump_folder", str(dump)]
     summary = launch(nproc, trainer_args, dump / "out.json", args.timeout, cpu_bind=not gpus and args.cpu_bind, profile=args.profile)
     memory = max(max(h["memory_gib"] for h in history) for history in summary["ranks"])
     threads = 1 if gpus else max(1, usable_cores() // nproc)
     share, of_peak = ceiling(summary, args.warmup_steps)
     return Result(setting, nproc, threads, steady_tokens_per_s(summary, args.warmup_steps), summary["flops_per_token"], memory,
-                  share, of_peak, summary["ops"][0])
+                  share, of_peak, summary["ops"])
 
 
 def run_all(args: argparse.Namespace, settings: list[Setting], gpus: int) -> dict[str, list[Result]]:
@@ -322,21 +321,23 @@ def print_ratios(results: dict[str, list[Result]]) -> None:
 
 
 def print_op_groups(results: dict[str, list[Result]]) -> None:
-    """Rank 0's profiled step per layout and setting: each op group's share of the step, and
-    the largest ops outside matmuls and attention (what item 4 of issue 31 removes from)."""
-    print("\nrank 0's profiled step (one step after the timed ones; the profiler adds its own cost per op), share by op group:\n")
-    print("| layout | setting | step | " + " | ".join(GROUPS) + " |")
-    print("|---|---|---:|" + "---:|" * len(GROUPS))
+    """Each rank's profiled step per layout and setting: each op group's share of the step,
+    and the largest ops outside matmuls and attention (what item 4 of issue 31 removes from)."""
+    print("\nprofiled step (one step after the timed ones; the profiler adds its own cost per op), share by op group:\n")
+    print("| layout | setting | rank | step | " + " | ".join(GROUPS) + " |")
+    print("|---|---|---:|---:|" + "---:|" * len(GROUPS))
     for name, runs in results.items():
         for r in runs:
-            wall, groups = r.ops["wall"], r.ops["groups"]
-            print(f"| {LAYOUTS[name][0]} | {r.setting.name} | {wall * 1000:,.0f} ms | "
-                  + " | ".join(f"{100 * groups[g] / wall:.1f}%" for g in GROUPS) + " |")
+            for rank, ops in enumerate(r.ops):
+                wall, groups = ops["wall"], ops["groups"]
+                print(f"| {LAYOUTS[name][0]} | {r.setting.name} | {rank} | {wall * 1000:,.0f} ms | "
+                      + " | ".join(f"{100 * groups[g] / wall:.1f}%" for g in GROUPS) + " |")
     print("\nlargest ops outside matmul and attention (ms of the profiled step):\n")
     for name, runs in results.items():
         for r in runs:
-            top = ", ".join(f"{op} {seconds * 1000:,.0f}" for op, seconds in r.ops["top"][:8])
-            print(f"- {LAYOUTS[name][0]}, {r.setting.name}: {top}")
+            for rank, ops in enumerate(r.ops):
+                top = ", ".join(f"{op} {seconds * 1000:,.0f}" for op, seconds in ops["top"][:8])
+                print(f"- {LAYOUTS[name][0]}, {r.setting.name}, rank {rank}: {top}")
 
 
 def main() -> None:
