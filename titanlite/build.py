@@ -128,7 +128,8 @@ def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
     if plan.cfg.parallelism.pipeline_parallel_balance == "flops":
         flops = plan.spec.flops_per_token
         attention = (flops(plan.model_args, 0, plan.cfg.training.seq_len) - flops(plan.model_args, 0, 0)) / len(model.layers)
-        costs = part_flops(model, attention)
+        routed = {layer.experts: layer.args.top_k / layer.args.n_experts for layer in moe.moe_layers(model).values()}
+        costs = part_flops(model, attention, routed)
     return plan_layout(plan.cfg.parallelism, len(model.layers), plan.cfg.training.local_batch_size, costs)
 
 

@@ -1,8 +1,10 @@
 """Measure what one training step really holds on each rank, for the planner's tests.
 
 Usage (by tests/runs/test_plan.py): run_ranks(N, [tests/helpers/memory_worker.py, OUT.json], [--config ...])
-Run under MALLOC_MMAP_THRESHOLD_=65536 so every tensor is its own mapping and freeing one
-returns its pages: resident memory then follows the live tensors.
+Run under MALLOC_MMAP_THRESHOLD_=65536 (with glibc's default MALLOC_MMAP_MAX_ and trim
+threshold, in place of the launcher's CPU settings, which keep freed memory) so every tensor
+is its own mapping and freeing one returns its pages: resident memory then follows the live
+tensors.
 
 Each rank trains one step (which allocates gradients and AdamW state), drops the gradients,
 and takes its resident memory as the rest (interpreter, libraries, data, weights, optimizer

@@ -212,7 +212,10 @@ def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypat
     the process holds."""
     args = ["--config", "debug_model", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false",
             "--job.dump_folder", str(tmp_path), *layout]
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed tensors' pages go back: RSS follows live tensors
+    # Freed tensors' pages go back, so RSS follows live tensors: every block over 64 KiB its own
+    # mapping (glibc's default count of mappings, not the launcher's 0) and the heap trimmed.
+    for name, value in (("MALLOC_MMAP_THRESHOLD_", "65536"), ("MALLOC_MMAP_MAX_", "65536"), ("MALLOC_TRIM_THRESHOLD_", "131072")):
+        monkeypatch.setenv(name, value)
     measured = measure(nproc, args, tmp_path / "memory.json")
     reports = plans(*([*args, "--world-size", str(nproc), "--rank", str(rank)] for rank in range(nproc)))
     for rank, (real, report) in enumerate(zip(measured, reports)):

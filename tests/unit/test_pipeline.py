@@ -11,6 +11,7 @@ import torch
 
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
+from titanlite.models.moe import moe_layers
 from titanlite.parallel.estimate import in_flight_microbatches
 from titanlite.parallel.pipeline import ModelParts, _cheapest_runs, part_flops, plan_layout, shared_parameters, split_stage
 
@@ -80,7 +81,8 @@ def test_part_flops_count_what_the_model_spec_counts_and_balance_the_debug_model
             model = spec.model_class(args)
         n_params = sum(p.numel() for p in model.parameters())
         attention = (spec.flops_per_token(args, 0, 512) - spec.flops_per_token(args, 0, 0)) / len(model.layers)
-        parts = part_flops(model, attention)
+        routed = {layer.experts: layer.args.top_k / layer.args.n_experts for layer in moe_layers(model).values()}
+        parts = part_flops(model, attention, routed)
         assert parts[0] == 0.0 and sum(parts) == pytest.approx(spec.flops_per_token(args, n_params, 512), rel=2e-3)
     spec = get_model_spec("llama3", "debugmodel")
     with torch.device("meta"):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -218,23 +218,26 @@ def _cheapest_runs(costs: Sequence[float], n_stages: int) -> list[tuple[int, int
     return list(zip(bounds, bounds[1:]))
 
 
-def part_flops(model: nn.Module, attention_per_block: float) -> list[float]:
+def part_flops(model: nn.Module, attention_per_block: float, routed: Mapping[nn.Module, float] | None = None) -> list[float]:
     """Training FLOPs per token of the model's pipeline parts: [the children before `layers`,
-    each block, the children after it], 6 per matmul weight (an `nn.Linear`'s, and a routed
-    expert's times the share of experts a token is sent to, top_k / n_experts) plus
-    `attention_per_block` in each block. A lookup (the embedding) counts nothing; the loss's
-    elementwise work over the vocabulary is not counted. torchtitan weighs the embedding and
-    the output as one block each (`*_less_layers`); at Llama 3 8B's 128,256-token vocabulary
-    the output alone is ~1.8 blocks at seq 8192, and more at shorter sequences."""
-    from titanlite.models.moe import moe_layers
+    each block, the children after it], 6 per matmul weight (an `nn.Linear`'s, and those of
+    each module in `routed` times its share of the tokens: a routed expert stack's top_k /
+    n_experts) plus `attention_per_block` in each block. A lookup (the embedding) counts
+    nothing; the loss's elementwise work over the vocabulary is not counted. torchtitan weighs
+    the embedding and the output as one block each (`*_less_layers`); at Llama 3 8B's
+    128,256-token vocabulary the output alone is ~1.8 blocks at seq 8192, and more at shorter
+    sequences."""
+    routed = routed or {}
 
     def matmul_flops(module: nn.Module | None) -> float:
         if module is None:
             return 0.0
-        flops = 6.0 * sum(p.numel() for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters())
-        for layer in moe_layers(module).values():
-            routed = sum(p.numel() for p in layer.experts.parameters())
-            flops += 6.0 * routed * layer.args.top_k / layer.args.n_experts
+        flops = 0.0
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear):
+                flops += 6.0 * sum(p.numel() for p in sub.parameters())
+            elif sub in routed:
+                flops += 6.0 * sum(p.numel() for p in sub.parameters()) * routed[sub]
         return flops
 
     names = [name for name, _ in model.named_children()]
