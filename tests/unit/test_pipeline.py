@@ -13,7 +13,7 @@ from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
 from titanlite.models.moe import moe_layers
 from titanlite.parallel.estimate import in_flight_microbatches
-from titanlite.parallel.pipeline import ModelParts, _cheapest_runs, part_flops, plan_layout, shared_parameters, split_stage
+from titanlite.parallel.pipeline import ModelParts, _cheapest_runs, _StageCost, part_flops, plan_layout, shared_parameters, split_stage
 
 
 def parallelism(degree=2, schedule="1F1B", microbatch=1, per_stage=None, split=(), first=1, last=1, balance="layers"):
@@ -44,9 +44,9 @@ def test_the_split_by_flops_makes_the_slowest_stage_the_cheapest_possible():
     import itertools
     import random
 
-    assert _cheapest_runs([0.0, 1, 1, 1, 1, 1, 1, 1.2], 2) == [(0, 4), (4, 6)]  # 4 | 2 + a head of 1.2 blocks
-    assert _cheapest_runs([0.0, 1, 1, 1, 1, 1, 1, 0.5], 2) == [(0, 3), (3, 6)]
-    assert _cheapest_runs([0.0, 1, 1, 4.0], 3) == [(0, 1), (1, 2), (2, 2)]  # the head alone on the last stage
+    assert _cheapest_runs(_StageCost([0.0, 1, 1, 1, 1, 1, 1, 1.2], 2)) == [(0, 4), (4, 6)]  # 4 | 2 + a head of 1.2 blocks
+    assert _cheapest_runs(_StageCost([0.0, 1, 1, 1, 1, 1, 1, 0.5], 2)) == [(0, 3), (3, 6)]
+    assert _cheapest_runs(_StageCost([0.0, 1, 1, 4.0], 3)) == [(0, 1), (1, 2), (2, 2)]  # the head alone on the last stage
     rng = random.Random(0)
     for _ in range(200):
         n_layers, n_stages = rng.randint(1, 7), rng.randint(1, 4)
@@ -65,7 +65,7 @@ def test_the_split_by_flops_makes_the_slowest_stage_the_cheapest_possible():
             runs = list(zip(bounds, bounds[1:]))
             if all(b > a for a, b in runs[1:-1]):
                 splits.append(runs)
-        got = _cheapest_runs(costs, n_stages)
+        got = _cheapest_runs(_StageCost(costs, n_stages))
         assert got in splits and largest(got) == pytest.approx(min(largest(r) for r in splits))
 
 

@@ -123,7 +123,8 @@ def plan_layout(parallelism, n_layers: int, local_batch_size: int, part_costs: S
     elif by_flops:
         if part_costs is None or len(part_costs) != n_layers + 2:
             raise ValueError(f"plan_layout: balance by flops needs the costs of the embedding, the {n_layers} blocks and the output")
-        runs = _cheapest_runs(part_costs, _stage_count(parallelism, n_layers, style))
+        stage_cost = _StageCost(part_costs, _stage_count(parallelism, n_layers, style))
+        runs = _cheapest_runs(stage_cost)
     else:
         runs = _balanced_runs(n_layers, _stage_count(parallelism, n_layers, style), parallelism.pipeline_parallel_first_stage_less_layers,
                               parallelism.pipeline_parallel_last_stage_less_layers)
@@ -135,12 +136,8 @@ def plan_layout(parallelism, n_layers: int, local_batch_size: int, part_costs: S
     if (style == "single" and per_rank != 1) or (style == "loop" and per_rank < 2) or (style == "v" and per_rank != 2):
         raise TitanliteError(f"{FIELD}_schedule: {schedule} runs {wanted}, but the split gives {n_stages} stages on "
                              f"{degree} ranks ({per_rank} per rank)")
-    def flops(i: int, a: int, b: int) -> float | None:
-        if not by_flops:
-            return None
-        return sum(part_costs[1 + a:1 + b]) + (part_costs[0] if i == 0 else 0.0) + (part_costs[-1] if i == n_stages - 1 else 0.0)
-
-    stages = tuple(StageSpec(i, tuple(blocks[a:b]), i == 0, i == n_stages - 1, flops(i, a, b)) for i, (a, b) in enumerate(runs))
+    stages = tuple(StageSpec(i, tuple(blocks[a:b]), i == 0, i == n_stages - 1, stage_cost(i, a, b) if by_flops else None)
+                   for i, (a, b) in enumerate(runs))
     return PipelineLayout(schedule, degree, stages, _microbatches(parallelism, local_batch_size, n_stages, degree))
 
 
@@ -174,25 +171,32 @@ def _balanced_runs(n_layers: int, n_stages: int, first_less: int, last_less: int
     return list(zip(bounds, bounds[1:]))
 
 
-def _cheapest_runs(costs: Sequence[float], n_stages: int) -> list[tuple[int, int]]:
-    """[start, stop) block ranges of `n_stages` consecutive stages whose largest cost is the
-    smallest possible; `costs` = [embedding, block 0, ..., block n-1, output], the embedding
-    on the first stage and the output on the last. As in torchtitan's rule, the first or the
-    last stage may hold no block; a stage between them holds at least one.
+class _StageCost:
+    """The cost of a stage from the parts' costs = [embedding, block 0, ..., block n-1,
+    output]: its blocks' (by prefix sums: the split below asks for many ranges), plus the
+    embedding on the first stage and the output on the last of `n_stages`."""
+
+    def __init__(self, costs: Sequence[float], n_stages: int):
+        self.costs, self.n_stages, self.n_layers = costs, n_stages, len(costs) - 2
+        self.prefix = [0.0]
+        for cost in costs[1:-1]:
+            self.prefix.append(self.prefix[-1] + cost)
+
+    def __call__(self, stage: int, start: int, stop: int) -> float:
+        return (self.prefix[stop] - self.prefix[start] + (self.costs[0] if stage == 0 else 0.0)
+                + (self.costs[-1] if stage == self.n_stages - 1 else 0.0))
+
+
+def _cheapest_runs(stage_cost: _StageCost) -> list[tuple[int, int]]:
+    """[start, stop) block ranges of `stage_cost.n_stages` consecutive stages whose largest
+    cost is the smallest possible. As in torchtitan's rule, the first or the last stage may
+    hold no block; a stage between them holds at least one.
 
     A stage's time is what paces a pipeline: the slowest stage sets every other stage's
     wait once per microbatch, so the split minimizes the largest stage, not the spread."""
-    n_layers = len(costs) - 2
-    if n_stages > n_layers + 2 or (n_stages > 2 and n_layers < n_stages - 2):
+    n_layers, n_stages = stage_cost.n_layers, stage_cost.n_stages
+    if n_layers < n_stages - 2:
         raise TitanliteError(f"{FIELD}_degree: {n_stages} stages for a model of {n_layers} blocks: too many stages")
-    prefix = [0.0]
-    for cost in costs[1:-1]:
-        prefix.append(prefix[-1] + cost)
-
-    def stage_cost(stage: int, start: int, stop: int) -> float:
-        return (prefix[stop] - prefix[start] + (costs[0] if stage == 0 else 0.0)
-                + (costs[-1] if stage == n_stages - 1 else 0.0))
-
     if n_stages == 1:
         return [(0, n_layers)]
     # best[j]: the smallest largest-stage cost of stages 0..s covering blocks [0, j), with
