@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from titanlite.models.attention import attend, build_mask
 from titanlite.models.chunked_attention import ChunkPlan, Piece, QueryChunk, chunked_attention, plan_chunks
-from titanlite.parallel.context_parallel import _rank_order, _window_order, chunk_positions, chunk_starts
+from titanlite.parallel.context_parallel import _copy_rank_order, _copy_window_order, chunk_positions, chunk_starts
 
 SEQ = 64
 
@@ -91,8 +91,10 @@ def test_the_plan_masks_only_chunks_that_cross_a_document_boundary():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_the_gathers_window_order_inverts_the_rank_order(cp):
     rank_order = torch.cat([chunk_positions(SEQ, rank, cp) for rank in range(cp)])
-    assert torch.equal(_window_order(rank_order, cp), torch.arange(SEQ))
-    assert torch.equal(_rank_order(torch.arange(SEQ), cp), rank_order)
+    window, ranks = torch.empty(SEQ, dtype=torch.long), torch.empty(SEQ, dtype=torch.long)
+    _copy_window_order(window, rank_order, cp)
+    _copy_rank_order(ranks, torch.arange(SEQ), cp)
+    assert torch.equal(window, torch.arange(SEQ)) and torch.equal(ranks, rank_order)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

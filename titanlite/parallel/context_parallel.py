@@ -39,22 +39,9 @@ def chunk_starts(seq_len: int, cp_rank: int, cp: int) -> list[int]:
     return [cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk]
 
 
-def _window_order(rank_order: torch.Tensor, cp: int) -> torch.Tensor:
-    """[cp x (chunk r, chunk 2cp-1-r), ...] along dim 0 -> chunks 0 .. 2cp-1 (a copy)."""
-    window = torch.empty_like(rank_order)
-    _copy_window_order(window, rank_order, cp)
-    return window
-
-
-def _rank_order(window_order: torch.Tensor, cp: int) -> torch.Tensor:
-    """The inverse of `_window_order` (a contiguous copy)."""
-    ranks = torch.empty_like(window_order)
-    _copy_rank_order(ranks, window_order, cp)
-    return ranks
-
-
 def _copy_window_order(window: torch.Tensor, ranks: torch.Tensor, cp: int) -> None:
-    """Write `ranks` (dim 0 in rank order) into `window` (any strides) in window order."""
+    """Write `ranks` (dim 0 in rank order: [cp x (chunk r, chunk 2cp-1-r)]) into `window`
+    (any strides) in window order (chunks 0 .. 2cp-1)."""
     pairs, halves = ranks.unflatten(0, (cp, 2, -1)), window.unflatten(0, (2, cp, -1))
     halves[0].copy_(pairs[:, 0])
     for rank in range(cp):
@@ -62,7 +49,7 @@ def _copy_window_order(window: torch.Tensor, ranks: torch.Tensor, cp: int) -> No
 
 
 def _copy_rank_order(ranks: torch.Tensor, window: torch.Tensor, cp: int) -> None:
-    """Write `window` (dim 0 in window order) into `ranks` in rank order."""
+    """Write `window` (dim 0 in window order) into `ranks` in rank order: the inverse."""
     pairs, halves = ranks.unflatten(0, (cp, 2, -1)), window.unflatten(0, (2, cp, -1))
     pairs[:, 0].copy_(halves[0])
     for rank in range(cp):
@@ -150,15 +137,12 @@ class _GatherAlong(torch.autograd.Function):
         return tuple(results)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
+    def backward(ctx, *grads: torch.Tensor):  # autograd hands zeros for an unused output, never None
         cp = dist.get_world_size(ctx.group)
-        present = next(g for g in grads if g is not None).movedim(ctx.dim, 0)
-        front = present.new_empty((present.shape[0], len(grads), *present.shape[1:]))
+        first = grads[0].movedim(ctx.dim, 0)
+        front = first.new_empty((first.shape[0], len(grads), *first.shape[1:]))
         for i, grad in enumerate(grads):
-            if grad is None:
-                front[:, i] = 0
-            else:
-                _copy_rank_order(front[:, i], grad.movedim(ctx.dim, 0), cp)
+            _copy_rank_order(front[:, i], grad.movedim(ctx.dim, 0), cp)
         out = front.new_empty((front.shape[0] // cp, *front.shape[1:]))
         _reduce_scatter(out, front, group=ctx.group)
         return (None, None, None, *(out[:, i].movedim(0, ctx.dim) for i in range(len(grads))))
