@@ -70,7 +70,7 @@ class TokenWindowLoader:
             batch = self.batch_at(self.windows)
         else:
             if self._prefetcher is None:
-                self._prefetcher = Prefetcher.owned_by(self, "batch_at", self.windows, self.global_batch, PREFETCH_DEPTH)
+                self._prefetcher = Prefetcher.owned_by(self.batch_at, self.windows, self.global_batch, PREFETCH_DEPTH)
             batch = self._prefetcher.get()
         self.windows += self.global_batch
         return batch

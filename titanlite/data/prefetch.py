@@ -65,19 +65,19 @@ class Prefetcher(Generic[T]):
         self._thread.join(timeout=10)
 
     @classmethod
-    def owned_by(cls, owner: object, method: str, start: int, stride: int, depth: int = 2) -> Prefetcher:
-        """A prefetcher of `getattr(owner, method)(position)` that does not keep `owner` alive
-        and stops when it is collected (a consumer dropped without `close()`)."""
-        ref = weakref.ref(owner)
+    def owned_by(cls, produce: Callable[[int], T], start: int, stride: int, depth: int = 2) -> Prefetcher[T]:
+        """A prefetcher of the bound method `produce` that does not keep its object alive and
+        stops when that object is collected (a consumer dropped without `close()`)."""
+        weak = weakref.WeakMethod(produce)
 
-        def produce(position: int):
-            current = ref()
-            if current is None:
+        def produce_while_owned(position: int) -> T:
+            method = weak()
+            if method is None:
                 raise _OwnerGone
-            return getattr(current, method)(position)
+            return method(position)
 
-        prefetcher = cls(produce, start, stride, depth)
-        weakref.finalize(owner, prefetcher.stop)
+        prefetcher = cls(produce_while_owned, start, stride, depth)
+        weakref.finalize(produce.__self__, prefetcher.stop)
         return prefetcher
 
 
