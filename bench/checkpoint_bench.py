@@ -49,7 +49,9 @@ def main() -> None:
     parser.add_argument("--flavor", default="debugmodel")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--saves", type=int, default=3)
-    parser.add_argument("--steps-between", type=int, default=2, help="training steps between saves (the write overlaps them)")
+    parser.add_argument(
+        "--steps-between", type=int, default=2, help="training steps between saves (the write overlaps them)"
+    )
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--modes", default="disabled,async,async_with_pinned_mem")
@@ -92,14 +94,26 @@ def main() -> None:
             torch.cuda.synchronize()
 
     train_step()
-    print(f"{args.flavor}: {n_params / 1e6:.1f} M parameters, {state_mib:.0f} MiB of model + optimizer state; "
-          f"device {device.type}, torch {torch.__version__}")
+    print(
+        f"{args.flavor}: {n_params / 1e6:.1f} M parameters, {state_mib:.0f} MiB of model + optimizer state; "
+        f"device {device.type}, torch {torch.__version__}"
+    )
     results: dict[str, tuple[float, float]] = {}
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory() as folder:
             cfg = Checkpoint(enable_checkpoint=True, interval=1, async_mode=mode, keep_latest_k=2)
-            manager = CheckpointManager(cfg, folder, spec, args.flavor, model_args, model=model, optimizer=optimizer,
-                                        lr_scheduler=scheduler, dataloader=data, train_state=state)
+            manager = CheckpointManager(
+                cfg,
+                folder,
+                spec,
+                args.flavor,
+                model_args,
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                dataloader=data,
+                train_state=state,
+            )
             stalls, holds, writes = [], [], []
             for index in range(args.saves + 1):
                 for _ in range(args.steps_between):
@@ -121,9 +135,11 @@ def main() -> None:
             manager.close()
             reload = _reloads_exactly(cfg, folder, saved, spec, model_args, args.flavor)
         results[mode] = (statistics.median(stalls), statistics.median(writes))
-        print(f"{mode:>22}: loop stall {results[mode][0] * 1e3:8.1f} ms (of which the step waited for staging "
-              f"{statistics.median(holds) * 1e3:.1f} ms)   save committed after {results[mode][1] * 1e3:8.1f} ms"
-              f"   reload {'bit-exact' if reload else 'MISMATCH'}")
+        print(
+            f"{mode:>22}: loop stall {results[mode][0] * 1e3:8.1f} ms (of which the step waited for staging "
+            f"{statistics.median(holds) * 1e3:.1f} ms)   save committed after {results[mode][1] * 1e3:8.1f} ms"
+            f"   reload {'bit-exact' if reload else 'MISMATCH'}"
+        )
     if "disabled" in results:
         blocking = results["disabled"][0]
         for mode in results:
@@ -151,9 +167,18 @@ def _reloads_exactly(cfg, folder: str, saved: dict[str, torch.Tensor], spec, mod
     fresh.to_empty(device=device)
     fresh.init_weights(seed=1)
     optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
-    manager = CheckpointManager(cfg, folder, spec, flavor, model_args, model=fresh, optimizer=optimizer,
-                                lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), dataloader=_Position(),
-                                train_state=TrainState())
+    manager = CheckpointManager(
+        cfg,
+        folder,
+        spec,
+        flavor,
+        model_args,
+        model=fresh,
+        optimizer=optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        dataloader=_Position(),
+        train_state=TrainState(),
+    )
     manager.load()
     manager.close()
     return all(torch.equal(a, b) for a, b in zip(saved.values(), fresh.state_dict().values()))

@@ -55,8 +55,19 @@ def bench_prepare(folder: Path) -> dict[int, tuple[float, float, int]]:
     out = {}
     for workers in (1, 2):
         output = folder / f"w{workers}"
-        command = [sys.executable, "-m", "titanlite.data.prepare", "builtin", str(output), "--tokenizer", str(TOKENIZER),
-                   "--workers", str(workers), "--shard-mb", "1"]
+        command = [
+            sys.executable,
+            "-m",
+            "titanlite.data.prepare",
+            "builtin",
+            str(output),
+            "--tokenizer",
+            str(TOKENIZER),
+            "--workers",
+            str(workers),
+            "--shard-mb",
+            "1",
+        ]
         wall, cpu = time.perf_counter(), children_cpu_seconds()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
         tokens = json.loads((output / "manifest.json").read_text())["tokens"]
@@ -91,10 +102,19 @@ def synthetic(folder: Path, tokens: int, shards: int = 10) -> Path:
     for k in range(shards):
         rng.integers(0, 4096, per, dtype=np.uint16).astype("<u2").tofile(folder / f"{shard_name(k)}.bin")
         np.array([0, per], dtype="<u8").tofile(folder / f"{shard_name(k)}.idx")
-    write_manifest(folder, {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": "uint16", "source": "synthetic",
-                            "tokens": per * shards, "documents": shards,
-                            "tokenizer": {"kind": "none", "sha256": "", "vocab_size": 4096},
-                            "shards": [{"name": shard_name(k), "tokens": per, "documents": 1} for k in range(shards)]})
+    write_manifest(
+        folder,
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "dtype": "uint16",
+            "source": "synthetic",
+            "tokens": per * shards,
+            "documents": shards,
+            "tokenizer": {"kind": "none", "sha256": "", "vocab_size": 4096},
+            "shards": [{"name": shard_name(k), "tokens": per, "documents": 1} for k in range(shards)],
+        },
+    )
     return folder
 
 
@@ -105,9 +125,13 @@ def streams(builtin: Path, large: Path, seq_len: int) -> dict[str, WindowStream]
         shards = TokenShards(folder)
         parts[name] = [DatasetWindows(shards, window, 0, window_count(shards, window), seed=0, salt=s) for s in (0, 1)]
     return {
-        f"built-in ({parts['built-in'][0].shards.num_tokens / 1e6:.1f}M tokens)": WindowStream(parts["built-in"][:1], [1.0], "a"),
+        f"built-in ({parts['built-in'][0].shards.num_tokens / 1e6:.1f}M tokens)": WindowStream(
+            parts["built-in"][:1], [1.0], "a"
+        ),
         "built-in, blend 0.7/0.3 of two": WindowStream(parts["built-in"], [0.7, 0.3], "b"),
-        f"synthetic ({parts['synthetic'][0].shards.num_tokens / 1e6:.0f}M tokens)": WindowStream(parts["synthetic"][:1], [1.0], "c"),
+        f"synthetic ({parts['synthetic'][0].shards.num_tokens / 1e6:.0f}M tokens)": WindowStream(
+            parts["synthetic"][:1], [1.0], "c"
+        ),
     }
 
 
@@ -122,25 +146,42 @@ def main() -> None:
         prepared = bench_prepare(Path(tmp))
         print(f"prepare, built-in corpus ({prepared[1][2]:,} tokens, {tokenizer.kind} vocab {tokenizer.vocab_size:,}):")
         for workers, (wall, cpu, tokens) in prepared.items():
-            print(f"  {workers} worker(s): {wall:6.1f} s wall {tokens / wall:12,.0f} tokens/s;  "
-                  f"{cpu:5.1f} CPU s {tokens / cpu:12,.0f} tokens per CPU second")
-        print(f"  ratio 2 workers / 1 worker: {prepared[1][0] / prepared[2][0]:.2f}x wall, "
-              f"{prepared[1][1] / prepared[2][1]:.2f}x CPU (wall scales with the cores this process is given)")
+            print(
+                f"  {workers} worker(s): {wall:6.1f} s wall {tokens / wall:12,.0f} tokens/s;  "
+                f"{cpu:5.1f} CPU s {tokens / cpu:12,.0f} tokens per CPU second"
+            )
+        print(
+            f"  ratio 2 workers / 1 worker: {prepared[1][0] / prepared[2][0]:.2f}x wall, "
+            f"{prepared[1][1] / prepared[2][1]:.2f}x CPU (wall scales with the cores this process is given)"
+        )
         start = time.perf_counter()
         ensure_prepared("builtin", "", tokenizer, str(Path(tmp) / "cache"))
         first_use = time.perf_counter() - start
         start = time.perf_counter()
         ensure_prepared("builtin", "", tokenizer, str(Path(tmp) / "cache"))
         cached = time.perf_counter() - start
-        print(f"first use of the built-in corpus in a run: {first_use:.1f} s to prepare; later runs: {cached:.2f} s (hash and open)")
+        print(
+            f"first use of the built-in corpus in a run: {first_use:.1f} s to prepare; later runs: {cached:.2f} s "
+            "(hash and open)"
+        )
 
-        print(f"\nloader, rank 0, local batch 1, seq_len {args.seq_len}, best of {args.rounds} rounds of {args.batches} batches (tokens per CPU second):")
-        print(f"  {'prepared path':<36}" + "".join(f"{'dp ' + str(d):>12}" for d in DEGREES) + f"{'dp512/dp1':>11}{'x H100 8B':>11}")
+        print(
+            f"\nloader, rank 0, local batch 1, seq_len {args.seq_len}, best of {args.rounds} rounds of "
+            f"{args.batches} batches (tokens per CPU second):"
+        )
+        print(
+            f"  {'prepared path':<36}"
+            + "".join(f"{'dp ' + str(d):>12}" for d in DEGREES)
+            + f"{'dp512/dp1':>11}{'x H100 8B':>11}"
+        )
         large = synthetic(Path(tmp) / "synthetic", 100_000_000)
         for name, stream in streams(Path(tmp) / "w2", large, args.seq_len).items():
             rates = loader_rates(stream, args.batches, args.rounds)
-            print(f"  {name:<36}" + "".join(f"{r:12,.0f}" for r in rates)
-                  + f"{rates[-1] / rates[0]:11.2f}{min(rates) / H100_8B_TOKENS_PER_S:10,.0f}x")
+            print(
+                f"  {name:<36}"
+                + "".join(f"{r:12,.0f}" for r in rates)
+                + f"{rates[-1] / rates[0]:11.2f}{min(rates) / H100_8B_TOKENS_PER_S:10,.0f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -58,13 +58,26 @@ def measure(phase):
 def llama_args(cli):
     from titanlite.models.llama.model import LlamaArgs
 
-    return LlamaArgs(dim=cli.dim, n_layers=cli.layers, n_heads=cli.dim // 64, n_kv_heads=cli.dim // 256,
-                     vocab_size=cli.vocab, multiple_of=256, max_seq_len=2048)
+    return LlamaArgs(
+        dim=cli.dim,
+        n_layers=cli.layers,
+        n_heads=cli.dim // 64,
+        n_kv_heads=cli.dim // 256,
+        vocab_size=cli.vocab,
+        multiple_of=256,
+        max_seq_len=2048,
+    )
 
 
 def worker(rank: int, world: int, port: int, cli, folder: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -83,15 +96,24 @@ def worker(rank: int, world: int, port: int, cli, folder: str, out: str) -> None
     if world > 1:
         parallelize(model, ParallelDims(1, world, 1, world).build_mesh("cpu").fsdp)
     model.to_empty(device="cpu")
-    shard = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
-                for p in model.parameters())
+    shard = sum(
+        p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+        for p in model.parameters()
+    )
     cfg = Checkpoint(enable_checkpoint=False, initial_load_path=str(Path(folder) / "hf"), initial_load_format="hf")
     manager = CheckpointManager(cfg, str(Path(out) / "run"), llama3_spec, "bench", args, model=model)
     load_s, load_peak = measure(manager.load)
     saved = Path(out) / f"saved-{world}"
-    save_s, save_peak = measure(lambda: hf_io.save_hf_weights(get_model_state_dict(model), saved, hf_adapter, args,
-                                                              dist.group.WORLD if world > 1 else None,
-                                                              max_file_bytes=200 * 1024**2))
+    save_s, save_peak = measure(
+        lambda: hf_io.save_hf_weights(
+            get_model_state_dict(model),
+            saved,
+            hf_adapter,
+            args,
+            dist.group.WORLD if world > 1 else None,
+            max_file_bytes=200 * 1024**2,
+        )
+    )
     rows = [None] * world
     dist.all_gather_object(rows, (rank, shard, load_s, load_peak, save_s, save_peak))
     if rank == 0:
@@ -127,18 +149,24 @@ def main() -> int:
         del source
         files = len(list((work / "hf").glob("*.safetensors")))
         buffer = largest + max(p.stat().st_size for p in (work / "hf").glob("*.safetensors"))
-        print(f"model: {params / 1e6:.1f}M parameters (dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads, "
-              f"{args.kv_heads} kv heads, vocab {args.vocab_size}), float32: {mb(params * 4)} in {files} files by "
-              f"transformers save_pretrained; fixed buffer {mb(buffer)} (largest tensor {mb(largest)} + largest file)")
+        print(
+            f"model: {params / 1e6:.1f}M parameters (dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads, "
+            f"{args.kv_heads} kv heads, vocab {args.vocab_size}), float32: {mb(params * 4)} in {files} files by "
+            f"transformers save_pretrained; fixed buffer {mb(buffer)} (largest tensor {mb(largest)} + largest file)"
+        )
         for world in cli.procs:
             os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-            mp.start_processes(worker, args=(world, free_port(), cli, str(work), str(work)), nprocs=world, start_method="spawn")
+            mp.start_processes(
+                worker, args=(world, free_port(), cli, str(work), str(work)), nprocs=world, start_method="spawn"
+            )
             for rank, shard, load_s, load_peak, save_s, save_peak in eval((work / f"result-{world}.txt").read_text()):
                 bound = 1.5 * shard + buffer
-                print(f"procs {world} rank {rank}: shard {mb(shard)}; load {load_s:.1f} s, peak RSS +{mb(load_peak)} "
-                      f"({load_peak / shard:.2f}x shard); save {save_s:.1f} s, peak RSS +{mb(save_peak)} "
-                      f"({save_peak / shard:.2f}x shard); bound 1.5x shard + buffer = {mb(bound)}: "
-                      f"{'within' if max(load_peak, save_peak) <= bound else 'OVER'}; whole model {mb(params * 4)}")
+                print(
+                    f"procs {world} rank {rank}: shard {mb(shard)}; load {load_s:.1f} s, peak RSS +{mb(load_peak)} "
+                    f"({load_peak / shard:.2f}x shard); save {save_s:.1f} s, peak RSS +{mb(save_peak)} "
+                    f"({save_peak / shard:.2f}x shard); bound 1.5x shard + buffer = {mb(bound)}: "
+                    f"{'within' if max(load_peak, save_peak) <= bound else 'OVER'}; whole model {mb(params * 4)}"
+                )
             shutil.rmtree(work / f"saved-{world}", ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -108,13 +108,20 @@ def model_matmuls(tokens: int, vocab: int) -> list[tuple[str, tuple[int, int], t
     gradient g^T x (as autograd runs them: the transposed operand a strided view)."""
     args = get_model_spec("llama3").flavors["debugmodel"]
     kv = args.kv_heads * args.head_dim
-    linears = {"wq, wo": (args.dim, args.dim), "wk, wv": (kv, args.dim), "w1, w3": (args.ffn_hidden_dim, args.dim),
-               "w2": (args.dim, args.ffn_hidden_dim), "output": (vocab, args.dim)}  # fmt: skip
+    linears = {
+        "wq, wo": (args.dim, args.dim),
+        "wk, wv": (kv, args.dim),
+        "w1, w3": (args.ffn_hidden_dim, args.dim),
+        "w2": (args.dim, args.ffn_hidden_dim),
+        "output": (vocab, args.dim),
+    }
     shapes = []
     for name, (out_features, in_features) in linears.items():
-        shapes += [(f"{name} forward", (tokens, in_features), (in_features, out_features)),
-                   (f"{name} input grad", (tokens, out_features), (out_features, in_features)),
-                   (f"{name} weight grad", (out_features, tokens), (tokens, in_features))]  # fmt: skip
+        shapes += [
+            (f"{name} forward", (tokens, in_features), (in_features, out_features)),
+            (f"{name} input grad", (tokens, out_features), (out_features, in_features)),
+            (f"{name} weight grad", (out_features, tokens), (tokens, in_features)),
+        ]
     return shapes
 
 
@@ -134,7 +141,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="lockstep measurements per segment length, interleaved")
     parser.add_argument("--tokens", type=int, default=4096, help="rows of the model's matmuls (local batch x seq)")
-    parser.add_argument("--vocab", type=int, default=4096, help="output head width (the bundled tokenizer's vocabulary)")
+    parser.add_argument(
+        "--vocab", type=int, default=4096, help="output head width (the bundled tokenizer's vocabulary)"
+    )
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -145,15 +154,19 @@ def main() -> None:
         print(f"  {nbytes:>9,} B  {seconds * 1e3:6.2f} ms")
 
     unit_ms = 1e3 * _mm_seconds(torch.randn(MATMUL[0], MATMUL[1]), torch.randn(MATMUL[1], MATMUL[2]), threads=1)
-    print(f"\nlockstep tax, 2 processes, {WORK_MS / 1e3:.0f} s of {MATMUL[0]}x{MATMUL[1]}x{MATMUL[2]} matmuls "
-          f"({unit_ms:.1f} ms each) each:")
+    print(
+        f"\nlockstep tax, 2 processes, {WORK_MS / 1e3:.0f} s of {MATMUL[0]}x{MATMUL[1]}x{MATMUL[2]} matmuls "
+        f"({unit_ms:.1f} ms each) each:"
+    )
     for round_index in range(args.rounds):
         for segment_ms in SEGMENTS_MS:
             per_segment = max(1, round(segment_ms / unit_ms))
             segments = max(1, round(WORK_MS / (per_segment * unit_ms)))
             times = _run_pair(cores, "lockstep", (per_segment, segments, round_index % 2 == 1))
-            print(f"  meeting every {per_segment * unit_ms:5.0f} ms ({segments} meetings): free {times[False]:.2f} s, "
-                  f"meeting {times[True]:.2f} s, tax {times[True] / times[False] - 1:+.0%}")
+            print(
+                f"  meeting every {per_segment * unit_ms:5.0f} ms ({segments} meetings): free {times[False]:.2f} s, "
+                f"meeting {times[True]:.2f} s, tax {times[True] / times[False] - 1:+.0%}"
+            )
 
     threads = len(cores)
     print(f"\nmatmul thread scaling, debug model at {args.tokens} tokens: 1 thread vs {threads} (ideal {threads:.2f}x)")
@@ -165,8 +178,11 @@ def main() -> None:
         for n in total:
             total[n] += seconds[n]
         flops = 2 * shape_a[0] * shape_a[1] * shape_b[1]
-        print(f"  {name:18s} {shape_a[0]:>5}x{shape_a[1]:<5}x{shape_b[1]:>5}  1 thread {flops / seconds[1] / 1e9:6.1f} GFLOP/s, "
-              f"{threads} threads {flops / seconds[threads] / 1e9:6.1f} GFLOP/s, {seconds[1] / seconds[threads]:.2f}x")
+        print(
+            f"  {name:18s} {shape_a[0]:>5}x{shape_a[1]:<5}x{shape_b[1]:>5}  1 thread {flops / seconds[1] / 1e9:6.1f} "
+            "GFLOP/s, "
+            f"{threads} threads {flops / seconds[threads] / 1e9:6.1f} GFLOP/s, {seconds[1] / seconds[threads]:.2f}x"
+        )
     print(f"  all of them: {total[1] / total[threads]:.2f}x")
 
 

@@ -68,8 +68,11 @@ def step_matmuls(shapes: Counter[tuple[int, int]], tokens: int, forwards: int) -
     matmuls = []
     for (d_in, d_out), count in shapes.items():
         n = count * forwards
-        matmuls += [(1, tokens, d_in, d_out, False, True, n), (1, tokens, d_out, d_in, False, False, n),
-                    (1, d_out, tokens, d_in, True, False, n)]  # fmt: skip
+        matmuls += [
+            (1, tokens, d_in, d_out, False, True, n),
+            (1, tokens, d_out, d_in, False, False, n),
+            (1, d_out, tokens, d_in, True, False, n),
+        ]
     return matmuls
 
 
@@ -86,7 +89,9 @@ def attention_widths(parts: list[nn.Module]) -> Counter[tuple[int, int]]:
     return widths
 
 
-def attention_matmuls(widths: Counter[tuple[int, int]], sequences: int, q_len: int, k_len: int, forwards: int) -> list[Matmul]:
+def attention_matmuls(
+    widths: Counter[tuple[int, int]], sequences: int, q_len: int, k_len: int, forwards: int
+) -> list[Matmul]:
     """Each batched matmul of attention a step does: per module and forward, over sequences x
     heads, Q K^T and P V forward, dO V^T, P^T dO, dS K and dS^T Q backward, against the causal
     half of the keys."""
@@ -94,13 +99,20 @@ def attention_matmuls(widths: Counter[tuple[int, int]], sequences: int, q_len: i
     matmuls = []
     for (heads, head_dim), count in widths.items():
         b, n = sequences * heads, count * forwards
-        matmuls += [(b, q_len, head_dim, keys, False, False, n), (b, q_len, keys, head_dim, False, False, n),  # forward
-                    (b, q_len, head_dim, keys, False, False, n), (b, keys, q_len, head_dim, False, False, n),  # dP, dV
-                    (b, q_len, keys, head_dim, False, False, n), (b, keys, q_len, head_dim, False, False, n)]  # dQ, dK
+        matmuls += [
+            (b, q_len, head_dim, keys, False, False, n),
+            (b, q_len, keys, head_dim, False, False, n),  # forward
+            (b, q_len, head_dim, keys, False, False, n),
+            (b, keys, q_len, head_dim, False, False, n),  # dP, dV
+            (b, q_len, keys, head_dim, False, False, n),
+            (b, keys, q_len, head_dim, False, False, n),
+        ]  # dQ, dK
     return matmuls
 
 
-def time_matmuls(matmuls: list[Matmul], dtype: torch.dtype, device: torch.device, min_seconds: float = 2.0) -> tuple[float, float]:
+def time_matmuls(
+    matmuls: list[Matmul], dtype: torch.dtype, device: torch.device, min_seconds: float = 2.0
+) -> tuple[float, float]:
     """Seconds one step's matmuls take, run back to back (the average of whole repeats, at
     least `min_seconds` in all, after one repeat to warm up), and their FLOPs."""
     operands = []
@@ -139,15 +151,21 @@ def rank_ceiling(trainer) -> dict[str, float]:
     sequences = training.local_batch_size // microbatches
     q_len = training.seq_len // dims.cp
     parts = list(trainer.model_parts)
-    matmuls = (step_matmuls(linear_shapes(parts), sequences * q_len, forwards)
-               + attention_matmuls(attention_widths(parts), sequences, q_len, training.seq_len, forwards))
+    matmuls = step_matmuls(linear_shapes(parts), sequences * q_len, forwards) + attention_matmuls(
+        attention_widths(parts), sequences, q_len, training.seq_len, forwards
+    )
     dtype = getattr(torch, training.mixed_precision_param)
     dist.barrier()
     seconds, flops = time_matmuls(matmuls, dtype, trainer.device)
     dist.barrier()
     # The fastest of a few short timings: a neighbour's burst on a shared host lowers a mean.
-    peak_seconds, peak_flops = min(time_matmuls([(1, 2048, 2048, 2048, False, True, 1)], dtype, trainer.device, min_seconds=0.3)
-                                   for _ in range(4))
+    peak_seconds, peak_flops = min(
+        time_matmuls([(1, 2048, 2048, 2048, False, True, 1)], dtype, trainer.device, min_seconds=0.3) for _ in range(4)
+    )
     replica_tokens = plan.grad_accum_steps * training.local_batch_size * training.seq_len
-    return {"seconds": seconds, "flops": flops, "peak_flops": peak_flops / peak_seconds,
-            "tokens_per_device": replica_tokens / (dims.tp * dims.cp * dims.pp)}
+    return {
+        "seconds": seconds,
+        "flops": flops,
+        "peak_flops": peak_flops / peak_seconds,
+        "tokens_per_device": replica_tokens / (dims.tp * dims.cp * dims.pp),
+    }

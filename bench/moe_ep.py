@@ -58,11 +58,32 @@ def expert_compute_bytes(trainer: Trainer) -> dict[int, int]:
 
 
 def run_layout(ep: int, args: argparse.Namespace, folder: str) -> dict[str, float]:
-    argv = ["--config", "debug_model", "--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
-            "--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len),
-            "--training.local_batch_size", str(args.batch), "--training.mixed_precision_param", "float32",
-            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--metrics.peak_flops", "1e11",
-            "--parallelism.expert_parallel_degree", str(ep), "--job.dump_folder", f"{folder}/ep{ep}"]
+    argv = [
+        "--config",
+        "debug_model",
+        "--model.name",
+        "qwen3",
+        "--model.flavor",
+        "debugmodel_moe",
+        "--training.steps",
+        str(args.steps),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.local_batch_size",
+        str(args.batch),
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.peak_flops",
+        "1e11",
+        "--parallelism.expert_parallel_degree",
+        str(ep),
+        "--job.dump_folder",
+        f"{folder}/ep{ep}",
+    ]
     trainer = Trainer(plan_run(load_config(argv), WORLD))
     experts = expert_compute_bytes(trainer)
     reset_peak_rss()
@@ -73,14 +94,26 @@ def run_layout(ep: int, args: argparse.Namespace, folder: str) -> dict[str, floa
             seconds = time.perf_counter() - started
     finally:
         trainer.close()
-    exchange_us = sum(e.self_cpu_time_total for e in profile.key_averages() if any(op in e.key.lower() for op in EXCHANGE_OPS))
-    return {"tps": statistics.median(h["tps"] for h in history[1:]), "peak_rss": peak_rss_bytes(),
-            "expert_bytes": sum(experts.values()), "exchange_share": exchange_us / 1e6 / seconds}
+    exchange_us = sum(
+        e.self_cpu_time_total for e in profile.key_averages() if any(op in e.key.lower() for op in EXCHANGE_OPS)
+    )
+    return {
+        "tps": statistics.median(h["tps"] for h in history[1:]),
+        "peak_rss": peak_rss_bytes(),
+        "expert_bytes": sum(experts.values()),
+        "exchange_share": exchange_us / 1e6 / seconds,
+    }
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(args.threads)
     results = {ep: run_layout(ep, args, folder) for ep in (1, 2)}
     gathered = [None] * WORLD
@@ -92,19 +125,27 @@ def worker(rank: int, port: int, args: argparse.Namespace, folder: str) -> None:
 
 
 def report(ranks: list[dict[int, dict[str, float]]], args: argparse.Namespace) -> None:
-    print(f"Qwen3-MoE debugmodel_moe, {WORLD} gloo processes (dp_shard 2), float32, batch {args.batch} x seq {args.seq_len} "
-          f"per rank, {args.threads} thread(s) each, {args.steps} steps")
+    print(
+        f"Qwen3-MoE debugmodel_moe, {WORLD} gloo processes (dp_shard 2), float32, batch {args.batch} x seq "
+        f"{args.seq_len} "
+        f"per rank, {args.threads} thread(s) each, {args.steps} steps"
+    )
     for ep in (1, 2):
         rows = [rank[ep] for rank in ranks]
-        print(f"ep {ep}: {statistics.mean(r['tps'] for r in rows):8,.0f} tokens/s per rank  "
-              f"peak RSS {max(r['peak_rss'] for r in rows) / 2**30:.2f} GiB  "
-              f"experts computed with {rows[0]['expert_bytes'] / 2**20:.1f} MiB  "
-              f"all-to-all {max(r['exchange_share'] for r in rows):.1%} of the steps")
+        print(
+            f"ep {ep}: {statistics.mean(r['tps'] for r in rows):8,.0f} tokens/s per rank  "
+            f"peak RSS {max(r['peak_rss'] for r in rows) / 2**30:.2f} GiB  "
+            f"experts computed with {rows[0]['expert_bytes'] / 2**20:.1f} MiB  "
+            f"all-to-all {max(r['exchange_share'] for r in rows):.1%} of the steps"
+        )
     one, two = ([rank[ep] for rank in ranks] for ep in (1, 2))
-    print(f"ratio ep 2 / ep 1: tokens/s {statistics.mean(r['tps'] for r in two) / statistics.mean(r['tps'] for r in one):.2f}, "
-          f"peak RSS {max(r['peak_rss'] for r in two) / max(r['peak_rss'] for r in one):.2f}, "
-          f"expert bytes computed with {two[0]['expert_bytes'] / one[0]['expert_bytes']:.2f}; "
-          f"all-to-all share of the ep 2 step {max(r['exchange_share'] for r in two):.2f}")
+    print(
+        "ratio ep 2 / ep 1: tokens/s "
+        f"{statistics.mean(r['tps'] for r in two) / statistics.mean(r['tps'] for r in one):.2f}, "
+        f"peak RSS {max(r['peak_rss'] for r in two) / max(r['peak_rss'] for r in one):.2f}, "
+        f"expert bytes computed with {two[0]['expert_bytes'] / one[0]['expert_bytes']:.2f}; "
+        f"all-to-all share of the ep 2 step {max(r['exchange_share'] for r in two):.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,16 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = get_model_spec("qwen3")
-    print(f"one process, float32, batch {args.batch} x seq {args.seq_len}, {torch.get_num_threads()} threads, "
-          f"{args.steps} steps after {args.warmup_steps} warmup")
+    print(
+        f"one process, float32, batch {args.batch} x seq {args.seq_len}, {torch.get_num_threads()} threads, "
+        f"{args.steps} steps after {args.warmup_steps} warmup"
+    )
     rates = {}
     for name, model_args in models(args.vocab).items():
         times, active, total = measure(model_args, args.batch, args.seq_len, args.steps, args.warmup_steps)
         tokens_per_s = args.batch * args.seq_len / statistics.median(times)
         flops = spec.flops_per_token(model_args, total, args.seq_len) * tokens_per_s
         rates[name] = tokens_per_s
-        print(f"{name:34s} active {active:>11,} of {total:>11,} parameters  {tokens_per_s:>9,.0f} tokens/s  "
-              f"{flops / 1e9:7.1f} GFLOP/s (median step {statistics.median(times) * 1e3:.0f} ms)")
+        print(
+            f"{name:34s} active {active:>11,} of {total:>11,} parameters  {tokens_per_s:>9,.0f} tokens/s  "
+            f"{flops / 1e9:7.1f} GFLOP/s (median step {statistics.median(times) * 1e3:.0f} ms)"
+        )
     moe, dense = rates.values()
     print(f"ratio moe / dense tokens/s: {moe / dense:.2f}")
     return 0

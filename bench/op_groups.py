@@ -27,13 +27,47 @@ import time
 
 import torch
 
-GROUPS = ("matmul", "attention", "communication", "DTensor", "copies", "optimizer", "elementwise", "other ranges", "unprofiled")
+GROUPS = (
+    "matmul",
+    "attention",
+    "communication",
+    "DTensor",
+    "copies",
+    "optimizer",
+    "elementwise",
+    "other ranges",
+    "unprofiled",
+)
 
 _MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_grouped_mm"}
-_COPIES = {"aten::cat", "aten::copy_", "aten::stack", "aten::clone", "aten::repeat_interleave", "aten::contiguous",
-           "aten::index_copy_", "aten::_to_copy", "aten::index_select", "aten::split_with_sizes_copy", "aten::narrow_copy"}
-_COMMUNICATION_WORDS = ("c10d", "wait_tensor", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
-                        "send", "recv", "gloo", "nccl", "_wait", "barrier")
+_COPIES = {
+    "aten::cat",
+    "aten::copy_",
+    "aten::stack",
+    "aten::clone",
+    "aten::repeat_interleave",
+    "aten::contiguous",
+    "aten::index_copy_",
+    "aten::_to_copy",
+    "aten::index_select",
+    "aten::split_with_sizes_copy",
+    "aten::narrow_copy",
+}
+_COMMUNICATION_WORDS = (
+    "c10d",
+    "wait_tensor",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "send",
+    "recv",
+    "gloo",
+    "nccl",
+    "_wait",
+    "barrier",
+)
 _DTENSOR_WORDS = ("PythonSubclass", "Redistribute", "_FromTorchTensor", "_ToTorchTensor", "DTensor", "redistribute")
 
 
@@ -84,5 +118,7 @@ def profile_step(trainer) -> dict:
     self_seconds: dict[str, float] = {}
     for event in profile.key_averages():
         self_seconds[event.key] = self_seconds.get(event.key, 0.0) + event.self_cpu_time_total / 1e6
-    outside = sorted(((n, s) for n, s in self_seconds.items() if group_of(n) not in ("matmul", "attention")), key=lambda x: -x[1])
+    outside = sorted(
+        ((n, s) for n, s in self_seconds.items() if group_of(n) not in ("matmul", "attention")), key=lambda x: -x[1]
+    )
     return {"wall": wall, "groups": group_seconds(self_seconds, wall), "top": outside[:12]}

@@ -3,15 +3,15 @@
     python bench/pipeline_bubble.py [--microbatches 2,4,8,16] [--schedules 1F1B,GPipe] [--steps 8]
                                     [--seq-len 256] [--n-layers 7] [--balance flops] [--timeout 600]
 
-Each (schedule, microbatches) is a real 2-rank run of the trainer on the debug model (pp 2,
-gloo on CPU, each rank bound to its own core by `titanlite.launch --cpu-bind`), one sequence
-per microbatch. The debug model's shapes with 7 blocks by default (`--n-layers`; the flavor
-has 6): its output head costs about one block, so 6 blocks cannot split evenly into two
-stages around it and the measured idle would be mostly the stages' imbalance, not the
-schedule's cost; 7 split 4 | 3 + head. `--balance` is `parallelism.pipeline_parallel_balance`. In every rank the stage's compute (torch's `PipelineStage` forward, backward
-and weight-gradient chunks) is timed; the rest of the schedule step's wall time is the bubble
-plus the time spent moving activations. Printed per run, averaged over the steps after the
-first two and over the ranks:
+Each (schedule, microbatches) is a real 2-rank run of the trainer on the debug model (pp 2, gloo
+on CPU, each rank bound to its own core by `titanlite.launch --cpu-bind`), one sequence per
+microbatch. The debug model's shapes with 7 blocks by default (`--n-layers`; the flavor has 6):
+its output head costs about one block, so 6 blocks cannot split evenly into two stages around it
+and the measured idle would be mostly the stages' imbalance, not the schedule's cost; 7 split 4
+| 3 + head. `--balance` is `parallelism.pipeline_parallel_balance`. In every rank the stage's
+compute (torch's `PipelineStage` forward, backward and weight-gradient chunks) is timed; the
+rest of the schedule step's wall time is the bubble plus the time spent moving activations.
+Printed per run, averaged over the steps after the first two and over the ranks:
 
     measured idle = 1 - compute time / schedule-step time
 
@@ -80,7 +80,11 @@ def describe_split(trainer_args: list[str], n_layers: int) -> str:
     from titanlite.config import load_config
 
     register_bench_flavor(n_layers)
-    return plan_run(load_config([*trainer_args, "--model.flavor", BENCH_FLAVOR]), DEGREE).pipeline.describe().split("; ", 1)[1]
+    return (
+        plan_run(load_config([*trainer_args, "--model.flavor", BENCH_FLAVOR]), DEGREE)
+        .pipeline.describe()
+        .split("; ", 1)[1]
+    )
 
 
 def run_worker(out_path: str, n_layers: int, trainer_args: list[str]) -> None:
@@ -119,8 +123,19 @@ def run_worker(out_path: str, n_layers: int, trainer_args: list[str]) -> None:
 
 def launch(n_layers: int, trainer_args: list[str], out: Path, timeout: float) -> list[list[dict]]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={DEGREE}", "--cpu-bind",
-           str(Path(__file__).resolve()), "--worker", str(out), str(n_layers), *trainer_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "titanlite.launch",
+        "--standalone",
+        f"--nproc-per-node={DEGREE}",
+        "--cpu-bind",
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(out),
+        str(n_layers),
+        *trainer_args,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -138,26 +153,55 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--n-layers", type=int, default=7, help="blocks of the debug model's shapes (the flavor has 6)")
-    parser.add_argument("--balance", default="flops", choices=("layers", "flops"), help="parallelism.pipeline_parallel_balance")
-    parser.add_argument("--split-points", default="", help="parallelism.pipeline_parallel_split_points (instead of --balance)")
+    parser.add_argument(
+        "--balance", default="flops", choices=("layers", "flops"), help="parallelism.pipeline_parallel_balance"
+    )
+    parser.add_argument(
+        "--split-points", default="", help="parallelism.pipeline_parallel_split_points (instead of --balance)"
+    )
     args = parser.parse_args()
-    print(f"debug model's shapes with {args.n_layers} blocks, pp {DEGREE}, seq_len {args.seq_len}, 1 sequence per microbatch, "
-          f"{args.steps} steps (first 2 left out)")
-    header = ("| schedule | microbatches | step time | compute per rank | compute share | measured idle | textbook bubble (p-1)/(m+p-1) "
-              "| bubble of these stages |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"debug model's shapes with {args.n_layers} blocks, pp {DEGREE}, seq_len {args.seq_len}, 1 sequence per "
+        "microbatch, "
+        f"{args.steps} steps (first 2 left out)"
+    )
+    header = (
+        "| schedule | microbatches | step time | compute per rank | compute share | measured idle | textbook bubble "
+        "(p-1)/(m+p-1) "
+        "| bubble of these stages |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     printed_split = False
     with tempfile.TemporaryDirectory() as folder:
         for schedule in args.schedules.split(","):
             for m in (int(x) for x in args.microbatches.split(",")):
                 dump = Path(folder) / f"{schedule}-{m}"
                 trainer_args = [
-                    "--config", "debug_model", "--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len),
-                    "--training.local_batch_size", str(m), "--training.mixed_precision_param", "float32",
-                    "--parallelism.pipeline_parallel_degree", str(DEGREE), "--parallelism.pipeline_parallel_schedule", schedule,
-                    "--metrics.enable_tensorboard", "false", "--metrics.peak_flops", "1e11", "--job.dump_folder", str(dump),
-                    *(["--parallelism.pipeline_parallel_split_points", args.split_points] if args.split_points
-                      else ["--parallelism.pipeline_parallel_balance", args.balance]),
-                ]  # fmt: skip
+                    "--config",
+                    "debug_model",
+                    "--training.steps",
+                    str(args.steps),
+                    "--training.seq_len",
+                    str(args.seq_len),
+                    "--training.local_batch_size",
+                    str(m),
+                    "--training.mixed_precision_param",
+                    "float32",
+                    "--parallelism.pipeline_parallel_degree",
+                    str(DEGREE),
+                    "--parallelism.pipeline_parallel_schedule",
+                    schedule,
+                    "--metrics.enable_tensorboard",
+                    "false",
+                    "--metrics.peak_flops",
+                    "1e11",
+                    "--job.dump_folder",
+                    str(dump),
+                    *(
+                        ["--parallelism.pipeline_parallel_split_points", args.split_points]
+                        if args.split_points
+                        else ["--parallelism.pipeline_parallel_balance", args.balance]
+                    ),
+                ]
                 if not printed_split:
                     print(f"split: {describe_split(trainer_args, args.n_layers)}\n")
                     print(header)
@@ -174,8 +218,12 @@ def main() -> None:
                 ideal = ((m - 1) * max(per_rank) + sum(per_rank)) / m
                 balanced = 1 - statistics.mean(per_rank) / ideal
                 stages = " / ".join(f"{c * 1000:,.0f}" for c in per_rank)
-                print(f"| {schedule} | {m} | {wall * 1000:,.0f} ms | {stages} ms | {compute:.1%} | {1 - compute:.1%} | {textbook:.1%} "
-                      f"| {balanced:.1%} |", flush=True)
+                print(
+                    f"| {schedule} | {m} | {wall * 1000:,.0f} ms | {stages} ms | {compute:.1%} | {1 - compute:.1%} | "
+                    f"{textbook:.1%} "
+                    f"| {balanced:.1%} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

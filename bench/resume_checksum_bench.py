@@ -47,9 +47,18 @@ def manager_for(dump: Path, flavor: str, vocab_size: int):
     spec, args, model = build(flavor, vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = Checkpoint(enable_checkpoint=True, async_mode="disabled", interval=1)
-    manager = CheckpointManager(cfg, str(dump), spec, flavor, args, model=model, optimizer=optimizer,
-                                lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-                                dataloader=CountingLoader(), train_state=TrainState())
+    manager = CheckpointManager(
+        cfg,
+        str(dump),
+        spec,
+        flavor,
+        args,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        dataloader=CountingLoader(),
+        train_state=TrainState(),
+    )
     return manager, model, optimizer
 
 
@@ -103,9 +112,15 @@ def main() -> None:
             times["with checksums"].append(timed_load(checked, args.flavor, args.vocab_size))
             times["without"].append(timed_load(unchecked, args.flavor, args.vocab_size))
     with_, without = (statistics.median(v) for v in times.values())
-    print(f"{args.flavor}: checkpoint shards {size / 2**20:,.1f} MiB; CRC-32 alone {crc_seconds:.3f} s ({size / 2**20 / crc_seconds:,.0f} MiB/s)")
-    print(f"resume (CheckpointManager.load), median of {args.repeats}: with checksums {with_:.3f} s, without {without:.3f} s, "
-          f"ratio {with_ / without:.3f}")
+    print(
+        f"{args.flavor}: checkpoint shards {size / 2**20:,.1f} MiB; CRC-32 alone {crc_seconds:.3f} s "
+        f"({size / 2**20 / crc_seconds:,.0f} MiB/s)"
+    )
+    print(
+        f"resume (CheckpointManager.load), median of {args.repeats}: with checksums {with_:.3f} s, without "
+        f"{without:.3f} s, "
+        f"ratio {with_ / without:.3f}"
+    )
     dist.destroy_process_group()
 
 

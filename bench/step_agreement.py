@@ -65,8 +65,17 @@ def main() -> None:
     if args.worker:
         worker(args.iterations)
         return
-    command = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={args.nproc}",
-               str(Path(__file__).resolve()), "--worker", "--iterations", str(args.iterations)]
+    command = [
+        sys.executable,
+        "-m",
+        "titanlite.launch",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--iterations",
+        str(args.iterations),
+    ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     sys.exit(subprocess.run(command, cwd=REPO, env=env).returncode)
 

@@ -78,19 +78,36 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "fsdp2_tp2": ("FSDP 2 x TP 2", 4, ["--parallelism.tensor_parallel_degree", "2"]),
     # Pipelines: the same local batch in microbatches of 1 sequence (8 per schedule step).
     "pp2": ("PP 2 (1F1B)", 2, ["--parallelism.pipeline_parallel_degree", "2"]),
-    "pp2_gpipe": ("PP 2 (GPipe)", 2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"]),
-    "pp2_interleaved": ("PP 2 (Interleaved1F1B)", 2, ["--parallelism.pipeline_parallel_degree", "2",
-                                                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
-    "pp2_zbv": ("PP 2 (ZBVZeroBubble)", 2, ["--parallelism.pipeline_parallel_degree", "2",
-                                           "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    "pp2_gpipe": (
+        "PP 2 (GPipe)",
+        2,
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
+    ),
+    "pp2_interleaved": (
+        "PP 2 (Interleaved1F1B)",
+        2,
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+    ),
+    "pp2_zbv": (
+        "PP 2 (ZBVZeroBubble)",
+        2,
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+    ),
     # The sequence split over 2 ranks (each holds half of every window's tokens).
     "cp2": ("CP 2", 2, ["--parallelism.context_parallel_degree", "2"]),
-    "cp2_block_causal": ("CP 2 (block causal)", 2, ["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "block_causal"]),
+    "cp2_block_causal": (
+        "CP 2 (block causal)",
+        2,
+        ["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "block_causal"],
+    ),
     "fsdp2_block_causal": ("FSDP 2 (block causal)", 2, ["--model.attn_mask_type", "block_causal"]),
     # CP 2 at FSDP 2's global batch (twice the local batch: its one dp rank takes both of FSDP 2's).
     "cp2_fsdp_batch": ("CP 2, FSDP 2's batch", 2, ["--parallelism.context_parallel_degree", "2"]),
-    "cp2_block_causal_fsdp_batch": ("CP 2 (block causal), FSDP 2's batch", 2, ["--parallelism.context_parallel_degree", "2",
-                                                                             "--model.attn_mask_type", "block_causal"]),
+    "cp2_block_causal_fsdp_batch": (
+        "CP 2 (block causal), FSDP 2's batch",
+        2,
+        ["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "block_causal"],
+    ),
 }
 # Layouts that train `factor` x --local-batch-size per data-parallel rank.
 BATCH_FACTOR = {"cp2_fsdp_batch": 2, "cp2_block_causal_fsdp_batch": 2}
@@ -121,7 +138,6 @@ class Result:
     ops: list[dict] | None = None  # each rank's profiled step by op group (--profile)
 
 
-
 def run_worker(out_path: str, profile: bool, trainer_args: list[str]) -> None:
     """One rank of one run: train, time the ceiling, with `profile` profile one more step
     (bench/op_groups.py); then rank 0 writes every rank's logged history."""
@@ -141,9 +157,15 @@ def run_worker(out_path: str, profile: bool, trainer_args: list[str]) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (history, ceiling_here, ops))
     if dist.get_rank() == 0:
-        summary = {"ranks": [h for h, _, _ in gathered], "ceilings": [c for _, c, _ in gathered], "ops": [o for _, _, o in gathered],
-                   "n_params": trainer.size.n_params, "flops_per_token": trainer.size.flops_per_token,
-                   "tp": trainer.plan.dims.tp, "device": str(trainer.device)}
+        summary = {
+            "ranks": [h for h, _, _ in gathered],
+            "ceilings": [c for _, c, _ in gathered],
+            "ops": [o for _, _, o in gathered],
+            "n_params": trainer.size.n_params,
+            "flops_per_token": trainer.size.flops_per_token,
+            "tp": trainer.plan.dims.tp,
+            "device": str(trainer.device),
+        }
         Path(out_path).write_text(json.dumps(summary))
     trainer.close()
     dist.destroy_process_group()
@@ -153,11 +175,24 @@ def launch(nproc: int, trainer_args: list[str], out: Path, timeout: float, cpu_b
     """Start one run with the launcher (which sets CPU threads, and binds CPU workers to
     their cores with `cpu_bind`) and return rank 0's summary."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}", *(["--cpu-bind"] if cpu_bind else []),
-           str(Path(__file__).resolve()), "--worker", str(out), "profile" if profile else "-", *trainer_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "titanlite.launch",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *(["--cpu-bind"] if cpu_bind else []),
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(out),
+        "profile" if profile else "-",
+        *trainer_args,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise SystemExit(f"run with {nproc} processes failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"run with {nproc} processes failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return json.loads(out.read_text())
 
 
@@ -179,8 +214,10 @@ def ceiling(summary: dict, warmup_steps: int) -> tuple[float, float]:
     the ranks' mean step time after warm-up (tokens per device over the harmonic-mean `tps`);
     all ranks' matmul FLOPs over that slowest time, over the ranks' summed 2048^3 rates."""
     ceilings = summary["ceilings"]
-    step_s = statistics.mean(c["tokens_per_device"] / statistics.harmonic_mean([h["tps"] for h in history if h["step"] > warmup_steps])
-                             for history, c in zip(summary["ranks"], ceilings))
+    step_s = statistics.mean(
+        c["tokens_per_device"] / statistics.harmonic_mean([h["tps"] for h in history if h["step"] > warmup_steps])
+        for history, c in zip(summary["ranks"], ceilings)
+    )
     slowest = max(c["seconds"] for c in ceilings)
     return slowest / step_s, sum(c["flops"] for c in ceilings) / slowest / sum(c["peak_flops"] for c in ceilings)
 
@@ -211,16 +248,31 @@ def settings_for(device: torch.device, names: list[str]) -> list[Setting]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="training steps per run")
-    parser.add_argument("--warmup-steps", type=int, default=10, help="first steps left out of the averages (compile, allocator)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=10, help="first steps left out of the averages (compile, allocator)"
+    )
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--local-batch-size", type=int, default=8, help="sequences per data-parallel rank per step")
-    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
-    parser.add_argument("--settings", default="fp32,best", help="comma-separated, from fp32, best (best = auto dtype, eager and compiled)")
-    parser.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
-                        help="CPU: leave the workers unbound (default: titanlite.launch --cpu-bind, one block of cores per rank)")
+    parser.add_argument(
+        "--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}"
+    )
+    parser.add_argument(
+        "--settings",
+        default="fp32,best",
+        help="comma-separated, from fp32, best (best = auto dtype, eager and compiled)",
+    )
+    parser.add_argument(
+        "--no-cpu-bind",
+        dest="cpu_bind",
+        action="store_false",
+        help="CPU: leave the workers unbound (default: titanlite.launch --cpu-bind, one block of cores per rank)",
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it counts as hung")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile one more step per run and print each rank's step by op group (bench/op_groups.py)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more step per run and print each rank's step by op group (bench/op_groups.py)",
+    )
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides, after --")
     args = parser.parse_args()
     args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
@@ -235,15 +287,22 @@ def parse_args() -> argparse.Namespace:
 
 def common_overrides(args: argparse.Namespace, batch_factor: int = 1) -> list[str]:
     return [
-        "--config", "debug_model",
-        "--training.steps", str(args.steps),
-        "--training.seq_len", str(args.seq_len),
-        "--training.local_batch_size", str(args.local_batch_size * batch_factor),
-        "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false",
-        "--checkpoint.enable_checkpoint", "false",
+        "--config",
+        "debug_model",
+        "--training.steps",
+        str(args.steps),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.local_batch_size",
+        str(args.local_batch_size * batch_factor),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.enable_checkpoint",
+        "false",
         *args.overrides,
-    ]  # fmt: skip
+    ]
 
 
 def run_one(args: argparse.Namespace, name: str, setting: Setting, folder: Path, gpus: int) -> Result:
@@ -252,13 +311,29 @@ def run_one(args: argparse.Namespace, name: str, setting: Setting, folder: Path,
     print(f"running {label}, {setting.name} ({nproc} process(es)) ...", file=sys.stderr, flush=True)
     dump = folder / f"{name}-{setting.dtype}-{setting.compile}"
     dump.mkdir()
-    trainer_args = common_overrides(args, BATCH_FACTOR.get(name, 1)) + overrides + setting.overrides + ["--job.dump_folder", str(dump)]
-    summary = launch(nproc, trainer_args, dump / "out.json", args.timeout, cpu_bind=not gpus and args.cpu_bind, profile=args.profile)
+    trainer_args = (
+        common_overrides(args, BATCH_FACTOR.get(name, 1))
+        + overrides
+        + setting.overrides
+        + ["--job.dump_folder", str(dump)]
+    )
+    summary = launch(
+        nproc, trainer_args, dump / "out.json", args.timeout, cpu_bind=not gpus and args.cpu_bind, profile=args.profile
+    )
     memory = max(max(h["memory_gib"] for h in history) for history in summary["ranks"])
     threads = 1 if gpus else max(1, usable_cores() // nproc)
     share, of_peak = ceiling(summary, args.warmup_steps)
-    return Result(setting, nproc, threads, steady_tokens_per_s(summary, args.warmup_steps), summary["flops_per_token"], memory,
-                  share, of_peak, summary["ops"])
+    return Result(
+        setting,
+        nproc,
+        threads,
+        steady_tokens_per_s(summary, args.warmup_steps),
+        summary["flops_per_token"],
+        memory,
+        share,
+        of_peak,
+        summary["ops"],
+    )
 
 
 def run_all(args: argparse.Namespace, settings: list[Setting], gpus: int) -> dict[str, list[Result]]:
@@ -268,12 +343,19 @@ def run_all(args: argparse.Namespace, settings: list[Setting], gpus: int) -> dic
     with tempfile.TemporaryDirectory() as folder:
         for name in args.layouts:
             if gpus and LAYOUTS[name][1] > gpus:
-                print(f"skipping {LAYOUTS[name][0]}: needs {LAYOUTS[name][1]} GPUs, this machine has {gpus}", file=sys.stderr)
+                print(
+                    f"skipping {LAYOUTS[name][0]}: needs {LAYOUTS[name][1]} GPUs, this machine has {gpus}",
+                    file=sys.stderr,
+                )
                 continue
             runs: dict[tuple[str, bool], Result] = {}
             for setting in settings:
                 key = (setting.dtype, setting.compile)
-                runs[key] = dataclasses.replace(runs[key], setting=setting) if key in runs else run_one(args, name, setting, Path(folder), gpus)
+                runs[key] = (
+                    dataclasses.replace(runs[key], setting=setting)
+                    if key in runs
+                    else run_one(args, name, setting, Path(folder), gpus)
+                )
                 results.setdefault(name, []).append(runs[key])
     return results
 
@@ -287,8 +369,10 @@ def best(runs: list[Result]) -> Result:
 def print_table(results: dict[str, list[Result]], peaks: dict[tuple[str, int], tuple[float, str]], gpus: int) -> None:
     """One row per distinct run; a run that serves two settings (best eager = fp32 where auto
     picks float32) is one row named after both."""
-    print("| layout | setting | processes x threads | global tokens/s | model GFLOP/s | % of matmul peak | % of ceiling "
-          "| ceiling % of peak | peak memory per rank |")
+    print(
+        "| layout | setting | processes x threads | global tokens/s | model GFLOP/s | % of matmul peak | % of ceiling "
+        "| ceiling % of peak | peak memory per rank |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for name, runs in results.items():
         winner = best(runs) if len(runs) > 1 else None
@@ -302,9 +386,11 @@ def print_table(results: dict[str, list[Result]], peaks: dict[tuple[str, int], t
             mark = " (best)" if winner is not None and (winner.setting.dtype, winner.setting.compile) == key else ""
             flops = r.tokens_per_s * r.flops_per_token
             peak, _ = peaks[(r.setting.dtype, min(gpus, r.processes))]
-            print(f"| {LAYOUTS[name][0]} | {names}{mark} | {r.processes} x {r.threads} | {r.tokens_per_s:,.0f} | "
-                  f"{flops / 1e9:,.1f} | {100 * flops / peak:.1f}% {r.setting.dtype} | {100 * r.ceiling_share:.1f}% | "
-                  f"{100 * r.ceiling_of_peak:.1f}% | {r.memory_gib:.2f} GiB |")
+            print(
+                f"| {LAYOUTS[name][0]} | {names}{mark} | {r.processes} x {r.threads} | {r.tokens_per_s:,.0f} | "
+                f"{flops / 1e9:,.1f} | {100 * flops / peak:.1f}% {r.setting.dtype} | {100 * r.ceiling_share:.1f}% | "
+                f"{100 * r.ceiling_of_peak:.1f}% | {r.memory_gib:.2f} GiB |"
+            )
 
 
 def print_ratios(results: dict[str, list[Result]]) -> None:
@@ -316,22 +402,31 @@ def print_ratios(results: dict[str, list[Result]]) -> None:
     picks += [(best, "best")] if any(r.setting.name != "fp32" for r in results["fsdp2"]) else []
     for pick, label in picks:
         base = pick(results["fsdp2"]).tokens_per_s
-        ratios = [f"{LAYOUTS[name][0]} / FSDP 2 = {pick(runs).tokens_per_s / base:.2f}" for name, runs in results.items() if name != "fsdp2"]
+        ratios = [
+            f"{LAYOUTS[name][0]} / FSDP 2 = {pick(runs).tokens_per_s / base:.2f}"
+            for name, runs in results.items()
+            if name != "fsdp2"
+        ]
         print(f"{label}: " + "; ".join(ratios))
 
 
 def print_op_groups(results: dict[str, list[Result]]) -> None:
     """Each rank's profiled step per layout and setting: each op group's share of the step,
     and the largest ops outside matmuls and attention (what item 4 of issue 31 removes from)."""
-    print("\nprofiled step (one step after the timed ones; the profiler adds its own cost per op), share by op group:\n")
+    print(
+        "\nprofiled step (one step after the timed ones; the profiler adds its own cost per op), share by op group:\n"
+    )
     print("| layout | setting | rank | step | " + " | ".join(GROUPS) + " |")
     print("|---|---|---:|---:|" + "---:|" * len(GROUPS))
     for name, runs in results.items():
         for r in runs:
             for rank, ops in enumerate(r.ops):
                 wall, groups = ops["wall"], ops["groups"]
-                print(f"| {LAYOUTS[name][0]} | {r.setting.name} | {rank} | {wall * 1000:,.0f} ms | "
-                      + " | ".join(f"{100 * groups[g] / wall:.1f}%" for g in GROUPS) + " |")
+                print(
+                    f"| {LAYOUTS[name][0]} | {r.setting.name} | {rank} | {wall * 1000:,.0f} ms | "
+                    + " | ".join(f"{100 * groups[g] / wall:.1f}%" for g in GROUPS)
+                    + " |"
+                )
     print("\nlargest ops outside matmul and attention (ms of the profiled step):\n")
     for name, runs in results.items():
         for r in runs:
@@ -354,9 +449,15 @@ def main() -> None:
     peaks = {(s.dtype, min(gpus, LAYOUTS[name][1])): None for name in results for s in settings}
     peaks = {key: peak_flops(key[0], key[1]) for key in peaks}
     where = torch.cuda.get_device_name(0) if gpus else f"CPU, {usable_cores()} cores"
-    print(f"debug model, seq_len {args.seq_len}, local batch {args.local_batch_size} per data-parallel rank, {args.steps} steps "
-          f"(first {args.warmup_steps} left out); {where}; torch {torch.__version__}")
-    print("matmul peaks: " + "; ".join(f"{dtype} {peak / 1e9:,.0f} GFLOP/s ({source})" for (dtype, _), (peak, source) in peaks.items()))
+    print(
+        f"debug model, seq_len {args.seq_len}, local batch {args.local_batch_size} per data-parallel rank, "
+        f"{args.steps} steps "
+        f"(first {args.warmup_steps} left out); {where}; torch {torch.__version__}"
+    )
+    print(
+        "matmul peaks: "
+        + "; ".join(f"{dtype} {peak / 1e9:,.0f} GFLOP/s ({source})" for (dtype, _), (peak, source) in peaks.items())
+    )
     print()
     print_table(results, peaks, gpus)
     print_ratios(results)

@@ -85,8 +85,16 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "fsdp2": ("FSDP 2", 2, []),
     "tp2": ("TP 2", 2, ["--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2_tp2": ("FSDP 2 x TP 2", 4, ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2": ("PP 2 (1F1B)", 2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]),
-    "pp2_gpipe": ("PP 2 (GPipe)", 2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"]),
+    "pp2": (
+        "PP 2 (1F1B)",
+        2,
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+    ),
+    "pp2_gpipe": (
+        "PP 2 (GPipe)",
+        2,
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
+    ),
 }
 DEFAULT_LAYOUTS = tuple(LAYOUTS)
 
@@ -129,26 +137,57 @@ def titanlite_n_params() -> int | None:
 
 def torchtitan_flags(args: argparse.Namespace, dump: Path) -> list[str]:
     return [
-        "--model.name", "llama3", "--model.flavor", FLAVOR,
-        "--training.steps", str(args.steps),
-        "--training.seq_len", str(args.seq_len),
-        "--training.local_batch_size", str(args.local_batch_size),
-        "--training.dtype", "float32", "--training.mixed_precision_param", "float32",
-        "--activation_checkpoint.mode", "none",
-        "--parallelism.pipeline_parallel_microbatch_size", "1",
-        "--optimizer.name", "AdamW", "--optimizer.lr", "8e-4", "--optimizer.eps", "1e-8",
-        "--lr_scheduler.warmup_steps", "10",
-        "--training.max_norm", "1.0",
-        "--debug.seed", "42",
-        "--metrics.log_freq", "1", "--metrics.disable_color_printing",
-        "--comm.init_timeout_seconds", "600", "--comm.train_timeout_seconds", "600",
-        "--job.dump_folder", str(dump),
-    ]  # fmt: skip
+        "--model.name",
+        "llama3",
+        "--model.flavor",
+        FLAVOR,
+        "--training.steps",
+        str(args.steps),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.local_batch_size",
+        str(args.local_batch_size),
+        "--training.dtype",
+        "float32",
+        "--training.mixed_precision_param",
+        "float32",
+        "--activation_checkpoint.mode",
+        "none",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+        "--optimizer.name",
+        "AdamW",
+        "--optimizer.lr",
+        "8e-4",
+        "--optimizer.eps",
+        "1e-8",
+        "--lr_scheduler.warmup_steps",
+        "10",
+        "--training.max_norm",
+        "1.0",
+        "--debug.seed",
+        "42",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.disable_color_printing",
+        "--comm.init_timeout_seconds",
+        "600",
+        "--comm.train_timeout_seconds",
+        "600",
+        "--job.dump_folder",
+        str(dump),
+    ]
 
 
 def worker_env(nproc: int, cpu_bind: bool, threads: int, data: str) -> dict[str, str]:
     """titanlite's launcher's CPU conditions (see the module docstring)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="1000", TT_BASELINE_DATA=data)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        OMP_WAIT_POLICY="PASSIVE",
+        GOMP_SPINCOUNT="1000",
+        TT_BASELINE_DATA=data,
+    )
     env.pop("TT_BASELINE_CPU_BIND", None)
     if cpu_bind:
         sys.path.insert(0, str(REPO))
@@ -158,7 +197,9 @@ def worker_env(nproc: int, cpu_bind: bool, threads: int, data: str) -> dict[str,
     return env
 
 
-def parse_rank_logs(log_dir: Path, nproc: int) -> tuple[int, list[tuple[str, int, int]], list[list[tuple[int, float, float, float]]]]:
+def parse_rank_logs(
+    log_dir: Path, nproc: int
+) -> tuple[int, list[tuple[str, int, int]], list[list[tuple[int, float, float, float]]]]:
     """The logged parameter count, every rank's placement (the shim's line) and logged steps,
     from torchrun's per-rank files."""
     n_params, placement, ranks = 0, [], []
@@ -170,7 +211,12 @@ def parse_rank_logs(log_dir: Path, nproc: int) -> tuple[int, list[tuple[str, int
         sizes = SIZE_LINE.findall(text)
         n_params = n_params or (int(sizes[0].replace(",", "")) if sizes else 0)
         placement += [(cores, int(threads), int(interop)) for cores, threads, interop in CORES_LINE.findall(text)[:1]]
-        ranks.append([(int(s), float(loss), float(mem), float(tps.replace(",", ""))) for s, loss, mem, tps in STEP_LINE.findall(text)])
+        ranks.append(
+            [
+                (int(s), float(loss), float(mem), float(tps.replace(",", "")))
+                for s, loss, mem, tps in STEP_LINE.findall(text)
+            ]
+        )
     return n_params, placement, ranks
 
 
@@ -180,16 +226,40 @@ def launch(args: argparse.Namespace, name: str, folder: Path) -> Run:
     print(f"running {label} ({nproc} process(es) x {threads} thread(s)) ...", file=sys.stderr, flush=True)
     dump, logs = folder / name / "dump", folder / name / "logs"
     logs.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "--log-dir", str(logs),
-           "--redirects", "3", str(SHIM), *torchtitan_flags(args, dump), *flags, *args.overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=worker_env(nproc, args.cpu_bind, threads, args.data), capture_output=True, text=True,
-                          timeout=args.timeout)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        str(SHIM),
+        *torchtitan_flags(args, dump),
+        *flags,
+        *args.overrides,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=worker_env(nproc, args.cpu_bind, threads, args.data),
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
     if proc.returncode != 0:
-        tails = "".join(f"\n--- {f}\n{Path(f).read_text()[-3000:]}" for f in sorted(glob.glob(str(logs / "**" / "*.log"), recursive=True)))
+        tails = "".join(
+            f"\n--- {f}\n{Path(f).read_text()[-3000:]}"
+            for f in sorted(glob.glob(str(logs / "**" / "*.log"), recursive=True))
+        )
         raise SystemExit(f"{label} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}{tails}")
     n_params, placement, ranks = parse_rank_logs(logs, nproc)
     if any(len(steps) != args.steps for steps in ranks):
-        raise SystemExit(f"{label}: expected {args.steps} logged steps per rank, got {[len(s) for s in ranks]} (logs in {logs})")
+        raise SystemExit(
+            f"{label}: expected {args.steps} logged steps per rank, got {[len(s) for s in ranks]} (logs in {logs})"
+        )
     return Run(nproc, threads, n_params, placement, ranks)
 
 
@@ -218,13 +288,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=10, help="first steps left out of the averages")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--local-batch-size", type=int, default=8, help="sequences per data-parallel rank per step")
-    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
-    parser.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
-                        help="leave the workers unbound (default: each local rank on its own block of cores, as titanlite's --cpu-bind)")
-    parser.add_argument("--data", choices=("synthetic", "counting"), default="synthetic",
-                        help="synthetic: uniform random token ids (the comparison's); counting: each row counts up from a random "
-                             "id, the same shapes with a learnable next token (a check that the loss falls)")
-    parser.add_argument("--keep-logs", metavar="DIR", help="keep each run's per-rank torchtitan logs under DIR/<layout>/ (default: a temporary folder)")
+    parser.add_argument(
+        "--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}"
+    )
+    parser.add_argument(
+        "--no-cpu-bind",
+        dest="cpu_bind",
+        action="store_false",
+        help="leave the workers unbound (default: each local rank on its own block of cores, as titanlite's "
+        "--cpu-bind)",
+    )
+    parser.add_argument(
+        "--data",
+        choices=("synthetic", "counting"),
+        default="synthetic",
+        help="synthetic: uniform random token ids (the comparison's); counting: each row counts up from a random "
+        "id, the same shapes with a learnable next token (a check that the loss falls)",
+    )
+    parser.add_argument(
+        "--keep-logs",
+        metavar="DIR",
+        help="keep each run's per-rank torchtitan logs under DIR/<layout>/ (default: a temporary folder)",
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it counts as hung")
     parser.add_argument("overrides", nargs="*", help="extra torchtitan flags, after --")
     args = parser.parse_args()
@@ -246,13 +331,27 @@ def main() -> None:
     from importlib.metadata import version  # of the venv's packages, for the header only
 
     counts = {run.n_params for run in runs.values()}
-    check = "equal" if expected is not None and counts == {expected} else "DIFFERENT" if expected is not None else "not checked"
-    print(f"torchtitan {version('torchtitan')} llama3 flavor {FLAVOR}: {', '.join(f'{c:,}' for c in sorted(counts))} parameters "
-          f"(titanlite debugmodel: {f'{expected:,}' if expected else '?'}; {check}); torch {version('torch')}, gloo, float32, eager")
-    print(f"seq_len {args.seq_len}, local batch {args.local_batch_size} per data-parallel rank, {args.steps} steps "
-          f"(first {args.warmup_steps} left out); CPU, {usable_cores()} cores{'' if args.cpu_bind else ', unbound'}")
+    check = (
+        "equal"
+        if expected is not None and counts == {expected}
+        else "DIFFERENT"
+        if expected is not None
+        else "not checked"
+    )
+    print(
+        f"torchtitan {version('torchtitan')} llama3 flavor {FLAVOR}: {', '.join(f'{c:,}' for c in sorted(counts))} "
+        "parameters "
+        f"(titanlite debugmodel: {f'{expected:,}' if expected else '?'}; {check}); torch {version('torch')}, gloo, "
+        "float32, eager"
+    )
+    print(
+        f"seq_len {args.seq_len}, local batch {args.local_batch_size} per data-parallel rank, {args.steps} steps "
+        f"(first {args.warmup_steps} left out); CPU, {usable_cores()} cores{'' if args.cpu_bind else ', unbound'}"
+    )
     print()
-    print("| layout | processes x threads | cores per rank | global tokens/s | loss step 1 -> last | peak RSS per rank |")
+    print(
+        "| layout | processes x threads | cores per rank | global tokens/s | loss step 1 -> last | peak RSS per rank |"
+    )
     print("|---|---|---|---:|---|---:|")
     for name, run in runs.items():
         values = losses(run)
@@ -261,13 +360,26 @@ def main() -> None:
         memory = max(mem for steps in run.steps for _, _, mem, _ in steps)
         cores = " / ".join(c for c, _, _ in run.placement)
         if any((threads, interop) != (run.threads, 1) for _, threads, interop in run.placement):
-            print(f"warning: {LAYOUTS[name][0]}: ranks' (threads, inter-op threads) {run.placement}, expected ({run.threads}, 1)", file=sys.stderr)
-        print(f"| {LAYOUTS[name][0]} | {run.processes} x {run.threads} | {cores} | {global_tokens_per_s(run, args.warmup_steps):,.0f} | "
-              f"{values[0]:.4f} -> {values[-1]:.4f} | {memory:.2f} GiB |")
+            print(
+                f"warning: {LAYOUTS[name][0]}: ranks' (threads, inter-op threads) {run.placement}, expected "
+                f"({run.threads}, 1)",
+                file=sys.stderr,
+            )
+        print(
+            f"| {LAYOUTS[name][0]} | {run.processes} x {run.threads} | {cores} | "
+            f"{global_tokens_per_s(run, args.warmup_steps):,.0f} | "
+            f"{values[0]:.4f} -> {values[-1]:.4f} | {memory:.2f} GiB |"
+        )
     if "fsdp2" in runs:
         base = global_tokens_per_s(runs["fsdp2"], args.warmup_steps)
         print()
-        print("; ".join(f"{LAYOUTS[n][0]} / FSDP 2 = {global_tokens_per_s(r, args.warmup_steps) / base:.2f}" for n, r in runs.items() if n != "fsdp2"))
+        print(
+            "; ".join(
+                f"{LAYOUTS[n][0]} / FSDP 2 = {global_tokens_per_s(r, args.warmup_steps) / base:.2f}"
+                for n, r in runs.items()
+                if n != "fsdp2"
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -104,8 +104,12 @@ def cpu_device_module() -> types.ModuleType:
     module.get_device_name = lambda device=None: _cpu_name()
     module.get_device_properties = lambda device=None: types.SimpleNamespace(total_memory=total, name=_cpu_name())
     module.current_device = lambda: 0
-    module.memory_stats = lambda device=None: {"active_bytes.all.peak": _peak_rss_bytes(), "reserved_bytes.all.peak": _peak_rss_bytes(),
-                                               "num_alloc_retries": 0, "num_ooms": 0}
+    module.memory_stats = lambda device=None: {
+        "active_bytes.all.peak": _peak_rss_bytes(),
+        "reserved_bytes.all.peak": _peak_rss_bytes(),
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+    }
     module.reset_peak_memory_stats = lambda device=None: None
     module.empty_cache = lambda: None
     return module
@@ -116,7 +120,9 @@ def stub_moe_kernels() -> None:
     kernels = types.ModuleType("torchtitan.models.moe.kernels")
 
     def unavailable(*args, **kwargs):
-        raise NotImplementedError("torchtitan's MoE triton kernels are not available on this CPU host (bench/torchtitan_shim.py)")
+        raise NotImplementedError(
+            "torchtitan's MoE triton kernels are not available on this CPU host (bench/torchtitan_shim.py)"
+        )
 
     kernels.generate_permute_indices = unavailable
     kernels.fill_indices_wrapper = unavailable
@@ -131,12 +137,17 @@ def import_torchtitan_on_cpu() -> None:
     saved = torch_utils._get_available_device_type, torch_utils._get_device_module
     device_module = cpu_device_module()
     torch_utils._get_available_device_type = lambda: "cpu"
-    torch_utils._get_device_module = lambda device_type=None: device_module if device_type == "cpu" else saved[1](device_type)
+    torch_utils._get_device_module = lambda device_type=None: (
+        device_module if device_type == "cpu" else saved[1](device_type)
+    )
     try:
         import torchtitan.tools.utils as tt_utils
     finally:
         torch_utils._get_available_device_type, torch_utils._get_device_module = saved
-    assert tt_utils.device_type == "cpu" and tt_utils.device_module is device_module, (tt_utils.device_type, tt_utils.device_module)
+    assert tt_utils.device_type == "cpu" and tt_utils.device_module is device_module, (
+        tt_utils.device_type,
+        tt_utils.device_module,
+    )
 
 
 class SyntheticTokens:
@@ -155,7 +166,9 @@ class SyntheticTokens:
                 starts = torch.randint(0, self.vocab_size, (self.batch_size, 1), generator=self.generator)
                 window = (starts + steps) % self.vocab_size
             else:
-                window = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=self.generator)
+                window = torch.randint(
+                    0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=self.generator
+                )
             self.batches += 1
             yield {"input": window[:, :-1]}, window[:, 1:]
 
@@ -174,7 +187,9 @@ def register_flavor_and_data() -> None:
     import torchtitan.protocols.train_spec as train_spec_module
     from torchtitan.models.llama3 import TransformerModelArgs
 
-    llama3.llama3_args[FLAVOR] = TransformerModelArgs(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=4096, rope_theta=500000)
+    llama3.llama3_args[FLAVOR] = TransformerModelArgs(
+        dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=4096, rope_theta=500000
+    )
     if os.environ.get(DATA_ENV, "synthetic") not in ("synthetic", "counting"):
         return
 
@@ -205,8 +220,12 @@ def fsdp_sum_on_gloo() -> None:
 
 def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
-    print(f"tt_baseline: rank {os.environ.get('RANK', 0)} cores {','.join(map(str, cores))} threads {torch.get_num_threads()} "
-          f"interop {torch.get_num_interop_threads()}", flush=True)  # read by bench/torchtitan_baseline.py
+    print(
+        f"tt_baseline: rank {os.environ.get('RANK', 0)} cores {','.join(map(str, cores))} threads "
+        f"{torch.get_num_threads()} "
+        f"interop {torch.get_num_interop_threads()}",
+        flush=True,
+    )  # read by bench/torchtitan_baseline.py
     stub_moe_kernels()
     import_torchtitan_on_cpu()
     register_flavor_and_data()

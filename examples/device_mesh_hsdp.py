@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import titanlite
+
 # was: from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
 from titanlite.compat.fsdp1 import FullyShardedDataParallel as FSDP, ShardingStrategy
 
@@ -65,14 +66,19 @@ def train(model: nn.Module, steps: int, rank: int, world: int) -> dict[int, floa
 def main() -> None:
     info = titanlite.init_distributed()
     shard = min(2, info.world_size)
-    mesh_2d = init_device_mesh(info.device.type, (info.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    mesh_2d = init_device_mesh(
+        info.device.type, (info.world_size // shard, shard), mesh_dim_names=("replicate", "shard")
+    )
     model = FSDP(build(), device_mesh=mesh_2d, sharding_strategy=ShardingStrategy.HYBRID_SHARD)
     for step, loss in train(model, STEPS, info.rank, info.world_size).items():
         if info.rank == 0:
             print(f"step {step} loss {loss:.8f}", flush=True)
     if info.rank == 0:
-        print(f"mesh {tuple(mesh_2d.shape)}: net1.weight holds {model.module.net1.weight.to_local().numel()} of "
-              f"{model.module.net1.weight.numel()} elements on rank 0", flush=True)
+        print(
+            f"mesh {tuple(mesh_2d.shape)}: net1.weight holds {model.module.net1.weight.to_local().numel()} of "
+            f"{model.module.net1.weight.numel()} elements on rank 0",
+            flush=True,
+        )
     dist.barrier()  # no rank tears its connections down while a peer still talks to it
     dist.destroy_process_group()
 

@@ -26,8 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import titanlite
-# was: from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, FullStateDictConfig, OptimStateKeyType, StateDictType
-from titanlite.compat.fsdp1 import FullyShardedDataParallel as FSDP, FullStateDictConfig, OptimStateKeyType, StateDictType
+
+# was: from torch.distributed.fsdp import (
+#     FullyShardedDataParallel as FSDP, FullStateDictConfig, OptimStateKeyType, StateDictType,
+# )
+from titanlite.compat.fsdp1 import (
+    FullyShardedDataParallel as FSDP,
+    FullStateDictConfig,
+    OptimStateKeyType,
+    StateDictType,
+)
 
 STEPS, RESUME_AT = 6, 3
 
@@ -44,7 +52,11 @@ class Block(nn.Module):
 class Net(nn.Module):
     def __init__(self, dim: int = 16, depth: int = 3):
         super().__init__()
-        self.inp, self.blocks, self.out = nn.Linear(8, dim), nn.ModuleList(Block(dim) for _ in range(depth)), nn.Linear(dim, 4)
+        self.inp, self.blocks, self.out = (
+            nn.Linear(8, dim),
+            nn.ModuleList(Block(dim) for _ in range(depth)),
+            nn.Linear(dim, 4),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
@@ -53,7 +65,9 @@ class Net(nn.Module):
         return self.out(x)
 
 
-def custom_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int, min_num_params: int = int(1e8)) -> bool:
+def custom_auto_wrap_policy(
+    module: nn.Module, recurse: bool, unwrapped_params: int, min_num_params: int = int(1e8)
+) -> bool:
     """The v1.12 page's custom policy: wrap what holds at least `min_num_params` unwrapped parameters."""
     return unwrapped_params >= min_num_params
 
@@ -78,8 +92,14 @@ def batch(step: int, rank: int, world: int, size: int = 8) -> tuple[torch.Tensor
     return x[rows], y[rows]
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int, world: int,
-          clip: Callable[[float], torch.Tensor]) -> dict[int, float]:
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: range,
+    rank: int,
+    world: int,
+    clip: Callable[[float], torch.Tensor],
+) -> dict[int, float]:
     """The loop every layout (and the plain model) runs: the global mean loss of each step."""
     losses = {}
     for step in steps:
@@ -97,8 +117,11 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank
 
 
 def wrapped(seed: int) -> tuple[FSDP, torch.optim.Optimizer]:
-    model = FSDP(build(seed), auto_wrap_policy=functools.partial(custom_auto_wrap_policy, min_num_params=1000),
-                 sync_module_states=True)
+    model = FSDP(
+        build(seed),
+        auto_wrap_policy=functools.partial(custom_auto_wrap_policy, min_num_params=1000),
+        sync_module_states=True,
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -120,17 +143,24 @@ def main() -> None:
     torch.manual_seed(1)
     model.apply(init_weights)
     if rank == 0:
-        print(f"FSDP modules: {len(FSDP.fsdp_modules(model))}, roots: {len(FSDP.fsdp_modules(model, root_only=True))}", flush=True)
+        print(
+            f"FSDP modules: {len(FSDP.fsdp_modules(model))}, roots: {len(FSDP.fsdp_modules(model, root_only=True))}",
+            flush=True,
+        )
     report("train", train(model, optim, range(1, RESUME_AT + 1), rank, world, model.clip_grad_norm_), rank)
 
     # Save: the whole model and the whole optimizer state, gathered onto rank 0.
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    ):
         model_state = model.state_dict()
     full_osd = FSDP.full_optim_state_dict(model, optim)
     if rank == 0:
         torch.save({"model": model_state, "optim": full_osd}, out / "checkpoint.pt")
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=out / "sharded")
+        dcp.save(
+            {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=out / "sharded"
+        )
     dist.barrier()
     rest = range(RESUME_AT + 1, STEPS + 1)
 

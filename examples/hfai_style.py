@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import titanlite
+
 # was: from hfai.distributed.fsdp import FullyShardedDataParallel as FSDP, size_based_auto_wrap_policy
 from titanlite.compat.hfai import FullyShardedDataParallel as FSDP, size_based_auto_wrap_policy
 
@@ -30,8 +31,10 @@ class Net(nn.Module):
     def __init__(self, dim: int = 32, depth: int = 3):
         super().__init__()
         self.inp = nn.Linear(8, dim)
-        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-                                    for _ in range(depth))
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+            for _ in range(depth)
+        )
         self.out = nn.Linear(dim, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +112,11 @@ def main() -> None:
         local.load_state_dict(torch.load(out / f"model{rank}.pt"))
         differences = [(m(probe) - expected).abs().max().item() for m in (plain, whole, local)]
     if rank == 0:
-        print("whole checkpoint: unwrapped model differs by {:.3g}, rewrapped by {:.3g}; "
-              "per-rank checkpoint: by {:.3g}".format(*differences), flush=True)
+        print(
+            "whole checkpoint: unwrapped model differs by {:.3g}, rewrapped by {:.3g}; "
+            "per-rank checkpoint: by {:.3g}".format(*differences),
+            flush=True,
+        )
     dist.barrier()  # no rank tears its connections down while a peer still talks to it
     dist.destroy_process_group()
 

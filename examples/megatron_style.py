@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 import titanlite
+
 # was: from megatron.core.distributed import TorchFullyShardedDataParallel
 from titanlite.compat.megatron import TorchFullyShardedDataParallel
 
@@ -45,13 +46,18 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.linear_qkv(x).chunk(3, dim=-1))
-        return self.linear_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        return self.linear_proj(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        )
 
 
 class MLP(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        self.linear_fc1, self.linear_fc2 = nn.Linear(config.hidden_size, config.ffn_hidden_size), nn.Linear(config.ffn_hidden_size, config.hidden_size)
+        self.linear_fc1, self.linear_fc2 = (
+            nn.Linear(config.hidden_size, config.ffn_hidden_size),
+            nn.Linear(config.ffn_hidden_size, config.hidden_size),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
@@ -102,8 +108,15 @@ class GPTModel(nn.Module):
 
 
 def transformer_config() -> TransformerConfig:
-    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+    )
 
 
 def build(seed: int = 0) -> GPTModel:
@@ -139,8 +152,12 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank
 
 
 def wrap(model: GPTModel) -> TorchFullyShardedDataParallel:
-    return TorchFullyShardedDataParallel(model.decoder.config, TorchFullyShardedDataParallelConfig(reshard_after_forward=True),
-                                         model, sub_modules_to_wrap={TransformerLayer, LanguageModelEmbedding})
+    return TorchFullyShardedDataParallel(
+        model.decoder.config,
+        TorchFullyShardedDataParallelConfig(reshard_after_forward=True),
+        model,
+        sub_modules_to_wrap={TransformerLayer, LanguageModelEmbedding},
+    )
 
 
 def main() -> None:

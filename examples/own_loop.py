@@ -72,15 +72,32 @@ def tensor_parallel_plan(model: TinyTransformer, tp_mesh) -> None:
     gradient norm counts each element once). Built from titanlite's plan helpers."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, tp_mesh, {"embed": tp.vocab_sharded_embedding(False), "norm": tp.norm(False),
-                                        "head": tp.output_projection(False, False)})
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "embed": tp.vocab_sharded_embedding(False),
+            "norm": tp.norm(False),
+            "head": tp.output_projection(False, False),
+        },
+    )
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, {
-            "norm1": tp.norm(False), "attn": tp.block_entry(False), "attn.q": tp.ColwiseParallel(),
-            "attn.k": tp.ColwiseParallel(), "attn.v": tp.ColwiseParallel(), "attn.o": tp.rowwise_exit(False),
-            "norm2": tp.norm(False), "mlp": tp.block_entry(False), "mlp.0": tp.ColwiseParallel(),
-            "mlp.2": tp.rowwise_exit(False),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "norm1": tp.norm(False),
+                "attn": tp.block_entry(False),
+                "attn.q": tp.ColwiseParallel(),
+                "attn.k": tp.ColwiseParallel(),
+                "attn.v": tp.ColwiseParallel(),
+                "attn.o": tp.rowwise_exit(False),
+                "norm2": tp.norm(False),
+                "mlp": tp.block_entry(False),
+                "mlp.0": tp.ColwiseParallel(),
+                "mlp.2": tp.rowwise_exit(False),
+            },
+        )
 
 
 BUILTIN_TOKENS = "outputs/examples/builtin-tokens"
@@ -90,17 +107,23 @@ def builtin_tokens(rank: int) -> str:
     """Text that ships with Python (its docs and standard library), prepared once with the
     bundled tokenizer by rank 0 while the others wait."""
     if rank == 0 and not (Path(BUILTIN_TOKENS) / "manifest.json").exists():
-        titanlite.prepare(titanlite.build_source("builtin"), titanlite.Tokenizer("assets/tokenizer/titanlite.model"), BUILTIN_TOKENS)
+        titanlite.prepare(
+            titanlite.build_source("builtin"), titanlite.Tokenizer("assets/tokenizer/titanlite.model"), BUILTIN_TOKENS
+        )
     torch.distributed.barrier()
     return BUILTIN_TOKENS
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", help="a prepared token folder (default: the built-in corpus, prepared into "
-                                        f"{BUILTIN_TOKENS} on first use)")
+    parser.add_argument(
+        "--data",
+        help=f"a prepared token folder (default: the built-in corpus, prepared into {BUILTIN_TOKENS} on first use)",
+    )
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the rest of the ranks shard with FSDP)")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel degree (the rest of the ranks shard with FSDP)"
+    )
     parser.add_argument("--ckpt", help="checkpoint folder: resumes from it, saves every --save-every steps")
     parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=4)
@@ -114,10 +137,20 @@ def main() -> None:
     model = TinyTransformer()
     titanlite.parallelize(model, meshes, tp_plan=tensor_parallel_plan if args.tp > 1 else None, blocks={Block})
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data = titanlite.prepared_loader(data_folder, seq_len=16, local_batch_size=args.global_batch // dp, dp_rank=dp_rank,
-                                     dp_degree=dp, seed=0, prefetch=False)
-    checkpointer = titanlite.Checkpointer(args.ckpt, model=model, optimizer=optimizer, states={"data": data},
-                                          keep_latest_k=2) if args.ckpt else None
+    data = titanlite.prepared_loader(
+        data_folder,
+        seq_len=16,
+        local_batch_size=args.global_batch // dp,
+        dp_rank=dp_rank,
+        dp_degree=dp,
+        seed=0,
+        prefetch=False,
+    )
+    checkpointer = (
+        titanlite.Checkpointer(args.ckpt, model=model, optimizer=optimizer, states={"data": data}, keep_latest_k=2)
+        if args.ckpt
+        else None
+    )
     start = (checkpointer.load() or 0) if checkpointer else 0
     for step in range(start + 1, args.steps + 1):
         inputs, labels = next(data)

@@ -57,7 +57,9 @@ def _rebuilt(base: Any, recorded: dict[str, Any], flavors: list[Any]) -> Any:
             continue
         value = recorded[field.name]
         if isinstance(value, dict):
-            pattern = next((p for p in (getattr(f, field.name) for f in [base, *flavors]) if dataclasses.is_dataclass(p)), None)
+            pattern = next(
+                (p for p in (getattr(f, field.name) for f in [base, *flavors]) if dataclasses.is_dataclass(p)), None
+            )
             if pattern is None:
                 raise TitanliteError(f"the checkpoint records {field.name} = {value}, which no flavor of the model has")
             value = _rebuilt(pattern, value, [])
@@ -76,19 +78,28 @@ def to_hf(args: argparse.Namespace) -> str:
     dtype = torch_dtype(args.dtype) if args.dtype else None
     if source.suffix == ".pt":
         if not (args.flavor and args.vocab_size):
-            raise TitanliteError(f"{source}: a .pt file does not say which model it holds: pass --flavor and --vocab-size")
+            raise TitanliteError(
+                f"{source}: a .pt file does not say which model it holds: pass --flavor and --vocab-size"
+            )
         spec = get_model_spec(args.model, args.flavor)
         model_args = spec.args_for(args.flavor, args.vocab_size)
         state = torch.load(source, map_location="cpu", weights_only=True)
     else:
         folder, record = policy.resolve_initial_load(source, "source")
         if record is None:
-            raise TitanliteError(f"{folder}: no commit.json, so the model is unknown; export it to .pt first and pass --flavor")
+            raise TitanliteError(
+                f"{folder}: no commit.json, so the model is unknown; export it to .pt first and pass --flavor"
+            )
         spec, model_args = args_from_record(record)
         state = export.read_dcp_model(folder)
-    out = hf_io.save_hf_weights(state, args.out, _adapter(spec), model_args, dtype=dtype, max_file_bytes=args.max_shard_size)
+    out = hf_io.save_hf_weights(
+        state, args.out, _adapter(spec), model_args, dtype=dtype, max_file_bytes=args.max_shard_size
+    )
     files = len(list(out.glob("*.safetensors")))
-    return f"wrote {out} ({len(state)} tensors in {files} safetensors file{'s' if files != 1 else ''} + {hf_io.HF_CONFIG_FILE}, {spec.name} {model_args.dim}d x {model_args.n_layers})"
+    return (
+        f"wrote {out} ({len(state)} tensors in {files} safetensors file{'s' if files != 1 else ''} + "
+        f"{hf_io.HF_CONFIG_FILE}, {spec.name} {model_args.dim}d x {model_args.n_layers})"
+    )
 
 
 def from_hf(args: argparse.Namespace) -> str:
@@ -104,7 +115,9 @@ def from_hf(args: argparse.Namespace) -> str:
         expected = spec.args_for(args.flavor, model_args.vocab_size)
         wrong = adapter.check_hf_config(config, expected)
         if wrong:
-            raise TitanliteError(f"--flavor: {args.flavor} does not match {Path(args.source) / hf_io.HF_CONFIG_FILE}: {', '.join(wrong)}")
+            raise TitanliteError(
+                f"--flavor: {args.flavor} does not match {Path(args.source) / hf_io.HF_CONFIG_FILE}: {', '.join(wrong)}"
+            )
         model_args = expected
     state = hf_io.read_hf_model(args.source, adapter, model_args, spec.model_class)
     state = export.cast_floating(state, torch_dtype(args.dtype) if args.dtype else None)
@@ -116,8 +129,14 @@ def from_hf(args: argparse.Namespace) -> str:
     with export.single_process():
         dcp.save({"model": state}, checkpoint_id=out, no_dist=True)
     fingerprint = commit.fingerprint(spec.name, args.flavor or "hf", model_args)
-    record = commit.CommitRecord(step=0, fingerprint=fingerprint, contents=["model"], model_weights_only=True,
-                                 export_dtype=args.dtype, model_args=commit.args_dict(model_args))
+    record = commit.CommitRecord(
+        step=0,
+        fingerprint=fingerprint,
+        contents=["model"],
+        model_weights_only=True,
+        export_dtype=args.dtype,
+        model_args=commit.args_dict(model_args),
+    )
     commit.write_commit(out, record)
     return f"wrote DCP checkpoint {out} ({len(state)} tensors); use it as checkpoint.initial_load_path"
 
@@ -148,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--flavor", default=None)
         p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="cast floating-point weights")
     out.add_argument("--vocab-size", type=int, default=None, help="with a .pt source")
-    out.add_argument("--max-shard-size", type=_byte_size, default=hf_io.DEFAULT_MAX_FILE_BYTES,
-                     help="largest safetensors file, as transformers' max_shard_size: bytes, or with KB/MB/GB (default 5GB)")
+    out.add_argument(
+        "--max-shard-size",
+        type=_byte_size,
+        default=hf_io.DEFAULT_MAX_FILE_BYTES,
+        help="largest safetensors file, as transformers' max_shard_size: bytes, or with KB/MB/GB (default 5GB)",
+    )
     args = parser.parse_args(argv)
     try:
         print(to_hf(args) if args.command == "to-hf" else from_hf(args))

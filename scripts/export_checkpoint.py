@@ -28,11 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a DCP step folder, or a checkpoint root (its newest complete step)")
     parser.add_argument("out", help="output .pt file")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="cast floating-point weights (default: as saved)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPE_NAMES), default=None, help="cast floating-point weights (default: as saved)"
+    )
     args = parser.parse_args(argv)
     try:
         if Path(args.out).is_dir() or args.out.endswith(("/", os.sep)):
-            raise TitanliteError(f"out: {args.out} is a folder; name the output file, e.g. {Path(args.out) / 'model.pt'}")
+            raise TitanliteError(
+                f"out: {args.out} is a folder; name the output file, e.g. {Path(args.out) / 'model.pt'}"
+            )
         folder, record = policy.resolve_initial_load(Path(args.checkpoint), "checkpoint")
         n = export.dcp_to_full_file(folder, args.out, torch_dtype(args.dtype) if args.dtype else None)
     except TitanliteError as error:

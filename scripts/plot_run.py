@@ -65,8 +65,11 @@ def find_run(path: Path) -> Path:
     trained nothing, such as a resume with no step left, is passed over)."""
     if (path / METRICS_FILE).is_file():
         return path
-    found = sorted({p.parent for p in [*path.glob(f"*/{METRICS_FILE}"), *path.glob(f"*/*/{METRICS_FILE}")]},
-                   key=lambda p: p.name, reverse=True)
+    found = sorted(
+        {p.parent for p in [*path.glob(f"*/{METRICS_FILE}"), *path.glob(f"*/*/{METRICS_FILE}")]},
+        key=lambda p: p.name,
+        reverse=True,
+    )
     if not found:
         raise TitanliteError(f"{path}: no {METRICS_FILE} here or in the run folders below it")
     return next((folder for folder in found if read_metrics(folder)), found[0])
@@ -139,8 +142,10 @@ def render(panels: Series, out: Path) -> None:
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.grid(alpha=0.3)
         if any(line.kind == "validation" for line in lines):  # say which style is which
-            handles = [plt.Line2D([], [], color="grey", label="train"),
-                       plt.Line2D([], [], color="grey", linestyle="--", marker="o", label="validation")]
+            handles = [
+                plt.Line2D([], [], color="grey", label="train"),
+                plt.Line2D([], [], color="grey", linestyle="--", marker="o", label="validation"),
+            ]
             axis.legend(handles=handles, fontsize="small")
     handles = [plt.Line2D([], [], color=colour[run], linewidth=3) for run in runs]
     figure.legend(handles, runs, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=min(len(runs), 2))

@@ -28,7 +28,14 @@ from titanlite.parallel import parallelize as parallel
 from titanlite.parallel.activation_checkpoint import ac_setting
 from titanlite.parallel.memory import check_training_state_fits
 from titanlite.parallel.mesh import Meshes, ParallelDims
-from titanlite.parallel.pipeline import ModelParts, PipelineLayout, part_flops, plan_layout, shared_parameters, split_stage
+from titanlite.parallel.pipeline import (
+    ModelParts,
+    PipelineLayout,
+    part_flops,
+    plan_layout,
+    shared_parameters,
+    split_stage,
+)
 from titanlite.parallel.tensor_parallel import sequence_parallel_for
 from titanlite.parallel.units import select
 
@@ -68,11 +75,15 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     """
     spec = get_model_spec(cfg.model.name, cfg.model.flavor)
     check_capabilities(spec, cfg)
-    tokenizer = Tokenizer(tokenizer_file(cfg.model.tokenizer_path, cfg.model.hf_assets_path)) if vocab_size is None else None
+    tokenizer = (
+        Tokenizer(tokenizer_file(cfg.model.tokenizer_path, cfg.model.hf_assets_path)) if vocab_size is None else None
+    )
     args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size)
     if cfg.checkpoint.last_save_in_hf and (problems := spec.hf_adapter.hf_export_problems(args)):
-        raise TitanliteError(f"checkpoint.last_save_in_hf: model {spec.name} flavor {cfg.model.flavor} has what Hugging Face's "
-                             f"class cannot hold: {', '.join(problems)}")
+        raise TitanliteError(
+            f"checkpoint.last_save_in_hf: model {spec.name} flavor {cfg.model.flavor} has what Hugging Face's "
+            f"class cannot hold: {', '.join(problems)}"
+        )
     if spec.supports("document_mask"):
         args = dataclasses.replace(args, attn_mask_type=cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -81,11 +92,16 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
         dims.check_experts(_experts_per_layer(spec, args), f"model {spec.name} flavor {cfg.model.flavor}")
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if reshard.isdigit() and (not dims.fsdp_enabled or (dims.dp_shard * dims.cp) % int(reshard)):
-        raise TitanliteError(f"parallelism.fsdp_reshard_after_forward: {reshard} ranks do not divide the FSDP shards "
-                             f"(data_parallel_shard_degree x context_parallel_degree = {dims.dp_shard * dims.cp})")
+        raise TitanliteError(
+            f"parallelism.fsdp_reshard_after_forward: {reshard} ranks do not divide the FSDP shards "
+            f"(data_parallel_shard_degree x context_parallel_degree = {dims.dp_shard * dims.cp})"
+        )
     max_seq_len = getattr(args, "max_seq_len", None)
     if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
-        raise TitanliteError(f"training.seq_len: {cfg.training.seq_len} exceeds the {cfg.model.flavor} flavor's max_seq_len {max_seq_len}")
+        raise TitanliteError(
+            f"training.seq_len: {cfg.training.seq_len} exceeds the {cfg.model.flavor} flavor's max_seq_len "
+            f"{max_seq_len}"
+        )
     grad_accum_steps = dims.grad_accum_steps(cfg.training.local_batch_size, cfg.training.global_batch_size)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
@@ -122,12 +138,16 @@ def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
         model = plan.spec.model_class(plan.model_args)
     shared = shared_parameters(model)
     if shared:
-        raise TitanliteError(f"parallelism.pipeline_parallel_degree: the {plan.cfg.model.flavor} flavor shares one tensor between "
-                             f"{shared[0]}, which sit on the first and the last stage; pipeline an untied flavor")
+        raise TitanliteError(
+            f"parallelism.pipeline_parallel_degree: the {plan.cfg.model.flavor} flavor shares one tensor between "
+            f"{shared[0]}, which sit on the first and the last stage; pipeline an untied flavor"
+        )
     costs = None
     if plan.cfg.parallelism.pipeline_parallel_balance == "flops":
         flops = plan.spec.flops_per_token
-        attention = (flops(plan.model_args, 0, plan.cfg.training.seq_len) - flops(plan.model_args, 0, 0)) / len(model.layers)
+        attention = (flops(plan.model_args, 0, plan.cfg.training.seq_len) - flops(plan.model_args, 0, 0)) / len(
+            model.layers
+        )
         routed = {layer.experts: layer.args.top_k / layer.args.n_experts for layer in moe.moe_layers(model).values()}
         costs = part_flops(model, attention, routed)
     return plan_layout(plan.cfg.parallelism, len(model.layers), plan.cfg.training.local_batch_size, costs)
@@ -145,8 +165,9 @@ def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
         tp_plan = functools.partial(_apply_tp, plan.spec, cfg.parallelism.enable_loss_parallel, sequence_parallel)
     if dims.fsdp_enabled and cfg.parallelism.fsdp_shard_modules:  # a missing class named by its config key
         select(model, cfg.parallelism.fsdp_shard_modules, "parallelism.fsdp_shard_modules")
-    precision = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.training.mixed_precision_param],
-                                     reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce])
+    precision = MixedPrecisionPolicy(
+        param_dtype=DTYPES[cfg.training.mixed_precision_param], reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce]
+    )
     parallel.parallelize(
         model,
         meshes,

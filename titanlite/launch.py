@@ -75,7 +75,10 @@ class _DropAgentRecords(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
-        return not any(mark in text for mark in ("failed (exitcode", "closing signal", "death signal", "Unable to shutdown process"))
+        return not any(
+            mark in text
+            for mark in ("failed (exitcode", "closing signal", "death signal", "Unable to shutdown process")
+        )
 
 
 def restart_line(failures: dict[int, ProcessFailure], attempt: int, restarts: int) -> str:
@@ -84,9 +87,15 @@ def restart_line(failures: dict[int, ProcessFailure], attempt: int, restarts: in
     how = "the worker group became unhealthy"
     if failures:
         rank, first = first_failure(failures)
-        how = f"rank {rank} " + (f"was killed by signal {first.signal_name()}" if first.exitcode < 0
-                                 else f"failed (exit code {first.exitcode})")
-    return f"titanlite: {how}; restarting the job ({attempt} of {restarts} restarts): it resumes from its newest complete checkpoint"
+        how = f"rank {rank} " + (
+            f"was killed by signal {first.signal_name()}"
+            if first.exitcode < 0
+            else f"failed (exit code {first.exitcode})"
+        )
+    return (
+        f"titanlite: {how}; restarting the job ({attempt} of {restarts} restarts): it resumes from its newest "
+        "complete checkpoint"
+    )
 
 
 def _say_restarts() -> None:
@@ -163,7 +172,10 @@ def _args_problem(args) -> str | None:
     """What is wrong with the flags torchrun's parser accepts but fails on later."""
     nproc = str(args.nproc_per_node)
     if nproc not in _NPROC_WORDS and not (nproc.isdigit() and int(nproc) > 0):
-        return f"--nproc-per-node: expected a positive number of processes or one of {', '.join(_NPROC_WORDS)} (got {nproc!r})"
+        return (
+            f"--nproc-per-node: expected a positive number of processes or one of {', '.join(_NPROC_WORDS)} (got "
+            f"{nproc!r})"
+        )
     if args.max_restarts < 0:
         return f"--max-restarts: expected 0 or more (got {args.max_restarts})"
     return None
@@ -208,7 +220,9 @@ def _take_stop_signals(args) -> None:
     """Keep SIGTERM/SIGUSR1 out of the agent's hands (it would stop the workers) and
     forward them instead."""
     if hasattr(args, "signals_to_handle"):  # torch >= 2.9; before, the agent takes SIGTERM back at start
-        kept = [name.strip() for name in args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGUSR1")]
+        kept = [
+            name.strip() for name in args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGUSR1")
+        ]
         args.signals_to_handle = ",".join(kept)
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, _Forwarder.handle)
@@ -234,7 +248,9 @@ def consequence(failure: ProcessFailure) -> bool:
     return failure.exitcode in (COLLECTIVE_FAILURE_EXIT_CODE, -signal.SIGTERM)
 
 
-def failure_line(failures: dict[int, ProcessFailure], stopped_ranks: list[int] = STOPPED_WORKER_RANKS) -> tuple[str, int]:
+def failure_line(
+    failures: dict[int, ProcessFailure], stopped_ranks: list[int] = STOPPED_WORKER_RANKS
+) -> tuple[str, int]:
     """The launcher's one line and its exit code."""
     rank, first = first_failure(failures)
     if first.exitcode == USER_ERROR_EXIT_CODE and _said(first):
@@ -245,7 +261,10 @@ def failure_line(failures: dict[int, ProcessFailure], stopped_ranks: list[int] =
     after = f"; {others} other rank(s) stopped after it" if others else ""
     if first.exitcode < 0:
         return f"titanlite: rank {rank} failed first (killed by signal {first.signal_name()}){after}", 1
-    return f"titanlite: rank {rank} failed first (exit code {first.exitcode}){after}; see its output above", first.exitcode
+    return (
+        f"titanlite: rank {rank} failed first (exit code {first.exitcode}){after}; see its output above",
+        first.exitcode,
+    )
 
 
 def _stopped_line(failures: dict[int, ProcessFailure], stopped_ranks: list[int]) -> str:
@@ -255,7 +274,11 @@ def _stopped_line(failures: dict[int, ProcessFailure], stopped_ranks: list[int])
     waited = f"; {timed_out.removeprefix('titanlite: ')}" if timed_out else ""
     if stopped_ranks:
         return f"titanlite: rank {min(stopped_ranks)} stopped responding (its process was stopped){waited}"
-    return timed_out or f"titanlite: rank {min(failures)} failed (exit code {failures[min(failures)].exitcode}) waiting for another rank"
+    return (
+        timed_out
+        or f"titanlite: rank {min(failures)} failed (exit code {failures[min(failures)].exitcode}) waiting for "
+        "another rank"
+    )
 
 
 def _signal_line(sig: signal.Signals) -> str:
@@ -263,7 +286,10 @@ def _signal_line(sig: signal.Signals) -> str:
         return f"titanlite: stopped by a second {sig.name}; the workers were stopped before they finished saving"
     if sig in FORWARDED_SIGNALS:
         return f"titanlite: stopped by {sig.name} before the workers started"
-    return f"titanlite: stopped by {sig.name}; the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 saves one first)"
+    return (
+        f"titanlite: stopped by {sig.name}; the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 "
+        "saves one first)"
+    )
 
 
 # glibc malloc: never mmap a block, never give the heap's top back (see the module docstring).
@@ -287,9 +313,13 @@ def set_cpu_worker_defaults(nproc_per_node: str, env: MutableMapping[str, str] =
 def _parser():
     """torchrun's flags, plus titanlite's own."""
     parser = get_args_parser()
-    parser.add_argument("--cpu-bind", "--cpu_bind", action="store_true",
-                        help="CPU workers only: bind each local rank (and the threads it starts) to its own block of this "
-                             "host's usable cores (titanlite/runtime/cpu_binding.py)")  # fmt: skip
+    parser.add_argument(
+        "--cpu-bind",
+        "--cpu_bind",
+        action="store_true",
+        help="CPU workers only: bind each local rank (and the threads it starts) to its own block of this "
+        "host's usable cores (titanlite/runtime/cpu_binding.py)",
+    )
     return parser
 
 

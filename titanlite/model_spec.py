@@ -22,10 +22,14 @@ Capability = Literal["pipeline_split", "context_parallel", "document_mask", "kv_
 # Each capability: what a run without it is refused for lacking, and what it needs from the
 # model's code (the refusal line says both; docs/adding_a_model.md at length).
 NEEDS: dict[Capability, tuple[str, str]] = {
-    "pipeline_split": ("pipeline split", "a stage runs the model's own forward, which must skip the top-level "
-                                         "modules the stage holds as None"),
-    "context_parallel": ("context-parallel attention", "an enable_context_parallel method, after which attention "
-                                                       "takes every cp rank's keys and values"),
+    "pipeline_split": (
+        "pipeline split",
+        "a stage runs the model's own forward, which must skip the top-level modules the stage holds as None",
+    ),
+    "context_parallel": (
+        "context-parallel attention",
+        "an enable_context_parallel method, after which attention takes every cp rank's keys and values",
+    ),
     "document_mask": ("document masking", "forward(tokens, document_ids) and an attn_mask_type field in its args"),
     "kv_cache": ("KV cache", "an enable_kv_cache(KVCache | None) method"),
     "moe": ("mixture-of-experts layers", "routed experts (models/moe.py's MoE) in its blocks"),

@@ -31,10 +31,26 @@ from titanlite.build import RunPlan, build_on_meta, materialize, plan_run
 from titanlite.config import load_config
 from titanlite.config.dtypes import torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, OneLineArgumentParser, TitanliteError, say_notices
-from titanlite.parallel.estimate import (GIB, Activations, FsdpWorkingSet, StateBytes, StepShape, estimate_activations, estimate_fsdp,
-                                         in_flight_microbatches, state_bytes)
+from titanlite.parallel.estimate import (
+    GIB,
+    Activations,
+    FsdpWorkingSet,
+    StateBytes,
+    StepShape,
+    estimate_activations,
+    estimate_fsdp,
+    in_flight_microbatches,
+    state_bytes,
+)
 from titanlite.parallel.fake_world import ShardCensus, census, init_fake_world, shard_specs
-from titanlite.parallel.memory import DEFAULT_GPU, GPU_MEMORY_GIB, parse_memory, peak_rss_bytes, reset_peak_rss, rss_bytes
+from titanlite.parallel.memory import (
+    DEFAULT_GPU,
+    GPU_MEMORY_GIB,
+    parse_memory,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
 
 CENSUS_MAX_WORLD = 4096
 """Above this world size the every-rank count (milliseconds a rank) is skipped."""
@@ -44,14 +60,22 @@ PLANNED_AUTO_DTYPE = "bfloat16"
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The planner's own options; everything else is the config (`--config`, `--section.key`)."""
-    parser = OneLineArgumentParser(prog="python -m titanlite.plan", allow_abbrev=False, description=__doc__.split("\n\n")[0],
-                     epilog="Config options: python -m titanlite.config --help")  # fmt: skip
+    parser = OneLineArgumentParser(
+        prog="python -m titanlite.plan",
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        epilog="Config options: python -m titanlite.config --help",
+    )
     parser.add_argument("--world-size", type=int, required=True, help="ranks (GPUs) of the planned run")
     parser.add_argument("--rank", type=int, default=0, help="the rank to build (default 0, which holds the most)")
     parser.add_argument("--vocab-size", type=int, help="vocabulary size, instead of reading model.tokenizer_path")
-    parser.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB), help=f"device whose memory to plan for (default {DEFAULT_GPU})")
+    parser.add_argument(
+        "--gpu", choices=sorted(GPU_MEMORY_GIB), help=f"device whose memory to plan for (default {DEFAULT_GPU})"
+    )
     parser.add_argument("--device-memory", help="memory per device, e.g. 80GiB (overrides --gpu)")
-    parser.add_argument("--materialize", action="store_true", help="allocate and initialize this rank's shards, and measure")
+    parser.add_argument(
+        "--materialize", action="store_true", help="allocate and initialize this rank's shards, and measure"
+    )
     args, config_argv = parser.parse_known_args(argv)
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         raise TitanliteError(f"--rank {args.rank} is not a rank of --world-size {args.world_size}")
@@ -110,14 +134,22 @@ class Report:
     def total(self) -> float:
         state = self.state.params + self.state.grads + self.state.optimizer
         fsdp = self.fsdp.total if self.fsdp else 0.0
-        return (0 if self.offloaded else state) + self.state.buffers + self.activations.total + fsdp + self.autocast_copies
+        return (
+            (0 if self.offloaded else state) + self.state.buffers + self.activations.total + fsdp + self.autocast_copies
+        )
 
 
-def build_report(plan: RunPlan, args: argparse.Namespace, vocab_note: str, model: torch.nn.Module, world: DeviceMesh | None) -> Report:
+def build_report(
+    plan: RunPlan, args: argparse.Namespace, vocab_note: str, model: torch.nn.Module, world: DeviceMesh | None
+) -> Report:
     """The figures of this rank's parallelized model (still on meta)."""
     cfg, dims = plan.cfg, plan.dims
     shape = StepShape.from_config(cfg, dims.tp)
-    activations = estimate_activations(plan.model_args, shape) if plan.pipeline is None else _stage_activations(plan, model, shape, world)
+    activations = (
+        estimate_activations(plan.model_args, shape)
+        if plan.pipeline is None
+        else _stage_activations(plan, model, shape, world)
+    )
     fsdp = None
     if dims.fsdp_enabled:
         reduce_bytes = torch_dtype(cfg.training.mixed_precision_reduce).itemsize
@@ -125,10 +157,25 @@ def build_report(plan: RunPlan, args: argparse.Namespace, vocab_note: str, model
     state = state_bytes(model)
     # Without FSDP, bf16 runs under autocast, which keeps a bf16 copy of each weight per step.
     autocast = state.n_params * shape.act_bytes if not dims.fsdp_enabled and shape.act_bytes < 4 else 0
-    coordinate = ", ".join(f"{n} {c}" for n, c in zip(world.mesh_dim_names, world.get_coordinate())) if world else "the only rank"
+    coordinate = (
+        ", ".join(f"{n} {c}" for n, c in zip(world.mesh_dim_names, world.get_coordinate()))
+        if world
+        else "the only rank"
+    )
     device_bytes, device_source = device_memory(args)
-    return Report(plan, args.rank, coordinate, vocab_note, state, activations, fsdp, autocast, device_bytes, device_source,
-                  plan.n_params)  # fmt: skip
+    return Report(
+        plan,
+        args.rank,
+        coordinate,
+        vocab_note,
+        state,
+        activations,
+        fsdp,
+        autocast,
+        device_bytes,
+        device_source,
+        plan.n_params,
+    )
 
 
 def _stage_activations(plan: RunPlan, model: torch.nn.Module, shape: StepShape, world: DeviceMesh) -> Activations:
@@ -137,11 +184,19 @@ def _stage_activations(plan: RunPlan, model: torch.nn.Module, shape: StepShape, 
     layout = plan.pipeline
     pp_rank = world.get_coordinate()[world.mesh_dim_names.index("pp")]
     held = layout.stage_indices(pp_rank)
-    in_flight = in_flight_microbatches(layout.schedule, layout.degree, layout.n_microbatches, layout.stages_per_rank, pp_rank)
+    in_flight = in_flight_microbatches(
+        layout.schedule, layout.degree, layout.n_microbatches, layout.stages_per_rank, pp_rank
+    )
     microbatch = dataclasses.replace(shape, batch=plan.cfg.parallelism.pipeline_parallel_microbatch_size)
     boundaries = sum((index > 0) + (index < len(layout.stages) - 1) for index in held)
-    return estimate_activations(plan.model_args, microbatch, len(model.layers), len(layout.stages) - 1 in held, in_flight,
-                                boundaries * layout.n_microbatches)
+    return estimate_activations(
+        plan.model_args,
+        microbatch,
+        len(model.layers),
+        len(layout.stages) - 1 in held,
+        in_flight,
+        boundaries * layout.n_microbatches,
+    )
 
 
 def measure_materialize(model: torch.nn.Module, plan: RunPlan) -> dict[str, float]:
@@ -162,11 +217,16 @@ def header(r: Report) -> list[str]:
     cfg, dims = r.plan.cfg, r.plan.dims
     degrees = [f"{name} {size}" for name, size in dims.named_degrees()]
     option = cfg.activation_checkpoint.selective_ac_option
-    ac = cfg.activation_checkpoint.mode + ((" (per op)" if option == "op" else f" (every {option})") if cfg.activation_checkpoint.mode == "selective" else "")
+    ac = cfg.activation_checkpoint.mode + (
+        (" (per op)" if option == "op" else f" (every {option})")
+        if cfg.activation_checkpoint.mode == "selective"
+        else ""
+    )
     return [
         f"model: {cfg.model.name} {cfg.model.flavor}, {r.n_params:,} parameters ({r.vocab_note})",
         f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}"
-        + (f", experts split over ep {dims.ep} of them" if dims.ep_enabled else "") + f"; rank {r.rank} ({r.coordinate})",
+        + (f", experts split over ep {dims.ep} of them" if dims.ep_enabled else "")
+        + f"; rank {r.rank} ({r.coordinate})",
         f"step: local_batch_size {cfg.training.local_batch_size} x seq_len {cfg.training.seq_len}, "
         f"{cfg.training.mixed_precision_param} compute, activation checkpointing {ac}"
         + (", loss parallel" if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else "")
@@ -179,17 +239,32 @@ def holdings(r: Report) -> list[str]:
     """One line per kind of memory; exact ones first, then the estimates and the total."""
     a, place = r.activations, " (host: CPU offload)" if r.offloaded else ""
     rows = [
-        ("parameters", r.state.params, f"{r.state.params:,} bytes: {r.state.n_params:,} elements of the local shards{place}"),
+        (
+            "parameters",
+            r.state.params,
+            f"{r.state.params:,} bytes: {r.state.n_params:,} elements of the local shards{place}",
+        ),
         ("gradients", r.state.grads, f"{r.state.grads:,} bytes{place}"),
         ("optimizer", r.state.optimizer, f"{r.state.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
         ("buffers", r.state.buffers, f"{r.state.buffers:,} bytes"),
-        ("activations", a.total, f"estimate: {_in_flight(a)}{a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} "
-         f"checkpointed x {gib(a.checkpointed_block)}, head {gib(a.head)}{')' if a.in_flight > 1 else ''}, peak extra {gib(a.peak_extra)}"
-         + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")
-         + (f", all-to-all buffers {gib(a.all_to_all)}" if a.all_to_all else "")),
-    ]  # fmt: skip
+        (
+            "activations",
+            a.total,
+            f"estimate: {_in_flight(a)}{a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} "
+            f"checkpointed x {gib(a.checkpointed_block)}, head {gib(a.head)}{')' if a.in_flight > 1 else ''}, peak "
+            f"extra {gib(a.peak_extra)}"
+            + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")
+            + (f", all-to-all buffers {gib(a.all_to_all)}" if a.all_to_all else ""),
+        ),
+    ]
     if r.fsdp:
-        rows.append(("FSDP gathered", r.fsdp.total, f"estimate: root weights and grads {gib(r.fsdp.root)}, blocks {gib(r.fsdp.blocks)}"))
+        rows.append(
+            (
+                "FSDP gathered",
+                r.fsdp.total,
+                f"estimate: root weights and grads {gib(r.fsdp.root)}, blocks {gib(r.fsdp.blocks)}",
+            )
+        )
     if r.autocast_copies:
         rows.append(("autocast copies", r.autocast_copies, "estimate: a low-precision copy of each weight"))
     rows.append(("total", r.total, "on the device"))
@@ -204,25 +279,41 @@ def verdict(r: Report) -> list[str]:
     spare = r.device_bytes - r.total
     lines = [f"device: {gib(r.device_bytes)} ({r.device_source})"]
     if spare >= 0:
-        lines.append(f"verdict: fits: {gib(r.total)} of {gib(r.device_bytes)}, {gib(spare)} ({spare / r.device_bytes:.0%}) to spare")
+        lines.append(
+            f"verdict: fits: {gib(r.total)} of {gib(r.device_bytes)}, {gib(spare)} ({spare / r.device_bytes:.0%}) to "
+            "spare"
+        )
     else:
-        lines.append(f"verdict: does not fit: {gib(r.total)} needed, {gib(-spare)} more than the device's {gib(r.device_bytes)}; "
-                     "add ranks (data_parallel_shard_degree, tensor_parallel_degree), lower training.local_batch_size, "
-                     "or use activation_checkpoint.mode full")  # fmt: skip
+        lines.append(
+            f"verdict: does not fit: {gib(r.total)} needed, {gib(-spare)} more than the device's "
+            f"{gib(r.device_bytes)}; "
+            "add ranks (data_parallel_shard_degree, tensor_parallel_degree), lower training.local_batch_size, "
+            "or use activation_checkpoint.mode full"
+        )
     return lines
 
 
 def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
     if shards is None:
         world = r.plan.dims.world_size
-        why = ("one process" if world == 1 else f"not counted above {CENSUS_MAX_WORLD} ranks" if world > CENSUS_MAX_WORLD
-               else "each pipeline rank holds other stages: plan them with --rank" if r.plan.pipeline is not None
-               else "not counted (parameters on part of the mesh)")
+        why = (
+            "one process"
+            if world == 1
+            else f"not counted above {CENSUS_MAX_WORLD} ranks"
+            if world > CENSUS_MAX_WORLD
+            else "each pipeline rank holds other stages: plan them with --rank"
+            if r.plan.pipeline is not None
+            else "not counted (parameters on part of the mesh)"
+        )
         return [f"shards: {why}"]
     most, least = max(shards.per_rank), min(shards.per_rank)
     check = "=" if shards.covered == r.n_params else "!="
-    held = (f"every rank holds {most:,}" if most == least else
-            f"ranks hold {least:,} (rank {shards.per_rank.index(least)}) to {most:,} (rank {shards.per_rank.index(most)})")
+    held = (
+        f"every rank holds {most:,}"
+        if most == least
+        else f"ranks hold {least:,} (rank {shards.per_rank.index(least)}) to {most:,} (rank "
+        f"{shards.per_rank.index(most)})"
+    )
     return [
         f"shards: {held} parameters; summed over all {len(shards.per_rank)} ranks, each replicated tensor once: "
         f"{shards.covered:,} {check} the model's {r.n_params:,}"
@@ -254,9 +345,19 @@ def run(argv: list[str]) -> int:
     report = build_report(plan, args, vocab_note, model, meshes.world)
     measured = measure_materialize(model, plan) if args.materialize else None
     shards = None
-    if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None:  # last: it leaves rank r's world
+    if (
+        meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None
+    ):  # last: it leaves rank r's world
         shards = census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape), plan.dims.ep)
-    print("\n".join(header(report) + holdings(report) + verdict(report) + shard_lines(report, shards) + measured_lines(report, measured)))
+    print(
+        "\n".join(
+            header(report)
+            + holdings(report)
+            + verdict(report)
+            + shard_lines(report, shards)
+            + measured_lines(report, measured)
+        )
+    )
     return 0 if report.total <= report.device_bytes else 1
 
 

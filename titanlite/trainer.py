@@ -19,15 +19,30 @@ from titanlite.checkpoint.train_state import TrainState
 from titanlite.config import JobConfig, to_dict
 from titanlite.config.dtypes import DTYPES
 from titanlite.data import build_dataloader, open_corpus
-from titanlite.errors import (COLLECTIVE_FAILURE_EXIT_CODE, INTERRUPTED_EXIT_CODE, RANK0_REPORT_GRACE_S, USER_ERROR_EXIT_CODE,
-                              TitanliteError, hand_to_launcher, report_user_error, say)
+from titanlite.errors import (
+    COLLECTIVE_FAILURE_EXIT_CODE,
+    INTERRUPTED_EXIT_CODE,
+    RANK0_REPORT_GRACE_S,
+    USER_ERROR_EXIT_CODE,
+    TitanliteError,
+    hand_to_launcher,
+    report_user_error,
+    say,
+)
 from titanlite.logging import init_logger, logger
 from titanlite.observe.metrics import MetricsLogger
 from titanlite.observe.peak_flops import peak_flops
 from titanlite.observe.profiling import maybe_profile
 from titanlite.observe.run_dir import start_run_dir
 from titanlite.observe.wandb_run import require_wandb
-from titanlite.parallel.distributed import CollectiveFailure, collective_failure, init_distributed, set_collective_timeout, shutdown, world_from_env
+from titanlite.parallel.distributed import (
+    CollectiveFailure,
+    collective_failure,
+    init_distributed,
+    set_collective_timeout,
+    shutdown,
+    world_from_env,
+)
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.runtime.dump_folder import claim_dump_folder
 from titanlite.runtime.gc_schedule import ScheduledGC
@@ -44,7 +59,9 @@ class Trainer:
     def __init__(self, plan: RunPlan):
         require_wandb(plan.cfg.metrics)  # a missing optional package: one line before any device is used
         self.signals = received.install()  # a stop request during start-up is kept
-        self.dist = init_distributed(plan.cfg.comm.init_timeout_seconds, cpu_offload=plan.cfg.training.enable_cpu_offload)
+        self.dist = init_distributed(
+            plan.cfg.comm.init_timeout_seconds, cpu_offload=plan.cfg.training.enable_cpu_offload
+        )
         self.nonfinite = NonFiniteSteps(plan.cfg.training.max_nan_skips, self.dist.rank)
         self.device = self.dist.device
         init_logger(self.dist.rank, log_all_ranks=not plan.cfg.metrics.rank_0_only)
@@ -57,13 +74,28 @@ class Trainer:
         self.run_dir = start_run_dir(cfg)
 
         self.meshes = plan.dims.build_mesh(self.device.type)
-        self.steps = StepBuilder.for_run(cfg, dims=plan.dims, pipeline=plan.pipeline, meshes=self.meshes, device=self.device, rank=self.dist.rank)
+        self.steps = StepBuilder.for_run(
+            cfg, dims=plan.dims, pipeline=plan.pipeline, meshes=self.meshes, device=self.device, rank=self.dist.rank
+        )
         dp_rank = self.meshes.dp.get_local_rank() if self.meshes.dp is not None else 0
         corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
         documents = self.steps.documents
-        self.data = build_dataloader(corpus.train, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, documents=documents)
-        validation_data = None if corpus.validation is None else build_dataloader(
-            corpus.validation, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, prefetch=False, documents=documents)
+        self.data = build_dataloader(
+            corpus.train, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, documents=documents
+        )
+        validation_data = (
+            None
+            if corpus.validation is None
+            else build_dataloader(
+                corpus.validation,
+                cfg.training.local_batch_size,
+                dp_rank,
+                plan.dims.dp,
+                self.device,
+                prefetch=False,
+                documents=documents,
+            )
+        )
 
         built = build_model(plan, self.device, self.meshes, self.dist.local_world_size)
         self.model_parts, self.model, self.size = built.parts, built.model, built.size
@@ -77,8 +109,26 @@ class Trainer:
         self.checkpoint = self._build_checkpoint()
 
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
-        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device, self.size.flops_per_token, peak, plan.dims.tp * plan.dims.cp * plan.dims.pp, self.run_dir, run_config=to_dict(cfg))
-        self.validator = build_validator(cfg.validation, validation_data, self.model, self.forward_backward.evaluate, self.steps.reported, self.device, self.metrics)
+        self.metrics = MetricsLogger(
+            cfg.metrics,
+            cfg.job.dump_folder,
+            self.dist.rank,
+            self.device,
+            self.size.flops_per_token,
+            peak,
+            plan.dims.tp * plan.dims.cp * plan.dims.pp,
+            self.run_dir,
+            run_config=to_dict(cfg),
+        )
+        self.validator = build_validator(
+            cfg.validation,
+            validation_data,
+            self.model,
+            self.forward_backward.evaluate,
+            self.steps.reported,
+            self.device,
+            self.metrics,
+        )
         dims = plan.dims
         experts = f" (experts: ep {dims.ep} x efsdp {dims.dp_shard * dims.cp // dims.ep})" if dims.ep > 1 else ""
         logger.info(
@@ -94,8 +144,10 @@ class Trainer:
         device and agreed by every rank), said once at start-up."""
         training = plan.cfg.training
         choice = resolve_compute_dtype(training.mixed_precision_param, self.device)
-        logger.info(f"compute dtype {choice.name} ({choice.reason}); master weights and optimizer state float32, "
-                    f"gradient reductions {training.mixed_precision_reduce}")
+        logger.info(
+            f"compute dtype {choice.name} ({choice.reason}); master weights and optimizer state float32, "
+            f"gradient reductions {training.mixed_precision_reduce}"
+        )
         return plan.with_compute_dtype(choice.name)
 
     @staticmethod
@@ -124,7 +176,9 @@ class Trainer:
             tokenizer=self.plan.tokenizer,
         )
 
-    def train_step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
+    def train_step(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
         """Forward/backward over the microbatches, clip, agree with every rank on the step
         (`step/agreement.agree_on_step`), step unless it is skipped. Returns (this rank's
         loss, grad norm, agreement)."""
@@ -145,8 +199,14 @@ class Trainer:
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
         expert_load = self.expert_balance.load() if self.expert_balance is not None else None
-        return self.metrics.log(step, self.steps.reported(loss), grad_norm.item(), self.step_lr, self.state.tokens_seen,
-                                expert_load=expert_load)
+        return self.metrics.log(
+            step,
+            self.steps.reported(loss),
+            grad_norm.item(),
+            self.step_lr,
+            self.state.tokens_seen,
+            expert_load=expert_load,
+        )
 
     def train(self) -> list[dict[str, float]]:
         """Run to `training.steps` (resuming from a checkpoint if there is one); returns the
@@ -160,8 +220,10 @@ class Trainer:
         batches = iter(self.data)  # after load(): the loader resumes from its restored position
         history = []
         tokens_per_microbatch = cfg.training.local_batch_size * cfg.training.seq_len
-        with (maybe_profile(cfg, self.dist.rank, self.device, self.state.step) as profiler,
-              ScheduledGC(cfg.training.gc_freq) as collector):
+        with (
+            maybe_profile(cfg, self.dist.rank, self.device, self.state.step) as profiler,
+            ScheduledGC(cfg.training.gc_freq) as collector,
+        ):
             while self.state.step < cfg.training.steps:
                 self.state.step += 1
                 step = self.state.step
@@ -215,7 +277,9 @@ def create_seed_checkpoint(plan: RunPlan) -> None:
     torch.manual_seed(cfg.training.seed)
     lock = claim_dump_folder(cfg, lambda: plan.n_params, dist.group.WORLD, weights_only=True)
     model = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size).model
-    manager = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model)
+    manager = CheckpointManager(
+        cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model
+    )
     try:
         manager.save_seed()
     finally:
@@ -270,8 +334,10 @@ def run_checked(cfg: JobConfig) -> int:
         # A config this hardware cannot hold, like a bad input: one line (the allocator's
         # first sentence) and the user-error exit code, which the launcher passes on quietly.
         rank = dist.get_rank() if dist.is_initialized() else 0
-        line = (f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
-                f"or seq_len, or enable activation_checkpoint")
+        line = (
+            f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
+            f"or seq_len, or enable activation_checkpoint"
+        )
         if not hand_to_launcher(line):
             say(line)
         return USER_ERROR_EXIT_CODE

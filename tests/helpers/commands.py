@@ -113,8 +113,16 @@ def run_command(command: list[str], env: dict[str, str], timeout: float = RUN_TI
 
 def launch(nproc: int, argv: list[str]) -> Run:
     """`python -m titanlite.launch --standalone --nproc-per-node N -m titanlite.train ARGV`."""
-    command = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "titanlite.train", *argv]
+    command = [
+        sys.executable,
+        "-m",
+        "titanlite.launch",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "titanlite.train",
+        *argv,
+    ]
     return run_command(command, run_env())
 
 
@@ -156,7 +164,9 @@ def assert_one_line_user_error(run: Run, mentions: list[str]) -> None:
     launcher failure summary on top."""
     assert run.returncode == 2, f"expected exit code 2\n{run.describe()}"
     error_lines = [line for line in run.output.splitlines() if "titanlite: error:" in line]
-    assert len(error_lines) == 1, f"expected exactly one 'titanlite: error:' line, got {len(error_lines)}\n{run.describe()}"
+    assert len(error_lines) == 1, (
+        f"expected exactly one 'titanlite: error:' line, got {len(error_lines)}\n{run.describe()}"
+    )
     for text in mentions:
         assert text in error_lines[0], f"the error line does not name {text!r}: {error_lines[0]!r}"
     assert "Traceback" not in run.output, f"traceback in the output of a user error\n{run.describe()}"

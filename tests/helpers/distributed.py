@@ -36,7 +36,9 @@ def with_overrides(*lists: list[str] | tuple[str, ...]) -> list[str]:
     return [word for pair in merged.items() for word in pair]
 
 
-def run_ranks(nproc: int, entry: list[str], args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_ranks(
+    nproc: int, entry: list[str], args: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`nproc` processes of `python ENTRY ARGS` in the environment torchrun gives its workers
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT: the env:// rendezvous, a real TCPStore
     and gloo), started here rather than by torchrun's agent, which costs every run ~3 s of
@@ -51,7 +53,9 @@ def run_ranks(nproc: int, entry: list[str], args: list[str], timeout: float, env
     env = {**run_env(), **(env or {})}
     set_cpu_worker_defaults(str(nproc), env)  # what titanlite.launch gives CPU workers
     if nproc > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+        env.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc)
+        )
     command = [sys.executable, *entry, *args]
     with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
         outputs = [(Path(folder) / f"{rank}.out", Path(folder) / f"{rank}.err") for rank in range(nproc)]
@@ -141,7 +145,9 @@ for index, argv in enumerate(json.loads(sys.argv[2])):
 """
 
 
-def run_mains(module: str, argvs: list[list[str]], timeout: float, env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+def run_mains(
+    module: str, argvs: list[list[str]], timeout: float, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess]:
     """Each argv through `module.main(argv)` (what `python -m module ARGV` calls), one after
     the other in one interpreter, as a world of one: the imports (~5 s of CPU a process on
     two cores) are paid once. One CompletedProcess per argv, with that run's exit code (an
@@ -178,16 +184,25 @@ def run_trainer_worker(nproc: int, args: list[str], out: Path, timeout: float = 
 # The fp32 recipe under which every parallel layout must reproduce one process's curve.
 EQUIVALENCE_STEPS = 5
 EQUIVALENCE_ARGS = [
-    "--config", "debug_model",
-    "--training.steps", str(EQUIVALENCE_STEPS),
-    "--training.seq_len", "64",
-    "--training.mixed_precision_param", "float32",
-    "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "3e-3",
-    "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false",
-    "--metrics.peak_flops", "1e11",  # MFU's peak given: no start-up matmul measurement (0.5 s a rank)
-]  # fmt: skip
+    "--config",
+    "debug_model",
+    "--training.steps",
+    str(EQUIVALENCE_STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.mixed_precision_param",
+    "float32",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.peak_flops",
+    "1e11",  # MFU's peak given: no start-up matmul measurement (0.5 s a rank)
+]
 
 
 def assert_same_curve(history: list[dict], reference: list[dict], label: str, rel: float = 1e-5) -> None:
@@ -195,7 +210,9 @@ def assert_same_curve(history: list[dict], reference: list[dict], label: str, re
     assert [h["step"] for h in history] == list(range(1, EQUIVALENCE_STEPS + 1))
     for ours, ref in zip(history, reference):
         for key in ("loss", "grad_norm"):
-            assert ours[key] == pytest.approx(ref[key], rel=rel), f"{label} step {ref['step']} {key}: {ours[key]} vs {ref[key]}"
+            assert ours[key] == pytest.approx(ref[key], rel=rel), (
+                f"{label} step {ref['step']} {key}: {ours[key]} vs {ref[key]}"
+            )
 
 
 def read_tensorboard(folder: Path) -> dict[str, list[tuple[int, float]]]:

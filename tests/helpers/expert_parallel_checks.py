@@ -35,7 +35,9 @@ def _layer(skewed: bool) -> MoE:
     return layer
 
 
-def _run(layer: MoE, x: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def _run(
+    layer: MoE, x: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     x = x.clone().requires_grad_()
     out = layer(x)
     (out * weights).sum().backward()

@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests.helpers.fsdp_probes import collectives_in, fsdp_timeline, gathered_during, local_bytes, ops_in_backward, unit_state
+from tests.helpers.fsdp_probes import (
+    collectives_in,
+    fsdp_timeline,
+    gathered_during,
+    local_bytes,
+    ops_in_backward,
+    unit_state,
+)
 from titanlite.compat.fsdp1 import FullyShardedDataParallel as FSDP
 from titanlite.compat.hfai import FullyShardedDataParallel as HfaiFSDP
 from titanlite.compat.megatron import TorchFullyShardedDataParallel
@@ -42,7 +49,11 @@ class Net(nn.Module):
     def __init__(self, depth: int = 4, reverse: bool = False):
         super().__init__()
         self.reverse = reverse  # run the blocks against their registration order
-        self.inp, self.blocks, self.out = nn.Linear(6, 16), nn.ModuleList(Block(16) for _ in range(depth)), nn.Linear(16, 3)
+        self.inp, self.blocks, self.out = (
+            nn.Linear(6, 16),
+            nn.ModuleList(Block(16) for _ in range(depth)),
+            nn.Linear(16, 3),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
@@ -101,6 +112,7 @@ def per_rank(value):
 
 # --- the wrappers ----------------------------------------------------------------------------
 
+
 def strategies(rank: int, world: int, reference: dict) -> dict:
     """Each sharding strategy (and hfai's and the 2D device_mesh's hybrid form): losses and
     trained weights against one process, this rank's share of the parameter bytes, and the
@@ -110,11 +122,19 @@ def strategies(rank: int, world: int, reference: dict) -> dict:
     layouts = {
         "FULL_SHARD": lambda m: FSDP(m, auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD"),
         "SHARD_GRAD_OP": lambda m: FSDP(m, auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP"),
-        "HYBRID_SHARD": lambda m: FSDP(m, auto_wrap_policy={Block}, sharding_strategy="HYBRID_SHARD", fsdp_group_size=2),
-        "_HYBRID_SHARD_ZERO2": lambda m: FSDP(m, auto_wrap_policy={Block}, sharding_strategy="_HYBRID_SHARD_ZERO2", fsdp_group_size=2),
+        "HYBRID_SHARD": lambda m: FSDP(
+            m, auto_wrap_policy={Block}, sharding_strategy="HYBRID_SHARD", fsdp_group_size=2
+        ),
+        "_HYBRID_SHARD_ZERO2": lambda m: FSDP(
+            m, auto_wrap_policy={Block}, sharding_strategy="_HYBRID_SHARD_ZERO2", fsdp_group_size=2
+        ),
         "NO_SHARD": lambda m: FSDP(m, auto_wrap_policy={Block}, sharding_strategy="NO_SHARD"),
-        "HYBRID_SHARD_device_mesh": lambda m: FSDP(m, auto_wrap_policy={Block}, sharding_strategy="HYBRID_SHARD",
-                                                   device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))),
+        "HYBRID_SHARD_device_mesh": lambda m: FSDP(
+            m,
+            auto_wrap_policy={Block},
+            sharding_strategy="HYBRID_SHARD",
+            device_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+        ),
         "hfai_fsdp_group_size_2": lambda m: HfaiFSDP(m, auto_wrap_policy={Block}, fsdp_group_size=2),
     }
     results = {}
@@ -123,8 +143,12 @@ def strategies(rank: int, world: int, reference: dict) -> dict:
         full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         share = local_bytes(model.parameters()) / full_bytes
         losses, after_forward = train(model, rank, world, probe=lambda: unit_state(model.module.blocks[0]))
-        results[name] = {"losses": losses, "weights_vs_reference": max_difference(whole_weights(model.module), reference["weights"]),
-                         "byte_share": per_rank(share), "after_forward": after_forward}
+        results[name] = {
+            "losses": losses,
+            "weights_vs_reference": max_difference(whole_weights(model.module), reference["weights"]),
+            "byte_share": per_rank(share),
+            "after_forward": after_forward,
+        }
     return results
 
 
@@ -168,7 +192,10 @@ def prefetch(rank: int, world: int) -> dict:
         x = batch(1, rank, world)[0]
         model(x).sum().backward()
         timeline = fsdp_timeline(lambda: model(x).sum().backward())
-        results[name] = {"forward": gathered_during(timeline, "pre_forward"), "backward": gathered_during(timeline, "pre_backward")}
+        results[name] = {
+            "forward": gathered_during(timeline, "pre_forward"),
+            "backward": gathered_during(timeline, "pre_backward"),
+        }
     return results
 
 
@@ -177,7 +204,9 @@ def sync_module_states(rank: int, world: int, reference: dict) -> dict:
     results = {}
     for sync in (True, False):
         model = FSDP(net(seed=rank), auto_wrap_policy={Block}, sync_module_states=sync)
-        results[f"sync_{sync}"] = {"start_vs_rank0_seed": max_difference(whole_weights(model.module), reference["initial"])}
+        results[f"sync_{sync}"] = {
+            "start_vs_rank0_seed": max_difference(whole_weights(model.module), reference["initial"])
+        }
     model = FSDP(net(seed=rank), auto_wrap_policy={Block}, sync_module_states=True)
     results["sync_True"]["losses"] = train(model, rank, world)[0]
     return results
@@ -196,10 +225,15 @@ def no_sync(rank: int, world: int) -> dict:
         for step in (1, 2):
             x, y = batch(step, r, world)
             (F.mse_loss(reference(x), y) / world).backward()
-    difference = max((p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    return {"reductions_inside": sum(v for k, v in inside.items() if "reduce" in k),
-            "reductions_after": sum(v for k, v in outside.items() if "reduce" in k),
-            "sharded_grads_set_inside": any(grads_inside), "grads_vs_reference": difference}
+    difference = max(
+        (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())
+    )
+    return {
+        "reductions_inside": sum(v for k, v in inside.items() if "reduce" in k),
+        "reductions_after": sum(v for k, v in outside.items() if "reduce" in k),
+        "sharded_grads_set_inside": any(grads_inside),
+        "grads_vs_reference": difference,
+    }
 
 
 def summon_writeback(rank: int, world: int) -> dict:
@@ -212,11 +246,14 @@ def summon_writeback(rank: int, world: int) -> dict:
             whole = weight.shape
             weight.data.copy_(torch.arange(weight.numel(), dtype=weight.dtype).view(whole))
         after = model.module.blocks[1].up.weight.full_tensor()
-        results[f"writeback_{writeback}"] = bool(torch.equal(after, torch.arange(after.numel(), dtype=after.dtype).view(whole)))
+        results[f"writeback_{writeback}"] = bool(
+            torch.equal(after, torch.arange(after.numel(), dtype=after.dtype).view(whole))
+        )
     return results
 
 
 # --- the trainer's own options (its build, from a config) -----------------------------------
+
 
 def trainer_model(overrides: list[str]):
     from tests.helpers.distributed import EQUIVALENCE_ARGS
@@ -246,17 +283,37 @@ def trainer_options() -> dict:
     """The trainer's reshard, prefetch and AC settings, each through `build_model`."""
     results: dict[str, dict] = {"reshard": {}, "prefetch": {}, "ac": {}}
     for reshard, depth, ac in TRAINER_BUILDS:
-        model, tokens = trainer_model(["--parallelism.fsdp_reshard_after_forward", reshard, "--parallelism.fsdp_prefetch_depth", depth,
-                                       "--activation_checkpoint.mode", ac[0], *(["--activation_checkpoint.selective_ac_option", ac[1]] if len(ac) > 1 else [])])
+        model, tokens = trainer_model(
+            [
+                "--parallelism.fsdp_reshard_after_forward",
+                reshard,
+                "--parallelism.fsdp_prefetch_depth",
+                depth,
+                "--activation_checkpoint.mode",
+                ac[0],
+                *(["--activation_checkpoint.selective_ac_option", ac[1]] if len(ac) > 1 else []),
+            ]
+        )
         model(tokens).sum().backward()  # the first call sets FSDP2 up
         loss = model(tokens).sum()
-        results["reshard"].setdefault(reshard, {name: unit_state(model.get_submodule(name)) for name in ("layers.0", "layers.5")})
+        results["reshard"].setdefault(
+            reshard, {name: unit_state(model.get_submodule(name)) for name in ("layers.0", "layers.5")}
+        )
         counts = ops_in_backward(loss, FORWARD_OPS)
-        results["ac"]["_".join(ac)] = {"silu": counts["silu"], "attention": sum(v for k, v in counts.items() if "scaled_dot_product" in k)}
+        results["ac"]["_".join(ac)] = {
+            "silu": counts["silu"],
+            "attention": sum(v for k, v in counts.items() if "scaled_dot_product" in k),
+        }
         if depth != "0":  # 0 is FSDP2's implicit order, which the wrappers' default shows
             timeline = fsdp_timeline(lambda: model(tokens).sum().backward())
-            results["prefetch"].setdefault(depth, {"forward": gathered_during(timeline, "pre_forward"),
-                                                   "backward": gathered_during(timeline, "pre_backward"), "reshard": reshard})
+            results["prefetch"].setdefault(
+                depth,
+                {
+                    "forward": gathered_during(timeline, "pre_forward"),
+                    "backward": gathered_during(timeline, "pre_backward"),
+                    "reshard": reshard,
+                },
+            )
     return results
 
 

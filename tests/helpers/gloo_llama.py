@@ -51,9 +51,16 @@ def manager_for(cfg, folder, args, model, optimizer=None, scheduler=None, loader
 
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
     return CheckpointManager(
-        cfg, str(folder), spec or llama3_spec, "tiny", args, model=model, optimizer=optimizer,
+        cfg,
+        str(folder),
+        spec or llama3_spec,
+        "tiny",
+        args,
+        model=model,
+        optimizer=optimizer,
         lr_scheduler=scheduler or torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
-        dataloader=loader or CountingLoader(), train_state=state or TrainState(),
+        dataloader=loader or CountingLoader(),
+        train_state=state or TrainState(),
     )
 
 
@@ -65,8 +72,14 @@ def full_logits(model, tokens):
 
 
 def init_gloo(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
 

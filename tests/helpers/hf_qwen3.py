@@ -16,9 +16,21 @@ from titanlite.models.qwen3 import Qwen3Args, hf_adapter, qwen3_moe
 # (mlp_only_layers), so both feed-forwards of a Qwen3-MoE model are mapped. 3 experts: FSDP 2
 # splits them unevenly by expert (2 and 1), FSDP 4 (more ranks than experts) by rows.
 TINY = {
-    "qwen3": Qwen3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=48, vocab_size=64, max_seq_len=64),
-    "qwen3_moe": Qwen3Args(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=48, vocab_size=64,
-                           max_seq_len=64, moe=qwen3_moe(3, 2, 24), mlp_only_layers=(1,)),
+    "qwen3": Qwen3Args(
+        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=48, vocab_size=64, max_seq_len=64
+    ),
+    "qwen3_moe": Qwen3Args(
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=48,
+        vocab_size=64,
+        max_seq_len=64,
+        moe=qwen3_moe(3, 2, 24),
+        mlp_only_layers=(1,),
+    ),
 }
 SMALL_FILES = 8 * 1024  # bytes a file: the tiny models spread over several
 
@@ -40,7 +52,9 @@ def transformers_model(args: Qwen3Args, seed: int = 0, std: float = 0.1):
     return model.eval()
 
 
-def save_source(args: Qwen3Args, folder: Path, seed: int = 0, max_shard_size: int = SMALL_FILES) -> dict[str, torch.Tensor]:
+def save_source(
+    args: Qwen3Args, folder: Path, seed: int = 0, max_shard_size: int = SMALL_FILES
+) -> dict[str, torch.Tensor]:
     """transformers' tiny model saved in `folder/hf` as a user saves it, and its logits on
     fixed tokens in `folder/reference.pt` ({"tokens", "logits"}, also returned)."""
     model = transformers_model(args, seed)
@@ -56,6 +70,8 @@ def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     """transformers' logits for a saved folder, whichever Qwen3 class its config names."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         return model(tokens).logits

@@ -35,16 +35,28 @@ def running(pid: int) -> bool:
 class LiveRun:
     """`python -m titanlite.launch --standalone --nproc-per-node N [launcher args] -m titanlite.train ARGV`."""
 
-    def __init__(self, nproc: int, argv: list[str], launcher_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+    def __init__(
+        self, nproc: int, argv: list[str], launcher_args: tuple[str, ...] = (), env: dict[str, str] | None = None
+    ):
         self.marker = uuid.uuid4().hex
-        self.command = [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}",
-                        *launcher_args, "-m", "titanlite.train", *argv]
+        self.command = [
+            sys.executable,
+            "-m",
+            "titanlite.launch",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *launcher_args,
+            "-m",
+            "titanlite.train",
+            *argv,
+        ]
         self.started = time.monotonic()
         self.lines: list[str] = []
         self._changed = threading.Condition()
         full_env = {**run_env(), **(env or {}), MARKER_VAR: self.marker}
-        self.process = subprocess.Popen(self.command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.process = subprocess.Popen(
+            self.command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -100,7 +112,9 @@ class LiveRun:
         while marked_processes(self.marker) and time.monotonic() < deadline:
             time.sleep(0.2)
         leftovers = kill_marked(self.marker)
-        assert not leftovers, f"processes still running after the launcher exited (killed {leftovers}):\n{run.describe()}"
+        assert not leftovers, (
+            f"processes still running after the launcher exited (killed {leftovers}):\n{run.describe()}"
+        )
         return run
 
     def abort(self, why: str) -> None:

@@ -47,16 +47,23 @@ def local_bytes(tensors) -> int:
 def held_bytes(trainer: Trainer) -> dict[str, int]:
     """What this rank holds: its shards of parameters, gradients and AdamW state."""
     params = trainer.params
-    optim = [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    optim = [
+        v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0
+    ]
     return {
         "param_bytes": local_bytes(params),
         "grad_bytes": local_bytes(p.grad for p in params),
         "optim_bytes": local_bytes(optim),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in params),
-        "norm_param_bytes": sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "norm" in n),
+        "norm_param_bytes": sum(
+            p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "norm" in n
+        ),
         # A mixture-of-experts layer's router and routed experts, which tensor parallelism keeps whole on each rank.
-        "moe_param_bytes": sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters()
-                               if ".router." in n or ".experts." in n),
+        "moe_param_bytes": sum(
+            p.numel() * p.element_size()
+            for n, p in trainer.model.named_parameters()
+            if ".router." in n or ".experts." in n
+        ),
     }
 
 
@@ -85,7 +92,12 @@ def run_case(case: dict) -> dict:
     if case.get("call"):
         module, function = case["call"].split(":")
         init_distributed()
-        return {"checks": getattr(importlib.import_module(module), function)(), "history": [], "ranks": [], "error": None}
+        return {
+            "checks": getattr(importlib.import_module(module), function)(),
+            "history": [],
+            "ranks": [],
+            "error": None,
+        }
     cfg = load_config(case["argv"])
     if case.get("copy_checkpoint") and int(world_from_env()[0]) == 0:
         copy_checkpoint(*case["copy_checkpoint"], cfg)
@@ -115,7 +127,11 @@ def main() -> None:
         try:
             results[case["name"]] = run_case(case)
         except BaseException as error:  # recorded; the next case runs on
-            results[case["name"]] = {"history": [], "ranks": [], "error": f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"}
+            results[case["name"]] = {
+                "history": [],
+                "ranks": [],
+                "error": f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}",
+            }
         print(f"@@session case {case['name']} done", flush=True)
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))

@@ -47,8 +47,15 @@ def run_session(nproc: int, cases: list[Case], folder: Path, timeout: float) -> 
     """Run `cases` in order on `nproc` ranks; every case's dump folder is `folder/<name>`
     unless its argv names one."""
     folder.mkdir(parents=True, exist_ok=True)
-    spec = [{"name": c.name, "argv": with_overrides(["--job.dump_folder", str(folder / c.name)], c.argv),
-             "copy_checkpoint": list(c.copy_checkpoint) if c.copy_checkpoint else None, "call": c.call} for c in cases]
+    spec = [
+        {
+            "name": c.name,
+            "argv": with_overrides(["--job.dump_folder", str(folder / c.name)], c.argv),
+            "copy_checkpoint": list(c.copy_checkpoint) if c.copy_checkpoint else None,
+            "call": c.call,
+        }
+        for c in cases
+    ]
     (folder / "cases.json").write_text(json.dumps(spec))
     out = folder / "results.json"
     result = run_ranks(nproc, [str(WORKER), str(out), str(folder / "cases.json")], [], timeout)

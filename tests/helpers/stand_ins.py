@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from titanlite.models.llama.model import Llama, LlamaArgs
 
-TINY = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=32, rope_theta=500000.0)
+TINY = LlamaArgs(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=32, rope_theta=500000.0
+)
 
 
 def tiny_model(seed: int = 0, args: LlamaArgs = TINY) -> Llama:

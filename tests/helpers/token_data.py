@@ -53,15 +53,30 @@ def prepared(tmp_path_factory, tok) -> tuple[Path, list[str]]:
     return root / "out", docs
 
 
-def make_prepared(folder: Path, tokens: int, first: int = 0, sha256: str = "0" * 64, shard_tokens: int = 700) -> TokenShards:
+def make_prepared(
+    folder: Path, tokens: int, first: int = 0, sha256: str = "0" * 64, shard_tokens: int = 700
+) -> TokenShards:
     """A prepared folder whose stream is `first, first+1, ...` (mod VOCAB): window w of it
     starts with a known id, so tests can tell windows apart by their first token."""
     folder.mkdir(parents=True)
     stream = [(first + i) % VOCAB for i in range(tokens)]
-    entries = [write_shard(folder, k, [stream[a : a + shard_tokens]], "uint16") for k, a in enumerate(range(0, tokens, shard_tokens))]
-    write_manifest(folder, {"format": "titanlite-tokens", "format_version": 1, "dtype": "uint16", "source": "test",
-                            "tokens": tokens, "documents": len(entries), "shards": entries,
-                            "tokenizer": {"file": "t", "kind": "sentencepiece", "sha256": sha256, "vocab_size": VOCAB}})
+    entries = [
+        write_shard(folder, k, [stream[a : a + shard_tokens]], "uint16")
+        for k, a in enumerate(range(0, tokens, shard_tokens))
+    ]
+    write_manifest(
+        folder,
+        {
+            "format": "titanlite-tokens",
+            "format_version": 1,
+            "dtype": "uint16",
+            "source": "test",
+            "tokens": tokens,
+            "documents": len(entries),
+            "shards": entries,
+            "tokenizer": {"file": "t", "kind": "sentencepiece", "sha256": sha256, "vocab_size": VOCAB},
+        },
+    )
     return TokenShards(folder)
 
 

@@ -16,7 +16,24 @@ SAMPLES = [
     "numbers 1234567 and <|begin_of_text|> as plain text",
     "",
 ]
-MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"er", b"es", b"re", b"on", b" a", b"an", b"st", b"  ", b"    "]
+MERGES = [
+    b"th",
+    b"he",
+    b"the",
+    b" t",
+    b" the",
+    b"in",
+    b"ing",
+    b"er",
+    b"es",
+    b"re",
+    b"on",
+    b" a",
+    b"an",
+    b"st",
+    b"  ",
+    b"    ",
+]
 
 
 def write_rank_file(path: Path, extra: list[bytes]) -> dict[bytes, int]:
@@ -43,8 +60,11 @@ def hf_file(tmp_path_factory) -> Path:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(SAMPLES * 20 + ["the quick brown fox jumps over the lazy dog"] * 50, trainer)
     path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
     tok.save(str(path))

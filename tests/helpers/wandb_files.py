@@ -19,8 +19,20 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 # What the environment may say about a W&B run (titanlite/observe/wandb_run.py), cleared by
 # `offline_wandb` so that a test sees only what it sets.
-RUN_VARIABLES = ("WANDB_PROJECT", "WANDB_TEAM", "WANDB_RUN_NAME", "WANDB_RUN_ID", "WANDB_RUN_NOTES", "WANDB_RUN_TAGS",
-                 "WANDB_RUN_GROUP", "WANDB_RUN_JOB_TYPE", "WANDB_RESUME_FROM", "WANDB_FORK_FROM", "WANDB_DIR", "WANDB_NAME")
+RUN_VARIABLES = (
+    "WANDB_PROJECT",
+    "WANDB_TEAM",
+    "WANDB_RUN_NAME",
+    "WANDB_RUN_ID",
+    "WANDB_RUN_NOTES",
+    "WANDB_RUN_TAGS",
+    "WANDB_RUN_GROUP",
+    "WANDB_RUN_JOB_TYPE",
+    "WANDB_RESUME_FROM",
+    "WANDB_FORK_FROM",
+    "WANDB_DIR",
+    "WANDB_NAME",
+)
 
 
 def offline_wandb(monkeypatch, folder: Path) -> None:
@@ -56,7 +68,7 @@ def records(path: Path):
             continue
         _, length, kind = HEADER.unpack_from(data, position)
         start = position + HEADER.size
-        pieces += data[start:start + length]
+        pieces += data[start : start + length]
         position = start + length
         if kind in (FULL, LAST):
             record = wandb_internal_pb2.Record()

@@ -75,12 +75,14 @@ def write(relative: str, content: str | bytes) -> Callable[[Path, Path], None]:
         path = case / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
+
     return prepare
 
 
 def folder(relative: str) -> Callable[[Path, Path], None]:
     def prepare(case: Path, _checkpoint: Path) -> None:
         (case / relative).mkdir(parents=True, exist_ok=True)
+
     return prepare
 
 
@@ -90,10 +92,12 @@ def shards(case: Path) -> list[Path]:
 
 def with_checkpoint(damage: Callable[[Path], None] | None = None) -> Callable[[Path, Path], None]:
     """A copy of the module's 2-process checkpoint in this case's dump folder, then `damage`."""
+
     def prepare(case: Path, checkpoint: Path) -> None:
         shutil.copytree(checkpoint, case / "out" / "checkpoint")
         if damage is not None:
             damage(case)
+
     return prepare
 
 
@@ -140,8 +144,14 @@ def hf_config_of_another_theta(case: Path, _checkpoint: Path) -> None:
     from titanlite.models import get_model_spec
     from titanlite.models.llama import hf_adapter
 
-    args = get_model_spec("llama3", "debugmodel").args_for("debugmodel", Tokenizer(str(REPO / "assets/tokenizer/titanlite.model")).vocab_size)
-    config = {**hf_adapter.hf_config(args), "rope_theta": 10000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    args = get_model_spec("llama3", "debugmodel").args_for(
+        "debugmodel", Tokenizer(str(REPO / "assets/tokenizer/titanlite.model")).vocab_size
+    )
+    config = {
+        **hf_adapter.hf_config(args),
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
     write("hf/config.json", json.dumps(config))(case, _checkpoint)
 
 
@@ -159,30 +169,46 @@ CASES: dict[str, Case] = {
     "steps_negative": Case(["training.steps", "-3"], {"training.steps": "-3"}),
     "tp_degree_zero": Case([TP, "0"], {TP: "0"}),
     "tp_degree_negative": Case([TP, "-2"], {TP: "-2"}),
-    "dp_shard_degree_zero": Case(["parallelism.data_parallel_shard_degree", "0"], {"parallelism.data_parallel_shard_degree": "0"}),
+    "dp_shard_degree_zero": Case(
+        ["parallelism.data_parallel_shard_degree", "0"], {"parallelism.data_parallel_shard_degree": "0"}
+    ),
     "seq_len_over_the_flavor": Case(["training.seq_len", "max_seq_len"], {"training.seq_len": "4096"}),
     "global_batch_not_a_multiple": Case(["training.global_batch_size"], {"training.global_batch_size": "3"}),
     # impossible meshes on one process
     "tp_larger_than_the_world": Case(["world size 1", "tensor_parallel_degree 2"], {TP: "2"}),
-    "dp_shard_larger_than_the_world": Case(["data_parallel_shard_degree 4", "world size is 1"], {"parallelism.data_parallel_shard_degree": "4"}),
+    "dp_shard_larger_than_the_world": Case(
+        ["data_parallel_shard_degree 4", "world size is 1"], {"parallelism.data_parallel_shard_degree": "4"}
+    ),
     # unknown names
     "unknown_key": Case(["training.stepz", "training.steps"], extra=["--training.stepz", "3"]),
     "unknown_section": Case(["trainer.steps", "training.steps"], extra=["--trainer.steps", "3"]),
     "key_without_section": Case(["steps", "training.steps"], extra=["--steps", "3"]),
     # the command line's shape
     "override_without_value_at_the_end": Case(["training.max_norm", "needs a value"], extra=["--training.max_norm"]),
-    "override_without_value_before_an_option": Case(["optimizer.lr", "needs a value"], extra=["--optimizer.lr", "--optimizer.eps", "1e-8"]),
+    "override_without_value_before_an_option": Case(
+        ["optimizer.lr", "needs a value"], extra=["--optimizer.lr", "--optimizer.eps", "1e-8"]
+    ),
     "override_given_twice": Case(["--training.steps given twice (1 and 8)"], extra=["--training.steps", "8"]),
     "config_given_twice": Case(["--config given twice"], extra=["--config", "debug_model"]),
     "config_without_value": Case(["--config needs a value"], config=None, extra=["--config"]),
     "stray_word": Case(["'oops'"], extra=["oops"]),
     # TOML files
-    "toml_syntax_error": Case(["invalid TOML", "bad.toml"], config=f"{CASE}/bad.toml", prepare=write("bad.toml", "[training]\nsteps = = 3\n")),
+    "toml_syntax_error": Case(
+        ["invalid TOML", "bad.toml"], config=f"{CASE}/bad.toml", prepare=write("bad.toml", "[training]\nsteps = = 3\n")
+    ),
     "toml_empty": Case(["empty.toml", "is empty"], config=f"{CASE}/empty.toml", prepare=write("empty.toml", "")),
-    "toml_unknown_section": Case(["[trainer]", "[training]"], config=f"{CASE}/c.toml", prepare=write("c.toml", "[trainer]\nsteps = 3\n")),
-    "toml_unknown_key": Case(["training.stepz"], config=f"{CASE}/c.toml", prepare=write("c.toml", "[training]\nstepz = 3\n")),
-    "toml_wrong_type": Case(["training.steps", "'ten'"], config=f"{CASE}/c.toml", prepare=write("c.toml", '[training]\nsteps = "ten"\n')),
-    "toml_key_outside_a_section": Case(["steps", "[section]"], config=f"{CASE}/c.toml", prepare=write("c.toml", "steps = 3\n")),
+    "toml_unknown_section": Case(
+        ["[trainer]", "[training]"], config=f"{CASE}/c.toml", prepare=write("c.toml", "[trainer]\nsteps = 3\n")
+    ),
+    "toml_unknown_key": Case(
+        ["training.stepz"], config=f"{CASE}/c.toml", prepare=write("c.toml", "[training]\nstepz = 3\n")
+    ),
+    "toml_wrong_type": Case(
+        ["training.steps", "'ten'"], config=f"{CASE}/c.toml", prepare=write("c.toml", '[training]\nsteps = "ten"\n')
+    ),
+    "toml_key_outside_a_section": Case(
+        ["steps", "[section]"], config=f"{CASE}/c.toml", prepare=write("c.toml", "steps = 3\n")
+    ),
     "config_is_a_folder": Case(["--config", "is a folder"], config=f"{CASE}/conf.toml", prepare=folder("conf.toml")),
     # bad dtypes and enum values
     "dtype_float64": Case(["training.mixed_precision_param", "float64"], {"training.mixed_precision_param": "float64"}),
@@ -191,81 +217,176 @@ CASES: dict[str, Case] = {
     "model_unknown": Case(["model.name", "gpt5"], {"model.name": "gpt5"}),
     "flavor_unknown": Case(["model.flavor", "1T"], {"model.flavor": "1T"}),
     # paths
-    "tokenizer_is_a_folder": Case(["model.tokenizer_path", f"{CASE}/tok"], {"model.tokenizer_path": f"{CASE}/tok"}, prepare=folder("tok")),
-    "dataset_path_missing": Case(["training.dataset_path", f"{CASE}/none.txt"], {"training.dataset": "files", "training.dataset_path": f"{CASE}/none.txt"}),
+    "tokenizer_is_a_folder": Case(
+        ["model.tokenizer_path", f"{CASE}/tok"], {"model.tokenizer_path": f"{CASE}/tok"}, prepare=folder("tok")
+    ),
+    "dataset_path_missing": Case(
+        ["training.dataset_path", f"{CASE}/none.txt"],
+        {"training.dataset": "files", "training.dataset_path": f"{CASE}/none.txt"},
+    ),
     "dataset_files_without_a_path": Case(["training.dataset_path"], {"training.dataset": "files"}),
-    "dataset_shard_corrupted_inside_the_vocabulary": Case(["training.dataset_path", f"{CASE}/data/shard-00000.bin is corrupted: CRC-32"],
-                                                          {"training.dataset": "prepared", "training.dataset_path": f"{CASE}/data",
-                                                           "training.verify_data": "true"}, prepare=dataset_corrupted_inside_the_vocabulary),
-    "initial_load_path_missing": Case(["checkpoint.initial_load_path", f"{CASE}/none"], {"checkpoint.initial_load_path": f"{CASE}/none"}),
+    "dataset_shard_corrupted_inside_the_vocabulary": Case(
+        ["training.dataset_path", f"{CASE}/data/shard-00000.bin is corrupted: CRC-32"],
+        {"training.dataset": "prepared", "training.dataset_path": f"{CASE}/data", "training.verify_data": "true"},
+        prepare=dataset_corrupted_inside_the_vocabulary,
+    ),
+    "initial_load_path_missing": Case(
+        ["checkpoint.initial_load_path", f"{CASE}/none"], {"checkpoint.initial_load_path": f"{CASE}/none"}
+    ),
     "load_step_that_does_not_exist": Case(["checkpoint.load_step: 3"], {**CHECKPOINTING, "checkpoint.load_step": "3"}),
-    "hf_config_of_another_model": Case([f"{CASE}/hf/config.json", "rope_theta 10000.0 (this model: 500000.0)"],
-                                       {"checkpoint.initial_load_path": f"{CASE}/hf", "checkpoint.initial_load_format": "hf"},
-                                       prepare=hf_config_of_another_theta),
+    "hf_config_of_another_model": Case(
+        [f"{CASE}/hf/config.json", "rope_theta 10000.0 (this model: 500000.0)"],
+        {"checkpoint.initial_load_path": f"{CASE}/hf", "checkpoint.initial_load_format": "hf"},
+        prepare=hf_config_of_another_theta,
+    ),
     # the run's folders
-    "dump_folder_under_a_file": Case(["job.dump_folder", f"{CASE}/file is a file"], {"job.dump_folder": f"{CASE}/file/out"}, prepare=write("file", "x")),
-    "checkpoint_folder_is_a_file": Case(["checkpoint.folder", f"{DUMP}/ckpt is a file"], {**CHECKPOINTING, "checkpoint.folder": "ckpt"}, prepare=write("out/ckpt", "x")),
-    "traces_folder_is_a_file": Case(["profiling.save_traces_folder", f"{DUMP}/profile_traces is a file"],
-                                    {"profiling.enable_profiling": "true"}, prepare=write("out/profile_traces", "x")),
-    "memory_snapshot_folder_is_a_file": Case(["profiling.save_memory_snapshot_folder", f"{DUMP}/snapshots is a file"],
-                                             {"profiling.enable_memory_snapshot": "true", "profiling.save_memory_snapshot_folder": "snapshots"},
-                                             prepare=write("out/snapshots", "x")),
-    "tensorboard_folder_under_a_file": Case(["metrics.save_tb_folder", f"{DUMP}/tb is a file"],
-                                            {"metrics.enable_tensorboard": "true"}, prepare=write("out/tb", "x")),
-    "runs_folder_is_a_file": Case(["metrics.save_runs_folder", f"{DUMP}/runs is a file"], prepare=write("out/runs", "x")),
-    "dump_folder_locked": Case(["job.dump_folder", "in use by another run", f"host {socket.gethostname()}, pid {os.getpid()}"], prepare=hold_the_lock),
-    "disk_below_one_checkpoint": Case(["checkpoint.folder", "GiB free", "one checkpoint of"], {**CHECKPOINTING, "model.flavor": "405B"}),
+    "dump_folder_under_a_file": Case(
+        ["job.dump_folder", f"{CASE}/file is a file"],
+        {"job.dump_folder": f"{CASE}/file/out"},
+        prepare=write("file", "x"),
+    ),
+    "checkpoint_folder_is_a_file": Case(
+        ["checkpoint.folder", f"{DUMP}/ckpt is a file"],
+        {**CHECKPOINTING, "checkpoint.folder": "ckpt"},
+        prepare=write("out/ckpt", "x"),
+    ),
+    "traces_folder_is_a_file": Case(
+        ["profiling.save_traces_folder", f"{DUMP}/profile_traces is a file"],
+        {"profiling.enable_profiling": "true"},
+        prepare=write("out/profile_traces", "x"),
+    ),
+    "memory_snapshot_folder_is_a_file": Case(
+        ["profiling.save_memory_snapshot_folder", f"{DUMP}/snapshots is a file"],
+        {"profiling.enable_memory_snapshot": "true", "profiling.save_memory_snapshot_folder": "snapshots"},
+        prepare=write("out/snapshots", "x"),
+    ),
+    "tensorboard_folder_under_a_file": Case(
+        ["metrics.save_tb_folder", f"{DUMP}/tb is a file"],
+        {"metrics.enable_tensorboard": "true"},
+        prepare=write("out/tb", "x"),
+    ),
+    "runs_folder_is_a_file": Case(
+        ["metrics.save_runs_folder", f"{DUMP}/runs is a file"], prepare=write("out/runs", "x")
+    ),
+    "dump_folder_locked": Case(
+        ["job.dump_folder", "in use by another run", f"host {socket.gethostname()}, pid {os.getpid()}"],
+        prepare=hold_the_lock,
+    ),
+    "disk_below_one_checkpoint": Case(
+        ["checkpoint.folder", "GiB free", "one checkpoint of"], {**CHECKPOINTING, "model.flavor": "405B"}
+    ),
     # checkpoints
-    "shard_truncated": Case(["__0_0.distcp: shard is truncated"], CHECKPOINTING, prepare=with_checkpoint(truncate_first_shard)),
-    "shard_corrupted_inside_its_data": Case(["__1_0.distcp: shard file is corrupted"], CHECKPOINTING, prepare=with_checkpoint(flip_bytes_in_last_shard)),
-    "checkpoint_of_another_tokenizer": Case(["model.tokenizer_path", "is not the tokenizer", "/elsewhere/other.model"], CHECKPOINTING,
-                                            prepare=with_checkpoint(another_tokenizer_in_the_record)),
+    "shard_truncated": Case(
+        ["__0_0.distcp: shard is truncated"], CHECKPOINTING, prepare=with_checkpoint(truncate_first_shard)
+    ),
+    "shard_corrupted_inside_its_data": Case(
+        ["__1_0.distcp: shard file is corrupted"], CHECKPOINTING, prepare=with_checkpoint(flip_bytes_in_last_shard)
+    ),
+    "checkpoint_of_another_tokenizer": Case(
+        ["model.tokenizer_path", "is not the tokenizer", "/elsewhere/other.model"],
+        CHECKPOINTING,
+        prepare=with_checkpoint(another_tokenizer_in_the_record),
+    ),
     # A 1 MiB file-size limit: the shard write fails (EFBIG) inside DCP's blocking save.
-    "last_step_save_cannot_be_written": Case(["checkpoint: saving", "step-1 failed"], CHECKPOINTING, shell_prefix="ulimit -f 1024"),
+    "last_step_save_cannot_be_written": Case(
+        ["checkpoint: saving", "step-1 failed"], CHECKPOINTING, shell_prefix="ulimit -f 1024"
+    ),
     # pipeline and context parallelism, refused before a device is touched
     "pp_does_not_divide_the_world": Case(["world size 1", "pipeline_parallel_degree 2"], {PP: "2"}),
     "pp_more_stages_than_blocks": Case([PP, "9 stages for a model of 6 blocks"], {PP: "9"}, world_size=9),
-    "pp_too_few_microbatches": Case(["parallelism.pipeline_parallel_microbatch_size", "1F1B needs at least one microbatch per stage (2)"],
-                                    {PP: "2", "training.local_batch_size": "1"}, world_size=2),
-    "pp_microbatch_size_does_not_divide": Case(["parallelism.pipeline_parallel_microbatch_size: 3 does not divide training.local_batch_size 2"],
-                                               {PP: "2", "parallelism.pipeline_parallel_microbatch_size": "3"}, world_size=2),
-    "pp_v_schedule_without_two_stages_per_rank": Case(["parallelism.pipeline_parallel_schedule", "ZBVZeroBubble runs exactly 2 stages per rank"],
-                                                      {PP: "2", "parallelism.pipeline_parallel_schedule": "ZBVZeroBubble",
-                                                       "parallelism.pipeline_parallel_layers_per_stage": "1"}, world_size=2),
-    "pp_single_stage_schedule_with_several": Case(["parallelism.pipeline_parallel_schedule", "1F1B runs exactly 1 stage per rank"],
-                                                  {PP: "2", "parallelism.pipeline_parallel_split_points": "layers.2,layers.4,layers.5"}, world_size=2),
-    "pp_split_points_and_layers_per_stage": Case(["parallelism.pipeline_parallel_split_points", "not both"],
-                                                 {PP: "2", "parallelism.pipeline_parallel_split_points": "layers.3",
-                                                  "parallelism.pipeline_parallel_layers_per_stage": "2"}, world_size=2),
-    "pp_split_point_not_a_block": Case(["parallelism.pipeline_parallel_split_points", "'layers.9'"],
-                                       {PP: "2", "parallelism.pipeline_parallel_split_points": "layers.9"}, world_size=2),
-    "pp_tied_embeddings": Case([PP, "debugmodel_tied", "tok_embeddings and output"], {PP: "2", "model.flavor": "debugmodel_tied"}, world_size=2),
-    "cp_seq_len_not_divisible": Case([CP, "training.seq_len 66", "2 x context_parallel_degree = 4"], {CP: "2", "training.seq_len": "66"}, world_size=2),
+    "pp_too_few_microbatches": Case(
+        ["parallelism.pipeline_parallel_microbatch_size", "1F1B needs at least one microbatch per stage (2)"],
+        {PP: "2", "training.local_batch_size": "1"},
+        world_size=2,
+    ),
+    "pp_microbatch_size_does_not_divide": Case(
+        ["parallelism.pipeline_parallel_microbatch_size: 3 does not divide training.local_batch_size 2"],
+        {PP: "2", "parallelism.pipeline_parallel_microbatch_size": "3"},
+        world_size=2,
+    ),
+    "pp_v_schedule_without_two_stages_per_rank": Case(
+        ["parallelism.pipeline_parallel_schedule", "ZBVZeroBubble runs exactly 2 stages per rank"],
+        {
+            PP: "2",
+            "parallelism.pipeline_parallel_schedule": "ZBVZeroBubble",
+            "parallelism.pipeline_parallel_layers_per_stage": "1",
+        },
+        world_size=2,
+    ),
+    "pp_single_stage_schedule_with_several": Case(
+        ["parallelism.pipeline_parallel_schedule", "1F1B runs exactly 1 stage per rank"],
+        {PP: "2", "parallelism.pipeline_parallel_split_points": "layers.2,layers.4,layers.5"},
+        world_size=2,
+    ),
+    "pp_split_points_and_layers_per_stage": Case(
+        ["parallelism.pipeline_parallel_split_points", "not both"],
+        {
+            PP: "2",
+            "parallelism.pipeline_parallel_split_points": "layers.3",
+            "parallelism.pipeline_parallel_layers_per_stage": "2",
+        },
+        world_size=2,
+    ),
+    "pp_split_point_not_a_block": Case(
+        ["parallelism.pipeline_parallel_split_points", "'layers.9'"],
+        {PP: "2", "parallelism.pipeline_parallel_split_points": "layers.9"},
+        world_size=2,
+    ),
+    "pp_tied_embeddings": Case(
+        [PP, "debugmodel_tied", "tok_embeddings and output"], {PP: "2", "model.flavor": "debugmodel_tied"}, world_size=2
+    ),
+    "cp_seq_len_not_divisible": Case(
+        [CP, "training.seq_len 66", "2 x context_parallel_degree = 4"],
+        {CP: "2", "training.seq_len": "66"},
+        world_size=2,
+    ),
     # expert parallelism borrows dp_shard x cp ranks and splits each MoE layer's experts
-    "ep_does_not_divide_dp_shard_x_cp": Case([EP, "3 does not divide data_parallel_shard_degree 4 x context_parallel_degree 1 = 4"],
-                                             {**MOE, EP: "3"}, world_size=4),
-    "ep_does_not_divide_the_experts": Case([EP, "3 does not divide model qwen3 flavor debugmodel_moe's 8 experts"],
-                                           {**MOE, EP: "3"}, world_size=3),
-    "ep_on_a_dense_model": Case([EP, "2 needs a model with MoE layers", "model llama3 flavor debugmodel has none"], {EP: "2"}, world_size=2),
-    "ep_with_hsdp": Case([EP, "data_parallel_replicate_degree 2 (HSDP) is not supported"],
-                         {**MOE, EP: "2", "parallelism.data_parallel_replicate_degree": "2"}, world_size=4),
+    "ep_does_not_divide_dp_shard_x_cp": Case(
+        [EP, "3 does not divide data_parallel_shard_degree 4 x context_parallel_degree 1 = 4"],
+        {**MOE, EP: "3"},
+        world_size=4,
+    ),
+    "ep_does_not_divide_the_experts": Case(
+        [EP, "3 does not divide model qwen3 flavor debugmodel_moe's 8 experts"], {**MOE, EP: "3"}, world_size=3
+    ),
+    "ep_on_a_dense_model": Case(
+        [EP, "2 needs a model with MoE layers", "model llama3 flavor debugmodel has none"], {EP: "2"}, world_size=2
+    ),
+    "ep_with_hsdp": Case(
+        [EP, "data_parallel_replicate_degree 2 (HSDP) is not supported"],
+        {**MOE, EP: "2", "parallelism.data_parallel_replicate_degree": "2"},
+        world_size=4,
+    ),
     # what a registered model does not declare (ModelSpec.capabilities), refused when the run is planned
-    "cp_model_without_context_parallel_attention": Case([CP, "model gpt2 has no context-parallel attention"],
-                                                        {CP: "2", "model.name": "gpt2"}, world_size=2),
-    "hf_load_of_a_model_without_hf_mapping": Case(["checkpoint.initial_load_format", "model gpt2 has no Hugging Face mapping"],
-                                                  {"model.name": "gpt2", "checkpoint.initial_load_format": "hf",
-                                                   "checkpoint.initial_load_path": f"{CASE}/hf"}, prepare=folder("hf")),
-    "hf_save_of_a_model_without_hf_mapping": Case(["checkpoint.last_save_in_hf", "model gpt2 has no Hugging Face mapping"],
-                                                  {**CHECKPOINTING, "model.name": "gpt2", "checkpoint.last_save_in_hf": "true"}),
+    "cp_model_without_context_parallel_attention": Case(
+        [CP, "model gpt2 has no context-parallel attention"], {CP: "2", "model.name": "gpt2"}, world_size=2
+    ),
+    "hf_load_of_a_model_without_hf_mapping": Case(
+        ["checkpoint.initial_load_format", "model gpt2 has no Hugging Face mapping"],
+        {"model.name": "gpt2", "checkpoint.initial_load_format": "hf", "checkpoint.initial_load_path": f"{CASE}/hf"},
+        prepare=folder("hf"),
+    ),
+    "hf_save_of_a_model_without_hf_mapping": Case(
+        ["checkpoint.last_save_in_hf", "model gpt2 has no Hugging Face mapping"],
+        {**CHECKPOINTING, "model.name": "gpt2", "checkpoint.last_save_in_hf": "true"},
+    ),
     "mask_type_unknown": Case(["model.attn_mask_type", "sliding"], {"model.attn_mask_type": "sliding"}),
     # through the launcher, 2 processes: every rank meets it, rank 0 alone says it
-    "launcher_pp_too_few_microbatches": Case(["1F1B needs at least one microbatch per stage"], {PP: "2", "training.local_batch_size": "1"}, nproc=2),
+    "launcher_pp_too_few_microbatches": Case(
+        ["1F1B needs at least one microbatch per stage"], {PP: "2", "training.local_batch_size": "1"}, nproc=2
+    ),
     "launcher_tp_does_not_divide_the_world": Case(["world size 2", "tensor_parallel_degree 3"], {TP: "3"}, nproc=2),
     "launcher_override_given_twice": Case(["--training.steps given twice"], extra=["--training.steps", "8"], nproc=2),
-    "launcher_dump_folder_locked": Case(["in use by another run", f"pid {os.getpid()}"], nproc=2, prepare=hold_the_lock),
-    "launcher_shard_corrupted_on_rank_1s_share": Case(["__1_0.distcp: shard file is corrupted"], CHECKPOINTING, nproc=2,
-                                                      prepare=with_checkpoint(flip_bytes_in_last_shard)),
-}  # fmt: skip
+    "launcher_dump_folder_locked": Case(
+        ["in use by another run", f"pid {os.getpid()}"], nproc=2, prepare=hold_the_lock
+    ),
+    "launcher_shard_corrupted_on_rank_1s_share": Case(
+        ["__1_0.distcp: shard file is corrupted"],
+        CHECKPOINTING,
+        nproc=2,
+        prepare=with_checkpoint(flip_bytes_in_last_shard),
+    ),
+}
 
 
 # ---------------------------------------------------------------- running them
@@ -283,7 +404,16 @@ def argv_of(case: Case, case_dir: Path) -> list[str]:
 
 def command_of(case: Case, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     if case.nproc > 1:
-        return [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={case.nproc}", "-m", "titanlite.train", *argv], run_env()
+        return [
+            sys.executable,
+            "-m",
+            "titanlite.launch",
+            "--standalone",
+            f"--nproc-per-node={case.nproc}",
+            "-m",
+            "titanlite.train",
+            *argv,
+        ], run_env()
     command = [sys.executable, "-m", "titanlite.train", *argv]
     if case.shell_prefix:
         command = ["bash", "-c", f'{case.shell_prefix}; exec "$0" "$@"', *command]
@@ -306,8 +436,11 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def selected_cases(request) -> list[str]:
     """The cases this pytest session runs (all, or those picked with -k), plain ones first."""
-    names = {item.callspec.params["name"] for item in request.session.items
-             if item.module.__name__ == __name__ and hasattr(item, "callspec")}
+    names = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.module.__name__ == __name__ and hasattr(item, "callspec")
+    }
     return sorted(names, key=lambda n: (CASES[n].nproc, list(CASES).index(n)))
 
 
@@ -323,8 +456,10 @@ def runs(request, tmp_path_factory, checkpoint) -> dict[str, tuple[Path, Future]
         if case.prepare is not None and (cleanup := case.prepare(folders[name], checkpoint)) is not None:
             cleanups.append(cleanup)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {name: (path, pool.submit(run_command, *command_of(CASES[name], argv_of(CASES[name], path))))
-               for name, path in folders.items()}
+        yield {
+            name: (path, pool.submit(run_command, *command_of(CASES[name], argv_of(CASES[name], path))))
+            for name, path in folders.items()
+        }
     for cleanup in cleanups:
         cleanup()
 
@@ -340,7 +475,9 @@ def test_bad_input_is_one_line_exit_2_no_traceback(name, runs):
     run: Run = future.result()
     assert run.returncode == 2, f"expected exit code 2\n{run.describe()}"
     lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("titanlite: error: "), f"expected one error line on stderr\n{run.describe()}"
+    assert len(lines) == 1 and lines[0].startswith("titanlite: error: "), (
+        f"expected one error line on stderr\n{run.describe()}"
+    )
     assert "Traceback" not in run.output, run.describe()
     for text in CASES[name].mentions:
         filled = text.replace(DUMP, str(case_dir / "out")).replace(CASE, str(case_dir))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from tests.helpers.gloo_llama import build, checkpoint_cfg, full_logits, init_gloo, manager_for, spawn
 from tests.helpers.stand_ins import CountingLoader
 
+
 def export_worker(rank: int, world: int, port: int, folder: str) -> None:
     from titanlite.checkpoint import export, hf_io
     from titanlite.models.llama import hf_adapter
@@ -45,7 +46,12 @@ def export_worker(rank: int, world: int, port: int, folder: str) -> None:
     source.save(1, last=True)
     source.close()
     # The final save of a model_weights_only run: model only, cast to export_dtype.
-    weights = manager_for(checkpoint_cfg(async_mode="disabled", model_weights_only=True, export_dtype="bfloat16"), folder / "wo", args, model)
+    weights = manager_for(
+        checkpoint_cfg(async_mode="disabled", model_weights_only=True, export_dtype="bfloat16"),
+        folder / "wo",
+        args,
+        model,
+    )
     weights.save(3, last=True)
     weights.close()
     dist.barrier()
@@ -86,7 +92,9 @@ def resume_worker(rank: int, world: int, port: int, folder: str, mode: str, stop
     while state.step < stop:
         state.step += 1
         loader.position += 1
-        tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(loader.position * 10 + rank))
+        tokens = torch.randint(
+            0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(loader.position * 10 + rank)
+        )
         loss = full_logits(model, tokens).float().pow(2).mean()
         loss.backward()
         optimizer.step()
@@ -123,6 +131,12 @@ def test_async_with_pinned_mem_resumes_bit_exactly(tmp_path):
     assert resumed == straight[2:]
     # Model and optimizer tensors; the RNG entries may differ in kind: pinning memory
     # initializes CUDA where it exists, and then CUDA's RNG state is saved too.
-    left, right = ({k: v for k, v in export.read_dcp_tensors(tmp_path / run / "checkpoint" / "step-4").items() if not k.startswith("train_state.")}
-                   for run in ("a", "b"))
+    left, right = (
+        {
+            k: v
+            for k, v in export.read_dcp_tensors(tmp_path / run / "checkpoint" / "step-4").items()
+            if not k.startswith("train_state.")
+        }
+        for run in ("a", "b")
+    )
     assert left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)

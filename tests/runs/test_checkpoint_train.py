@@ -33,21 +33,34 @@ from titanlite.checkpoint import export
 
 TRAIN_ENTRY = ["-m", "titanlite.train"]
 BASE = [
-    "--config", "debug_model",
-    "--training.seq_len", "64",
-    "--training.global_batch_size", "8",
-    "--training.mixed_precision_param", "float32",
-    "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "2",
+    "--config",
+    "debug_model",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "8",
+    "--training.mixed_precision_param",
+    "float32",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
     # Constant lr after warmup: a run told to stop at step 5 follows the same schedule as
     # one told to run 10 steps, so "5 steps, stop, resume to 10" is comparable with "10".
-    "--lr_scheduler.decay_ratio", "0",
-    "--metrics.log_freq", "1",
-    "--metrics.peak_flops", "1e11",  # skip the start-up matmul measurement
-    "--checkpoint.enable_checkpoint", "true",
-    "--checkpoint.interval", "5",
-    "--checkpoint.async_mode", "async",
-    "--checkpoint.keep_latest_k", "0",
+    "--lr_scheduler.decay_ratio",
+    "0",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.peak_flops",
+    "1e11",  # skip the start-up matmul measurement
+    "--checkpoint.enable_checkpoint",
+    "true",
+    "--checkpoint.interval",
+    "5",
+    "--checkpoint.async_mode",
+    "async",
+    "--checkpoint.keep_latest_k",
+    "0",
 ]
 # name: (processes, overrides); local batch x dp = 8 everywhere, no accumulation.
 LAYOUTS = {
@@ -69,7 +82,9 @@ def _launcher_command(nproc: int, argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}", *TRAIN_ENTRY, *argv]
 
 
-def train(layout: str, dump: Path, *args: str, timeout: float = 180, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def train(
+    layout: str, dump: Path, *args: str, timeout: float = 180, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     nproc, overrides = LAYOUTS[layout]
     argv = with_overrides(BASE, overrides, args, ["--job.dump_folder", str(dump)])
     result = run_ranks(nproc, TRAIN_ENTRY, argv, timeout, env=_env(env))
@@ -182,7 +197,11 @@ def _rank_pid(run_id: str, rank: int) -> int | None:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if f"TITANLITE_TEST_RUN_ID={run_id}".encode() in environ and f"RANK={rank}".encode() in environ and b"launch" not in cmdline:
+        if (
+            f"TITANLITE_TEST_RUN_ID={run_id}".encode() in environ
+            and f"RANK={rank}".encode() in environ
+            and b"launch" not in cmdline
+        ):
             return int(entry.name)
     return None
 
@@ -191,10 +210,14 @@ def _rank_pid(run_id: str, rank: int) -> int | None:
 def test_kill_during_async_save_resumes_from_previous_complete_step(tmp_path):
     run_id = uuid.uuid4().hex
     nproc, overrides = LAYOUTS["fsdp2"]
-    argv = with_overrides(BASE, overrides, ["--training.steps", "6", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)])
+    argv = with_overrides(
+        BASE, overrides, ["--training.steps", "6", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    )
     # Every rank's writer pauses 4 s after writing its shards: a save stays in flight.
     env = _env({"TITANLITE_TEST_SLOW_WRITE_S": "4", "TITANLITE_TEST_RUN_ID": run_id})
-    process = subprocess.Popen(_launcher_command(nproc, argv), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        _launcher_command(nproc, argv), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     killed = None
     deadline = time.monotonic() + 150
     try:
@@ -251,7 +274,9 @@ def run_cases(cases: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
     """Several 1-process runs of the real entry point `titanlite.train.main`, in one
     interpreter to pay the imports once. Returns name -> (exit code, its stderr)."""
     nproc, overrides = LAYOUTS["single"]
-    runs = run_mains("titanlite.train", [with_overrides(BASE, overrides, argv) for argv in cases.values()], 240, env=_env())
+    runs = run_mains(
+        "titanlite.train", [with_overrides(BASE, overrides, argv) for argv in cases.values()], 240, env=_env()
+    )
     return {name: (run.returncode, run.stderr) for name, run in zip(cases, runs)}
 
 
@@ -278,14 +303,17 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         "initial": ["--checkpoint.initial_load_path", str(tmp_path / "no-such-dir")],
     }
     expected = {
-        "missing": f"checkpoint.load_step: 3 was asked for, but the checkpoint folder {dumps['missing'] / 'checkpoint'} does not exist",
+        "missing": "checkpoint.load_step: 3 was asked for, but the checkpoint folder "
+        f"{dumps['missing'] / 'checkpoint'} does not exist",
         "nostep": f"checkpoint.load_step: {ckpt(dumps['nostep'], 7)} does not exist; complete steps: 5",
         "corrupt": f"{shard}: shard file is corrupted (CRC-32 ",
         "truncated": f"{truncated}: shard is truncated",
         "flavor": f"{ckpt(dumps['flavor'], 5)}: checkpoint is of model llama3 flavor 8B",
         "initial": f"checkpoint.initial_load_path: {tmp_path / 'no-such-dir'} does not exist",
     }
-    results = run_cases({name: [*argv, "--training.steps", "6", "--job.dump_folder", str(dumps[name])] for name, argv in cases.items()})
+    results = run_cases(
+        {name: [*argv, "--training.steps", "6", "--job.dump_folder", str(dumps[name])] for name, argv in cases.items()}
+    )
     for name, (rc, stderr) in results.items():
         lines = [line for line in stderr.splitlines() if line.startswith("titanlite: error:")]
         assert rc == 2, f"{name}: exit {rc}\n{stderr[-2000:]}"
@@ -316,15 +344,23 @@ def broken_hf_copies(hf: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
     tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
     st.save_file(tensors, str(norm_file), metadata={"format": "pt"})
     config = json.loads((hf / "config.json").read_text())
-    (broken["family"] / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (broken["family"] / "config.json").write_text(
+        json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     dim = config["hidden_size"]
     stray = broken["stray"] / "extra.safetensors"
     st.save_file({"model.norm.weight": torch.full((dim,), 5.0)}, str(stray), metadata={"format": "pt"})
     return {
         "stray": (broken["stray"], f"{stray}: model.safetensors.index.json does not name this file"),
         "shard": (broken["shard"], f"{gone}: missing, but model.safetensors.index.json names it"),
-        "shape": (broken["shape"], f"{norm_file}: tensor model.norm.weight has shape [{dim - 1}], this model's norm.weight is [{dim}]"),
-        "family": (broken["family"], f"{broken['family'] / 'config.json'}: describes another model: model_type 'gpt2' (this model: 'llama')"),
+        "shape": (
+            broken["shape"],
+            f"{norm_file}: tensor model.norm.weight has shape [{dim - 1}], this model's norm.weight is [{dim}]",
+        ),
+        "family": (
+            broken["family"],
+            f"{broken['family'] / 'config.json'}: describes another model: model_type 'gpt2' (this model: 'llama')",
+        ),
     }
 
 
@@ -338,13 +374,24 @@ def test_initial_load_from_dcp_and_from_hugging_face(runs, tmp_path):
     source = ckpt(runs["fsdp2_tp2"]["resumed"], 5)
     convert = runpy.run_path(str(REPO / "scripts" / "convert_hf.py"), run_name="script")["main"]
     assert convert(["to-hf", str(source), str(tmp_path / "hf"), "--max-shard-size", "400KB"]) == 0
-    assert len(set(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
+    assert (
+        len(set(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
+    )
     broken = broken_hf_copies(tmp_path / "hf", tmp_path)
     hf = ["--checkpoint.initial_load_format", "hf"]
-    cases = {"dcp": ["--checkpoint.initial_load_path", str(source), "--checkpoint.initial_load_format", "dcp"],
-             "hf": ["--checkpoint.initial_load_path", str(tmp_path / "hf"), *hf]}
-    cases.update({f"hf-{name}": ["--checkpoint.initial_load_path", str(folder), *hf] for name, (folder, _) in broken.items()})
-    results = run_cases({name: [*argv, "--training.steps", "1", "--job.dump_folder", str(tmp_path / name)] for name, argv in cases.items()})
+    cases = {
+        "dcp": ["--checkpoint.initial_load_path", str(source), "--checkpoint.initial_load_format", "dcp"],
+        "hf": ["--checkpoint.initial_load_path", str(tmp_path / "hf"), *hf],
+    }
+    cases.update(
+        {f"hf-{name}": ["--checkpoint.initial_load_path", str(folder), *hf] for name, (folder, _) in broken.items()}
+    )
+    results = run_cases(
+        {
+            name: [*argv, "--training.steps", "1", "--job.dump_folder", str(tmp_path / name)]
+            for name, argv in cases.items()
+        }
+    )
     assert results["dcp"][0] == 0 and results["hf"][0] == 0, results
     first = {name: losses(tmp_path / name)[1] for name in ("dcp", "hf")}
     fresh = losses(runs["fsdp2_tp2"]["straight"])[1]

@@ -56,8 +56,20 @@ def test_compiled_blocks_train_like_eager(device):
 
 @pytest.mark.timeout(900)
 def test_compiled_fsdp_tp_matches_eager_single_process(tmp_path):
-    reference = run_trainer_worker(1, EQUIVALENCE_ARGS + ["--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "ref")],
-                                   tmp_path / "ref.json")
-    overrides = ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2", "--compile.enable", "true"]
-    result = run_trainer_worker(4, EQUIVALENCE_ARGS + overrides + ["--job.dump_folder", str(tmp_path / "tp")], tmp_path / "tp.json", timeout=800)
+    reference = run_trainer_worker(
+        1,
+        EQUIVALENCE_ARGS + ["--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "ref")],
+        tmp_path / "ref.json",
+    )
+    overrides = [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--compile.enable",
+        "true",
+    ]
+    result = run_trainer_worker(
+        4, EQUIVALENCE_ARGS + overrides + ["--job.dump_folder", str(tmp_path / "tp")], tmp_path / "tp.json", timeout=800
+    )
     assert_same_curve(result["history"], reference["history"], "fsdp2_tp2 compiled")

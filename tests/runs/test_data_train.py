@@ -17,20 +17,33 @@ from titanlite.data.sources import FilesSource
 from titanlite.data.tokenizers import Tokenizer
 
 BASE = [
-    "--config", "debug_model",
-    "--training.seq_len", "64",
-    "--training.local_batch_size", "4",
-    "--training.mixed_precision_param", "float32",
-    "--training.dataset", "prepared",
-    "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "2",
-    "--lr_scheduler.decay_ratio", "0",  # constant lr after warmup: "5, stop, resume to 10" == "10"
-    "--metrics.log_freq", "1",
-    "--metrics.peak_flops", "1e11",
-    "--checkpoint.enable_checkpoint", "true",
-    "--checkpoint.interval", "5",
-    "--checkpoint.async_mode", "disabled",
-]  # fmt: skip
+    "--config",
+    "debug_model",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.dataset",
+    "prepared",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--lr_scheduler.decay_ratio",
+    "0",  # constant lr after warmup: "5, stop, resume to 10" == "10"
+    "--metrics.log_freq",
+    "1",
+    "--metrics.peak_flops",
+    "1e11",
+    "--checkpoint.enable_checkpoint",
+    "true",
+    "--checkpoint.interval",
+    "5",
+    "--checkpoint.async_mode",
+    "disabled",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +58,14 @@ def blend(tmp_path_factory) -> tuple[Path, str]:
 
 
 def train(dump: Path, dataset_path: str, steps: int) -> str:
-    args = BASE + ["--training.dataset_path", dataset_path, "--training.steps", str(steps), "--job.dump_folder", str(dump)]
+    args = BASE + [
+        "--training.dataset_path",
+        dataset_path,
+        "--training.steps",
+        str(steps),
+        "--job.dump_folder",
+        str(dump),
+    ]
     result = run_ranks(2, ["-m", "titanlite.train"], args, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
@@ -68,9 +88,15 @@ def test_exact_resume_with_shuffle_and_blend(tmp_path, blend):
 
 def run_cases(cases: dict[str, list[str]], dump: Path) -> dict[str, tuple[int, list[str]]]:
     """1-process runs of `titanlite.train.main`, in one interpreter: name -> (exit code, stderr lines)."""
-    argvs = [with_overrides(BASE, argv, ["--training.steps", "1", "--job.dump_folder", str(dump / name)]) for name, argv in cases.items()]
+    argvs = [
+        with_overrides(BASE, argv, ["--training.steps", "1", "--job.dump_folder", str(dump / name)])
+        for name, argv in cases.items()
+    ]
     runs = run_mains("titanlite.train", argvs, 300)
-    return {name: (run.returncode, [line for line in run.stderr.splitlines() if line.strip()]) for name, run in zip(cases, runs)}
+    return {
+        name: (run.returncode, [line for line in run.stderr.splitlines() if line.strip()])
+        for name, run in zip(cases, runs)
+    }
 
 
 def damaged_copy(source: Path, folder: Path, damage: str) -> Path:
@@ -103,13 +129,20 @@ def test_bad_data_inputs_are_one_line_and_exit_2(tmp_path, blend):
         "weights_do_not_parse": ([f"{web}:0.5,{web}:lots"], "is not folder:weight"),
         "weights_sum_to_0": ([f"{web}:0,{web}:0.0"], "the blend weights sum to 0"),
         "not_prepared": ([str(root / "web-text")], "is not a prepared dataset"),
-        "other_tokenizer": ([str(web), "--model.tokenizer_path", str(other_tokenizer)], "prepared with another tokenizer"),
-        "random_bytes_txt": ([str(random_text), "--training.dataset", "files", "--training.dataset_cache_dir", str(tmp_path / "c")],
-                             "random.txt is not"),
+        "other_tokenizer": (
+            [str(web), "--model.tokenizer_path", str(other_tokenizer)],
+            "prepared with another tokenizer",
+        ),
+        "random_bytes_txt": (
+            [str(random_text), "--training.dataset", "files", "--training.dataset_cache_dir", str(tmp_path / "c")],
+            "random.txt is not",
+        ),
     }
     if importlib.util.find_spec("tiktoken") is None:
         cases.pop("other_tokenizer")
-    results = run_cases({name: ["--training.dataset_path", argv[0], *argv[1:]] for name, (argv, _) in cases.items()}, tmp_path)
+    results = run_cases(
+        {name: ["--training.dataset_path", argv[0], *argv[1:]] for name, (argv, _) in cases.items()}, tmp_path
+    )
     for name, (_, expected) in cases.items():
         code, lines = results[name]
         assert code == 2 and len(lines) == 1, (name, lines)

@@ -39,5 +39,7 @@ def test_the_docs_have_commands_to_run():
 @pytest.mark.parametrize("doc, command", block_commands())
 def test_a_documented_command_runs_as_written(doc, command):
     argv = shlex.split(command)
-    result = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, *argv[1:]], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, f"{doc}: {command}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"

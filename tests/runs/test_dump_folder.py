@@ -45,6 +45,9 @@ def test_lock_of_a_killed_job_is_taken_over_with_a_warning(tmp_path):
     finally:
         titanlite_logger.removeHandler(warnings)
     text = " ".join(record.getMessage() for record in warnings.buffer)
-    assert f"taking over the lock {tmp_path / dump_folder.LOCK_FILE} of a run that ended without releasing it (host {socket.gethostname()}, pid {holder.pid}" in text
+    assert (
+        f"taking over the lock {tmp_path / dump_folder.LOCK_FILE} of a run that ended without releasing it (host "
+        f"{socket.gethostname()}, pid {holder.pid}" in text
+    )
     assert json.loads((tmp_path / dump_folder.LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()

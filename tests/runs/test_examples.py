@@ -25,8 +25,18 @@ LOSS = re.compile(r"^(?:(\w+) )?step (\d+) loss (\S+)", re.MULTILINE)
 
 
 def torchrun(script: str, *args: str) -> Run:
-    return run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                        f"examples/{script}", *args], run_env())
+    return run_command(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            f"examples/{script}",
+            *args,
+        ],
+        run_env(),
+    )
 
 
 def one_process(script: str, *args: str) -> Run:
@@ -82,7 +92,9 @@ def test_hfai_code_trains_like_the_unwrapped_loop_and_both_of_its_checkpoints_lo
     assert_same_weights(torch.load(tmp_path / "model.pt"), plain)  # the whole checkpoint, from summon_full_params
     pieces = [torch.load(tmp_path / f"model{rank}.pt") for rank in (0, 1)]  # each rank's own: half of each tensor
     assert all(pieces[0][k].shape[0] + pieces[1][k].shape[0] == v.shape[0] for k, v in plain.state_dict().items())
-    match = re.search(r"unwrapped model differs by (\S+), rewrapped by (\S+); per-rank checkpoint: by (\S+)", run.stdout)
+    match = re.search(
+        r"unwrapped model differs by (\S+), rewrapped by (\S+); per-rank checkpoint: by (\S+)", run.stdout
+    )
     assert match and all(float(diff) <= 1e-6 for diff in match.groups()), run.describe()
 
 
@@ -103,7 +115,9 @@ def test_fsdp1_code_trains_like_the_unwrapped_loop_and_resumes_from_its_optimize
     reference = fsdp1.train(plain, optim, range(fsdp1.RESUME_AT + 1, fsdp1.STEPS + 1), 0, 1, clip)
     for resume in ("scatter", "shard", "plain", "sharded"):
         assert_same_losses(losses(run, resume), reference)
-    assert re.search(r"FSDP modules: 7, roots: 1", run.stdout), run.describe()  # the v1.12 policy wraps each up/down Linear
+    assert re.search(r"FSDP modules: 7, roots: 1", run.stdout), (
+        run.describe()
+    )  # the v1.12 policy wraps each up/down Linear
 
 
 def test_megatron_code_trains_like_the_unwrapped_loop_and_its_sharded_checkpoint_loads_anywhere(tmp_path):
@@ -112,13 +126,21 @@ def test_megatron_code_trains_like_the_unwrapped_loop_and_its_sharded_checkpoint
     run = torchrun("megatron_style.py", "--out", str(tmp_path))
     megatron = example("megatron_style")
     plain = megatron.build()
-    reference = megatron.train(Unwrapped(plain), torch.optim.AdamW(plain.parameters(), lr=1e-2), range(1, megatron.STEPS + 1), 0, 1)
+    reference = megatron.train(
+        Unwrapped(plain), torch.optim.AdamW(plain.parameters(), lr=1e-2), range(1, megatron.STEPS + 1), 0, 1
+    )
     assert_same_losses(losses(run), reference)
     saved = {k: torch.empty_like(v) for k, v in plain.state_dict().items()}
     dcp.load(saved, checkpoint_id=tmp_path / "checkpoint")  # the 2-rank shards, read by one process
     assert_same_weights(saved, plain)
     units = re.search(r"FSDP units: (.*)", run.stdout).group(1).split(", ")
-    assert units == ["embedding", "decoder.layers.0", "decoder.layers.0.mlp", "decoder.layers.1", "decoder.layers.1.mlp"]
+    assert units == [
+        "embedding",
+        "decoder.layers.0",
+        "decoder.layers.0.mlp",
+        "decoder.layers.1",
+        "decoder.layers.1.mlp",
+    ]
     match = re.search(r"restored model differs by (\S+)", run.stdout)
     assert match and float(match.group(1)) <= 1e-6, run.describe()
 

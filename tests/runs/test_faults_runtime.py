@@ -29,17 +29,27 @@ TIMEOUT_S = 10  # comm.train_timeout_seconds of these runs
 START_S = 240  # start-up and the first steps, on 2 cores shared with other suites
 RUN_S = 420
 ARGS = [
-    "--config", "debug_model",
-    "--training.steps", str(STEPS),
-    "--training.seq_len", "64",
-    "--training.local_batch_size", "2",
-    "--metrics.log_freq", "1",
-    "--comm.train_timeout_seconds", str(TIMEOUT_S),
-    "--checkpoint.enable_checkpoint", "true",
-    "--checkpoint.interval", "2",
-    "--checkpoint.async_mode", "async",
-    "--metrics.peak_flops", "1e11",  # no start-up matmul measurement
-]  # fmt: skip
+    "--config",
+    "debug_model",
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--comm.train_timeout_seconds",
+    str(TIMEOUT_S),
+    "--checkpoint.enable_checkpoint",
+    "true",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.async_mode",
+    "async",
+    "--metrics.peak_flops",
+    "1e11",  # no start-up matmul measurement
+]
 COMMIT_LINE = re.compile(r"checkpoint: step (\d+) committed")
 
 
@@ -53,7 +63,9 @@ def losses(dump_folder: Path) -> dict[int, float]:
 
 
 def committed_steps(dump_folder: Path) -> list[int]:
-    return sorted(int(p.parent.name.removeprefix("step-")) for p in (dump_folder / "checkpoint").glob("step-*/commit.json"))
+    return sorted(
+        int(p.parent.name.removeprefix("step-")) for p in (dump_folder / "checkpoint").glob("step-*/commit.json")
+    )
 
 
 def titanlite_lines(output: str) -> list[str]:
@@ -78,11 +90,15 @@ def test_killed_rank_restarts_and_resumes_to_the_same_loss(tmp_path, reference):
     os.kill(live.worker_pid(1), signal.SIGKILL)
     run = live.finish(START_S + RUN_S)
     assert run.returncode == 0, run.describe()
-    assert "titanlite: rank 1 was killed by signal SIGKILL; restarting the job (1 of 1 restarts)" in run.stdout, run.describe()
+    assert "titanlite: rank 1 was killed by signal SIGKILL; restarting the job (1 of 1 restarts)" in run.stdout, (
+        run.describe()
+    )
     before, _, after = run.stdout.partition("resumed at step ")
     assert after, f"the restarted job did not resume\n{run.describe()}"
     resumed = int(after.split()[0])
-    assert resumed == max(int(s) for s in COMMIT_LINE.findall(before)), f"not the newest complete checkpoint\n{run.describe()}"
+    assert resumed == max(int(s) for s in COMMIT_LINE.findall(before)), (
+        f"not the newest complete checkpoint\n{run.describe()}"
+    )
     final = losses(tmp_path)[STEPS]
     assert final == reference[STEPS], f"final loss {final} vs uninterrupted {reference[STEPS]}\n{run.describe()}"
     assert "Traceback" not in run.stdout, run.describe()
@@ -105,7 +121,9 @@ def test_killed_rank_without_restarts_ends_every_process(tmp_path, layout):
     assert run.returncode != 0, run.describe()
     assert time.monotonic() - killed_at <= TIMEOUT_S + 30, run.describe()
     lines = titanlite_lines(run.stdout)
-    assert len(lines) == 1 and lines[0].startswith("titanlite: rank 1 failed first (killed by signal SIGKILL)"), run.describe()
+    assert len(lines) == 1 and lines[0].startswith("titanlite: rank 1 failed first (killed by signal SIGKILL)"), (
+        run.describe()
+    )
     assert "Traceback" not in run.stdout, run.describe()
 
 
@@ -115,8 +133,18 @@ def test_stopped_rank_times_out_on_every_other_rank(tmp_path):
     dp collectives) each exit within the timeout + 30 s, and the job ends with exit code 3
     and exactly one line: the launcher's, naming rank 1 (found stopped) and the collective
     that timed out waiting for it."""
-    live = LiveRun(4, args(tmp_path, "--parallelism.tensor_parallel_degree", "2",
-                       "--checkpoint.enable_checkpoint", "false", "--metrics.enable_tensorboard", "false"))
+    live = LiveRun(
+        4,
+        args(
+            tmp_path,
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--checkpoint.enable_checkpoint",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+        ),
+    )
     live.wait_for(r"step +2 +loss", 2 * START_S)
     others = {rank: live.worker_pid(rank) for rank in (0, 2, 3)}
     stopped = live.worker_pid(1)
@@ -130,7 +158,9 @@ def test_stopped_rank_times_out_on_every_other_rank(tmp_path):
     run = live.finish(RUN_S)
     assert run.returncode == 3, run.describe()
     lines = titanlite_lines(run.stdout)
-    assert len(lines) == 1 and lines[0].startswith("titanlite: rank 1 stopped responding (its process was stopped); rank "), run.describe()
+    assert len(lines) == 1 and lines[0].startswith(
+        "titanlite: rank 1 stopped responding (its process was stopped); rank "
+    ), run.describe()
     assert f"timed out after {TIMEOUT_S} s" in lines[0], run.describe()
     assert "Traceback" not in run.stdout, run.describe()
 
@@ -142,15 +172,21 @@ def test_stopped_stage_times_out_on_the_other_stage_and_the_job_ends(tmp_path):
     stopping it) ends the job a few seconds later, with exit code 3, not after torchrun's
     30 s wait for a SIGKILL, and exactly one line: rank 1 stopped, rank 0's pipeline
     send/receive timed out waiting for it."""
-    live = LiveRun(2, args(tmp_path, *PIPELINE, "--checkpoint.enable_checkpoint", "false", "--metrics.enable_tensorboard", "false"))
+    live = LiveRun(
+        2, args(tmp_path, *PIPELINE, "--checkpoint.enable_checkpoint", "false", "--metrics.enable_tensorboard", "false")
+    )
     live.wait_for(r"step +2 +loss", START_S)
     os.kill(live.worker_pid(1), signal.SIGSTOP)
     stopped_at = time.monotonic()
     run = live.finish(TIMEOUT_S + 60)
-    assert time.monotonic() - stopped_at < TIMEOUT_S + 20, f"the job ended {time.monotonic() - stopped_at:.0f} s after the stop\n{run.describe()}"
+    assert time.monotonic() - stopped_at < TIMEOUT_S + 20, (
+        f"the job ended {time.monotonic() - stopped_at:.0f} s after the stop\n{run.describe()}"
+    )
     assert run.returncode == 3, run.describe()
     lines = titanlite_lines(run.stdout)
-    assert len(lines) == 1 and lines[0].startswith("titanlite: rank 1 stopped responding (its process was stopped); rank 0: "), run.describe()
+    assert len(lines) == 1 and lines[0].startswith(
+        "titanlite: rank 1 stopped responding (its process was stopped); rank 0: "
+    ), run.describe()
     assert "a pipeline send/receive" in lines[0] and f"timed out after {TIMEOUT_S} s" in lines[0], run.describe()
     assert "Traceback" not in run.stdout, run.describe()
 
@@ -165,9 +201,13 @@ def test_sigterm_to_a_pipeline_saves_the_step_in_progress_and_resumes_there(tmp_
     live.signal_launcher(signal.SIGTERM)
     run = live.finish(RUN_S)
     assert run.returncode == 0, run.describe()
-    match = re.search(r"^titanlite: stopped by SIGTERM after step (\d+); checkpoint saved to (\S+)$", run.stdout, re.MULTILINE)
+    match = re.search(
+        r"^titanlite: stopped by SIGTERM after step (\d+); checkpoint saved to (\S+)$", run.stdout, re.MULTILINE
+    )
     assert match and committed_steps(tmp_path)[-1] == int(match.group(1)) < STEPS, run.describe()
-    resumed = LiveRun(2, args(tmp_path, *PIPELINE, "--training.steps", str(int(match.group(1)) + 1))).finish(START_S + RUN_S)
+    resumed = LiveRun(2, args(tmp_path, *PIPELINE, "--training.steps", str(int(match.group(1)) + 1))).finish(
+        START_S + RUN_S
+    )
     assert resumed.returncode == 0 and f"resumed at step {match.group(1)}" in resumed.stdout, resumed.describe()
 
 
@@ -180,7 +220,9 @@ def test_sigterm_to_launcher_saves_the_step_in_progress_and_resumes(tmp_path, re
     live.signal_launcher(signal.SIGTERM)
     run = live.finish(RUN_S)
     assert run.returncode == 0, run.describe()
-    match = re.search(r"^titanlite: stopped by SIGTERM after step (\d+); checkpoint saved to (\S+)$", run.stdout, re.MULTILINE)
+    match = re.search(
+        r"^titanlite: stopped by SIGTERM after step (\d+); checkpoint saved to (\S+)$", run.stdout, re.MULTILINE
+    )
     assert match, run.describe()
     step, path = int(match.group(1)), Path(match.group(2))
     assert step < STEPS and path == tmp_path / "checkpoint" / f"step-{step}", run.describe()
@@ -205,13 +247,17 @@ def test_non_finite_loss_stops_before_saving_it_or_is_skipped(tmp_path):
     short = ["--training.steps", "6", *PIPELINE]
     run = LiveRun(2, args(tmp_path, *short), env=nan_at_5).finish(START_S + RUN_S)
     assert run.returncode == 2, run.describe()
-    assert titanlite_lines(run.stdout) == [next(l for l in run.stdout.splitlines() if l.startswith("titanlite: error: step 5: non-finite loss"))], run.describe()
+    assert titanlite_lines(run.stdout) == [
+        next(line for line in run.stdout.splitlines() if line.startswith("titanlite: error: step 5: non-finite loss"))
+    ], run.describe()
     assert committed_steps(tmp_path) == [2, 4], run.describe()
     assert "Traceback" not in run.stdout, run.describe()
 
     skipped = LiveRun(2, args(tmp_path, *short, "--training.max_nan_skips", "1"), env=nan_at_5).finish(START_S + RUN_S)
     assert skipped.returncode == 0, skipped.describe()
-    assert re.search(r"step 5: non-finite loss .*optimizer step skipped \(1 of training.max_nan_skips 1\)", skipped.stdout), skipped.describe()
+    assert re.search(
+        r"step 5: non-finite loss .*optimizer step skipped \(1 of training.max_nan_skips 1\)", skipped.stdout
+    ), skipped.describe()
     scalars = read_tensorboard(tmp_path / "tb")
     assert scalars["skipped_steps"] == [(5, 1.0)], scalars.get("skipped_steps")
     assert committed_steps(tmp_path)[-1] == 6, skipped.describe()
@@ -234,6 +280,8 @@ def test_every_process_group_takes_the_train_timeout(tmp_path):
         "d.shutdown()\n"
     )
     env = {k: v for k, v in run_env().items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["[300.0, 300.0, 300.0]", "[7.0, 7.0, 7.0]"], result.stdout

@@ -46,21 +46,36 @@ NEW_TOKENS = 8
 CONFIG = ["--config", "debug_model", "--training.mixed_precision_param", "float32"]
 TRAIN = [
     *CONFIG,
-    "--training.seq_len", "64",
-    "--training.local_batch_size", "2",
-    "--training.steps", "4",
-    "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.enable_tensorboard", "false",
-    "--metrics.peak_flops", "1e11",  # no start-up matmul measurement
-    "--checkpoint.enable_checkpoint", "true",
-    "--checkpoint.interval", "2",  # step-2 and step-4: generate must take the newest
-    "--checkpoint.async_mode", "disabled",
-]  # fmt: skip
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    "4",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.peak_flops",
+    "1e11",  # no start-up matmul measurement
+    "--checkpoint.enable_checkpoint",
+    "true",
+    "--checkpoint.interval",
+    "2",  # step-2 and step-4: generate must take the newest
+    "--checkpoint.async_mode",
+    "disabled",
+]
 SAMPLE = ["--temperature", "0.8", "--top-k", "5"]
 # Pipeline: 4 stages on 2 ranks (rank r holds stages r and r + 2), so every step's
 # activations cross ranks three times and the output sits on rank 1.
-PIPELINE = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+PIPELINE = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_schedule",
+    "Interleaved1F1B",
+]
 
 
 def _env() -> dict[str, str]:
@@ -82,8 +97,15 @@ def tok() -> Tokenizer:
 
 
 def argv_for(folder: Path, *args: str, prompts: list[str] = PROMPTS, new_tokens: int = NEW_TOKENS) -> list[str]:
-    return [*CONFIG, "--checkpoint", str(folder), *[w for p in prompts for w in ("--prompt", p)],
-            "--max-new-tokens", str(new_tokens), *args]
+    return [
+        *CONFIG,
+        "--checkpoint",
+        str(folder),
+        *[w for p in prompts for w in ("--prompt", p)],
+        "--max-new-tokens",
+        str(new_tokens),
+        *args,
+    ]
 
 
 def generate(folder: Path, *args: str, prompts: list[str] = PROMPTS, new_tokens: int = NEW_TOKENS) -> str:
@@ -111,8 +133,19 @@ def hf_folders(tmp_path_factory, tok) -> dict[str, tuple[list[str], str]]:
 
     folder = tmp_path_factory.mktemp("hf")
     flavor = hf_adapter.hf_config(get_model_spec("llama3", "debugmodel").args_for("debugmodel", tok.vocab_size))
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "vocab_size", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "tie_word_embeddings")
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "rope_parameters",
+        "tie_word_embeddings",
+    )
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**{k: flavor[k] for k in keys}, attn_implementation="eager")
     llama = transformers.LlamaForCausalLM(config).eval()
@@ -120,14 +153,20 @@ def hf_folders(tmp_path_factory, tok) -> dict[str, tuple[list[str], str]]:
     ids = tok.encode(PROMPT, bos=True, eos=False)
     with one_thread():
         argmax = int(llama(torch.tensor([ids])).logits[0, -1].argmax())
-    out = {"hf_llama": (argv_for(folder / "llama", prompts=[PROMPT], new_tokens=1),
-                        tok.decode(ids + ([argmax] if argmax != tok.eos_id else [])) + "\n")}
+    out = {
+        "hf_llama": (
+            argv_for(folder / "llama", prompts=[PROMPT], new_tokens=1),
+            tok.decode(ids + ([argmax] if argmax != tok.eos_id else [])) + "\n",
+        )
+    }
     spec = get_model_spec("qwen3")
     for flavor in ("debugmodel", "debugmodel_moe"):
         model = transformers_model(spec.args_for(flavor, tok.vocab_size), seed=2)
         model.save_pretrained(folder / flavor)
-        out[f"hf_qwen3_{flavor}"] = (argv_for(folder / flavor, "--model.name", "qwen3", "--model.flavor", flavor),
-                                     greedy(lambda x, model=model: model(x).logits, tok))
+        out[f"hf_qwen3_{flavor}"] = (
+            argv_for(folder / flavor, "--model.name", "qwen3", "--model.flavor", flavor),
+            greedy(lambda x, model=model: model(x).logits, tok),
+        )
     return out
 
 
@@ -138,7 +177,15 @@ def one_process(checkpoint, gpt2, hf_folders, tmp_path_factory) -> dict[str, sub
     prompt_file.write_text("\n".join(PROMPTS[:2]) + "\n\n" + PROMPTS[2] + "\n")  # a blank line is skipped
     runs = {
         "batch": argv_for(checkpoint),
-        "file": [*CONFIG, "--checkpoint", str(checkpoint), "--prompt-file", str(prompt_file), "--max-new-tokens", str(NEW_TOKENS)],
+        "file": [
+            *CONFIG,
+            "--checkpoint",
+            str(checkpoint),
+            "--prompt-file",
+            str(prompt_file),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+        ],
         "recompute": argv_for(checkpoint, "--no-kv-cache"),
         "sample": argv_for(checkpoint, *SAMPLE, "--seed", "3"),
         "sample_alone": argv_for(checkpoint, *SAMPLE, "--seed", "3", prompts=PROMPTS[2:]),
@@ -253,14 +300,21 @@ def test_a_checkpoint_of_another_flavor_is_refused_as_a_resume_refuses_it(one_pr
     assert run.returncode == 2, run.stderr[-3000:]
     assert run.stdout == "" and "Traceback" not in run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("titanlite: error:")]
-    assert len(errors) == 1 and "flavor debugmodel (" in errors[0] and "builds model llama3 flavor debugmodel_tied" in errors[0]
+    assert (
+        len(errors) == 1
+        and "flavor debugmodel (" in errors[0]
+        and "builds model llama3 flavor debugmodel_tied" in errors[0]
+    )
 
 
-@pytest.mark.parametrize("layout, args", [
-    ("tensor_parallel", ["--parallelism.tensor_parallel_degree", "2"]),
-    ("fsdp", ["--parallelism.data_parallel_shard_degree", "2"]),
-    ("pipeline", [*PIPELINE, *SAMPLE, "--seed", "3"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout, args",
+    [
+        ("tensor_parallel", ["--parallelism.tensor_parallel_degree", "2"]),
+        ("fsdp", ["--parallelism.data_parallel_shard_degree", "2"]),
+        ("pipeline", [*PIPELINE, *SAMPLE, "--seed", "3"]),
+    ],
+)
 def test_every_layout_prints_what_one_process_prints(checkpoint, one_process, greedy_text, layout, args):
     run = run_ranks(2, ["-m", "titanlite.generate"], argv_for(checkpoint, *args), TIMEOUT, env=_env())
     assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
@@ -269,16 +323,30 @@ def test_every_layout_prints_what_one_process_prints(checkpoint, one_process, gr
     assert run.stderr.count("tokens/s") == 1
 
 
-@pytest.mark.parametrize("args, mentions", [
-    (["--checkpoint", "/no/such/folder", "--prompt", PROMPT], ["--checkpoint", "/no/such/folder"]),
-    (["--prompt", PROMPT, "--prompt", ""], ["--prompt", "empty"]),
-    (["--prompt-file", "/no/such/prompts.txt"], ["--prompt-file", "/no/such/prompts.txt"]),
-    (["--prompt", PROMPT, "--prompt-file", "/no/such/prompts.txt"], ["--prompt-file", "--prompt"]),
-    (["--prompt", PROMPT, "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
-    (["--prompt", PROMPT, "--top-k", "-1"], ["--top-k", ">= 0"]),
-    (["--prompt", PROMPT, "--parallelism.context_parallel_degree", "2"], ["parallelism.context_parallel_degree", "use 1"]),
-], ids=["missing_checkpoint", "empty_prompt", "missing_prompt_file", "prompt_and_file", "no_new_tokens", "negative_top_k",
-        "context_parallel"])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, mentions",
+    [
+        (["--checkpoint", "/no/such/folder", "--prompt", PROMPT], ["--checkpoint", "/no/such/folder"]),
+        (["--prompt", PROMPT, "--prompt", ""], ["--prompt", "empty"]),
+        (["--prompt-file", "/no/such/prompts.txt"], ["--prompt-file", "/no/such/prompts.txt"]),
+        (["--prompt", PROMPT, "--prompt-file", "/no/such/prompts.txt"], ["--prompt-file", "--prompt"]),
+        (["--prompt", PROMPT, "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
+        (["--prompt", PROMPT, "--top-k", "-1"], ["--top-k", ">= 0"]),
+        (
+            ["--prompt", PROMPT, "--parallelism.context_parallel_degree", "2"],
+            ["parallelism.context_parallel_degree", "use 1"],
+        ),
+    ],
+    ids=[
+        "missing_checkpoint",
+        "empty_prompt",
+        "missing_prompt_file",
+        "prompt_and_file",
+        "no_new_tokens",
+        "negative_top_k",
+        "context_parallel",
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, mentions):
     if "--checkpoint" not in args:
         args = ["--checkpoint", str(tmp_path), *args]

@@ -20,8 +20,17 @@ TRAINER_ARGS = EQUIVALENCE_ARGS + ["--model.name", "gpt2"]
 
 # name: (processes, overrides). Global batch 8 = local_batch_size x dp; TP 2 everywhere.
 TP_LAYOUTS = {
-    "tp2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
-             "--parallelism.sequence_parallel", "on"]),  # the GPU default, checked on gloo
+    "tp2": (
+        2,
+        [
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--parallelism.sequence_parallel",
+            "on",
+        ],
+    ),  # the GPU default, checked on gloo
     "fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
 }
 
@@ -37,7 +46,9 @@ def tp_replicated_bytes() -> int:
     """fp32 bytes the GPT-2 TP plan leaves whole on every tp rank: the position table,
     the LayerNorms and the row-parallel (c_proj) biases."""
     model = build_on_meta(gpt2_spec.args_for("debugmodel", vocab_size=128))
-    replicated = [p for name, p in model.named_parameters() if "wpe" in name or "ln_" in name or name.endswith("c_proj.bias")]
+    replicated = [
+        p for name, p in model.named_parameters() if "wpe" in name or "ln_" in name or name.endswith("c_proj.bias")
+    ]
     return sum(p.numel() for p in replicated) * 4
 
 
@@ -49,7 +60,9 @@ def test_trainer_tp_layouts_match_one_process(layout, one_process, tmp_path):
     steps with clipping (a wrong plan is off by 1e-4 or more), and each rank holds only
     its share of the weights, so the match is not a plan that did nothing."""
     nproc, overrides = TP_LAYOUTS[layout]
-    result = run_trainer_worker(nproc, TRAINER_ARGS + overrides + ["--job.dump_folder", str(tmp_path)], tmp_path / "out.json")
+    result = run_trainer_worker(
+        nproc, TRAINER_ARGS + overrides + ["--job.dump_folder", str(tmp_path)], tmp_path / "out.json"
+    )
     reference = one_process["history"]
     assert reference[-1]["loss"] < reference[0]["loss"]
     assert_same_curve(result["history"], reference, layout)
@@ -64,10 +77,24 @@ def test_trainer_tp_layouts_match_one_process(layout, one_process, tmp_path):
 
 def test_trainer_runs_gpt2(tmp_path):
     cmd = [
-        sys.executable, "-m", "titanlite.train", "--config", "debug_model", "--model.name", "gpt2",
-        "--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "titanlite.train",
+        "--config",
+        "debug_model",
+        "--model.name",
+        "gpt2",
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     env = run_env()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # one plain process

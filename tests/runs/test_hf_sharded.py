@@ -73,10 +73,18 @@ def load_and_save_worker(rank: int, world: int, port: int, folder: str, layouts:
         manager.load()
         with torch.no_grad():
             logits = full_logits(model, reference["tokens"])
-        torch.testing.assert_close(logits, reference["logits"], rtol=1e-4, atol=1e-4, msg=lambda m: f"{kind} fsdp {dp} x tp {tp}: {m}")
+        torch.testing.assert_close(
+            logits, reference["logits"], rtol=1e-4, atol=1e-4, msg=lambda m: f"{kind} fsdp {dp} x tp {tp}: {m}"
+        )
         adapter = hf_adapter if spec is None else spec.hf_adapter
-        hf_io.save_hf_weights(get_model_state_dict(model), source / f"saved-{dp}x{tp}", adapter, args, dist.group.WORLD,
-                              max_file_bytes=SMALL_FILES)
+        hf_io.save_hf_weights(
+            get_model_state_dict(model),
+            source / f"saved-{dp}x{tp}",
+            adapter,
+            args,
+            dist.group.WORLD,
+            max_file_bytes=SMALL_FILES,
+        )
         manager.close()
     dist.barrier()
     dist.destroy_process_group()
@@ -115,8 +123,13 @@ def test_transformers_folder_loads_at_one_process_and_saves_back(source):
 @pytest.mark.timeout(240)
 def test_fsdp2_and_tp2_load_and_save(source):
     """Llama at FSDP 2 and TP 2, Qwen3 and Qwen3-MoE at FSDP 2 (2 and 1 of its 3 experts a rank)."""
-    spawn(load_and_save_worker, 2, str(source), [("llama", 2, 1), ("llama", 1, 2), ("qwen3", 2, 1), ("qwen3_moe", 2, 1)],
-          timeout=180)
+    spawn(
+        load_and_save_worker,
+        2,
+        str(source),
+        [("llama", 2, 1), ("llama", 1, 2), ("qwen3", 2, 1), ("qwen3_moe", 2, 1)],
+        timeout=180,
+    )
     for name in ("saved-2x1", "saved-1x2"):
         check_saved(source, name)
     for kind in TINY:
@@ -159,22 +172,74 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     moe_model = transformers_model(moe_args, std=0.02)
     moe_model.save_pretrained(tmp_path / "hf_moe", max_shard_size=2 * 1024**2)
     start = ["--checkpoint.initial_load_format", "hf", "--checkpoint.last_save_in_hf", "true"]
-    cases = [Case("pp2", [*EQUIVALENCE_ARGS, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-                          "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
-             Case("fsdp2", [*EQUIVALENCE_ARGS, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf"),
-                            "--training.local_batch_size", "4"]),
-             Case("qwen3_moe_fsdp2", [*EQUIVALENCE_ARGS, *qwen3_moe, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf_moe"),
-                                      "--training.local_batch_size", "4", "--checkpoint.enable_checkpoint", "true",
-                                      "--checkpoint.interval", str(EQUIVALENCE_STEPS), "--checkpoint.async_mode", "disabled"]),
-             Case("qwen3_moe_ep2", [*EQUIVALENCE_ARGS, *qwen3_moe, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf_moe"),
-                                    "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"])]
+    cases = [
+        Case(
+            "pp2",
+            [
+                *EQUIVALENCE_ARGS,
+                *start,
+                "--checkpoint.initial_load_path",
+                str(tmp_path / "hf"),
+                "--training.local_batch_size",
+                "8",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ],
+        ),
+        Case(
+            "fsdp2",
+            [
+                *EQUIVALENCE_ARGS,
+                *start,
+                "--checkpoint.initial_load_path",
+                str(tmp_path / "hf"),
+                "--training.local_batch_size",
+                "4",
+            ],
+        ),
+        Case(
+            "qwen3_moe_fsdp2",
+            [
+                *EQUIVALENCE_ARGS,
+                *qwen3_moe,
+                *start,
+                "--checkpoint.initial_load_path",
+                str(tmp_path / "hf_moe"),
+                "--training.local_batch_size",
+                "4",
+                "--checkpoint.enable_checkpoint",
+                "true",
+                "--checkpoint.interval",
+                str(EQUIVALENCE_STEPS),
+                "--checkpoint.async_mode",
+                "disabled",
+            ],
+        ),
+        Case(
+            "qwen3_moe_ep2",
+            [
+                *EQUIVALENCE_ARGS,
+                *qwen3_moe,
+                *start,
+                "--checkpoint.initial_load_path",
+                str(tmp_path / "hf_moe"),
+                "--training.local_batch_size",
+                "4",
+                "--parallelism.expert_parallel_degree",
+                "2",
+            ],
+        ),
+    ]
     session = run_session(2, cases, tmp_path / "runs", 240)
     assert_same_curve(session["pp2"]["history"], session["fsdp2"]["history"], "pp2 vs fsdp2")
     steps = session["fsdp2"]["history"][-1]["step"]
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     saved = {name: tmp_path / "runs" / name / "checkpoint" / f"step-{steps}-hf" for name in ("pp2", "fsdp2")}
     for folder in saved.values():  # every tensor, from whichever stage held it
-        assert json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].keys() == model.state_dict().keys()
+        assert (
+            json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].keys()
+            == model.state_dict().keys()
+        )
     logits = {name: hf_logits(folder, tokens) for name, folder in saved.items()}
     torch.testing.assert_close(logits["pp2"], logits["fsdp2"], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
@@ -191,7 +256,9 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
         torch.testing.assert_close(theirs, ours.eval()(tokens), rtol=1e-4, atol=1e-4)
         assert not torch.allclose(theirs, moe_model(tokens).logits, atol=1e-3)  # trained since the start
     # At ep 2 each rank read and wrote its own 4 experts: the same curve, the same model.
-    assert_same_curve(session["qwen3_moe_ep2"]["history"], session["qwen3_moe_fsdp2"]["history"], "qwen3_moe ep2 vs fsdp2")
+    assert_same_curve(
+        session["qwen3_moe_ep2"]["history"], session["qwen3_moe_fsdp2"]["history"], "qwen3_moe ep2 vs fsdp2"
+    )
     ep_folder = tmp_path / "runs" / "qwen3_moe_ep2" / "checkpoint" / f"step-{steps}-hf"
     assert weight_map(ep_folder).keys() == weight_map(tmp_path / "hf_moe").keys()
     torch.testing.assert_close(hf_logits(ep_folder, tokens), theirs, rtol=1e-4, atol=1e-4)

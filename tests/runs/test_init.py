@@ -20,7 +20,9 @@ from tests.unit.test_init import check_rank
 
 @pytest.mark.parametrize("rank", [0, 1, 6, 7, 14, 15])  # first and last of each dp and tp dim
 def test_every_rank_holds_its_slice_of_the_single_process_weights(rank):
-    result = subprocess.run([sys.executable, __file__, str(rank)], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, __file__, str(rank)], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 

@@ -21,9 +21,20 @@ from tests.helpers.distributed import REPO, run_env
 from tests.helpers.live_run import LiveRun, running
 from titanlite.runtime.cpu_binding import core_blocks
 
-SHORT = ["--config", "debug_model", "--training.steps", "200", "--training.seq_len", "64",
-         "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
-
+SHORT = [
+    "--config",
+    "debug_model",
+    "--training.steps",
+    "200",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 
 
 @pytest.mark.timeout(120)
@@ -33,16 +44,22 @@ def test_cpu_bind_puts_each_worker_on_its_own_cores(tmp_path):
     stdout pipe, so each writes its line in a single `os.write` (atomic below PIPE_BUF): `print`
     writes its pieces one by one when PYTHONUNBUFFERED is set, and the lines interleave."""
     worker = tmp_path / "affinity.py"
-    worker.write_text("import os\nfrom titanlite.runtime.cpu_binding import bind_from_env\nbind_from_env()\n"
-                      "line = f\"rank {os.environ['LOCAL_RANK']} cores {sorted(os.sched_getaffinity(0))}\\n\"\n"
-                      "os.write(1, line.encode())\n")
+    worker.write_text(
+        "import os\nfrom titanlite.runtime.cpu_binding import bind_from_env\nbind_from_env()\n"
+        "line = f\"rank {os.environ['LOCAL_RANK']} cores {sorted(os.sched_getaffinity(0))}\\n\"\n"
+        "os.write(1, line.encode())\n"
+    )
     cores = sorted(os.sched_getaffinity(0))
     expected = {str(rank): block for rank, block in enumerate(core_blocks(cores, 2))}
     for flags, want in ((["--cpu-bind"], expected), ([], {"0": cores, "1": cores})):
         command = [sys.executable, "-m", "titanlite.launch", "--standalone", "--nproc-per-node=2", *flags, str(worker)]
         result = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=100)
         assert result.returncode == 0, result.stderr
-        seen = {line.split()[1]: json.loads(line.split(" cores ")[1]) for line in result.stdout.splitlines() if line.startswith("rank ")}
+        seen = {
+            line.split()[1]: json.loads(line.split(" cores ")[1])
+            for line in result.stdout.splitlines()
+            if line.startswith("rank ")
+        }
         assert seen == want, (flags, result.stdout)
 
 
@@ -72,19 +89,29 @@ def test_ctrl_c_ends_the_run_with_one_line(tmp_path):
     run = live.finish(60)
     assert run.returncode == 128 + signal.SIGINT, run.describe()
     lines = [line for line in run.stdout.splitlines() if line.startswith("titanlite:")]
-    assert lines == ["titanlite: stopped by SIGINT; the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 saves one first)"], run.describe()
+    assert lines == [
+        "titanlite: stopped by SIGINT; the workers were stopped without a checkpoint (SIGTERM or SIGUSR1 saves one "
+        "first)"
+    ], run.describe()
     assert "Traceback" not in run.stdout, run.describe()
 
 
-@pytest.mark.parametrize("variable, value", [("NPROC", "0"), ("NPROC", "abc"), ("NNODES", "0"), ("MAX_RESTARTS", "-1"), ("LOG_RANK", "5")])
+@pytest.mark.parametrize(
+    "variable, value", [("NPROC", "0"), ("NPROC", "abc"), ("NNODES", "0"), ("MAX_RESTARTS", "-1"), ("LOG_RANK", "5")]
+)
 def test_run_train_script_checks_its_variables(variable, value):
-    run = run_command([str(REPO / "run_train.sh"), "--training.steps", "1"], {**run_env(), "NPROC": "2", variable: value}, timeout=120)
+    run = run_command(
+        [str(REPO / "run_train.sh"), "--training.steps", "1"], {**run_env(), "NPROC": "2", variable: value}, timeout=120
+    )
     assert_one_line_user_error(run, [variable, repr(value)])
 
 
 def test_launcher_checks_nproc_per_node():
-    run = run_command([sys.executable, "-m", "titanlite.launch", "--standalone", "--nproc-per-node", "0",
-                       "-m", "titanlite.train"], run_env(), timeout=120)
+    run = run_command(
+        [sys.executable, "-m", "titanlite.launch", "--standalone", "--nproc-per-node", "0", "-m", "titanlite.train"],
+        run_env(),
+        timeout=120,
+    )
     assert_one_line_user_error(run, ["--nproc-per-node", "'0'"])
 
 
@@ -116,12 +143,25 @@ def test_slurm_script_forwards_arguments_with_their_quoting(tmp_path):
     )
     _stand_in(tmp_path, "srun", recorder + "if 'hostname' in sys.argv: print('10.1.2.3 fe80::1')\n")
     _stand_in(tmp_path, "scontrol", "print('node-a'); print('node-b')\n")
-    env = {**run_env(), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
-           "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(REPO), "MAX_RESTARTS": "2"}
+    env = {
+        **run_env(),
+        "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_NNODES": "2",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "MAX_RESTARTS": "2",
+    }
     given = ["--training.steps", "5", "--job.description", "two words, 'quoted' and $HOME", "--x=*"]
     result = subprocess.run(["bash", str(script), *given], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     calls = [json.loads(line) for line in record.read_text().splitlines()]
     assert calls[0]["argv"] == ["--nodes=1", "--ntasks=1", "-w", "node-a", "hostname", "--ip-address"]
-    assert calls[-1]["argv"] == ["--kill-on-bad-exit=1", f"--chdir={REPO}", "./run_train.sh", "--config", "llama_8b.toml", *given]
+    assert calls[-1]["argv"] == [
+        "--kill-on-bad-exit=1",
+        f"--chdir={REPO}",
+        "./run_train.sh",
+        "--config",
+        "llama_8b.toml",
+        *given,
+    ]
     assert calls[-1]["env"] == {"NNODES": "2", "RDZV_ENDPOINT": "10.1.2.3:29500", "MAX_RESTARTS": "2"}

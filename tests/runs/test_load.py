@@ -12,8 +12,9 @@ from tests.helpers.distributed import REPO
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "titanlite.config", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "titanlite.config", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_module_reports_a_user_error_in_one_line_with_exit_code_2():

@@ -27,9 +27,24 @@ def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path, mo
     folder has the same name; the W&B run (rank 0's only, in the run folder) holds
     TensorBoard's scalars at the same steps and that config."""
     offline_wandb(monkeypatch, tmp_path)
-    argv = ["--config", "debug_model", "--training.steps", "3", "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--metrics.log_freq", "2", "--optimizer.lr", "5e-4",
-            "--metrics.enable_wandb", "true", "--job.dump_folder", str(tmp_path)]
+    argv = [
+        "--config",
+        "debug_model",
+        "--training.steps",
+        "3",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "2",
+        "--optimizer.lr",
+        "5e-4",
+        "--metrics.enable_wandb",
+        "true",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     run = launch(2, argv)
     assert run.returncode == 0, run.describe()
 

@@ -44,16 +44,25 @@ BF16_MUST_DIFFER_BY = 5e-6
 MIN_LOSS_DROP = 0.10
 
 COMMON = [
-    "--config", "debug_model",
-    "--training.steps", str(STEPS),
-    "--training.seq_len", "64",
-    "--training.mixed_precision_reduce", "float32",
-    "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "1e-3",
-    "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false",
-    "--metrics.peak_flops", "1e11",  # no start-up matmul measurement (slow in bf16 here)
-]  # fmt: skip
+    "--config",
+    "debug_model",
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.mixed_precision_reduce",
+    "float32",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "1e-3",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.peak_flops",
+    "1e11",  # no start-up matmul measurement (slow in bf16 here)
+]
 
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 
@@ -68,7 +77,9 @@ LAYOUTS = {
 def float32_history(tmp_path_factory):
     folder = tmp_path_factory.mktemp("float32")
     overrides = ["--training.local_batch_size", "2", "--training.mixed_precision_param", "float32"]
-    return run_trainer_worker(1, COMMON + overrides + ["--job.dump_folder", str(folder)], folder / "out.json")["history"]
+    return run_trainer_worker(1, COMMON + overrides + ["--job.dump_folder", str(folder)], folder / "out.json")[
+        "history"
+    ]
 
 
 def relative_differences(history, reference, key: str) -> list[float]:
@@ -79,12 +90,17 @@ def relative_differences(history, reference, key: str) -> list[float]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bf16_tracks_float32(layout, float32_history, tmp_path):
     nproc, overrides = LAYOUTS[layout]
-    history = run_trainer_worker(nproc, COMMON + BF16 + overrides + ["--job.dump_folder", str(tmp_path)], tmp_path / "out.json")["history"]
+    history = run_trainer_worker(
+        nproc, COMMON + BF16 + overrides + ["--job.dump_folder", str(tmp_path)], tmp_path / "out.json"
+    )["history"]
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))
 
     loss_rel = relative_differences(history, float32_history, "loss")
     norm_rel = relative_differences(history, float32_history, "grad_norm")
-    summary = f"{layout}: loss rel worst {max(loss_rel):.2e}, final {loss_rel[-1]:.2e}; grad norm rel worst {max(norm_rel):.2e}"
+    summary = (
+        f"{layout}: loss rel worst {max(loss_rel):.2e}, final {loss_rel[-1]:.2e}; grad norm rel worst "
+        f"{max(norm_rel):.2e}"
+    )
     assert max(loss_rel) <= LOSS_REL_PER_STEP, summary
     assert loss_rel[-1] <= LOSS_REL_FINAL, summary
     assert max(norm_rel) <= GRAD_NORM_REL_PER_STEP, summary

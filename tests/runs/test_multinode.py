@@ -23,11 +23,27 @@ from titanlite.observe.run_dir import read_metrics
 RUN_TIMEOUT = 300  # seconds per launch; 4 processes share 2 cores with other suites
 STEPS = 3
 ARGS = [
-    "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
-    "--training.mixed_precision_param", "float32", "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-3",
-    "--parallelism.tensor_parallel_degree", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-    "--metrics.peak_flops", "1e11",  # no start-up matmul measurement
-]  # fmt: skip
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.mixed_precision_param",
+    "float32",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--optimizer.lr",
+    "3e-3",
+    "--parallelism.tensor_parallel_degree",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.peak_flops",
+    "1e11",  # no start-up matmul measurement
+]
 
 
 def launch_nodes(node_envs: list[dict[str, str]], dump_folder: Path, logs: Path) -> list[str]:
@@ -41,8 +57,15 @@ def launch_nodes(node_envs: list[dict[str, str]], dump_folder: Path, logs: Path)
     for node_env, output in zip(node_envs, outputs):
         env = {**run_env(), "LOGLEVEL": "INFO", MARKER_VAR: marker, **node_env}
         with open(output, "w") as sink:
-            processes.append(subprocess.Popen([str(REPO / "run_train.sh"), *ARGS, "--job.dump_folder", str(dump_folder)],
-                                              cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT))
+            processes.append(
+                subprocess.Popen(
+                    [str(REPO / "run_train.sh"), *ARGS, "--job.dump_folder", str(dump_folder)],
+                    cwd=REPO,
+                    env=env,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     deadline = time.monotonic() + RUN_TIMEOUT
     try:
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in processes]
@@ -64,8 +87,9 @@ def only_run(dump_folder: Path) -> Path:
 @pytest.mark.timeout(2 * RUN_TIMEOUT + 60)
 def test_two_launchers_as_two_nodes_train_like_one(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
-    two_nodes = launch_nodes([{"NNODES": "2", "NPROC": "2", "RDZV_ENDPOINT": endpoint}] * 2,
-                             tmp_path / "two_nodes", tmp_path / "logs_two")
+    two_nodes = launch_nodes(
+        [{"NNODES": "2", "NPROC": "2", "RDZV_ENDPOINT": endpoint}] * 2, tmp_path / "two_nodes", tmp_path / "logs_two"
+    )
     agents = [re.search(r"group_rank=(\d+)", text) for text in two_nodes]
     assert all(agents), "no rendezvous result in a launcher's output:\n" + "\n".join(t[-3000:] for t in two_nodes)
     assert sorted(int(a[1]) for a in agents) == [0, 1]
@@ -78,13 +102,21 @@ def test_two_launchers_as_two_nodes_train_like_one(tmp_path):
     assert [r["step"] for r in ours] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
     for a, b in zip(ours, reference):
         for key in ("loss", "grad_norm", "tokens_seen"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6), f"step {a['step']} {key}: two nodes {a[key]}, one node {b[key]}"
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (
+                f"step {a['step']} {key}: two nodes {a[key]}, one node {b[key]}"
+            )
 
 
 def test_several_nodes_without_a_rendezvous_endpoint_is_one_line(tmp_path):
     env = {k: v for k, v in run_env().items() if k != "RDZV_ENDPOINT"}
-    result = subprocess.run([str(REPO / "run_train.sh")], cwd=REPO, env={**env, "NNODES": "2", "NPROC": "2"},
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(REPO / "run_train.sh")],
+        cwd=REPO,
+        env={**env, "NNODES": "2", "NPROC": "2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "titanlite: error: NNODES=2 needs RDZV_ENDPOINT=host:port (the first node's address, the same on every node)"

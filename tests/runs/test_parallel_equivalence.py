@@ -42,8 +42,15 @@ def schedule(name: str) -> list[str]:
 
 
 # The single-process references, by the model options they share with their layouts.
-REFERENCES = {"causal": [], "block_causal": BLOCK, "gpt2": GPT2, "validation": VALIDATION, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE,
-              "qwen3_moe_aux": QWEN3_MOE_AUX}
+REFERENCES = {
+    "causal": [],
+    "block_causal": BLOCK,
+    "gpt2": GPT2,
+    "validation": VALIDATION,
+    "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+    "qwen3_moe_aux": QWEN3_MOE_AUX,
+}
 
 # name: (processes, overrides, reference). Global batch 8 = local_batch_size x dp x accumulation;
 # pipeline and context-parallel ranks of one dp rank share its batch.
@@ -55,19 +62,55 @@ LAYOUTS = {
     # Every FSDP option, three to a run (each run one process start less): nested shard units
     # (children first), each reshard policy, explicit prefetch, full, per-op and every-k-th-block
     # activation checkpointing. The integer reshard is fsdp4_reshard_to_2.
-    "fsdp2_nested_reshard_always_ac": (2, [*batch(4), "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention,FeedForward",
-                                           "--parallelism.fsdp_reshard_after_forward", "always",
-                                           "--activation_checkpoint.mode", "full"], "causal"),
-    "fsdp2_reshard_never_prefetch1_ac_every_2nd": (2, [*batch(4), "--parallelism.fsdp_reshard_after_forward", "never",
-                                                       "--parallelism.fsdp_prefetch_depth", "1",
-                                                       "--activation_checkpoint.mode", "selective",
-                                                       "--activation_checkpoint.selective_ac_option", "2"], "causal"),
-    "fsdp2_prefetch2_nested_ac_per_op": (2, [*batch(4), "--parallelism.fsdp_prefetch_depth", "2",
-                                             "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention",
-                                             "--activation_checkpoint.mode", "selective",
-                                             "--activation_checkpoint.selective_ac_option", "op"], "causal"),
+    "fsdp2_nested_reshard_always_ac": (
+        2,
+        [
+            *batch(4),
+            "--parallelism.fsdp_shard_modules",
+            "TransformerBlock,Attention,FeedForward",
+            "--parallelism.fsdp_reshard_after_forward",
+            "always",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+        "causal",
+    ),
+    "fsdp2_reshard_never_prefetch1_ac_every_2nd": (
+        2,
+        [
+            *batch(4),
+            "--parallelism.fsdp_reshard_after_forward",
+            "never",
+            "--parallelism.fsdp_prefetch_depth",
+            "1",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "2",
+        ],
+        "causal",
+    ),
+    "fsdp2_prefetch2_nested_ac_per_op": (
+        2,
+        [
+            *batch(4),
+            "--parallelism.fsdp_prefetch_depth",
+            "2",
+            "--parallelism.fsdp_shard_modules",
+            "TransformerBlock,Attention",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+        "causal",
+    ),
     # Split by counted FLOPs: the head weighs ~1.3 blocks at seq 64, so 4 blocks | 2 + head (3 | 3 by layers).
-    "pp2_gpipe_balance_flops": (2, [*batch(8), *schedule("GPipe"), "--parallelism.pipeline_parallel_balance", "flops"], "causal"),
+    "pp2_gpipe_balance_flops": (
+        2,
+        [*batch(8), *schedule("GPipe"), "--parallelism.pipeline_parallel_balance", "flops"],
+        "causal",
+    ),
     "pp2_1f1b": (2, [*batch(8), *schedule("1F1B")], "causal"),
     "pp2_interleaved_1f1b": (2, [*batch(8), *schedule("Interleaved1F1B")], "causal"),
     "pp2_zbv": (2, [*batch(8), *schedule("ZBVZeroBubble")], "causal"),
@@ -161,14 +204,18 @@ def test_layout_matches_single_process(layout, sessions):
     assert_same_curve(sessions[layout]["history"], reference["history"], layout)
     if "moe_load_mean" in reference["history"][0]:  # the same routing: the same expert load, every layer (all stages)
         for key in ("moe_load_mean", "moe_load_max"):
-            assert [h[key] for h in sessions[layout]["history"]] == pytest.approx([h[key] for h in reference["history"]], rel=1e-6), key
+            assert [h[key] for h in sessions[layout]["history"]] == pytest.approx(
+                [h[key] for h in reference["history"]], rel=1e-6
+            ), key
     if reference["validation_loss"] is not None:  # validation through the same layout's forward
         assert sessions[layout]["validation_loss"] == pytest.approx(reference["validation_loss"], rel=1e-5)
 
     if EP[0] in overrides:  # each rank computes with its half of the experts: half the one process's bytes
         ranks, whole = sessions[layout]["ranks"], reference["ranks"][0]["expert_compute_bytes"]
         layers_here = 0.5 if PP[0] in overrides else 1.0  # a pipeline stage holds half the MoE layers
-        assert [sizes["expert_compute_bytes"] for sizes in ranks] == pytest.approx([whole * layers_here / 2] * len(ranks), rel=0.05)
+        assert [sizes["expert_compute_bytes"] for sizes in ranks] == pytest.approx(
+            [whole * layers_here / 2] * len(ranks), rel=0.05
+        )
     if any(flag in overrides for flag in (PP[0], CP[0])):
         return  # stages and sequence shards hold other shares; the planner tests check those
     dp_shard, tp = degrees(overrides, nproc)
@@ -193,7 +240,9 @@ def test_every_dimension_at_once_matches_single_process(layout, all_dimensions, 
     reference = sessions[f"reference_{ALL_DIMENSIONS[layout][1]}"]["history"]
     assert_same_curve(all_dimensions[layout]["history"], reference, layout)
     if "moe_load_mean" in reference[0]:
-        assert [h["moe_load_max"] for h in all_dimensions[layout]["history"]] == pytest.approx([h["moe_load_max"] for h in reference], rel=1e-6)
+        assert [h["moe_load_max"] for h in all_dimensions[layout]["history"]] == pytest.approx(
+            [h["moe_load_max"] for h in reference], rel=1e-6
+        )
 
 
 def test_fsdp_alone_computes_with_every_expert(sessions):
@@ -260,16 +309,21 @@ def fsdp_options(sessions) -> dict:
     return sessions["fsdp_options"]["checks"]
 
 
-@pytest.mark.parametrize("strategy, byte_share, after_forward", [
-    ("FULL_SHARD", 0.25, SHARD),
-    ("SHARD_GRAD_OP", 0.25, WHOLE),
-    ("HYBRID_SHARD", 0.5, HALF),
-    ("_HYBRID_SHARD_ZERO2", 0.5, WHOLE),
-    ("NO_SHARD", 1.0, WHOLE),
-    ("HYBRID_SHARD_device_mesh", 0.5, HALF),
-    ("hfai_fsdp_group_size_2", 0.5, HALF),
-])
-def test_each_sharding_strategy_trains_like_one_process_and_holds_its_share(fsdp_options, strategy, byte_share, after_forward):
+@pytest.mark.parametrize(
+    "strategy, byte_share, after_forward",
+    [
+        ("FULL_SHARD", 0.25, SHARD),
+        ("SHARD_GRAD_OP", 0.25, WHOLE),
+        ("HYBRID_SHARD", 0.5, HALF),
+        ("_HYBRID_SHARD_ZERO2", 0.5, WHOLE),
+        ("NO_SHARD", 1.0, WHOLE),
+        ("HYBRID_SHARD_device_mesh", 0.5, HALF),
+        ("hfai_fsdp_group_size_2", 0.5, HALF),
+    ],
+)
+def test_each_sharding_strategy_trains_like_one_process_and_holds_its_share(
+    fsdp_options, strategy, byte_share, after_forward
+):
     """4 ranks; hybrid layouts shard over groups of 2 (fsdp_group_size=2, or a 2x2 device_mesh)."""
     result, reference = fsdp_options["strategies"][strategy], fsdp_options["reference_losses"]
     assert result["losses"] == pytest.approx(reference, rel=1e-5)
@@ -278,9 +332,16 @@ def test_each_sharding_strategy_trains_like_one_process_and_holds_its_share(fsdp
     assert result["after_forward"] == after_forward
 
 
-@pytest.mark.parametrize("case, state", [
-    ("fsdp1_2", HALF), ("hfai_false", WHOLE), ("megatron_default", SHARD), ("megatron_false", WHOLE), ("megatron_2", HALF),
-])
+@pytest.mark.parametrize(
+    "case, state",
+    [
+        ("fsdp1_2", HALF),
+        ("hfai_false", WHOLE),
+        ("megatron_default", SHARD),
+        ("megatron_false", WHOLE),
+        ("megatron_2", HALF),
+    ],
+)
 def test_reshard_after_forward_decides_what_stays_gathered_until_backward(fsdp_options, case, state):
     assert fsdp_options["reshard_after_forward"][case] == state
 
@@ -290,7 +351,13 @@ BLOCKS = [f"blocks.{i}" for i in range(4)]
 
 def test_backward_prefetch_gathers_the_next_unit_early_and_none_turns_it_off(fsdp_options):
     prefetch = fsdp_options["prefetch"]
-    one_ahead = {"(root)": ["(root)", "blocks.3"], "blocks.3": ["blocks.2"], "blocks.2": ["blocks.1"], "blocks.1": ["blocks.0"], "blocks.0": []}
+    one_ahead = {
+        "(root)": ["(root)", "blocks.3"],
+        "blocks.3": ["blocks.2"],
+        "blocks.2": ["blocks.1"],
+        "blocks.1": ["blocks.0"],
+        "blocks.0": [],
+    }
     own_only = {"(root)": ["(root)"], **{b: [b] for b in BLOCKS}}
     assert prefetch["fsdp1_default"]["backward"] == one_ahead  # BACKWARD_PRE
     assert prefetch["fsdp1_backward_none"]["backward"] == own_only
@@ -300,8 +367,13 @@ def test_backward_prefetch_gathers_the_next_unit_early_and_none_turns_it_off(fsd
 
 def test_forward_prefetch_gathers_the_next_unit_in_the_current_ones_turn(fsdp_options):
     forward = fsdp_options["prefetch"]["fsdp1_forward_prefetch"]["forward"]
-    assert forward == {"(root)": ["(root)"], "blocks.0": ["blocks.0", "blocks.1"], "blocks.1": ["blocks.2"],
-                       "blocks.2": ["blocks.3"], "blocks.3": []}
+    assert forward == {
+        "(root)": ["(root)"],
+        "blocks.0": ["blocks.0", "blocks.1"],
+        "blocks.1": ["blocks.2"],
+        "blocks.2": ["blocks.3"],
+        "blocks.3": [],
+    }
 
 
 def test_megatron_under_recompute_prefetches_by_module_order(fsdp_options):
@@ -341,12 +413,20 @@ def test_the_trainers_reshard_setting_decides_what_stays_gathered(fsdp_options):
 
 def test_the_trainers_prefetch_depth_gathers_that_many_units_ahead(fsdp_options):
     prefetch = fsdp_options["trainer"]["prefetch"]
-    assert prefetch["1"]["forward"]["layers.0"] == ["layers.0", "layers.1"] and prefetch["1"]["forward"]["layers.1"] == ["layers.2"]
-    assert prefetch["2"]["forward"]["layers.0"] == ["layers.0", "layers.1", "layers.2"] and prefetch["2"]["forward"]["layers.1"] == ["layers.3"]
-    assert prefetch["2"]["backward"]["layers.5"] == ["layers.4", "layers.3"] and prefetch["2"]["backward"]["layers.4"] == ["layers.2"]
+    assert prefetch["1"]["forward"]["layers.0"] == ["layers.0", "layers.1"] and prefetch["1"]["forward"][
+        "layers.1"
+    ] == ["layers.2"]
+    assert prefetch["2"]["forward"]["layers.0"] == ["layers.0", "layers.1", "layers.2"] and prefetch["2"]["forward"][
+        "layers.1"
+    ] == ["layers.3"]
+    assert prefetch["2"]["backward"]["layers.5"] == ["layers.4", "layers.3"] and prefetch["2"]["backward"][
+        "layers.4"
+    ] == ["layers.2"]
 
 
-@pytest.mark.parametrize("mode, silu, attention", [("none", 0, 0), ("full", 6, 6), ("selective_op", 6, 0), ("selective_2", 3, 3)])
+@pytest.mark.parametrize(
+    "mode, silu, attention", [("none", 0, 0), ("full", 6, 6), ("selective_op", 6, 0), ("selective_2", 3, 3)]
+)
 def test_activation_checkpointing_recomputes_what_its_mode_says(fsdp_options, mode, silu, attention):
     """Forward ops run again in backward, over the debug model's 6 blocks: full AC reruns
     each block, per-op AC keeps attention's output and reruns the cheap SwiGLU activation,

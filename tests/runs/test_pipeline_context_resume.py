@@ -26,11 +26,19 @@ from tests.helpers.sessions import Case, run_session
 
 STEPS = 6
 ARGS = [
-    *EQUIVALENCE_ARGS, "--training.steps", str(STEPS),
+    *EQUIVALENCE_ARGS,
+    "--training.steps",
+    str(STEPS),
     # Constant lr after warmup: a resumed run follows the same schedule as the uninterrupted one.
-    "--lr_scheduler.decay_ratio", "0",
-    "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0",
-]  # fmt: skip
+    "--lr_scheduler.decay_ratio",
+    "0",
+    "--checkpoint.enable_checkpoint",
+    "true",
+    "--checkpoint.interval",
+    "3",
+    "--checkpoint.keep_latest_k",
+    "0",
+]
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 EP = "--parallelism.expert_parallel_degree"
 LAYOUTS = {
@@ -76,19 +84,34 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
     def resume(name: str) -> Case:
         layout, source = RESUMES[name]
-        return Case(name, [*ARGS, *LAYOUTS[layout][1]], copy_checkpoint=(str(root / f"world{LAYOUTS[source][0]}" / source), 3))
+        return Case(
+            name, [*ARGS, *LAYOUTS[layout][1]], copy_checkpoint=(str(root / f"world{LAYOUTS[source][0]}" / source), 3)
+        )
 
-    seed = Case("seed", [*ARGS, *LAYOUTS["single"][1], "--checkpoint.create_seed_checkpoint", "true", "--training.seed", "7"])
+    seed = Case(
+        "seed", [*ARGS, *LAYOUTS["single"][1], "--checkpoint.create_seed_checkpoint", "true", "--training.seed", "7"]
+    )
 
     def from_seed(layout: str) -> Case:
-        return Case(f"{layout}_from_seed", [*ARGS, *LAYOUTS[layout][1]], copy_checkpoint=(str(root / "world1" / "seed"), 0))
+        return Case(
+            f"{layout}_from_seed", [*ARGS, *LAYOUTS[layout][1]], copy_checkpoint=(str(root / "world1" / "seed"), 0)
+        )
 
     plan = [
         (1, [uninterrupted("single"), seed, uninterrupted("moe_single")]),
         (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4")]),
-        (2, [uninterrupted("pp2"), uninterrupted("cp2"), uninterrupted("moe_pp2"), uninterrupted("moe_ep2"),
-             uninterrupted("moe_fsdp2"), from_seed("pp2"),
-             *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 2]]),
+        (
+            2,
+            [
+                uninterrupted("pp2"),
+                uninterrupted("cp2"),
+                uninterrupted("moe_pp2"),
+                uninterrupted("moe_ep2"),
+                uninterrupted("moe_fsdp2"),
+                from_seed("pp2"),
+                *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 2],
+            ],
+        ),
         (1, [from_seed("single"), *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 1]]),
         (4, [resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 4]),
     ]
@@ -116,4 +139,6 @@ def test_a_pipeline_starts_from_a_one_process_seed_checkpoint(runs):
     seeded, single_seeded, own_init = runs["pp2_from_seed"], runs["single_from_seed"], runs["pp2"]
     assert abs(seeded[0]["loss"] - own_init[0]["loss"]) > 1e-4  # the seed's weights, not pp 2's own init
     for ours, ref in zip(seeded, single_seeded):
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5) and ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5) and ours["grad_norm"] == pytest.approx(
+            ref["grad_norm"], rel=1e-5
+        )

@@ -1,7 +1,8 @@
 """The dry-run planner (`python -m titanlite.plan`): exact per-rank shares of the 70B and
 405B presets at 512 ranks, the figures in the presets' comments (Llama's and Qwen3's, MoE
-included) and in docs/planning.md (pipelined layouts included) equal to what it prints, the materialized rank's memory, refused layouts,
-the trainer's own config errors, and the debug model's figures against a real run's (a
+included) and in docs/planning.md (pipelined layouts included) equal to what it prints, the
+materialized rank's memory, refused layouts, the trainer's own config errors, and the debug
+model's figures against a real run's (a
 pipeline's stages included)."""
 
 from __future__ import annotations
@@ -48,7 +49,16 @@ def figures(stdout: str) -> dict[str, float]:
 def test_census_agrees_with_building_the_least_rank():
     """The every-rank count names the rank holding least (uneven vocabulary split); building
     that rank for real gives the same count."""
-    args = ["--config", "debug_model", "--world-size", "16", "--vocab-size", "1000", "--parallelism.tensor_parallel_degree", "2"]
+    args = [
+        "--config",
+        "debug_model",
+        "--world-size",
+        "16",
+        "--vocab-size",
+        "1000",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ]
     result = plan(*args)
     assert result.returncode == 0, result.stderr
     least, rank = re.search(r"shards: ranks hold ([\d,]+) \(rank (\d+)\)", result.stdout).groups()
@@ -58,26 +68,44 @@ def test_census_agrees_with_building_the_least_rank():
 
 
 VERDICTS = {
-    "70b_on_8": (["--config", "llama_70b", "--world-size", "8"], "does not fit"),  # tp 8 alone: 131 GiB of fp32 state a rank
+    "70b_on_8": (
+        ["--config", "llama_70b", "--world-size", "8"],
+        "does not fit",
+    ),  # tp 8 alone: 131 GiB of fp32 state a rank
     "8b_on_1": (["--config", "llama_8b", "--world-size", "1"], "does not fit"),  # 8B on one GPU
     "8b_on_8": (["--config", "llama_8b", "--world-size", "8"], "fits"),
 }
 REFUSALS = {
-    "tp_over_kv_heads": (["--config", "llama_405b", "--world-size", "512", *VOCAB, "--parallelism.tensor_parallel_degree", "16"],
-                         "parallelism.tensor_parallel_degree: n_kv_heads 8 is not divisible by tensor_parallel_degree 16"),
-    "no_tokenizer": (["--config", "llama_70b", "--world-size", "512"],
-                     "model.tokenizer_path: tokenizer file not found: assets/tokenizer/llama/tokenizer.model; or plan without it: --vocab-size N"),
-    "world_not_divisible": (["--config", "debug_model", "--world-size", "3", "--parallelism.tensor_parallel_degree", "2"],
-                            "parallelism: world size 3 is not divisible by data_parallel_replicate_degree 1 x tensor_parallel_degree 2"),
-    "rank_outside": (["--config", "debug_model", "--world-size", "2", "--rank", "2"], "--rank 2 is not a rank of --world-size 2"),
-    "memory_without_unit": (["--config", "debug_model", "--world-size", "2", "--device-memory", "80"], "--device-memory: expected a size with a unit"),
-}  # fmt: skip
+    "tp_over_kv_heads": (
+        ["--config", "llama_405b", "--world-size", "512", *VOCAB, "--parallelism.tensor_parallel_degree", "16"],
+        "parallelism.tensor_parallel_degree: n_kv_heads 8 is not divisible by tensor_parallel_degree 16",
+    ),
+    "no_tokenizer": (
+        ["--config", "llama_70b", "--world-size", "512"],
+        "model.tokenizer_path: tokenizer file not found: assets/tokenizer/llama/tokenizer.model; or plan without it: "
+        "--vocab-size N",
+    ),
+    "world_not_divisible": (
+        ["--config", "debug_model", "--world-size", "3", "--parallelism.tensor_parallel_degree", "2"],
+        "parallelism: world size 3 is not divisible by data_parallel_replicate_degree 1 x tensor_parallel_degree 2",
+    ),
+    "rank_outside": (
+        ["--config", "debug_model", "--world-size", "2", "--rank", "2"],
+        "--rank 2 is not a rank of --world-size 2",
+    ),
+    "memory_without_unit": (
+        ["--config", "debug_model", "--world-size", "2", "--device-memory", "80"],
+        "--device-memory: expected a size with a unit",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
 def small_plans() -> dict[str, subprocess.CompletedProcess]:
     """The verdict and refusal cases, run in one interpreter."""
-    argvs = {name: [*args, *VOCAB] for name, (args, _) in VERDICTS.items()} | {name: args for name, (args, _) in REFUSALS.items()}
+    argvs = {name: [*args, *VOCAB] for name, (args, _) in VERDICTS.items()} | {
+        name: args for name, (args, _) in REFUSALS.items()
+    }
     return dict(zip(argvs, plans(*argvs.values())))
 
 
@@ -97,7 +125,14 @@ def test_refusals_are_one_line_and_exit_2(name, small_plans):
 
 def test_config_errors_are_the_trainers():
     bad = ["--config", "debug_model", "--training.steps", "0"]
-    trainer = subprocess.run([sys.executable, "-m", "titanlite.train", *bad], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    trainer = subprocess.run(
+        [sys.executable, "-m", "titanlite.train", *bad],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     planner = plan(*bad, "--world-size", "2")
     assert trainer.returncode == planner.returncode == 2
     assert planner.stderr == trainer.stderr and planner.stderr.startswith("titanlite: error: training.steps")
@@ -113,7 +148,9 @@ def test_device_memory_sources():
 
 def test_equal_shares_are_said_once():
     result = plans(["--config", "debug_model", "--world-size", "2"])[0]
-    assert re.search(r"^shards: every rank holds [\d,]+ parameters; summed over all 2 ranks", result.stdout, re.M), result.stdout
+    assert re.search(r"^shards: every rank holds [\d,]+ parameters; summed over all 2 ranks", result.stdout, re.M), (
+        result.stdout
+    )
 
 
 PUBLISHED = {"llama_70b": 70_553_706_496, "llama_405b": 405_853_388_800}
@@ -139,7 +176,10 @@ def test_presets_at_512_ranks_fit_with_exact_shares(config):
     assert "world: 512 = dp_shard 64 x tp 8; rank 0 (dp_shard 0, tp 0)" in out
     counts = figures(out)
     assert counts["elements"] == rank0_elements(config, 64, 8)
-    assert counts["parameters"] == counts["gradients"] == 4 * counts["elements"] and counts["optimizer"] == 2 * counts["parameters"]
+    assert (
+        counts["parameters"] == counts["gradients"] == 4 * counts["elements"]
+        and counts["optimizer"] == 2 * counts["parameters"]
+    )
     total = f"{PUBLISHED[config]:,}"
     assert f"summed over all 512 ranks, each replicated tensor once: {total} = the model's {total}" in out
     assert re.search(r"^verdict: fits: [\d.]+ GiB of 80.00 GiB, [\d.]+ GiB \(\d+%\) to spare$", out, re.M)
@@ -157,15 +197,28 @@ def test_materialized_70b_rank_costs_its_shard():
 
 # A preset comment's layout line: "512 GPUs, pp 8 x dp_shard 8 x tp 8, local_batch_size 16:  fits, 30.88 GiB".
 PRESET_LINE = re.compile(r"^#\s+(\d+) GPUs?,?\s*([^:]*):\s+(fits|does not fit), ([\d.]+) GiB", re.M)
-LAYOUT_KEYS = {"pp": "parallelism.pipeline_parallel_degree", "tp": "parallelism.tensor_parallel_degree",
-               "cp": "parallelism.context_parallel_degree", "ep": "parallelism.expert_parallel_degree", "dp_replicate": "parallelism.data_parallel_replicate_degree",
-               "local_batch_size": "training.local_batch_size", "seq_len": "training.seq_len"}
+LAYOUT_KEYS = {
+    "pp": "parallelism.pipeline_parallel_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "local_batch_size": "training.local_batch_size",
+    "seq_len": "training.seq_len",
+}
 
 
 # Each preset's vocabulary as its comments plan it: Llama 3's tokenizer, Qwen's published
 # (padded) embedding. The Qwen3 presets say one layout each, one planner run apiece.
-PRESET_VOCAB = {"llama_8b": "128256", "llama_70b": "128256", "llama_405b": "128256", "qwen3_8b": "151936",
-                "qwen3_32b": "151936", "qwen3_30b_a3b": "151936", "qwen3_235b_a22b": "151936"}
+PRESET_VOCAB = {
+    "llama_8b": "128256",
+    "llama_70b": "128256",
+    "llama_405b": "128256",
+    "qwen3_8b": "151936",
+    "qwen3_32b": "151936",
+    "qwen3_30b_a3b": "151936",
+    "qwen3_235b_a22b": "151936",
+}
 
 
 def preset_lines() -> list[tuple[str, list[str], str, str]]:
@@ -194,37 +247,73 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     results = plans(*(argv for _, argv, _, _ in lines), sample_command.group(1).split())
     for (preset, argv, verdict, gib), result in zip(lines, results):
         said = re.search(r"^verdict: (fits|does not fit): ([\d.]+) GiB", result.stdout, re.M)
-        assert said and (said.group(1), said.group(2)) == (verdict, gib), f"{preset} {argv}: comment {verdict}, {gib} GiB; planner {said and said.groups()}"
-        if preset in ("qwen3_30b_a3b", "qwen3_235b_a22b"):  # 128 experts over 512 ranks: an equal block each (fsdp.shard_dim, with ep fsdp.expert_shard_dim)
-            least, most = (int(n.replace(",", "")) for n in re.search(r"ranks hold ([\d,]+) \(rank \d+\) to ([\d,]+)", result.stdout).groups())
+        assert said and (said.group(1), said.group(2)) == (verdict, gib), (
+            f"{preset} {argv}: comment {verdict}, {gib} GiB; planner {said and said.groups()}"
+        )
+        if preset in (
+            "qwen3_30b_a3b",
+            "qwen3_235b_a22b",
+        ):  # 128 experts over 512 ranks: an equal block each (fsdp.shard_dim, with ep fsdp.expert_shard_dim)
+            least, most = (
+                int(n.replace(",", ""))
+                for n in re.search(r"ranks hold ([\d,]+) \(rank \d+\) to ([\d,]+)", result.stdout).groups()
+            )
             assert most < 1.02 * least, f"{preset}: ranks hold {least:,} to {most:,} parameters"
     assert results[-1].stdout == sample_command.group(2), "docs/planning.md's sample is not the planner's output"
 
 
-@pytest.mark.parametrize("nproc, layout", [(1, []), (2, []), (4, []), (2, ["--parallelism.pipeline_parallel_degree", "2"]),
-                                           (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
-                                                "--parallelism.expert_parallel_degree", "2"])],
-                         ids=["1", "2", "4", "pp2", "moe_ep2"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (1, []),
+        (2, []),
+        (4, []),
+        (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+        (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"]),
+    ],
+    ids=["1", "2", "4", "pp2", "moe_ep2"],
+)
 def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypatch):
     """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds (each
     pipeline stage's its own), and the estimated step working set (activations + FSDP
     buffers) is within 30% of the measured peak of a training step above everything else
     the process holds."""
-    args = ["--config", "debug_model", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false",
-            "--job.dump_folder", str(tmp_path), *layout]
+    args = [
+        "--config",
+        "debug_model",
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--job.dump_folder",
+        str(tmp_path),
+        *layout,
+    ]
     # Freed tensors' pages go back, so RSS follows live tensors: every block over 64 KiB its own
     # mapping (glibc's default count of mappings, not the launcher's 0) and the heap trimmed.
-    for name, value in (("MALLOC_MMAP_THRESHOLD_", "65536"), ("MALLOC_MMAP_MAX_", "65536"), ("MALLOC_TRIM_THRESHOLD_", "131072")):
+    for name, value in (
+        ("MALLOC_MMAP_THRESHOLD_", "65536"),
+        ("MALLOC_MMAP_MAX_", "65536"),
+        ("MALLOC_TRIM_THRESHOLD_", "131072"),
+    ):
         monkeypatch.setenv(name, value)
     measured = measure(nproc, args, tmp_path / "memory.json")
     reports = plans(*([*args, "--world-size", str(nproc), "--rank", str(rank)] for rank in range(nproc)))
     for rank, (real, report) in enumerate(zip(measured, reports)):
         planned = figures(report.stdout)
-        assert (planned["parameters"], planned["gradients"], planned["optimizer"]) == (real["param_bytes"], real["grad_bytes"], real["optim_bytes"])
+        assert (planned["parameters"], planned["gradients"], planned["optimizer"]) == (
+            real["param_bytes"],
+            real["grad_bytes"],
+            real["optim_bytes"],
+        )
         estimate = planned["activations"] + planned["FSDP gathered"]
-        if "--parallelism.pipeline_parallel_degree" in layout:  # a stage's step: its gradients (allocated by the step) weigh as much as its few microbatches' activations
+        if (
+            "--parallelism.pipeline_parallel_degree" in layout
+        ):  # a stage's step: its gradients (allocated by the step) weigh as much as its few microbatches' activations
             estimate += planned["gradients"]
-        assert estimate == pytest.approx(real["step_peak_bytes"], rel=0.3), f"rank {rank}: {estimate:,.0f} vs {real['step_peak_bytes']:,}"
+        assert estimate == pytest.approx(real["step_peak_bytes"], rel=0.3), (
+            f"rank {rank}: {estimate:,.0f} vs {real['step_peak_bytes']:,}"
+        )
 
 
 def measure(nproc: int, args: list[str], out) -> list[dict]:

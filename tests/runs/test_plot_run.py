@@ -22,11 +22,26 @@ def lines_by_run(series, panel: str) -> dict[str, tuple[str, list[int], list[flo
 def test_two_real_runs_become_one_png_with_both_runs_series(tmp_path):
     folders = {}
     for lr in ("1e-3", "3e-3"):
-        run = train_single_process([
-            "--config", "debug_model", "--training.steps", "3", "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--optimizer.lr", lr,
-            "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path / f"lr{lr}"),
-        ])
+        run = train_single_process(
+            [
+                "--config",
+                "debug_model",
+                "--training.steps",
+                "3",
+                "--training.seq_len",
+                "64",
+                "--training.local_batch_size",
+                "2",
+                "--metrics.log_freq",
+                "1",
+                "--optimizer.lr",
+                lr,
+                "--metrics.enable_tensorboard",
+                "false",
+                "--job.dump_folder",
+                str(tmp_path / f"lr{lr}"),
+            ]
+        )
         assert run.returncode == 0, run.describe()
         folders[lr] = tmp_path / f"lr{lr}"
     out = tmp_path / "plots" / "compare.png"
@@ -46,7 +61,14 @@ def test_two_real_runs_become_one_png_with_both_runs_series(tmp_path):
 
 
 def test_a_folder_without_runs_is_one_line_and_exit_code_2(tmp_path):
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_run.py"), str(tmp_path)],
-                            env=run_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "plot_run.py"), str(tmp_path)],
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip() == f"titanlite: error: {tmp_path}: no metrics.jsonl here or in the run folders below it"
+    assert (
+        result.stderr.strip() == f"titanlite: error: {tmp_path}: no metrics.jsonl here or in the run folders below it"
+    )

@@ -16,8 +16,20 @@ from titanlite.step import precision
 
 @pytest.mark.timeout(300)
 def test_the_trainer_resolves_auto_once_for_all_ranks(tmp_path):
-    args = ["--config", "debug_model", "--training.steps", "1", "--training.seq_len", "64", "--training.local_batch_size", "1",
-            "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(tmp_path)]
+    args = [
+        "--config",
+        "debug_model",
+        "--training.steps",
+        "1",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     result = run_ranks(2, ["-m", "titanlite.train"], args, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "compute dtype" in line]

@@ -17,17 +17,37 @@ def span(event: dict) -> tuple[float, float]:
 
 @pytest.mark.timeout(TEST_TIMEOUT)
 def test_two_process_run_traces_each_rank_with_forward_backward_and_collectives(tmp_path):
-    run = launch(2, [
-        "--config", "debug_model", "--training.steps", "3", "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
-        "--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.enable_memory_snapshot",
-        "--job.dump_folder", str(tmp_path),
-    ])
+    run = launch(
+        2,
+        [
+            "--config",
+            "debug_model",
+            "--training.steps",
+            "3",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--profiling.enable_profiling",
+            "--profiling.profile_freq",
+            "2",
+            "--profiling.enable_memory_snapshot",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+    )
     assert run.returncode == 0, run.describe()
     assert run.output.count(CUDA_ONLY_LINE) == 1, run.describe()
     traces = tmp_path / "profile_traces"
     assert [p.name for p in traces.iterdir()] == ["iteration_2"]
-    assert sorted(p.name for p in (traces / "iteration_2").iterdir()) == ["rank0_ops.txt", "rank0_trace.json", "rank1_ops.txt", "rank1_trace.json"]
+    assert sorted(p.name for p in (traces / "iteration_2").iterdir()) == [
+        "rank0_ops.txt",
+        "rank0_trace.json",
+        "rank1_ops.txt",
+        "rank1_trace.json",
+    ]
     assert "aten::mm" in (traces / "iteration_2" / "rank0_ops.txt").read_text()  # the by-op table
     for rank in (0, 1):
         events = json.loads((traces / "iteration_2" / f"rank{rank}_trace.json").read_text())["traceEvents"]

@@ -175,7 +175,10 @@ def workdir(tmp_path) -> Path:
     """torchtitan's files as published, the dataset line edited in copies, and the tokenizer
     folder the debug file names (the shipped tokenizer as its tokenizer.model)."""
     (tmp_path / "tests" / "assets" / "tokenizer").mkdir(parents=True)
-    shutil.copy(REPO / "assets" / "tokenizer" / "titanlite.model", tmp_path / "tests" / "assets" / "tokenizer" / "tokenizer.model")
+    shutil.copy(
+        REPO / "assets" / "tokenizer" / "titanlite.model",
+        tmp_path / "tests" / "assets" / "tokenizer" / "tokenizer.model",
+    )
     for name, text, download in (("debug_model", DEBUG_MODEL_TOML, "c4_test"), ("llama3_8b", LLAMA3_8B_TOML, "c4")):
         (tmp_path / f"{name}.toml").write_text(text)
         (tmp_path / f"{name}_local.toml").write_text(text.replace(f'dataset = "{download}"', 'dataset = "builtin"', 1))
@@ -183,7 +186,9 @@ def workdir(tmp_path) -> Path:
 
 
 def run(workdir: Path, module: str, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *argv], cwd=workdir, env=run_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv], cwd=workdir, env=run_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 def notes(result: subprocess.CompletedProcess) -> list[str]:
@@ -195,7 +200,9 @@ def test_torchtitans_files_stop_only_at_their_download(workdir):
     for name, dataset in (("debug_model", "c4_test"), ("llama3_8b", "c4")):
         result = run(workdir, "titanlite.config", "--config", f"{name}.toml")
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-        assert result.stderr.startswith(f"titanlite: error: training.dataset: '{dataset}' is a dataset torchtitan downloads")
+        assert result.stderr.startswith(
+            f"titanlite: error: training.dataset: '{dataset}' is a dataset torchtitan downloads"
+        )
         assert "python -m titanlite.data.prepare" in result.stderr
 
 
@@ -206,14 +213,21 @@ def test_the_debug_file_trains_and_says_what_it_leaves_out(workdir):
     assert "step     2  loss" in result.stdout, result.stdout[-2000:]
     said = notes(result)
     assert len(said) == 5, said  # metrics.enable_wandb = false is titanlite's own option: no note
-    for key in ("metrics.disable_color_printing", "parallelism.enable_async_tensor_parallel = false",
-                "compile.components", "[quantize]", "validation.dataset = 'c4_validation'"):
+    for key in (
+        "metrics.disable_color_printing",
+        "parallelism.enable_async_tensor_parallel = false",
+        "compile.components",
+        "[quantize]",
+        "validation.dataset = 'c4_validation'",
+    ):
         assert sum(key in line for line in said) == 1, (key, said)
 
 
 @pytest.mark.timeout(600)
 def test_the_8b_file_plans_with_the_llama_3_vocabulary(workdir):
-    result = run(workdir, "titanlite.plan", "--config", "llama3_8b_local.toml", "--world-size", "64", "--vocab-size", "128256")
+    result = run(
+        workdir, "titanlite.plan", "--config", "llama3_8b_local.toml", "--world-size", "64", "--vocab-size", "128256"
+    )
     assert result.returncode == 0, result.stderr
     assert "model: llama3 8B, 8,030,261,248 parameters" in result.stdout
     assert "activation checkpointing selective (per op)" in result.stdout and "verdict: fits" in result.stdout
@@ -221,11 +235,17 @@ def test_the_8b_file_plans_with_the_llama_3_vocabulary(workdir):
 
 
 def test_an_option_titanlite_lacks_is_refused_when_on(workdir):
-    text = DEBUG_MODEL_TOML.replace('dataset = "c4_test"', 'dataset = "builtin"').replace("enable_async_tensor_parallel = false", "enable_async_tensor_parallel = true")
+    text = DEBUG_MODEL_TOML.replace('dataset = "c4_test"', 'dataset = "builtin"').replace(
+        "enable_async_tensor_parallel = false", "enable_async_tensor_parallel = true"
+    )
     (workdir / "async_tp.toml").write_text(text)
     result = run(workdir, "titanlite.config", "--config", "async_tp.toml")
-    assert result.returncode == 2 and result.stderr.startswith("titanlite: error: parallelism.enable_async_tensor_parallel: not supported")
-    quantized = DEBUG_MODEL_TOML.replace('dataset = "c4_test"', 'dataset = "builtin"').replace("enable_fsdp_float8_all_gather = false", "enable_fsdp_float8_all_gather = true")
+    assert result.returncode == 2 and result.stderr.startswith(
+        "titanlite: error: parallelism.enable_async_tensor_parallel: not supported"
+    )
+    quantized = DEBUG_MODEL_TOML.replace('dataset = "c4_test"', 'dataset = "builtin"').replace(
+        "enable_fsdp_float8_all_gather = false", "enable_fsdp_float8_all_gather = true"
+    )
     (workdir / "float8.toml").write_text(quantized)
     result = run(workdir, "titanlite.config", "--config", "float8.toml")
     assert result.returncode == 2 and "linear.float8.enable_fsdp_float8_all_gather is not supported" in result.stderr

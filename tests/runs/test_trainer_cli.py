@@ -27,12 +27,27 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser as titanlite.config uses there
     import tomli as tomllib
 
-from tests.helpers.commands import (TEST_TIMEOUT, assert_one_line_user_error, launch, printed_tolerance,
-                                    printed_value, run_command, step_lines, train_single_process)
+from tests.helpers.commands import (
+    TEST_TIMEOUT,
+    assert_one_line_user_error,
+    launch,
+    printed_tolerance,
+    printed_value,
+    run_command,
+    step_lines,
+    train_single_process,
+)
 from tests.helpers.distributed import REPO, read_tensorboard, run_env
 
 # Printed field -> TensorBoard tag (metrics.MetricsLogger.log).
-TB_TAG_OF_FIELD = {"loss": "loss", "grad_norm": "grad_norm", "lr": "lr", "tps": "tps", "mfu": "mfu", "mem": "memory_gib"}
+TB_TAG_OF_FIELD = {
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "tps": "tps",
+    "mfu": "mfu",
+    "mem": "memory_gib",
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -44,14 +59,23 @@ TB_TAG_OF_FIELD = {"loss": "loss", "grad_norm": "grad_norm", "lr": "lr", "tps": 
 def test_two_process_run_logs_each_step_once_and_to_tensorboard(tmp_path):
     """What a user sees: one line per step from rank 0, and the same numbers in TensorBoard."""
     steps = 4
-    run = launch(2, [
-        "--config", "debug_model",
-        "--training.steps", str(steps),
-        "--training.seq_len", "64",
-        "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1",
-        "--job.dump_folder", str(tmp_path),
-    ])
+    run = launch(
+        2,
+        [
+            "--config",
+            "debug_model",
+            "--training.steps",
+            str(steps),
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--metrics.log_freq",
+            "1",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+    )
     assert run.returncode == 0, run.describe()
     assert "Traceback" not in run.output, run.describe()
 
@@ -75,7 +99,9 @@ def test_two_process_run_logs_each_step_once_and_to_tensorboard(tmp_path):
             expected = printed_value(text)
             value = logged[int(match["step"])]
             tolerance = printed_tolerance(text) + 1e-6 * abs(expected)  # TensorBoard stores float32
-            assert abs(value - expected) <= tolerance, f"{tag} at step {match['step']}: TensorBoard {value}, printed {text}"
+            assert abs(value - expected) <= tolerance, (
+                f"{tag} at step {match['step']}: TensorBoard {value}, printed {text}"
+            )
 
 
 # --------------------------------------------------------------------------------------
@@ -88,36 +114,57 @@ def test_run_train_script_trains_the_debug_model_by_default(tmp_path):
     """The README's first command: the real script, no --config, picks debug_model.toml."""
     debug_config = tomllib.loads((REPO / "train_configs" / "debug_model.toml").read_text())
     run = run_command(
-        [str(REPO / "run_train.sh"),
-         "--training.steps", "2",
-         "--training.seq_len", "64",
-         "--training.local_batch_size", "2",
-         "--job.dump_folder", str(tmp_path),
-         "--job.print_config", "true"],
+        [
+            str(REPO / "run_train.sh"),
+            "--training.steps",
+            "2",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--job.print_config",
+            "true",
+        ],
         {**run_env(), "NPROC": "2"},
     )
     assert run.returncode == 0, run.describe()
     assert [int(m["step"]) for m in step_lines(run)] == [1, 2], run.describe()
-    assert debug_config["job"]["description"] in run.output, f"debug_model.toml was not the config used\n{run.describe()}"
+    assert debug_config["job"]["description"] in run.output, (
+        f"debug_model.toml was not the config used\n{run.describe()}"
+    )
 
 
 def test_run_train_script_trains_a_pipeline(tmp_path):
     """`NPROC=2 ./run_train.sh --parallelism.pipeline_parallel_degree 2`: two stages of the
     default model, one step line each from rank 0 (the loss comes from rank 1's last stage)."""
     run = run_command(
-        [str(REPO / "run_train.sh"),
-         "--training.steps", "2",
-         "--training.seq_len", "64",
-         "--training.local_batch_size", "4",
-         "--parallelism.pipeline_parallel_degree", "2",
-         "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-         "--job.dump_folder", str(tmp_path)],
+        [
+            str(REPO / "run_train.sh"),
+            "--training.steps",
+            "2",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
         {**run_env(), "NPROC": "2"},
     )
     assert run.returncode == 0, run.describe()
-    assert "pipeline Interleaved1F1B: 4 stages on 2 ranks, 4 microbatches per schedule step" in run.output, run.describe()
+    assert "pipeline Interleaved1F1B: 4 stages on 2 ranks, 4 microbatches per schedule step" in run.output, (
+        run.describe()
+    )
     lines = step_lines(run)
-    assert [int(m["step"]) for m in lines] == [1, 2] and all(math.isfinite(float(m["loss"])) for m in lines), run.describe()
+    assert [int(m["step"]) for m in lines] == [1, 2] and all(math.isfinite(float(m["loss"])) for m in lines), (
+        run.describe()
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -174,10 +221,18 @@ BAD_INPUTS = {
     # The mesh cases need several processes to mean anything, so they only run through the launcher
     # (a world that tp does not divide: test_bad_input.py).
     "heads_not_divisible_by_tp": BadInput(
-        3, {TP: "3", "training.seq_len": "63"}, ["tensor_parallel_degree", "n_heads"], single_process=False, launcher=True
+        3,
+        {TP: "3", "training.seq_len": "63"},
+        ["tensor_parallel_degree", "n_heads"],
+        single_process=False,
+        launcher=True,
     ),
     "seq_len_not_divisible_by_tp": BadInput(
-        2, {TP: "2", "training.seq_len": "63"}, ["training.seq_len", "tensor_parallel_degree"], single_process=False, launcher=True
+        2,
+        {TP: "2", "training.seq_len": "63"},
+        ["training.seq_len", "tensor_parallel_degree"],
+        single_process=False,
+        launcher=True,
     ),
 }
 

@@ -47,7 +47,9 @@ def one_rank_world():
 
 
 def test_the_all_reduce_path_gives_the_same_answer(one_rank_world):
-    assert agree_on_step(int(signal.SIGTERM), torch.tensor(NAN), torch.tensor(3.0)) == StepAgreement(int(signal.SIGTERM), True, False)
+    assert agree_on_step(int(signal.SIGTERM), torch.tensor(NAN), torch.tensor(3.0)) == StepAgreement(
+        int(signal.SIGTERM), True, False
+    )
     assert agree_on_step(0, torch.tensor(1.0), torch.tensor(1.0)) == StepAgreement(0, False, False)
 
 
@@ -56,4 +58,6 @@ def test_the_all_reduce_itself_carries_every_flag(one_rank_world, monkeypatch):
     flag and the signal number come back as they went in."""
     monkeypatch.setattr(agreement, "_world", lambda: True)
     for stop, loss, norm in [(0, 2.5, 1.0), (0, NAN, 1.0), (0, 2.5, INF), (int(signal.SIGUSR1), INF, NAN)]:
-        assert agree_on_step(stop, torch.tensor(loss), torch.tensor(norm)) == StepAgreement(stop, loss != 2.5, norm != 1.0)
+        assert agree_on_step(stop, torch.tensor(loss), torch.tensor(norm)) == StepAgreement(
+            stop, loss != 2.5, norm != 1.0
+        )

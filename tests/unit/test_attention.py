@@ -83,4 +83,6 @@ def test_a_window_of_one_document_gives_the_causal_loss_and_gradients():
     torch.testing.assert_close(block_loss, causal_loss, rtol=1e-6, atol=0)
     block_loss.backward()
     causal_loss.backward()
-    torch.testing.assert_close(block.layers["0"].attention.wk.weight.grad, causal.layers["0"].attention.wk.weight.grad, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(
+        block.layers["0"].attention.wk.weight.grad, causal.layers["0"].attention.wk.weight.grad, rtol=1e-5, atol=1e-8
+    )

@@ -28,8 +28,9 @@ def step(model, optimizer, counter):
 @pytest.mark.parametrize("async_mode", ["async", "disabled"])
 def test_a_save_resumes_exactly_and_retention_keeps_the_newest(tmp_path, async_mode):
     model, optimizer, counter = setup()
-    with Checkpointer(tmp_path, model=model, optimizer=optimizer, states={"counter": counter},
-                      async_mode=async_mode, keep_latest_k=2) as checkpointer:
+    with Checkpointer(
+        tmp_path, model=model, optimizer=optimizer, states={"counter": counter}, async_mode=async_mode, keep_latest_k=2
+    ) as checkpointer:
         for n in range(1, 5):
             step(model, optimizer, counter)
             checkpointer.save(n)
@@ -57,12 +58,15 @@ def test_an_empty_folder_loads_nothing_and_a_missing_step_is_one_line(tmp_path):
             checkpointer.load(7)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"async_mode": "later"}, "async_mode"),
-    ({"keep_latest_k": -1}, "keep_latest_k"),
-    ({"optimizer": "adam"}, "optimizer"),
-    ({"model": nn.Linear(1, 1), "states": {"model": CountingLoader()}}, "states key"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"async_mode": "later"}, "async_mode"),
+        ({"keep_latest_k": -1}, "keep_latest_k"),
+        ({"optimizer": "adam"}, "optimizer"),
+        ({"model": nn.Linear(1, 1), "states": {"model": CountingLoader()}}, "states key"),
+    ],
+)
 def test_bad_arguments_are_one_line(tmp_path, kwargs, message):
     with pytest.raises(TitanliteError, match=f"^Checkpointer: {message}"):
         Checkpointer(tmp_path, **kwargs)

@@ -77,12 +77,16 @@ def test_the_plan_masks_only_chunks_that_cross_a_document_boundary():
     causal = plan_chunks("causal", None, chunk_starts(SEQ, 1, 2), 16, torch.float32)
     # Rank 1 of cp 2 holds chunks 1 (keys 16-31) and 2 (32-47): the past unmasked, the diagonal causal.
     assert [[(p.start, p.stop, p.causal, p.bias is None) for p in c.pieces] for c in causal.chunks] == [
-        [(0, 16, False, True), (16, 32, True, True)], [(0, 32, False, True), (32, 48, True, True)]]
+        [(0, 16, False, True), (16, 32, True, True)],
+        [(0, 32, False, True), (32, 48, True, True)],
+    ]
     docs = torch.zeros(1, SEQ, dtype=torch.int32)
     docs[0, 16:] = 1  # a document starts at chunk 1's first token; chunk 2 lies inside it
     block = plan_chunks("block_causal", docs, chunk_starts(SEQ, 1, 2), 16, torch.float32)
     assert [[(p.start, p.stop, p.causal, p.bias is None) for p in c.pieces] for c in block.chunks] == [
-        [(16, 32, True, True)], [(16, 32, False, True), (32, 48, True, True)]]
+        [(16, 32, True, True)],
+        [(16, 32, False, True), (32, 48, True, True)],
+    ]
     docs[0, 40:] = 2  # now chunk 2 crosses a boundary: one masked call over keys 16-47 only
     (crossing,) = plan_chunks("block_causal", docs, chunk_starts(SEQ, 1, 2), 16, torch.float32).chunks[1].pieces
     assert (crossing.start, crossing.stop, crossing.bias.shape) == (16, 48, (1, 1, 16, 32))
@@ -106,8 +110,12 @@ def test_the_cuda_kernels_shapes_on_meta_tensors(dtype):
     k = torch.empty(2, 2, 80, 16, device="meta", dtype=dtype, requires_grad=True)
     v = torch.empty(2, 2, 80, 16, device="meta", dtype=dtype, requires_grad=True)
     causal = plan_chunks("causal", None, [0, 60], 20, dtype)
-    masked = ChunkPlan((QueryChunk(0, 20, (Piece(0, 20, causal=True),)),
-                        QueryChunk(20, 20, (Piece(30, 80, bias=torch.zeros(2, 1, 20, 50, device="meta", dtype=dtype)),))))
+    masked = ChunkPlan(
+        (
+            QueryChunk(0, 20, (Piece(0, 20, causal=True),)),
+            QueryChunk(20, 20, (Piece(30, 80, bias=torch.zeros(2, 1, 20, 50, device="meta", dtype=dtype)),)),
+        )
+    )
     for plan in (causal, masked):
         out = chunked_attention(q, k, v, plan)
         assert out.shape == q.shape and out.dtype == dtype

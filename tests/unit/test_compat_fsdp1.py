@@ -16,9 +16,19 @@ from torch.distributed.tensor import DTensor
 import titanlite
 from tests.helpers.small_nets import Block, Net, net, one_rank_group
 from titanlite.compat import fsdp1
-from titanlite.compat.fsdp1 import (BackwardPrefetch, CPUOffload, CustomPolicy, FullOptimStateDictConfig, MixedPrecision,
-                                    ModuleWrapPolicy, OptimStateKeyType, ShardingStrategy, StateDictType,
-                                    size_based_auto_wrap_policy, transformer_auto_wrap_policy)
+from titanlite.compat.fsdp1 import (
+    BackwardPrefetch,
+    CPUOffload,
+    CustomPolicy,
+    FullOptimStateDictConfig,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    OptimStateKeyType,
+    ShardingStrategy,
+    StateDictType,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 from titanlite.compat.fsdp1 import FullyShardedDataParallel as FSDP
 from titanlite.errors import TitanliteError
 
@@ -38,16 +48,22 @@ def v1_12_policy(module, recurse, unwrapped_params, min_num_params=int(1e8)):
     return unwrapped_params >= min_num_params
 
 
-@pytest.mark.parametrize("policy, units", [
-    (None, []),
-    (functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}), ["blocks.0", "blocks.1"]),
-    (ModuleWrapPolicy({Block}), ["blocks.0", "blocks.1"]),
-    ({Block, nn.Linear}, ["blocks.0", "blocks.0.attn", "blocks.0.mlp", "blocks.1", "blocks.1.attn", "blocks.1.mlp", "embed", "head"]),
-    (lambda m: isinstance(m, Block), ["blocks.0", "blocks.1"]),
-    (CustomPolicy(lambda m: isinstance(m, nn.Linear) and m.out_features == 2), ["head"]),
-    (functools.partial(size_based_auto_wrap_policy, min_num_params=100), ["blocks.0", "blocks.1"]),
-    (functools.partial(v1_12_policy, min_num_params=100), ["blocks.0", "blocks.1"]),
-])
+@pytest.mark.parametrize(
+    "policy, units",
+    [
+        (None, []),
+        (functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}), ["blocks.0", "blocks.1"]),
+        (ModuleWrapPolicy({Block}), ["blocks.0", "blocks.1"]),
+        (
+            {Block, nn.Linear},
+            ["blocks.0", "blocks.0.attn", "blocks.0.mlp", "blocks.1", "blocks.1.attn", "blocks.1.mlp", "embed", "head"],
+        ),
+        (lambda m: isinstance(m, Block), ["blocks.0", "blocks.1"]),
+        (CustomPolicy(lambda m: isinstance(m, nn.Linear) and m.out_features == 2), ["head"]),
+        (functools.partial(size_based_auto_wrap_policy, min_num_params=100), ["blocks.0", "blocks.1"]),
+        (functools.partial(v1_12_policy, min_num_params=100), ["blocks.0", "blocks.1"]),
+    ],
+)
 def test_each_kind_of_wrap_policy_picks_the_units_fsdp1_would(policy, units):
     model = net()
     FSDP(model, auto_wrap_policy=policy)
@@ -62,8 +78,19 @@ def test_the_import_line_is_the_only_change():
 
 
 def test_the_wrapper_trains_like_the_plain_model_and_names_parameters_as_it():
-    plain, wrapped = net(), FSDP(net(), auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP", forward_prefetch=True,
-                                 backward_prefetch=None, sync_module_states=True, use_orig_params=True, limit_all_gathers=False)
+    plain, wrapped = (
+        net(),
+        FSDP(
+            net(),
+            auto_wrap_policy={Block},
+            sharding_strategy="SHARD_GRAD_OP",
+            forward_prefetch=True,
+            backward_prefetch=None,
+            sync_module_states=True,
+            use_orig_params=True,
+            limit_all_gathers=False,
+        ),
+    )
     assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in plain.named_parameters()]
     x = torch.randn(3, 4)
     for model in (plain, wrapped):
@@ -172,7 +199,10 @@ def assert_same_state(a, b):
         for name, value in values.items():
             left = value.full_tensor() if isinstance(value, DTensor) else value
             right = b["state"][key][name]
-            assert torch.allclose(left, right.full_tensor() if isinstance(right, DTensor) else right, atol=1e-7), (key, name)
+            assert torch.allclose(left, right.full_tensor() if isinstance(right, DTensor) else right, atol=1e-7), (
+                key,
+                name,
+            )
 
 
 def test_full_optim_state_dict_is_the_plain_optimizers_keyed_by_name_and_loads_back_every_way():
@@ -182,8 +212,11 @@ def test_full_optim_state_dict_is_the_plain_optimizers_keyed_by_name_and_loads_b
     by_name = FSDP.rekey_optim_state_dict(plain_optim.state_dict(), OptimStateKeyType.PARAM_NAME, plain)
     assert_same_state(full, by_name)
     plain_optim.load_state_dict(FSDP.rekey_optim_state_dict(full, OptimStateKeyType.PARAM_ID, plain))
-    for loaded in (FSDP.shard_full_optim_state_dict(full, model), FSDP.scatter_full_optim_state_dict(full, model),
-                   FSDP.optim_state_dict_to_load(model, optim, FSDP.optim_state_dict(model, optim))):
+    for loaded in (
+        FSDP.shard_full_optim_state_dict(full, model),
+        FSDP.scatter_full_optim_state_dict(full, model),
+        FSDP.optim_state_dict_to_load(model, optim, FSDP.optim_state_dict(model, optim)),
+    ):
         fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
         fresh.load_state_dict(loaded)
         assert all(isinstance(v, DTensor) for s in fresh.state.values() for k, v in s.items() if k != "step")
@@ -192,7 +225,9 @@ def test_full_optim_state_dict_is_the_plain_optimizers_keyed_by_name_and_loads_b
         sharded = FSDP.optim_state_dict(model, optim)
         assert isinstance(sharded["state"]["head.weight"]["exp_avg"], DTensor)
         FSDP.optim_state_dict_to_load(model, optim, sharded, load_directly=True)
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, optim_state_dict_config=FullOptimStateDictConfig(rank0_only=True)):
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, optim_state_dict_config=FullOptimStateDictConfig(rank0_only=True)
+    ):
         assert_same_state(FSDP.optim_state_dict(model, optim), full)
 
 
@@ -210,30 +245,39 @@ def test_two_optimizers_resumed_from_one_checkpoint_keep_their_own_step():
 
 
 def test_mixed_precision_and_offload_map_to_fsdp2():
-    model = FSDP(net(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                 cpu_offload=CPUOffload(offload_params=True))
+    model = FSDP(
+        net(),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        cpu_offload=CPUOffload(offload_params=True),
+    )
     assert model.module.head.weight.dtype == torch.float32  # the sharded master weights
     assert model(torch.randn(2, 4)).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("kwargs, option", [
-    ({"param_init_fn": lambda m: None}, "param_init_fn"),
-    ({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)}, "mixed_precision"),
-    ({"mixed_precision": MixedPrecision(keep_low_precision_grads=True)}, "mixed_precision"),
-    ({"mixed_precision": "bf16"}, "mixed_precision"),
-    ({"sharding_strategy": "ZERO3"}, "sharding_strategy"),
-    ({"fsdp_group_size": 3}, "fsdp_group_size"),
-    ({"fsdp_group_size": 1, "sharding_strategy": ShardingStrategy.NO_SHARD}, "fsdp_group_size"),
-    ({"process_group": (None, None)}, "process_group"),
-    ({"backward_prefetch": "pre"}, "backward_prefetch"),
-    ({"forward_prefetch": 1}, "forward_prefetch"),
-    ({"cpu_offload": True}, "cpu_offload"),
-    ({"reshard_after_forward": 0}, "reshard_after_forward"),
-    ({"reshard_after_forward": 2}, "reshard_after_forward"),  # 2 ranks do not divide a world of one
-    ({"auto_wrap_policy": 5}, "auto_wrap_policy"),
-    ({"auto_wrap_policy": {"Missing"}}, "auto_wrap_policy"),
-    ({"ignored_modules": [], "ignored_states": []}, "ignored_states"),
-])
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        ({"param_init_fn": lambda m: None}, "param_init_fn"),
+        (
+            {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)},
+            "mixed_precision",
+        ),
+        ({"mixed_precision": MixedPrecision(keep_low_precision_grads=True)}, "mixed_precision"),
+        ({"mixed_precision": "bf16"}, "mixed_precision"),
+        ({"sharding_strategy": "ZERO3"}, "sharding_strategy"),
+        ({"fsdp_group_size": 3}, "fsdp_group_size"),
+        ({"fsdp_group_size": 1, "sharding_strategy": ShardingStrategy.NO_SHARD}, "fsdp_group_size"),
+        ({"process_group": (None, None)}, "process_group"),
+        ({"backward_prefetch": "pre"}, "backward_prefetch"),
+        ({"forward_prefetch": 1}, "forward_prefetch"),
+        ({"cpu_offload": True}, "cpu_offload"),
+        ({"reshard_after_forward": 0}, "reshard_after_forward"),
+        ({"reshard_after_forward": 2}, "reshard_after_forward"),  # 2 ranks do not divide a world of one
+        ({"auto_wrap_policy": 5}, "auto_wrap_policy"),
+        ({"auto_wrap_policy": {"Missing"}}, "auto_wrap_policy"),
+        ({"ignored_modules": [], "ignored_states": []}, "ignored_states"),
+    ],
+)
 def test_options_without_an_fsdp2_meaning_and_bad_values_are_one_line_naming_the_option(kwargs, option):
     with pytest.raises(TitanliteError) as caught:
         FSDP(net(), **kwargs)
@@ -243,12 +287,14 @@ def test_options_without_an_fsdp2_meaning_and_bad_values_are_one_line_naming_the
 def test_refused_method_arguments_are_one_line_too():
     model = FSDP(net())
     optim = torch.optim.AdamW(model.parameters())
-    for call, option in [(lambda: model.clip_grad_norm_(1.0, norm_type=1), "clip_grad_norm_"),
-                         (lambda: FSDP.set_state_dict_type(model, "FULL"), "state_dict_type"),
-                         (lambda: model.load_state_dict({}, assign=True), "load_state_dict"),
-                         (lambda: FSDP.optim_state_dict_to_load(model, optim, {}, is_named_optimizer=True), "optim_state_dict_to_load"),
-                         (lambda: FSDP.rekey_optim_state_dict({"state": {}, "param_groups": []}, "ids", model), "optim_state_key_type"),
-                         (lambda: FSDP.get_state_dict_type(Net()), "get_state_dict_type")]:
+    for call, option in [
+        (lambda: model.clip_grad_norm_(1.0, norm_type=1), "clip_grad_norm_"),
+        (lambda: FSDP.set_state_dict_type(model, "FULL"), "state_dict_type"),
+        (lambda: model.load_state_dict({}, assign=True), "load_state_dict"),
+        (lambda: FSDP.optim_state_dict_to_load(model, optim, {}, is_named_optimizer=True), "optim_state_dict_to_load"),
+        (lambda: FSDP.rekey_optim_state_dict({"state": {}, "param_groups": []}, "ids", model), "optim_state_key_type"),
+        (lambda: FSDP.get_state_dict_type(Net()), "get_state_dict_type"),
+    ]:
         with pytest.raises(TitanliteError, match=f"^{option}:"):
             call()
     with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):

@@ -25,8 +25,16 @@ def one_rank_world(monkeypatch):
 
 def test_the_signature_and_defaults_are_hfais():
     parameters = inspect.signature(FSDP).parameters
-    assert list(parameters) == ["module", "process_group", "auto_wrap_policy", "reshard_after_forward", "backward_prefetch",
-                                "forward_prefetch", "fsdp_group_size", "_is_root"]
+    assert list(parameters) == [
+        "module",
+        "process_group",
+        "auto_wrap_policy",
+        "reshard_after_forward",
+        "backward_prefetch",
+        "forward_prefetch",
+        "fsdp_group_size",
+        "_is_root",
+    ]
     plan = FSDP(net())._plan
     assert plan.reshard_after_forward is True and plan.backward_prefetch == "off" and not plan.forward_prefetch
     assert all(hasattr(hfai, name) for name in hfai.__all__)
@@ -67,8 +75,12 @@ def test_outside_summon_full_params_the_state_dict_is_this_ranks_pieces():
 
 
 def test_refusals_are_one_line_naming_the_option():
-    for kwargs, option in [({"_is_root": False}, "_is_root"), ({"backward_prefetch": "pre"}, "backward_prefetch"),
-                           ({"reshard_after_forward": 0}, "reshard_after_forward"), ({"fsdp_group_size": 3}, "fsdp_group_size")]:
+    for kwargs, option in [
+        ({"_is_root": False}, "_is_root"),
+        ({"backward_prefetch": "pre"}, "backward_prefetch"),
+        ({"reshard_after_forward": 0}, "reshard_after_forward"),
+        ({"fsdp_group_size": 3}, "fsdp_group_size"),
+    ]:
         with pytest.raises(TitanliteError, match=f"^{option}:"):
             FSDP(net(), **kwargs)
     model = FSDP(net())

@@ -33,7 +33,14 @@ def stand_in(**config):
 
 def test_the_constructor_is_megatrons():
     parameters = inspect.signature(TorchFullyShardedDataParallel).parameters
-    assert list(parameters) == ["config", "ddp_config", "module", "sub_modules_to_wrap", "disable_bucketing", "process_group"]
+    assert list(parameters) == [
+        "config",
+        "ddp_config",
+        "module",
+        "sub_modules_to_wrap",
+        "disable_bucketing",
+        "process_group",
+    ]
     assert parameters["sub_modules_to_wrap"].default is MEGATRON_DEFAULT_SUB_MODULES
 
 
@@ -41,8 +48,19 @@ def test_sub_modules_to_wrap_and_fsdp_modules_choose_the_units():
     model = net()
     model.blocks[1]._fsdp_modules = [nn.Linear]  # Megatron: a submodule names more classes to shard
     wrapper = TorchFullyShardedDataParallel(stand_in(), SimpleNamespace(), model, sub_modules_to_wrap={Block})
-    assert units(wrapper) == ["blocks.0", "blocks.0.attn", "blocks.0.mlp", "blocks.1", "blocks.1.attn", "blocks.1.mlp", "embed", "head"]
-    assert units(TorchFullyShardedDataParallel(stand_in(), SimpleNamespace(), net())) == []  # Megatron's own classes: none here
+    assert units(wrapper) == [
+        "blocks.0",
+        "blocks.0.attn",
+        "blocks.0.mlp",
+        "blocks.1",
+        "blocks.1.attn",
+        "blocks.1.mlp",
+        "embed",
+        "head",
+    ]
+    assert (
+        units(TorchFullyShardedDataParallel(stand_in(), SimpleNamespace(), net())) == []
+    )  # Megatron's own classes: none here
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -50,11 +68,15 @@ class ColumnParallelLinear(nn.Linear):
 
 
 def test_transformer_impl_local_leaves_column_parallel_linear_out():
-    for impl, expected in (("local", ["blocks.0", "blocks.1"]), ("transformer_engine", ["blocks.0", "blocks.1", "head"])):
+    for impl, expected in (
+        ("local", ["blocks.0", "blocks.1"]),
+        ("transformer_engine", ["blocks.0", "blocks.1", "head"]),
+    ):
         model = net()
         model.head = ColumnParallelLinear(8, 2)
-        wrapper = TorchFullyShardedDataParallel(stand_in(transformer_impl=impl), SimpleNamespace(), model,
-                                                sub_modules_to_wrap={Block, ColumnParallelLinear})
+        wrapper = TorchFullyShardedDataParallel(
+            stand_in(transformer_impl=impl), SimpleNamespace(), model, sub_modules_to_wrap={Block, ColumnParallelLinear}
+        )
         assert units(wrapper) == expected, impl
 
 
@@ -64,10 +86,19 @@ def test_megatron_cores_own_config_objects_and_stand_ins_both_work():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     assert megatron is not None
-    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, recompute_granularity="full",
-                               recompute_method="uniform", recompute_num_layers=1)
-    for ddp_config, reshard in ((TorchFullyShardedDataParallelConfig(reshard_after_forward=False), False),
-                                (SimpleNamespace(reshard_after_forward=False), False), (SimpleNamespace(), True)):
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+    )
+    for ddp_config, reshard in (
+        (TorchFullyShardedDataParallelConfig(reshard_after_forward=False), False),
+        (SimpleNamespace(reshard_after_forward=False), False),
+        (SimpleNamespace(), True),
+    ):
         wrapper = TorchFullyShardedDataParallel(config, ddp_config, net(), sub_modules_to_wrap={Block})
         assert wrapper._plan.reshard_after_forward == reshard and wrapper._plan.backward_prefetch == "previous"
         assert wrapper.config is config and wrapper.ddp_config is ddp_config

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.token_data import SEQ, VOCAB, change_a_token_inside_the_vocabulary, make_prepared, shards, stream_of  # noqa: F401 (fixtures)
+from tests.helpers.token_data import (  # noqa: F401 (fixtures)
+    SEQ,
+    VOCAB,
+    change_a_token_inside_the_vocabulary,
+    make_prepared,
+    shards,
+    stream_of,
+)
 from titanlite.data.corpus import build_dataloader, open_corpus
 from titanlite.errors import TitanliteError
 
@@ -18,8 +25,15 @@ CPU = torch.device("cpu")
 
 
 def config(path: str, verify_data: bool = False, **validation) -> tuple[SimpleNamespace, SimpleNamespace]:
-    training = SimpleNamespace(dataset="prepared", dataset_path=path, dataset_cache_dir="", seq_len=SEQ, seed=5, shuffle=True,
-                               verify_data=verify_data)
+    training = SimpleNamespace(
+        dataset="prepared",
+        dataset_path=path,
+        dataset_cache_dir="",
+        seq_len=SEQ,
+        seed=5,
+        shuffle=True,
+        verify_data=verify_data,
+    )
     base = dict(enable=True, dataset="", dataset_path="", holdout_fraction=0.1)
     return training, SimpleNamespace(**{**base, **validation})
 
@@ -46,7 +60,9 @@ def test_held_out_windows_are_disjoint_from_training(tmp_path):
 def test_mismatched_tokenizer_is_refused(tmp_path):
     make_prepared(tmp_path / "web", 16 * 30)
     for tokenizer in (fake_tokenizer(sha256="f" * 64), fake_tokenizer(vocab=32_000)):
-        with pytest.raises(TitanliteError, match=r"^training\.dataset_path: .*web was prepared with another tokenizer") as info:
+        with pytest.raises(
+            TitanliteError, match=r"^training\.dataset_path: .*web was prepared with another tokenizer"
+        ) as info:
             open_corpus(*config(str(tmp_path / "web")), tokenizer)
         assert "\n" not in str(info.value)
 
@@ -63,10 +79,14 @@ def test_verify_data_checks_the_validation_dataset_too(tmp_path):
     make_prepared(tmp_path / "web", 16 * 30)
     make_prepared(tmp_path / "held", 16 * 30, shard_tokens=16 * 30)
     change_a_token_inside_the_vocabulary(tmp_path / "held" / "shard-00000.bin", 3)
-    corpus = open_corpus(*config(str(tmp_path / "web"), verify_data=True, dataset="prepared", dataset_path=str(tmp_path / "held")),
-                         fake_tokenizer())
+    corpus = open_corpus(
+        *config(str(tmp_path / "web"), verify_data=True, dataset="prepared", dataset_path=str(tmp_path / "held")),
+        fake_tokenizer(),
+    )
     corpus.train.tokens(0)
-    with pytest.raises(TitanliteError, match=r"^validation\.dataset_path: .*held/shard-00000\.bin is corrupted: CRC-32"):
+    with pytest.raises(
+        TitanliteError, match=r"^validation\.dataset_path: .*held/shard-00000\.bin is corrupted: CRC-32"
+    ):
         corpus.validation.tokens(0)
 
 

@@ -36,8 +36,13 @@ def test_every_path_a_doc_names_exists(doc):
 def test_every_module_is_named_in_the_architecture_page():
     page = (REPO / "docs" / "architecture.md").read_text()
     modules = [p for p in (REPO / "titanlite").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
-    unnamed = sorted(str(p.relative_to(REPO / "titanlite")) for p in modules if f"`{p.name}`" not in page and
-                     f"{p.relative_to(REPO / 'titanlite')}`" not in page and f"/{p.name}`" not in page)
+    unnamed = sorted(
+        str(p.relative_to(REPO / "titanlite"))
+        for p in modules
+        if f"`{p.name}`" not in page
+        and f"{p.relative_to(REPO / 'titanlite')}`" not in page
+        and f"/{p.name}`" not in page
+    )
     assert not unnamed, f"docs/architecture.md does not name: {unnamed}"
 
 

@@ -15,8 +15,16 @@ from titanlite.data.windows import DatasetWindows, WindowStream
 
 def prepared(folder, shards: list[list[list[int]]]) -> TokenShards:
     entries = [write_shard(folder, i, documents, "uint16") for i, documents in enumerate(shards)]
-    write_manifest(folder, {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": "uint16",
-                            "tokenizer": {"vocab_size": 100, "sha256": "x"}, "shards": entries})
+    write_manifest(
+        folder,
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "dtype": "uint16",
+            "tokenizer": {"vocab_size": 100, "sha256": "x"},
+            "shards": entries,
+        },
+    )
     return TokenShards(folder)
 
 

@@ -34,8 +34,11 @@ def test_dump_folder_under_a_file_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     folder = tmp_path / "file" / "out" / "deeper"
     assert message(dump_folder.make_writable_folder, folder, "job.dump_folder") == (
-        f"job.dump_folder: cannot create the folder {folder}: {tmp_path / 'file'} is a file")
-    assert message(dump_folder.make_writable_folder, tmp_path / "file", "job.dump_folder").endswith(f"{tmp_path / 'file'} is a file")
+        f"job.dump_folder: cannot create the folder {folder}: {tmp_path / 'file'} is a file"
+    )
+    assert message(dump_folder.make_writable_folder, tmp_path / "file", "job.dump_folder").endswith(
+        f"{tmp_path / 'file'} is a file"
+    )
 
 
 @pytest.mark.skipif(AS_ROOT, reason="root writes in a chmod 0o500 folder anyway: this case cannot fail as root")
@@ -45,7 +48,8 @@ def test_read_only_folder_is_one_line(tmp_path):
     locked.chmod(0o500)
     try:
         assert message(dump_folder.make_writable_folder, locked, "job.dump_folder") == (
-            f"job.dump_folder: cannot write in {locked}: permission denied")
+            f"job.dump_folder: cannot write in {locked}: permission denied"
+        )
         assert "permission denied" in message(dump_folder.make_writable_folder, locked / "sub", "job.dump_folder")
     finally:
         locked.chmod(0o700)
@@ -62,7 +66,8 @@ def test_checkpoint_folder_is_checked_but_not_created(tmp_path):
     assert not (tmp_path / "ckpt").exists()
     (tmp_path / "ckpt").write_text("x")
     assert message(dump_folder.check_creatable_folder, tmp_path / "ckpt" / "x", "checkpoint.folder").endswith(
-        f"{tmp_path / 'ckpt'} is a file")
+        f"{tmp_path / 'ckpt'} is a file"
+    )
 
 
 # ------------------------------------------------------------------ free disk
@@ -73,7 +78,10 @@ def test_free_disk_below_one_checkpoint_is_refused(tmp_path):
     huge = 400 * 10**12  # 400T parameters: 4.8 PB with AdamW state, more than any test disk
     text = message(dump_folder.check_free_disk, tmp_path, huge, False)
     assert text.startswith(f"checkpoint.folder: the disk of {tmp_path} has ") and "400,000.00B parameters" in text
-    assert dump_folder.checkpoint_bytes(10, weights_only=False) == 120 and dump_folder.checkpoint_bytes(10, weights_only=True) == 40
+    assert (
+        dump_folder.checkpoint_bytes(10, weights_only=False) == 120
+        and dump_folder.checkpoint_bytes(10, weights_only=True) == 40
+    )
 
 
 def test_parameter_count_builds_on_meta():
@@ -91,7 +99,10 @@ def test_second_holder_is_refused_naming_the_first_until_released(tmp_path):
     holder = json.loads((tmp_path / dump_folder.LOCK_FILE).read_text())
     assert holder["host"] == socket.gethostname() and holder["pid"] == os.getpid()
     text = message(dump_folder.acquire_lock, tmp_path)
-    assert text.startswith(f"job.dump_folder: {tmp_path} is in use by another run (host {socket.gethostname()}, pid {os.getpid()}, started ")
+    assert text.startswith(
+        f"job.dump_folder: {tmp_path} is in use by another run (host {socket.gethostname()}, pid {os.getpid()}, "
+        "started "
+    )
     first.release()
     assert (tmp_path / dump_folder.LOCK_FILE).read_text() == ""  # a clean exit leaves no holder
     dump_folder.acquire_lock(tmp_path).release()
@@ -107,7 +118,9 @@ def test_without_flock_the_recorded_holder_decides(tmp_path):
     started = {"started": "2026-01-01T00:00:00"}
     assert "in use by another run" in dump_folder._refusal(path, {"host": here, "pid": os.getpid(), **started}, None)
     assert dump_folder._refusal(path, {"host": here, "pid": dead.pid, **started}, None) is None
-    assert f"delete {path} if it does not" in dump_folder._refusal(path, {"host": "elsewhere", "pid": 1, **started}, None)
+    assert f"delete {path} if it does not" in dump_folder._refusal(
+        path, {"host": "elsewhere", "pid": 1, **started}, None
+    )
     assert dump_folder._refusal(path, {}, None) is None
 
 

@@ -76,8 +76,17 @@ def test_option_keeps_help_and_rules_and_copies_list_defaults():
     assert b.garden.plants == ["rose"]
 
 
-@pytest.mark.parametrize("tp, words", [(bool, "a boolean (true/false)"), (int, "an integer"), (float, "a number"),
-                                        (str, "a string"), (list[str], "a list of strings"), (float | None, "a number or none")])
+@pytest.mark.parametrize(
+    "tp, words",
+    [
+        (bool, "a boolean (true/false)"),
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        (list[str], "a list of strings"),
+        (float | None, "a number or none"),
+    ],
+)
 def test_expected_in_words(tp, words):
     assert E.expected(tp) == words
 
@@ -87,22 +96,31 @@ def test_expected_in_words(tp, words):
 
 def test_toml_values_are_coerced_by_field_type():
     cfg = House()
-    E.apply_toml(cfg, tomllib.loads('[garden]\nwater = 2\nshade = "none"\nplants = ["a", "b"]\norganic = false\n'
-                                    '[kitchen]\noven_temp = 200\nstoves = 2\n'), "x.toml")
+    E.apply_toml(
+        cfg,
+        tomllib.loads(
+            '[garden]\nwater = 2\nshade = "none"\nplants = ["a", "b"]\norganic = false\n'
+            "[kitchen]\noven_temp = 200\nstoves = 2\n"
+        ),
+        "x.toml",
+    )
     assert cfg.garden.water == 2.0 and type(cfg.garden.water) is float
     assert cfg.kitchen.oven_temp == 200.0 and type(cfg.kitchen.oven_temp) is float
     assert cfg.garden.shade is None and cfg.garden.plants == ["a", "b"] and cfg.garden.organic is False
     assert cfg.kitchen.stoves == 2 and type(cfg.kitchen.stoves) is int
 
 
-@pytest.mark.parametrize("text, message", [
-    ('[garden]\nbeds = "3"\n', "garden.beds: expected an integer, got '3' in x.toml"),
-    ("[garden]\nbeds = 3.0\n", "garden.beds: expected an integer, got 3.0 in x.toml"),
-    ("[garden]\nbeds = true\n", "garden.beds: expected an integer, got True in x.toml"),
-    ('[garden]\norganic = "yes"\n', "garden.organic: expected a boolean (true/false), got 'yes' in x.toml"),
-    ("[garden]\nplants = [1]\n", "garden.plants: expected a list of strings, got [1] in x.toml"),
-    ('[garden]\nshade = "half"\n', "garden.shade: expected a number or none, got 'half' in x.toml"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[garden]\nbeds = "3"\n', "garden.beds: expected an integer, got '3' in x.toml"),
+        ("[garden]\nbeds = 3.0\n", "garden.beds: expected an integer, got 3.0 in x.toml"),
+        ("[garden]\nbeds = true\n", "garden.beds: expected an integer, got True in x.toml"),
+        ('[garden]\norganic = "yes"\n', "garden.organic: expected a boolean (true/false), got 'yes' in x.toml"),
+        ("[garden]\nplants = [1]\n", "garden.plants: expected a list of strings, got [1] in x.toml"),
+        ('[garden]\nshade = "half"\n', "garden.shade: expected a number or none, got 'half' in x.toml"),
+    ],
+)
 def test_toml_values_of_the_wrong_type(text, message):
     assert error(E.apply_toml, House(), tomllib.loads(text), "x.toml") == message
 
@@ -115,12 +133,17 @@ def test_read_toml_errors_are_one_line(tmp_path):
     assert error(E.read_toml, bad, "bad.toml").startswith("invalid TOML in bad.toml")
     assert error(E.read_toml, tmp_path, "dir").startswith("cannot read config file dir: ")
     bad.write_text("# only a comment\n")
-    assert error(E.read_toml, bad, "bad.toml") == "config file bad.toml is empty (it sets no [section] key); leave out --config for the defaults"
+    assert (
+        error(E.read_toml, bad, "bad.toml")
+        == "config file bad.toml is empty (it sets no [section] key); leave out --config for the defaults"
+    )
 
 
 def test_a_key_given_twice_on_the_command_line_is_refused():
     E.refuse_repeats([("garden", "beds", 1), ("garden", "name", "x")])
-    assert error(E.refuse_repeats, [("garden", "beds", 1), ("garden", "beds", 2)]) == "--garden.beds given twice (1 and 2)"
+    assert (
+        error(E.refuse_repeats, [("garden", "beds", 1), ("garden", "beds", 2)]) == "--garden.beds given twice (1 and 2)"
+    )
 
 
 # --- the command line ------------------------------------------------------------------
@@ -128,7 +151,14 @@ def test_a_key_given_twice_on_the_command_line_is_refused():
 
 def test_cli_pairs_take_the_next_word_unless_it_is_an_option():
     argv = ["--a", "1", "--b=2", "--c", "--d", "-5", "--e=", "--f"]
-    assert list(E.cli_pairs(argv, "--x y")) == [("a", "1"), ("b", "2"), ("c", None), ("d", "-5"), ("e", ""), ("f", None)]
+    assert list(E.cli_pairs(argv, "--x y")) == [
+        ("a", "1"),
+        ("b", "2"),
+        ("c", None),
+        ("d", "-5"),
+        ("e", ""),
+        ("f", None),
+    ]
 
 
 @pytest.mark.parametrize("argv", [["stray"], ["--a", "1", "2"], ["-a"], ["--"]])
@@ -137,26 +167,41 @@ def test_cli_pairs_refuse_stray_words_naming_the_usage(argv):
     assert message.startswith("unexpected argument ") and message.endswith("; options are --section.key value")
 
 
-@pytest.mark.parametrize("name, value, parsed", [
-    ("garden.beds", "4", 4), ("garden.water", "0.5", 0.5), ("garden.water", "2", 2.0), ("garden.name", "", ""),
-    ("garden.organic", "no", False), ("garden.organic", "YES", True), ("garden.organic", "0", False),
-    ("garden.organic", None, True), ("garden.shade", "None", None), ("garden.shade", "0.25", 0.25),
-    ("garden.plants", "a, b,", ["a", "b"]), ("garden.plants", '["a", "b"]', ["a", "b"]), ("garden.plants", "", []),
-    ("kitchen.stoves", "-1", -1),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, value, parsed",
+    [
+        ("garden.beds", "4", 4),
+        ("garden.water", "0.5", 0.5),
+        ("garden.water", "2", 2.0),
+        ("garden.name", "", ""),
+        ("garden.organic", "no", False),
+        ("garden.organic", "YES", True),
+        ("garden.organic", "0", False),
+        ("garden.organic", None, True),
+        ("garden.shade", "None", None),
+        ("garden.shade", "0.25", 0.25),
+        ("garden.plants", "a, b,", ["a", "b"]),
+        ("garden.plants", '["a", "b"]', ["a", "b"]),
+        ("garden.plants", "", []),
+        ("kitchen.stoves", "-1", -1),
+    ],
+)
 def test_parse_override_by_field_type(name, value, parsed):
     section, key, got = E.parse_override(House, name, value)
     assert (f"{section}.{key}", got, type(got)) == (name, parsed, type(parsed))
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("garden.beds", "1.5", "garden.beds: expected an integer, got '1.5'"),
-    ("garden.water", "wet", "garden.water: expected a number, got 'wet'"),
-    ("garden.organic", "maybe", "garden.organic: expected a boolean (true/false), got 'maybe'"),
-    ("garden.plants", "[1]", "garden.plants: expected a list of strings, got '[1]'"),
-    ("garden.plants", "[oops", "garden.plants: expected a list of strings, got '[oops'"),
-    ("garden.beds", None, "garden.beds: --garden.beds needs a value (an integer)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("garden.beds", "1.5", "garden.beds: expected an integer, got '1.5'"),
+        ("garden.water", "wet", "garden.water: expected a number, got 'wet'"),
+        ("garden.organic", "maybe", "garden.organic: expected a boolean (true/false), got 'maybe'"),
+        ("garden.plants", "[1]", "garden.plants: expected a list of strings, got '[1]'"),
+        ("garden.plants", "[oops", "garden.plants: expected a list of strings, got '[oops'"),
+        ("garden.beds", None, "garden.beds: --garden.beds needs a value (an integer)"),
+    ],
+)
 def test_parse_override_errors(name, value, message):
     assert error(E.parse_override, House, name, value) == message
 
@@ -164,33 +209,48 @@ def test_parse_override_errors(name, value, message):
 # --- unknown names ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, message", [
-    ("garden.bedz", "unknown key garden.bedz on the command line; did you mean garden.beds?"),
-    ("kitchen.beds", "unknown key kitchen.beds on the command line; did you mean garden.beds?"),
-    ("beds", "unknown key beds on the command line; did you mean garden.beds?"),
-    ("gardn.water", "unknown key gardn.water on the command line; did you mean garden.water?"),
-    ("gardn.watr", "unknown key gardn.watr on the command line; did you mean garden.water?"),
-    ("garden.qqqqqq", "unknown key garden.qqqqqq on the command line"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("garden.bedz", "unknown key garden.bedz on the command line; did you mean garden.beds?"),
+        ("kitchen.beds", "unknown key kitchen.beds on the command line; did you mean garden.beds?"),
+        ("beds", "unknown key beds on the command line; did you mean garden.beds?"),
+        ("gardn.water", "unknown key gardn.water on the command line; did you mean garden.water?"),
+        ("gardn.watr", "unknown key gardn.watr on the command line; did you mean garden.water?"),
+        ("garden.qqqqqq", "unknown key garden.qqqqqq on the command line"),
+    ],
+)
 def test_unknown_keys_suggest_the_closest(name, message):
     assert error(E.parse_override, House, name, "1") == message
 
 
 def test_unknown_names_in_toml():
-    assert error(E.apply_toml, House(), {"gardn": {"beds": 1}}, "x.toml") == "unknown section [gardn] in x.toml; did you mean [garden]?"
+    assert (
+        error(E.apply_toml, House(), {"gardn": {"beds": 1}}, "x.toml")
+        == "unknown section [gardn] in x.toml; did you mean [garden]?"
+    )
     assert error(E.apply_toml, House(), {"beds": 1}, "x.toml") == (
-        "unknown key beds in x.toml (keys belong in a [section]); did you mean garden.beds?")
+        "unknown key beds in x.toml (keys belong in a [section]); did you mean garden.beds?"
+    )
     assert error(E.apply_toml, House(), {"kitchen": {"water": 1}}, "x.toml") == (
-        "unknown key kitchen.water in x.toml; did you mean garden.water?")
+        "unknown key kitchen.water in x.toml; did you mean garden.water?"
+    )
 
 
 # --- checks ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("section, key, text", [
-    ("garden", "beds", "> 0"), ("garden", "water", "in [0, 10]"), ("garden", "shade", "none or in [0, 1)"),
-    ("kitchen", "stoves", "-1 or >= 1"), ("kitchen", "oven_temp", "in (0, 300)"), ("garden", "name", ""),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "section, key, text",
+    [
+        ("garden", "beds", "> 0"),
+        ("garden", "water", "in [0, 10]"),
+        ("garden", "shade", "none or in [0, 1)"),
+        ("kitchen", "stoves", "-1 or >= 1"),
+        ("kitchen", "oven_temp", "in (0, 300)"),
+        ("garden", "name", ""),
+    ],
+)
 def test_range_text(section, key, text):
     assert E.range_text(meta(section, key)) == text
 
@@ -204,18 +264,21 @@ def test_defaults_pass_the_checks():
     E.check_values(House())
 
 
-@pytest.mark.parametrize("section, key, value, message", [
-    ("garden", "beds", 0, "garden.beds: must be > 0 (got 0)"),
-    ("garden", "water", 10.5, "garden.water: must be in [0, 10] (got 10.5)"),
-    ("garden", "water", float("nan"), "garden.water: must be a finite number (got nan)"),
-    ("garden", "shade", 1.0, "garden.shade: must be none or in [0, 1) (got 1.0)"),
-    ("garden", "soil", "peat", "garden.soil: must be one of loam, clay, sand (got 'peat')"),
-    ("garden", "name", "", "garden.name: must not be empty (got '')"),
-    ("garden", "beds", "3", "garden.beds: expected an integer (got '3')"),
-    ("garden", "organic", 1, "garden.organic: expected a boolean (true/false) (got 1)"),
-    ("kitchen", "stoves", 0, "kitchen.stoves: must be -1 or >= 1 (got 0)"),
-    ("kitchen", "stoves", -2, "kitchen.stoves: must be -1 or >= 1 (got -2)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("garden", "beds", 0, "garden.beds: must be > 0 (got 0)"),
+        ("garden", "water", 10.5, "garden.water: must be in [0, 10] (got 10.5)"),
+        ("garden", "water", float("nan"), "garden.water: must be a finite number (got nan)"),
+        ("garden", "shade", 1.0, "garden.shade: must be none or in [0, 1) (got 1.0)"),
+        ("garden", "soil", "peat", "garden.soil: must be one of loam, clay, sand (got 'peat')"),
+        ("garden", "name", "", "garden.name: must not be empty (got '')"),
+        ("garden", "beds", "3", "garden.beds: expected an integer (got '3')"),
+        ("garden", "organic", 1, "garden.organic: expected a boolean (true/false) (got 1)"),
+        ("kitchen", "stoves", 0, "kitchen.stoves: must be -1 or >= 1 (got 0)"),
+        ("kitchen", "stoves", -2, "kitchen.stoves: must be -1 or >= 1 (got -2)"),
+    ],
+)
 def test_check_values_names_the_key_and_value(section, key, value, message):
     cfg = House()
     setattr(getattr(cfg, section), key, value)
@@ -252,9 +315,9 @@ def test_help_lines():
         "      number of beds",
         "  --garden.water  float = 1.5  (in [0, 10])",
     ]
-    assert "  --garden.plants  list[str] = [\"rose\"]" in lines
-    assert "  --garden.shade  float | none = \"none\"  (none or in [0, 1))" in lines
-    assert "  --garden.soil  loam|clay|sand = \"loam\"" in lines
+    assert '  --garden.plants  list[str] = ["rose"]' in lines
+    assert '  --garden.shade  float | none = "none"  (none or in [0, 1))' in lines
+    assert '  --garden.soil  loam|clay|sand = "loam"' in lines
     assert "  --kitchen.stoves  int = -1  (-1 or >= 1)" in lines
     assert lines.count("") == 2 and len(lines) == 2 * 2 + 2 * (7 + 3)
 

@@ -24,7 +24,9 @@ def test_dcp_folder_to_full_file_loads_into_plain_model(tmp_path):
     optim = torch.optim.AdamW(model.parameters())
     model(torch.randint(0, TINY.vocab_size, (1, 8))).sum().backward()
     optim.step()
-    dcp.save({"model": model.state_dict(), "optimizer": optim.state_dict()}, checkpoint_id=tmp_path / "step-1", no_dist=True)
+    dcp.save(
+        {"model": model.state_dict(), "optimizer": optim.state_dict()}, checkpoint_id=tmp_path / "step-1", no_dist=True
+    )
     n = export.dcp_to_full_file(tmp_path / "step-1", tmp_path / "model.pt")
     plain = Llama(TINY)
     plain.init_weights(seed=99)  # builds the RoPE table (a non-persistent buffer); weights are overwritten next
@@ -53,7 +55,9 @@ def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = tiny_model(seed=3)
     hf_io.save_hf_weights(model.state_dict(), tmp_path / "hf", hf_llama, TINY)
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32, attn_implementation="eager")
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "hf", torch_dtype=torch.float32, attn_implementation="eager"
+    )
     tokens = torch.randint(0, TINY.vocab_size, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(hf_model(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
@@ -73,7 +77,12 @@ def test_export_and_convert_scripts_round_trip(tmp_path, capsys):
     step = tmp_path / "checkpoint" / "step-2"
     dcp.save({"model": model.state_dict(), "optimizer": optim.state_dict()}, checkpoint_id=step, no_dist=True)
     fingerprint = {"name": "llama3", "flavor": "debugmodel", "args": repr(TINY)}
-    commit.write_commit(step, commit.CommitRecord(step=2, fingerprint=fingerprint, contents=["model", "optimizer"], model_args=dataclasses.asdict(TINY)))
+    commit.write_commit(
+        step,
+        commit.CommitRecord(
+            step=2, fingerprint=fingerprint, contents=["model", "optimizer"], model_args=dataclasses.asdict(TINY)
+        ),
+    )
     state = model.state_dict()
 
     assert _script("export_checkpoint.py")([str(tmp_path / "checkpoint"), str(tmp_path / "model.pt")]) == 0

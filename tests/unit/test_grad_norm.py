@@ -52,7 +52,10 @@ def test_dtensor_gradients_count_each_element_once():
     try:
         mesh = init_device_mesh("cpu", (1,))
         plain = params_with_grads((6, 4), (8,))
-        sharded = [torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [placement])) for p, placement in zip(plain, (Shard(0), Replicate()))]
+        sharded = [
+            torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [placement]))
+            for p, placement in zip(plain, (Shard(0), Replicate()))
+        ]
         for p, q in zip(sharded, plain):
             p.grad = distribute_tensor(q.grad, mesh, p.placements)
         assert total_grad_norm(sharded, world=True).item() == pytest.approx(reference_norm(plain), rel=1e-6)
@@ -63,7 +66,9 @@ def test_dtensor_gradients_count_each_element_once():
 def test_no_gradients_and_no_process_group():
     assert total_grad_norm([torch.nn.Parameter(torch.ones(3))], world=True).item() == 0.0
     params = params_with_grads((7, 3))
-    assert total_grad_norm(params, world=True).item() == pytest.approx(reference_norm(params), rel=1e-6)  # no group: local
+    assert total_grad_norm(params, world=True).item() == pytest.approx(
+        reference_norm(params), rel=1e-6
+    )  # no group: local
 
 
 def test_a_partial_gradient_is_summed_into_the_parameters_placement():

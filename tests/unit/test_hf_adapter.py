@@ -28,10 +28,23 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 REPO = Path(__file__).resolve().parents[2]
-SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=96, max_position_embeddings=64, rms_norm_eps=1e-5)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 500000.0},
     "llama3": {**LLAMA3_ROPE, "rope_theta": 500000.0},
@@ -87,12 +100,23 @@ def test_save_pretrained_converts_with_equal_logits(tmp_path, rope, older):
 
 
 def test_our_export_with_rope_scaling_loads_in_transformers(tmp_path):
-    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=64,
-                     rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 16))
+    args = LlamaArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=96,
+        multiple_of=32,
+        max_seq_len=64,
+        rope_theta=500000.0,
+        rope_scaling=(8.0, 1.0, 4.0, 16),
+    )
     ours = Llama(args)
     ours.init_weights(seed=3)
     hf_io.save_hf_weights(ours.state_dict(), tmp_path / "hf", hf_adapter, args)
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, attn_implementation="eager")
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, attn_implementation="eager"
+    )
     assert hf_model.config.rope_parameters["rope_type"] == "llama3"
     tokens = torch.randint(0, args.vocab_size, (2, 24))
     with torch.no_grad():
@@ -102,11 +126,20 @@ def test_our_export_with_rope_scaling_loads_in_transformers(tmp_path):
 @pytest.mark.parametrize(
     "change, mentions",
     [
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, "rope_theta 10000.0 (this model: 500000.0)"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+            "rope_theta 10000.0 (this model: 500000.0)",
+        ),
         ({"rms_norm_eps": 1e-6}, "rms_norm_eps 1e-06 (this model: 1e-05)"),
-        ({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}}, "rope_scaling (8.0, 1.0, 4.0, 16) (this model: None)"),
+        (
+            {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}},
+            "rope_scaling (8.0, 1.0, 4.0, 16) (this model: None)",
+        ),
         ({"tie_word_embeddings": True}, "tie_word_embeddings True (this model: False)"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0}}, "rope type 'yarn' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0}},
+            "rope type 'yarn' is not supported",
+        ),
     ],
 )
 def test_initial_hf_load_refuses_a_config_of_another_model(tmp_path, change, mentions):
@@ -132,7 +165,9 @@ def test_a_safetensors_file_the_index_does_not_name_is_refused_not_read(tmp_path
     args = hf_adapter.args_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
     if not (tmp_path / "hf" / hf_io.HF_INDEX_FILE).exists():  # one file: index it, as a sharded save would
         names = st.load_file(str(tmp_path / "hf" / "model.safetensors")).keys()
-        (tmp_path / "hf" / hf_io.HF_INDEX_FILE).write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in names}}))
+        (tmp_path / "hf" / hf_io.HF_INDEX_FILE).write_text(
+            json.dumps({"weight_map": {n: "model.safetensors" for n in names}})
+        )
     stray = tmp_path / "hf" / "extra.safetensors"
     st.save_file({"model.norm.weight": torch.full((args.dim,), 5.0)}, str(stray), metadata={"format": "pt"})
     with pytest.raises(TitanliteError) as info:
@@ -146,13 +181,17 @@ def test_from_hf_with_a_flavor_of_another_theta_is_one_line(tmp_path, capsys):
     from titanlite.models import get_model_spec
 
     flavor = hf_adapter.hf_config(get_model_spec("llama3", "debugmodel").args_for("debugmodel", 96))
-    config = transformers.LlamaConfig(**{k: flavor[k] for k in (*SHAPE, "head_dim")}, rope_parameters={"rope_type": "default"})
+    config = transformers.LlamaConfig(
+        **{k: flavor[k] for k in (*SHAPE, "head_dim")}, rope_parameters={"rope_type": "default"}
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     capsys.readouterr()
     assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out.pt"), "--flavor", "debugmodel"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"titanlite: error: --flavor: debugmodel does not match {tmp_path / 'hf' / 'config.json'}: "
-                   "rope_theta 10000.0 (this model: 500000.0)")
+    assert err == (
+        f"titanlite: error: --flavor: debugmodel does not match {tmp_path / 'hf' / 'config.json'}: "
+        "rope_theta 10000.0 (this model: 500000.0)"
+    )
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -160,13 +199,21 @@ def test_rope_settings_read_either_place():
     llama3 = (8.0, 1.0, 4.0, 16)
     assert hf_adapter.rope_settings({}) == (10000.0, None)  # transformers' defaults
     assert hf_adapter.rope_settings({"rope_theta": 5.0, "rope_scaling": None}) == (5.0, None)
-    assert hf_adapter.rope_settings({"rope_theta": 5.0, "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}}}) == (5.0, llama3)
+    assert hf_adapter.rope_settings(
+        {
+            "rope_theta": 5.0,
+            "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}},
+        }
+    ) == (5.0, llama3)
     assert hf_adapter.rope_settings({"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 7.0}}) == (7.0, llama3)
     with pytest.raises(ValueError, match="per layer type"):
         hf_adapter.rope_settings({"rope_parameters": {"full_attention": {"rope_theta": 1.0}}})
     exported = hf_adapter.hf_config(dataclasses.replace(LlamaArgs(), rope_scaling=llama3))
     assert hf_adapter.rope_settings(exported) == (LlamaArgs().rope_theta, llama3)
-    assert hf_adapter.rope_settings({k: v for k, v in exported.items() if k != "rope_parameters"}) == (LlamaArgs().rope_theta, llama3)
+    assert hf_adapter.rope_settings({k: v for k, v in exported.items() if k != "rope_parameters"}) == (
+        LlamaArgs().rope_theta,
+        llama3,
+    )
 
 
 def test_a_model_converted_without_a_flavor_goes_back_to_hugging_face(tmp_path):
@@ -175,7 +222,9 @@ def test_a_model_converted_without_a_flavor_goes_back_to_hugging_face(tmp_path):
     hf_model = save_pretrained(tmp_path / "hf", "default")
     assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
     assert convert()(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "back")]) == 0
-    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32, attn_implementation="eager")
+    back = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "back", dtype=torch.float32, attn_implementation="eager"
+    )
     tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
@@ -210,8 +259,14 @@ def test_rope_permutation_maps_interleaved_rope_to_rotate_half_rope():
 def test_hf_names_and_round_trip_are_exact():
     state = tiny_model().state_dict()
     hf = hf_adapter.to_hf(state, TINY)
-    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.1.self_attn.q_proj.weight",
-            "model.layers.0.mlp.gate_proj.weight", "model.layers.0.post_attention_layernorm.weight"} <= set(hf)
+    assert {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    } <= set(hf)
     assert hf["model.layers.0.self_attn.k_proj.weight"].shape == (TINY.kv_heads * TINY.head_dim, TINY.dim)
     back = hf_adapter.from_hf(hf, TINY)
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
@@ -220,9 +275,13 @@ def test_hf_names_and_round_trip_are_exact():
 def test_hf_config_check_names_each_mismatch():
     config = hf_adapter.hf_config(TINY)
     assert hf_adapter.check_hf_config(config, TINY) == []
-    assert hf_adapter.check_hf_config({**config, "num_key_value_heads": None}, TINY) == ["num_key_value_heads 4 (this model: 2)"]
+    assert hf_adapter.check_hf_config({**config, "num_key_value_heads": None}, TINY) == [
+        "num_key_value_heads 4 (this model: 2)"
+    ]
     assert hf_adapter.check_hf_config(config, dataclasses.replace(TINY, n_layers=3, vocab_size=100)) == [
-        "num_hidden_layers 2 (this model: 3)", "vocab_size 96 (this model: 100)"]
+        "num_hidden_layers 2 (this model: 3)",
+        "vocab_size 96 (this model: 100)",
+    ]
 
 
 def test_hf_config_round_trips_to_args():

@@ -16,7 +16,12 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -62,7 +67,9 @@ def test_the_permuted_reads_fill_a_shard_with_our_layout():
         chunk = ChunkStorageMetadata(offsets=torch.Size([start, 0]), sizes=local.shape)
         for item in hf_plan.rotary_row_reads("q", chunk, 8):
             rows, cols = item.lengths
-            planner.transform_tensor(item, local).copy_(hf[item.storage_offsets[0] : item.storage_offsets[0] + rows, :cols])
+            planner.transform_tensor(item, local).copy_(
+                hf[item.storage_offsets[0] : item.storage_offsets[0] + rows, :cols]
+            )
         assert torch.equal(local, ours[start:stop]), (start, stop)
 
 
@@ -75,17 +82,33 @@ def test_a_70b_rank_of_64_reads_only_its_own_bytes():
     rank, world = 37, 64
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        plan = plan_run(load_config(["--config", "llama_70b", "--parallelism.data_parallel_shard_degree", str(world),
-                                    "--parallelism.tensor_parallel_degree", "1"]), world,
-                        vocab_size=128256)
+        plan = plan_run(
+            load_config(
+                [
+                    "--config",
+                    "llama_70b",
+                    "--parallelism.data_parallel_shard_degree",
+                    str(world),
+                    "--parallelism.tensor_parallel_degree",
+                    "1",
+                ]
+            ),
+            world,
+            vocab_size=128256,
+        )
         model = build_on_meta(plan, plan.dims.build_mesh("cpu"))
         args = plan.model_args
         state = get_model_state_dict(model)
         names = hf_io.hf_names(list(state), hf_adapter, args)
         request = {name: state[key] for key, name in names.items()}
-        stored = {name: TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), value.shape,
-                                              [ChunkStorageMetadata(torch.Size([0] * value.dim()), value.shape)])
-                  for name, value in request.items()}
+        stored = {
+            name: TensorStorageMetadata(
+                TensorProperties(dtype=torch.bfloat16),
+                value.shape,
+                [ChunkStorageMetadata(torch.Size([0] * value.dim()), value.shape)],
+            )
+            for name, value in request.items()
+        }
         heads = {name: args.head_dim for key, name in names.items() if hf_adapter.rotary_heads(key, args)}
         planner = hf_plan.HFReadPlanner(heads)
         planner.set_up_planner(request, Metadata(state_dict_metadata=stored), is_coordinator=False)
@@ -93,7 +116,9 @@ def test_a_70b_rank_of_64_reads_only_its_own_bytes():
     finally:
         dist.destroy_process_group()
 
-    assert len(heads) == 2 * args.n_layers and args.n_kv_heads * args.head_dim // world < args.head_dim  # wk: under a head a rank
+    assert (
+        len(heads) == 2 * args.n_layers and args.n_kv_heads * args.head_dim // world < args.head_dim
+    )  # wk: under a head a rank
     read = {name: 0 for name in request}
     for item in plan_items:
         read[item.dest_index.fqn] += math.prod(item.lengths)
@@ -102,14 +127,18 @@ def test_a_70b_rank_of_64_reads_only_its_own_bytes():
     whole = sum(value.numel() for value in request.values())
     assert sum(own.values()) * 2 < whole * 2 / world * 1.01  # ~1/64 of the 140 GB model, in bf16
     for name in heads:  # and the q/k rows come from where the permutation puts them
-        (row0, _), = [tuple(c.offsets) for c in request[name].__create_chunk_list__()]
+        ((row0, _),) = [tuple(c.offsets) for c in request[name].__create_chunk_list__()]
         got = rows_read([i for i in plan_items if i.dest_index.fqn == name], row0)
         assert got == {r: hf_row(r, args.head_dim) for r in range(row0, row0 + request[name].to_local().shape[0])}
 
 
 def whole(shape: torch.Size) -> TensorStorageMetadata:
     """How DCP's HF reader describes a tensor a folder holds whole."""
-    return TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size(shape), [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))])
+    return TensorStorageMetadata(
+        TensorProperties(dtype=torch.bfloat16),
+        torch.Size(shape),
+        [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))],
+    )
 
 
 def test_every_shard_of_a_stacked_tensor_reads_and_writes_its_experts_blocks():
@@ -133,8 +162,15 @@ def test_every_shard_of_a_stacked_tensor_reads_and_writes_its_experts_blocks():
                     planner.transform_tensor(item, local).copy_(hf[item.storage_index.fqn][block])
                 assert torch.equal(local, ours[e0:e1, r0:r1]), (e0, e1, r0, r1)
                 writes = hf_plan.stacked_writes(names, chunk, ours.shape, properties)
-                assert [(w.index.fqn, tuple(w.tensor_data.chunk.offsets), tuple(w.tensor_data.chunk.sizes), tuple(w.tensor_data.size))
-                        for w in writes] == [(n, (r0, 0), (r1 - r0, 5), (6, 5)) for n in names[e0:e1]]
+                assert [
+                    (
+                        w.index.fqn,
+                        tuple(w.tensor_data.chunk.offsets),
+                        tuple(w.tensor_data.chunk.sizes),
+                        tuple(w.tensor_data.size),
+                    )
+                    for w in writes
+                ] == [(n, (r0, 0), (r1 - r0, 5), (6, 5)) for n in names[e0:e1]]
 
 
 def test_a_qwen3_moe_rank_of_48_reads_and_writes_only_its_own_experts():
@@ -151,8 +187,22 @@ def test_a_qwen3_moe_rank_of_48_reads_and_writes_only_its_own_experts():
     rank, world = 42, 48
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        plan = plan_run(load_config(["--config", "debug_model", "--model.name", "qwen3", "--model.flavor", "30B-A3B",
-                                     "--parallelism.data_parallel_shard_degree", str(world)]), world, vocab_size=151936).with_compute_dtype("float32")
+        plan = plan_run(
+            load_config(
+                [
+                    "--config",
+                    "debug_model",
+                    "--model.name",
+                    "qwen3",
+                    "--model.flavor",
+                    "30B-A3B",
+                    "--parallelism.data_parallel_shard_degree",
+                    str(world),
+                ]
+            ),
+            world,
+            vocab_size=151936,
+        ).with_compute_dtype("float32")
         state = get_model_state_dict(build_on_meta(plan, plan.dims.build_mesh("cpu")))
         args = plan.model_args
         names = hf_io.hf_names(list(state), qwen3_hf, args)
@@ -178,6 +228,11 @@ def test_a_qwen3_moe_rank_of_48_reads_and_writes_only_its_own_experts():
         assert tuple(request[key].__create_chunk_list__()[0].offsets)[0] == 126
         assert [item.storage_index.fqn for item in reads if item.dest_index.fqn == key] == split[126:]
     expert_writes = [item for item in writes if item.index.fqn not in names.values()]
-    assert sorted(item.index.fqn for item in expert_writes) == sorted(n for split in stacked.values() for n in split[126:])
-    assert all(item.type == WriteItemType.SHARD and item.tensor_data.chunk.sizes == item.tensor_data.size for item in expert_writes)
+    assert sorted(item.index.fqn for item in expert_writes) == sorted(
+        n for split in stacked.values() for n in split[126:]
+    )
+    assert all(
+        item.type == WriteItemType.SHARD and item.tensor_data.chunk.sizes == item.tensor_data.size
+        for item in expert_writes
+    )
     assert not any(item.index.fqn in stacked for item in writes)  # never the stacked tensor under our own name

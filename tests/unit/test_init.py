@@ -32,21 +32,44 @@ LAYOUTS = {
     "fsdp8": (8, "llama3", []),
     "tp2": (2, "llama3", ["--parallelism.tensor_parallel_degree", "2"]),
     "fsdp8_tp2": (16, "llama3", ["--parallelism.tensor_parallel_degree", "2"]),
-    "hsdp2x2_tp2_ac": (8, "llama3", ["--parallelism.data_parallel_replicate_degree", "2",
-                                     "--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),
+    "hsdp2x2_tp2_ac": (
+        8,
+        "llama3",
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+    ),
     "gpt2_fsdp4_tp2": (8, "gpt2", ["--parallelism.tensor_parallel_degree", "2"]),
     # QK norms replicated over tp, the router and the stacked experts whole on each tp rank
     # and FSDP-sharded by expert.
     "qwen3_moe_fsdp4_tp2": (8, "qwen3/debugmodel_moe", ["--parallelism.tensor_parallel_degree", "2"]),
-}  # fmt: skip
+}
 
 
 def plan_for(model: str, overrides: list[str], world: int):
     """`model`: a model name, or name/flavor."""
     name, _, flavor = model.partition("/")
-    cfg = load_config(["--config", "debug_model", "--model.name", name, *(["--model.flavor", flavor] if flavor else []),
-                       "--training.seed", str(SEED), "--training.mixed_precision_param", "float32",
-                       "--training.local_batch_size", "16", *overrides])  # fmt: skip
+    cfg = load_config(
+        [
+            "--config",
+            "debug_model",
+            "--model.name",
+            name,
+            *(["--model.flavor", flavor] if flavor else []),
+            "--training.seed",
+            str(SEED),
+            "--training.mixed_precision_param",
+            "float32",
+            "--training.local_batch_size",
+            "16",
+            *overrides,
+        ]
+    )
     return plan_run(cfg, world, vocab_size=VOCAB)
 
 
@@ -94,7 +117,9 @@ def test_shards_are_generated_in_bounded_chunks(monkeypatch):
     sizes = []
     original = init_module.signed_uniform
     monkeypatch.setattr(init_module, "CHUNK_ELEMENTS", 100)
-    monkeypatch.setattr(init_module, "signed_uniform", lambda flat, *a: (sizes.append(flat.numel()), original(flat, *a))[1])
+    monkeypatch.setattr(
+        init_module, "signed_uniform", lambda flat, *a: (sizes.append(flat.numel()), original(flat, *a))[1]
+    )
     ShardInit(linear, SEED).normal(linear.weight, std=1.0)
     assert max(sizes) == 80 and sum(sizes) == 1200  # 2 rows of 40 per chunk
     assert torch.equal(linear.weight, expected)
@@ -105,7 +130,10 @@ def test_values_depend_on_seed_and_name_not_on_wrappers():
     assert not torch.equal(a, b)
     assert torch.equal(a, signed_uniform(torch.arange(1000), parameter_keys(SEED, "w1"), False))
     assert not torch.equal(a, signed_uniform(torch.arange(1000), parameter_keys(SEED + 1, "w1"), False))
-    assert unwrapped_name("layers.3._checkpoint_wrapped_module._orig_mod.attention.wq.weight") == "layers.3.attention.wq.weight"
+    assert (
+        unwrapped_name("layers.3._checkpoint_wrapped_module._orig_mod.attention.wq.weight")
+        == "layers.3.attention.wq.weight"
+    )
 
 
 def test_wide_parameters_mix_in_the_high_half_of_the_index():
@@ -147,7 +175,9 @@ def test_normal_and_truncated_normal_match_torch(std, bounds):
     assert float(ours.mean()) == pytest.approx(0.0, abs=5 * std / math.sqrt(n))
     assert float(ours.std()) == pytest.approx(float(reference.std()), rel=5e-3)
     for k in (1, 2):
-        assert float((ours.abs() < k * std).float().mean()) == pytest.approx(float((reference.abs() < k * std).float().mean()), abs=3e-3)
+        assert float((ours.abs() < k * std).float().mean()) == pytest.approx(
+            float((reference.abs() < k * std).float().mean()), abs=3e-3
+        )
 
 
 def test_llama_init_keeps_its_distributions():
@@ -161,7 +191,9 @@ def test_llama_init_keeps_its_distributions():
     assert float(weights["layers.5.feed_forward.w2.weight"].std()) == pytest.approx(depth_std, rel=0.02)
     cutoff = 3 * args.dim**-0.5
     assert float(weights["output.weight"].abs().max()) <= cutoff
-    assert float(weights["output.weight"].std()) == pytest.approx(args.dim**-0.5 * 0.9866, rel=0.02)  # 3-sigma truncation
+    assert float(weights["output.weight"].std()) == pytest.approx(
+        args.dim**-0.5 * 0.9866, rel=0.02
+    )  # 3-sigma truncation
 
 
 def test_gpt2_init_keeps_its_distributions():

@@ -52,7 +52,11 @@ def test_cpu_workers_reuse_freed_memory_instead_of_faulting_it_in_again():
 
     def page_faults(extra: dict[str, str]) -> int:
         env = {k: v for k, v in os.environ.items() if k not in CPU_MALLOC_DEFAULTS} | extra
-        return int(subprocess.run([sys.executable, "-c", FRESH_TENSORS], env=env, capture_output=True, text=True, check=True).stdout)
+        return int(
+            subprocess.run(
+                [sys.executable, "-c", FRESH_TENSORS], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
 
     pages = 10 * (100 << 20) // 4096
     assert page_faults({}) > 0.5 * pages
@@ -78,7 +82,11 @@ def handed(tmp_path: Path, monkeypatch, rank: int, line: str) -> Path:
 def test_the_killed_rank_is_named_not_the_ranks_that_failed_because_of_it():
     """rank 1 killed; rank 0's collective failed in the same second and was seen first
     (torchrun's timestamps are whole seconds); rank 2 was stopped by the agent."""
-    failures = {0: failure(0, COLLECTIVE_FAILURE_EXIT_CODE, 100), 1: failure(1, -signal.SIGKILL, 100), 2: failure(2, -signal.SIGTERM, 100)}
+    failures = {
+        0: failure(0, COLLECTIVE_FAILURE_EXIT_CODE, 100),
+        1: failure(1, -signal.SIGKILL, 100),
+        2: failure(2, -signal.SIGTERM, 100),
+    }
     assert first_failure(failures)[0] == 1
     line, code = failure_line(failures)
     assert line == "titanlite: rank 1 failed first (killed by signal SIGKILL); 2 other rank(s) stopped after it"
@@ -88,7 +96,10 @@ def test_the_killed_rank_is_named_not_the_ranks_that_failed_because_of_it():
 def test_the_earliest_cause_wins_then_the_order_seen():
     failures = {0: failure(0, 1, 101), 3: failure(3, 1, 100), 1: failure(1, -signal.SIGSEGV, 100)}
     assert first_failure(failures)[0] == 3
-    assert failure_line(failures) == ("titanlite: rank 3 failed first (exit code 1); 2 other rank(s) stopped after it; see its output above", 1)
+    assert failure_line(failures) == (
+        "titanlite: rank 3 failed first (exit code 1); 2 other rank(s) stopped after it; see its output above",
+        1,
+    )
 
 
 def test_a_user_error_is_printed_once_as_the_rank_that_met_it_wrote_it(tmp_path, monkeypatch):
@@ -100,8 +111,10 @@ def test_a_user_error_is_printed_once_as_the_rank_that_met_it_wrote_it(tmp_path,
 
 def test_a_user_error_without_its_line_still_gets_one(tmp_path):
     failures = {0: failure(0, 2, 100), 1: failure(1, -signal.SIGTERM, 101)}
-    assert failure_line(failures, []) == ("titanlite: rank 0 failed first (exit code 2); 1 other rank(s) stopped after it; "
-                                          "see its output above", 2)
+    assert failure_line(failures, []) == (
+        "titanlite: rank 0 failed first (exit code 2); 1 other rank(s) stopped after it; see its output above",
+        2,
+    )
 
 
 def test_a_stopped_rank_is_named_with_the_collective_that_waited_for_it(tmp_path, monkeypatch):
@@ -109,8 +122,10 @@ def test_a_stopped_rank_is_named_with_the_collective_that_waited_for_it(tmp_path
     stopped by the agent; the launcher found rank 1 stopped when it closed the workers."""
     said = handed(tmp_path, monkeypatch, 0, "titanlite: rank 0: an all-reduce timed out after 10 s")
     failures = {0: failure(0, COLLECTIVE_FAILURE_EXIT_CODE, 100, said), 1: failure(1, -signal.SIGTERM, 101)}
-    assert failure_line(failures, [1]) == ("titanlite: rank 1 stopped responding (its process was stopped); "
-                                           "rank 0: an all-reduce timed out after 10 s", 3)
+    assert failure_line(failures, [1]) == (
+        "titanlite: rank 1 stopped responding (its process was stopped); rank 0: an all-reduce timed out after 10 s",
+        3,
+    )
     assert failure_line(failures, []) == ("titanlite: rank 0: an all-reduce timed out after 10 s", 3)
 
 
@@ -122,7 +137,11 @@ def test_outside_titanlites_launcher_a_worker_hands_nothing_over(tmp_path, monke
 
 def test_a_restart_names_the_rank_that_failed_first_and_counts_the_attempts():
     failures = {0: failure(0, COLLECTIVE_FAILURE_EXIT_CODE, 100), 5: failure(1, -signal.SIGKILL, 100)}
-    assert restart_line(failures, 1, 3) == ("titanlite: rank 5 was killed by signal SIGKILL; restarting the job (1 of 3 "
-                                            "restarts): it resumes from its newest complete checkpoint")
-    assert restart_line({2: failure(0, 7, 100)}, 2, 2).startswith("titanlite: rank 2 failed (exit code 7); restarting the job (2 of 2")
+    assert restart_line(failures, 1, 3) == (
+        "titanlite: rank 5 was killed by signal SIGKILL; restarting the job (1 of 3 "
+        "restarts): it resumes from its newest complete checkpoint"
+    )
+    assert restart_line({2: failure(0, 7, 100)}, 2, 2).startswith(
+        "titanlite: rank 2 failed (exit code 7); restarting the job (2 of 2"
+    )
     assert restart_line({}, 1, 1).startswith("titanlite: the worker group became unhealthy; restarting")

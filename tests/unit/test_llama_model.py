@@ -11,7 +11,13 @@ from titanlite.models.llama import LlamaArgs, llama3_spec
 from titanlite.models.llama.model import Llama, apply_rope, rope_cos_sin, rope_frequencies
 
 # Meta's published parameter counts for Llama 3.1 and 3.2 (vocab 128256; 3.2 ties embeddings).
-PUBLISHED = {"8B": 8_030_261_248, "70B": 70_553_706_496, "405B": 405_853_388_800, "1B": 1_235_814_400, "3B": 3_212_749_824}
+PUBLISHED = {
+    "8B": 8_030_261_248,
+    "70B": 70_553_706_496,
+    "405B": 405_853_388_800,
+    "1B": 1_235_814_400,
+    "3B": 3_212_749_824,
+}
 FFN_HIDDEN = {"8B": 14336, "70B": 28672, "405B": 53248, "1B": 8192, "3B": 8192}
 
 

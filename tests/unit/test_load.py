@@ -59,7 +59,11 @@ def test_debug_model_is_the_cpu_default():
 
 @pytest.mark.parametrize(
     "name, flavor, lr, tp, ac",
-    [("llama_8b", "8B", 3e-4, 1, "selective"), ("llama_70b", "70B", 1.5e-4, 8, "full"), ("llama_405b", "405B", 8e-5, 8, "full")],
+    [
+        ("llama_8b", "8B", 3e-4, 1, "selective"),
+        ("llama_70b", "70B", 1.5e-4, 8, "full"),
+        ("llama_405b", "405B", 8e-5, 8, "full"),
+    ],
 )
 def test_llama_presets_carry_the_published_settings(name, flavor, lr, tp, ac):
     cfg = load_config(["--config", name])
@@ -72,12 +76,24 @@ def test_llama_presets_carry_the_published_settings(name, flavor, lr, tp, ac):
     assert (cfg.training.dataset, cfg.training.dataset_path) == ("files", "data/")
 
 
-@pytest.mark.parametrize("name, flavor, tp", [("qwen3_8b", "8B", 1), ("qwen3_32b", "32B", 8), ("qwen3_30b_a3b", "30B-A3B", 1),
-                                           ("qwen3_235b_a22b", "235B-A22B", 1)])
+@pytest.mark.parametrize(
+    "name, flavor, tp",
+    [
+        ("qwen3_8b", "8B", 1),
+        ("qwen3_32b", "32B", 8),
+        ("qwen3_30b_a3b", "30B-A3B", 1),
+        ("qwen3_235b_a22b", "235B-A22B", 1),
+    ],
+)
 def test_qwen3_presets_carry_the_published_architecture_and_torchtitans_settings(name, flavor, tp):
     cfg = load_config(["--config", name])
     assert (cfg.model.name, cfg.model.flavor, cfg.parallelism.tensor_parallel_degree) == ("qwen3", flavor, tp)
-    assert (cfg.optimizer.lr, cfg.lr_scheduler.warmup_steps, cfg.training.seq_len, cfg.training.steps) == (8e-4, 600, 4096, 3000)
+    assert (cfg.optimizer.lr, cfg.lr_scheduler.warmup_steps, cfg.training.seq_len, cfg.training.steps) == (
+        8e-4,
+        600,
+        4096,
+        3000,
+    )
     assert cfg.activation_checkpoint.mode == "full" and cfg.training.mixed_precision_param == "bfloat16"
     assert cfg.model.hf_assets_path == f"assets/hf/Qwen3-{flavor}"
 
@@ -141,9 +157,19 @@ def test_toml_lists_and_none(tmp_path):
         (["--lr_scheduler.decay_ratio", "0.2"], "lr_scheduler", "decay_ratio", 0.2),
         (["--lr_scheduler.decay_ratio", "none"], "lr_scheduler", "decay_ratio", None),
         (["--lr_scheduler.decay_ratio=None"], "lr_scheduler", "decay_ratio", None),
-        (["--parallelism.fsdp_shard_modules", "Block,Attention"], "parallelism", "fsdp_shard_modules", ["Block", "Attention"]),
+        (
+            ["--parallelism.fsdp_shard_modules", "Block,Attention"],
+            "parallelism",
+            "fsdp_shard_modules",
+            ["Block", "Attention"],
+        ),
         (["--parallelism.fsdp_shard_modules", "Block"], "parallelism", "fsdp_shard_modules", ["Block"]),
-        (["--parallelism.fsdp_shard_modules=" '["Block", "Attention"]'], "parallelism", "fsdp_shard_modules", ["Block", "Attention"]),
+        (
+            ['--parallelism.fsdp_shard_modules=["Block", "Attention"]'],
+            "parallelism",
+            "fsdp_shard_modules",
+            ["Block", "Attention"],
+        ),
         (["--parallelism.fsdp_shard_modules="], "parallelism", "fsdp_shard_modules", []),
         (["--parallelism.fsdp_shard_modules", "[]"], "parallelism", "fsdp_shard_modules", []),
     ],
@@ -247,8 +273,10 @@ def test_choice_errors_list_the_choices(name, bad):
 @pytest.mark.parametrize("bad", ["sometimes", "0", "-2", "2.5"])
 def test_reshard_after_forward_takes_a_policy_or_a_number_of_ranks(bad):
     message = error_of(["--parallelism.fsdp_reshard_after_forward", bad])
-    assert message == ("parallelism.fsdp_reshard_after_forward: must be default, always, never or a number of "
-                       f"ranks >= 1 (got '{bad}')")
+    assert message == (
+        "parallelism.fsdp_reshard_after_forward: must be default, always, never or a number of "
+        f"ranks >= 1 (got '{bad}')"
+    )
 
 
 def test_every_choice_is_accepted():
@@ -262,10 +290,16 @@ def test_every_choice_is_accepted():
 @pytest.mark.parametrize(
     "argv, start",
     [
-        (["--training.local_batch_size", "4", "--training.global_batch_size", "10"], "training.global_batch_size: must be -1 or a multiple"),
+        (
+            ["--training.local_batch_size", "4", "--training.global_batch_size", "10"],
+            "training.global_batch_size: must be -1 or a multiple",
+        ),
         (["--training.dataset", "files"], "training.dataset_path: "),
         (["--training.dataset", "prepared"], "training.dataset_path: "),
-        (["--training.enable_cpu_offload", "--parallelism.fsdp_reshard_after_forward", "never"], "training.enable_cpu_offload: "),
+        (
+            ["--training.enable_cpu_offload", "--parallelism.fsdp_reshard_after_forward", "never"],
+            "training.enable_cpu_offload: ",
+        ),
         (["--parallelism.fsdp_shard_modules", "Block,not a class"], "parallelism.fsdp_shard_modules: "),
     ],
 )
@@ -325,14 +359,23 @@ def test_first_problem_is_reported():
     assert message.startswith("optimizer.lr")  # sections are checked in declaration order
 
 
-@pytest.mark.parametrize("text, message", [
-    ("a:0.7,b:x", "'b:x' is not folder:weight"), ("a:0,b:0", "sum to 0"), ("a:0.5,b", "'b' is not folder:weight"),
-    ("a:-1,b:2", "'a:-1' is not"), ("a:nan,b:1", "'a:nan' is not"), (":1,b:1", "':1' is not"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("a:0.7,b:x", "'b:x' is not folder:weight"),
+        ("a:0,b:0", "sum to 0"),
+        ("a:0.5,b", "'b' is not folder:weight"),
+        ("a:-1,b:2", "'a:-1' is not"),
+        ("a:nan,b:1", "'a:nan' is not"),
+        (":1,b:1", "':1' is not"),
+    ],
+)
 def test_blend_syntax_errors_are_one_line(text, message):
     with pytest.raises(TitanliteError, match=r"^training\.dataset_path: .*" + message):
         parse_blend(text, "training.dataset_path")
-    assert parse_blend("web:0.7, code:0.3", "f") == [("web", 0.7), ("code", 0.3)] and parse_blend("data/x", "f") == [("data/x", 1.0)]
+    assert parse_blend("web:0.7, code:0.3", "f") == [("web", 0.7), ("code", 0.3)] and parse_blend("data/x", "f") == [
+        ("data/x", 1.0)
+    ]
 
 
 # --- unknown names, wrong types, files ---------------------------------------------------
@@ -346,7 +389,10 @@ def test_unknown_key_in_toml_suggests_the_closest(tmp_path):
 def test_unknown_key_in_shipped_name_is_shown_as_given(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write(tmp_path, "[training]\nsq_len = 10\n", "llama_8b.toml")
-    assert error_of(["--config", "llama_8b.toml"]) == "unknown key training.sq_len in llama_8b.toml; did you mean training.seq_len?"
+    assert (
+        error_of(["--config", "llama_8b.toml"])
+        == "unknown key training.sq_len in llama_8b.toml; did you mean training.seq_len?"
+    )
 
 
 def test_unknown_section_in_toml(tmp_path):
@@ -370,7 +416,10 @@ def test_key_in_the_wrong_section_in_toml(tmp_path):
         ("--training.sq_len", "unknown key training.sq_len on the command line; did you mean training.seq_len?"),
         ("--trainig.steps", "unknown key trainig.steps on the command line; did you mean training.steps?"),
         ("--steps", "unknown key steps on the command line; did you mean training.steps?"),
-        ("--optimizer.warmup_steps", "unknown key optimizer.warmup_steps on the command line; did you mean lr_scheduler.warmup_steps?"),
+        (
+            "--optimizer.warmup_steps",
+            "unknown key optimizer.warmup_steps on the command line; did you mean lr_scheduler.warmup_steps?",
+        ),
         ("--training.zzzzzz", "unknown key training.zzzzzz on the command line"),
     ],
 )
@@ -386,11 +435,23 @@ def test_unknown_key_on_the_command_line(flag, expected):
         ("[training]\nsteps = 10.0\n", "training.steps: expected an integer, got 10.0 in "),
         ("[training]\nsteps = true\n", "training.steps: expected an integer, got True in "),
         ('[optimizer]\nlr = "fast"\n', "optimizer.lr: expected a number, got 'fast' in "),
-        ('[training]\ndeterministic = "yes"\n', "training.deterministic: expected a boolean (true/false), got 'yes' in "),
+        (
+            '[training]\ndeterministic = "yes"\n',
+            "training.deterministic: expected a boolean (true/false), got 'yes' in ",
+        ),
         ("[model]\nflavor = 8\n", "model.flavor: expected a string, got 8 in "),
-        ('[parallelism]\nfsdp_shard_modules = "Block"\n', "parallelism.fsdp_shard_modules: expected a list of strings, got 'Block' in "),
-        ("[parallelism]\nfsdp_shard_modules = [1]\n", "parallelism.fsdp_shard_modules: expected a list of strings, got [1] in "),
-        ('[lr_scheduler]\ndecay_ratio = "half"\n', "lr_scheduler.decay_ratio: expected a number or none, got 'half' in "),
+        (
+            '[parallelism]\nfsdp_shard_modules = "Block"\n',
+            "parallelism.fsdp_shard_modules: expected a list of strings, got 'Block' in ",
+        ),
+        (
+            "[parallelism]\nfsdp_shard_modules = [1]\n",
+            "parallelism.fsdp_shard_modules: expected a list of strings, got [1] in ",
+        ),
+        (
+            '[lr_scheduler]\ndecay_ratio = "half"\n',
+            "lr_scheduler.decay_ratio: expected a number or none, got 'half' in ",
+        ),
         ("[training]\nsteps = {a = 1}\n", "training.steps: expected an integer, got {'a': 1} in "),
     ],
 )
@@ -407,8 +468,14 @@ def test_wrong_type_in_toml(tmp_path, text, expected):
         (["--optimizer.lr", "fast"], "optimizer.lr: expected a number, got 'fast'"),
         (["--training.deterministic", "maybe"], "training.deterministic: expected a boolean (true/false), got 'maybe'"),
         (["--lr_scheduler.decay_ratio", "half"], "lr_scheduler.decay_ratio: expected a number or none, got 'half'"),
-        (["--parallelism.fsdp_shard_modules", "[1, 2]"], "parallelism.fsdp_shard_modules: expected a list of strings, got '[1, 2]'"),
-        (["--parallelism.fsdp_shard_modules", "[oops"], "parallelism.fsdp_shard_modules: expected a list of strings, got '[oops'"),
+        (
+            ["--parallelism.fsdp_shard_modules", "[1, 2]"],
+            "parallelism.fsdp_shard_modules: expected a list of strings, got '[1, 2]'",
+        ),
+        (
+            ["--parallelism.fsdp_shard_modules", "[oops"],
+            "parallelism.fsdp_shard_modules: expected a list of strings, got '[oops'",
+        ),
     ],
 )
 def test_wrong_type_on_the_command_line(argv, expected):
@@ -445,7 +512,7 @@ def test_invalid_toml_is_one_line_naming_the_file(tmp_path):
 
 def test_non_utf8_toml(tmp_path):
     path = tmp_path / "bad.toml"
-    path.write_bytes(b"[job]\ndescription = \"\xff\"\n")
+    path.write_bytes(b'[job]\ndescription = "\xff"\n')
     assert error_of(["--config", str(path)]).startswith(f"invalid TOML in {path}")
 
 
@@ -483,8 +550,18 @@ def test_to_dict_is_nested_plain_data():
 
 
 def test_to_toml_round_trips_unusual_values(tmp_path):
-    cfg = load_config([
-        "--job.description", 'quotes " and \\ and ünïcode', "--lr_scheduler.decay_ratio", "0.25",
-        "--parallelism.fsdp_shard_modules", "A,B", "--optimizer.eps", "1e-12", "--metrics.peak_flops", "9.89e14",
-    ])  # fmt: skip
+    cfg = load_config(
+        [
+            "--job.description",
+            'quotes " and \\ and ünïcode',
+            "--lr_scheduler.decay_ratio",
+            "0.25",
+            "--parallelism.fsdp_shard_modules",
+            "A,B",
+            "--optimizer.eps",
+            "1e-12",
+            "--metrics.peak_flops",
+            "9.89e14",
+        ]
+    )
     assert load_config(["--config", write(tmp_path, to_toml(cfg))]) == cfg

@@ -35,8 +35,9 @@ def test_dcp_load_reports_size_progress_and_time_and_loads_the_same_tensors(tmp_
     lines = progress_lines()
     name = tmp_path.name
     size = r"2[67]\d\.\d KB"  # the tensors' 262 KB and DCP's per-item framing
-    assert re.fullmatch(rf"checkpoint load: {re.escape(str(tmp_path))} holds ({size}) in 1 file; this rank reads \1",
-                        lines[0]), lines[0]
+    assert re.fullmatch(
+        rf"checkpoint load: {re.escape(str(tmp_path))} holds ({size}) in 1 file; this rank reads \1", lines[0]
+    ), lines[0]
     during = [line for line in lines[1:-1] if line.startswith(f"checkpoint load: {name}: ")]
     assert len(during) == len(saved) and re.match(rf".*: 100% \(({size}) of \1\)", during[-1]), lines
     assert re.fullmatch(rf"checkpoint load: {re.escape(name)}: done, {size} in \d+ s", lines[-1]), lines[-1]
@@ -46,6 +47,7 @@ def test_hugging_face_import_reports_size_progress_and_time(tmp_path, progress_l
     """A Hugging Face folder is read through `HFProgressReader`: the same three kinds of
     line, sized by the slices this rank reads (here all of three 4 KB tensors)."""
     import safetensors.torch as st
+
     for index in range(3):
         st.save_file({f"t{index}": torch.full((1000,), float(index))}, str(tmp_path / f"model-{index}.safetensors"))
     state = {f"t{index}": torch.zeros(1000) for index in range(3)}

@@ -25,7 +25,9 @@ def test_batches_are_windows_with_shifted_labels(shards):
     x, y = next(loader(unshuffled, 3))
     assert x.shape == y.shape == (3, SEQ) and x.dtype == torch.long
     for b in range(3):
-        assert x[b].tolist() == list(range(b * 16, b * 16 + SEQ)) and y[b].tolist() == list(range(b * 16 + 1, b * 16 + 16))
+        assert x[b].tolist() == list(range(b * 16, b * 16 + SEQ)) and y[b].tolist() == list(
+            range(b * 16 + 1, b * 16 + 16)
+        )
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -36,7 +38,9 @@ def test_dp_ranks_partition_the_global_microbatch(shards, dp):
     for _ in range(30):  # past one epoch of 200 windows
         want_x, want_y = next(reference)
         got = [next(r) for r in ranks]
-        assert torch.equal(torch.cat([x for x, _ in got]), want_x) and torch.equal(torch.cat([y for _, y in got]), want_y)
+        assert torch.equal(torch.cat([x for x, _ in got]), want_x) and torch.equal(
+            torch.cat([y for _, y in got]), want_y
+        )
     assert all(r.state_dict() == reference.state_dict() for r in ranks)
     same_dp_rank = loader(stream_of(shards), B, 1, dp)  # a tp peer of rank 1
     assert_same(take(same_dp_rank, 3), [ranks[1].batch_at(p) for p in range(0, 3 * B * dp, B * dp)])
@@ -47,7 +51,9 @@ def test_resume_at_another_dp_degree_starts_at_the_next_global_window(tmp_path, 
     a, b = make_prepared(tmp_path / "a", 16 * 90), make_prepared(tmp_path / "b", 16 * 50, first=1000)
 
     def blend():
-        return WindowStream([DatasetWindows(a, 16, 0, 90, 3, 0), DatasetWindows(b, 16, 0, 50, 3, 1)], [0.7, 0.3], "blend")
+        return WindowStream(
+            [DatasetWindows(a, 16, 0, 90, 3, 0), DatasetWindows(b, 16, 0, 50, 3, 1)], [0.7, 0.3], "blend"
+        )
 
     global_batch = 8
     reference = loader(blend(), global_batch)
@@ -116,7 +122,9 @@ def test_state_of_other_data_warns_and_keeps_the_position(shards, caplog):
     with caplog.at_level("WARNING", logger="titanlite"):
         other.load_state_dict({"windows": 10, "data": "something else", "seq_len": 99})
     assert "continuing at global window 10" in caplog.text and other.windows == 10
-    with pytest.raises(TitanliteError, match="^checkpoint: the saved dataloader state is not a titanlite data position"):
+    with pytest.raises(
+        TitanliteError, match="^checkpoint: the saved dataloader state is not a titanlite data position"
+    ):
         other.load_state_dict({"source": "builtin"})
 
 

@@ -22,12 +22,24 @@ def _manager(folder, model, tokenizer=None, **cfg):
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.models.llama import llama3_spec
 
-    checkpoint_cfg = Checkpoint(**{"enable_checkpoint": True, "interval": 1, "async_mode": "disabled", "keep_latest_k": 1, **cfg})
+    checkpoint_cfg = Checkpoint(
+        **{"enable_checkpoint": True, "interval": 1, "async_mode": "disabled", "keep_latest_k": 1, **cfg}
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state, data = TrainState(), CountingLoader()
-    manager = CheckpointManager(checkpoint_cfg, str(folder), llama3_spec, "tiny", TINY, model=model, optimizer=optimizer,
-                                lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), dataloader=data,
-                                train_state=state, tokenizer=tokenizer)
+    manager = CheckpointManager(
+        checkpoint_cfg,
+        str(folder),
+        llama3_spec,
+        "tiny",
+        TINY,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        dataloader=data,
+        train_state=state,
+        tokenizer=tokenizer,
+    )
     return manager, optimizer, state, data
 
 
@@ -89,8 +101,11 @@ def test_retention_retires_in_the_step_and_deletes_in_the_background(tmp_path, m
     _train_and_save(manager, model, optimizer, state, data, (1, 2, 3, 4))
     assert commit.scan(root).complete == (3, 4)  # retired at once: discovery no longer sees 1 and 2
     manager.close()
-    assert sorted(deleted_by) == [("step-0", "titanlite-housekeeping"), ("step-1", "titanlite-housekeeping"),
-                                  ("step-2", "titanlite-housekeeping")]
+    assert sorted(deleted_by) == [
+        ("step-0", "titanlite-housekeeping"),
+        ("step-1", "titanlite-housekeeping"),
+        ("step-2", "titanlite-housekeeping"),
+    ]
     assert list((root / commit.TRASH_DIR).iterdir()) == []
 
 
@@ -116,7 +131,11 @@ def test_checksums_are_recorded_and_a_shard_corrupted_inside_its_data_is_named(t
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     again, *_ = _manager(tmp_path, tiny_model(seed=9))
-    with pytest.raises(TitanliteError, match=f"^{shard}: shard file is corrupted \\(CRC-32 [0-9a-f]{{8}}, recorded at save {record.checksums[shard.name]}\\)$"):
+    with pytest.raises(
+        TitanliteError,
+        match=f"^{shard}: shard file is corrupted \\(CRC-32 [0-9a-f]{{8}}, recorded at save "
+        f"{record.checksums[shard.name]}\\)$",
+    ):
         again.load()
     again.close()
     with pytest.raises(TitanliteError, match="shard file is corrupted"):
@@ -131,17 +150,32 @@ def test_resume_with_another_tokenizer_is_refused(tmp_path):
     tokenizer_file = tmp_path / "tok.model"
     tokenizer_file.write_bytes(b"tokenizer A" * 100)
     model = tiny_model(seed=10)
-    manager, optimizer, state, data = _manager(tmp_path, model, tokenizer=types.SimpleNamespace(path=str(tokenizer_file), vocab_size=96))
+    manager, optimizer, state, data = _manager(
+        tmp_path, model, tokenizer=types.SimpleNamespace(path=str(tokenizer_file), vocab_size=96)
+    )
     _train_and_save(manager, model, optimizer, state, data, (1,))
     manager.close()
     assert commit.read_commit(commit.step_dir(tmp_path / "checkpoint", 1)).tokenizer == {
-        "path": str(tokenizer_file), "vocab_size": 96, "crc32": integrity.file_crc32(tokenizer_file)}
+        "path": str(tokenizer_file),
+        "vocab_size": 96,
+        "crc32": integrity.file_crc32(tokenizer_file),
+    }
 
     other = tmp_path / "other.model"
     other.write_bytes(b"tokenizer B" * 100)
-    for tokenizer, difference in [((other, 96), "CRC-32"), ((tokenizer_file, 100), "its vocabulary has 100 tokens, the checkpoint's 96")]:
-        again, *_ = _manager(tmp_path, tiny_model(seed=11), tokenizer=types.SimpleNamespace(path=str(tokenizer[0]), vocab_size=tokenizer[1]))
+    for tokenizer, difference in [
+        ((other, 96), "CRC-32"),
+        ((tokenizer_file, 100), "its vocabulary has 100 tokens, the checkpoint's 96"),
+    ]:
+        again, *_ = _manager(
+            tmp_path,
+            tiny_model(seed=11),
+            tokenizer=types.SimpleNamespace(path=str(tokenizer[0]), vocab_size=tokenizer[1]),
+        )
         with pytest.raises(TitanliteError, match="^model.tokenizer_path: ") as info:
             again.load()
         again.close()
-        assert f"is not the tokenizer {tmp_path / 'checkpoint' / 'step-1'} was trained with ({tokenizer_file}): {difference}" in str(info.value)
+        assert (
+            f"is not the tokenizer {tmp_path / 'checkpoint' / 'step-1'} was trained with ({tokenizer_file}): "
+            f"{difference}" in str(info.value)
+        )

@@ -10,8 +10,14 @@ from titanlite.parallel.mesh import ParallelDims
 
 
 def parallelism(replicate=1, shard=-1, tp=1, ep=1):
-    return SimpleNamespace(data_parallel_replicate_degree=replicate, data_parallel_shard_degree=shard, tensor_parallel_degree=tp,
-                           pipeline_parallel_degree=1, context_parallel_degree=1, expert_parallel_degree=ep)
+    return SimpleNamespace(
+        data_parallel_replicate_degree=replicate,
+        data_parallel_shard_degree=shard,
+        tensor_parallel_degree=tp,
+        pipeline_parallel_degree=1,
+        context_parallel_degree=1,
+        expert_parallel_degree=ep,
+    )
 
 
 def test_shard_degree_fills_the_world():
@@ -25,7 +31,11 @@ def test_shard_degree_fills_the_world():
         (parallelism(tp=3), 4, "world size 4 is not divisible"),
         (parallelism(shard=2, tp=1), 4, "= 2, but the world size is 4"),
         (parallelism(replicate=2, shard=1), 2, "data_parallel_replicate_degree"),
-        (parallelism(tp=2, ep=3), 8, "expert_parallel_degree: 3 does not divide data_parallel_shard_degree 4 x context_parallel_degree 1 = 4"),
+        (
+            parallelism(tp=2, ep=3),
+            8,
+            "expert_parallel_degree: 3 does not divide data_parallel_shard_degree 4 x context_parallel_degree 1 = 4",
+        ),
         (parallelism(replicate=2, ep=2), 8, "expert_parallel_degree: 2 with data_parallel_replicate_degree 2"),
     ],
 )
@@ -49,7 +59,9 @@ def test_global_batch_sets_the_accumulation_steps():
     dims = ParallelDims.from_config(parallelism(tp=2), 8)  # dp 4
     assert dims.grad_accum_steps(local_batch_size=2, global_batch_size=-1) == 1
     assert dims.grad_accum_steps(local_batch_size=2, global_batch_size=16) == 2
-    with pytest.raises(TitanliteError, match="global_batch_size: 12 is not a multiple of local_batch_size 2 x data-parallel degree 4"):
+    with pytest.raises(
+        TitanliteError, match="global_batch_size: 12 is not a multiple of local_batch_size 2 x data-parallel degree 4"
+    ):
         dims.grad_accum_steps(local_batch_size=2, global_batch_size=12)
 
 
@@ -93,7 +105,9 @@ def test_ep_borrows_neighbouring_dp_shard_ranks_on_a_fake_world():
 
 def test_ep_needs_moe_layers_whose_experts_it_divides():
     dims = ParallelDims.from_config(parallelism(ep=2), 4)
-    with pytest.raises(TitanliteError, match="expert_parallel_degree: 2 needs a model with MoE layers; model x has none"):
+    with pytest.raises(
+        TitanliteError, match="expert_parallel_degree: 2 needs a model with MoE layers; model x has none"
+    ):
         dims.check_experts([], "model x")
     with pytest.raises(TitanliteError, match="expert_parallel_degree: 2 does not divide model x's 3 experts per layer"):
         dims.check_experts([8, 3], "model x")

@@ -18,8 +18,16 @@ TRAIN_FIELDS = {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "
 
 
 def logger_in(run_dir, rank: int = 0, peak: float | None = 1e12) -> MetricsLogger:
-    return MetricsLogger(Metrics(enable_tensorboard=False), str(run_dir.parent), rank, torch.device("cpu"),
-                         flops_per_token=1e6, peak=PeakFlops(peak, "test"), devices_per_replica=1, run_dir=run_dir)
+    return MetricsLogger(
+        Metrics(enable_tensorboard=False),
+        str(run_dir.parent),
+        rank,
+        torch.device("cpu"),
+        flops_per_token=1e6,
+        peak=PeakFlops(peak, "test"),
+        devices_per_replica=1,
+        run_dir=run_dir,
+    )
 
 
 def test_each_record_is_on_disk_as_soon_as_it_is_logged(tmp_path):
@@ -72,8 +80,16 @@ def test_tokens_per_second_are_per_device_of_the_replica(tmp_path, monkeypatch):
     monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
     run_dir = tmp_path / "runs" / "r"
     run_dir.mkdir(parents=True)
-    metrics = MetricsLogger(Metrics(enable_tensorboard=False), str(tmp_path), 1, torch.device("cpu"), flops_per_token=1e6,
-                            peak=PeakFlops(1e9, "test"), devices_per_replica=8, run_dir=run_dir)
+    metrics = MetricsLogger(
+        Metrics(enable_tensorboard=False),
+        str(tmp_path),
+        1,
+        torch.device("cpu"),
+        flops_per_token=1e6,
+        peak=PeakFlops(1e9, "test"),
+        devices_per_replica=8,
+        run_dir=run_dir,
+    )
     metrics.add_tokens(1600)
     scalars = metrics.log(1, loss=1.0, grad_norm=1.0, lr=1e-4, tokens_seen=1600)
     assert scalars["tps"] == 1600 / 2.0 / 8 and scalars["mfu"] == 100 * 100 * 1e6 / 1e9

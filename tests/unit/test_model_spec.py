@@ -28,13 +28,31 @@ EVERYTHING = Capabilities(pipeline_split=True, context_parallel=True, document_m
 
 # capability lacking: (world size, the options that need it, the option the line names, what it says is missing)
 NEEDED = {
-    "pipeline_split": (2, ["--parallelism.pipeline_parallel_degree", "2"], "parallelism.pipeline_parallel_degree", "pipeline split"),
-    "context_parallel": (2, ["--parallelism.context_parallel_degree", "2"], "parallelism.context_parallel_degree",
-                         "context-parallel attention"),
+    "pipeline_split": (
+        2,
+        ["--parallelism.pipeline_parallel_degree", "2"],
+        "parallelism.pipeline_parallel_degree",
+        "pipeline split",
+    ),
+    "context_parallel": (
+        2,
+        ["--parallelism.context_parallel_degree", "2"],
+        "parallelism.context_parallel_degree",
+        "context-parallel attention",
+    ),
     "document_mask": (1, ["--model.attn_mask_type", "block_causal"], "model.attn_mask_type", "document masking"),
-    "hf_adapter": (1, ["--checkpoint.initial_load_format", "hf", "--checkpoint.initial_load_path", "/nowhere"],
-                   "checkpoint.initial_load_format", "Hugging Face mapping"),
-    "hf_adapter_on_save": (1, ["--checkpoint.last_save_in_hf", "true"], "checkpoint.last_save_in_hf", "Hugging Face mapping"),
+    "hf_adapter": (
+        1,
+        ["--checkpoint.initial_load_format", "hf", "--checkpoint.initial_load_path", "/nowhere"],
+        "checkpoint.initial_load_format",
+        "Hugging Face mapping",
+    ),
+    "hf_adapter_on_save": (
+        1,
+        ["--checkpoint.last_save_in_hf", "true"],
+        "checkpoint.last_save_in_hf",
+        "Hugging Face mapping",
+    ),
 }
 
 
@@ -48,8 +66,17 @@ def stand_in(lacking: str) -> ModelSpec:
 
 def plan(overrides: list[str], world: int, spec: ModelSpec, monkeypatch):
     monkeypatch.setattr(build, "get_model_spec", lambda name, flavor=None: spec)
-    cfg = load_config(["--config", "debug_model", "--training.local_batch_size", "4", "--training.mixed_precision_param", "float32",
-                       *overrides])  # fmt: skip
+    cfg = load_config(
+        [
+            "--config",
+            "debug_model",
+            "--training.local_batch_size",
+            "4",
+            "--training.mixed_precision_param",
+            "float32",
+            *overrides,
+        ]
+    )
     return plan_run(cfg, world, vocab_size=VOCAB)
 
 
@@ -79,7 +106,9 @@ def test_generation_recomputes_for_a_model_without_a_kv_cache(monkeypatch):
 
 def test_the_refusal_says_what_the_model_needs():
     line = stand_in("pipeline_split").lacks("pipeline_split")
-    assert "skip the top-level modules the stage holds as None" in line and "ModelSpec.capabilities.pipeline_split" in line
+    assert (
+        "skip the top-level modules the stage holds as None" in line and "ModelSpec.capabilities.pipeline_split" in line
+    )
 
 
 def test_gpt2_declares_what_its_code_supports_today():
@@ -104,8 +133,11 @@ def test_each_declared_capability_holds_for_the_models_code(name):
     declared = spec.capabilities
     if declared.pipeline_split:  # two stages run through the model's own forward give its logits
         model = tiny(spec)
-        layout = plan_layout(load_config(["--config", "debug_model", "--parallelism.pipeline_parallel_degree", "2"]).parallelism,
-                             len(model.layers), 2)
+        layout = plan_layout(
+            load_config(["--config", "debug_model", "--parallelism.pipeline_parallel_degree", "2"]).parallelism,
+            len(model.layers),
+            2,
+        )
         first, last = (split_stage(model, stage) for stage in layout.stages)
         tokens = torch.randint(0, VOCAB, (2, 8))
         with torch.no_grad():

@@ -74,7 +74,15 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         MoEArgs(n_experts=6, top_k=2, hidden_dim=8, score_func="softmax", renormalize=False),
         MoEArgs(n_experts=6, top_k=2, hidden_dim=8, score_func="softmax", renormalize=True, n_shared_experts=2),
         MoEArgs(n_experts=6, top_k=3, hidden_dim=8, score_func="sigmoid", renormalize=False, route_scale=2.5),
-        MoEArgs(n_experts=6, top_k=3, hidden_dim=8, score_func="sigmoid", renormalize=True, use_expert_bias=True, n_shared_experts=1),
+        MoEArgs(
+            n_experts=6,
+            top_k=3,
+            hidden_dim=8,
+            score_func="sigmoid",
+            renormalize=True,
+            use_expert_bias=True,
+            n_shared_experts=1,
+        ),
     ],
     ids=["softmax", "softmax_renorm_shared", "sigmoid_scaled", "sigmoid_renorm_bias_shared"],
 )
@@ -120,7 +128,9 @@ def test_bias_balancing_moves_a_skewed_router_toward_uniform_load():
     """Experts 0 and 1 start with nearly every token (max/mean load near E / k = 4); bias
     updates after each step on the same inputs bring the measured load near 1, where the
     sign rule then keeps it oscillating by about one bias step."""
-    args = MoEArgs(n_experts=8, top_k=2, hidden_dim=8, score_func="sigmoid", use_expert_bias=True, bias_update_rate=0.01)
+    args = MoEArgs(
+        n_experts=8, top_k=2, hidden_dim=8, score_func="sigmoid", use_expert_bias=True, bias_update_rate=0.01
+    )
     moe = make_moe(args, torch.float32)
     with torch.no_grad():
         moe.router.gate.weight[:2, 0] += 4.0

@@ -32,7 +32,9 @@ def test_skips_are_counted_until_none_is_left():
     assert not steps.allows_update(3, BAD_NORM, torch.tensor(math.inf))
     assert not steps.allows_update(4, StepAgreement(0, True, True), torch.tensor(math.nan))
     assert steps.skipped == 2
-    with pytest.raises(NonFiniteError, match=r"step 5: non-finite grad_norm \(inf\); .*\(2 of training.max_nan_skips 2 skips used\)"):
+    with pytest.raises(
+        NonFiniteError, match=r"step 5: non-finite grad_norm \(inf\); .*\(2 of training.max_nan_skips 2 skips used\)"
+    ):
         steps.allows_update(5, BAD_NORM, torch.tensor(math.inf))
 
 

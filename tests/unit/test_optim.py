@@ -28,7 +28,9 @@ def test_scheduler_sets_the_lr_each_step():
     param = torch.nn.Parameter(torch.zeros(2))
     cfg = SimpleNamespace(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, implementation="for-loop")
     optimizer = build_optimizer([param], cfg)
-    schedule = build_lr_scheduler(optimizer, SimpleNamespace(warmup_steps=4, decay_ratio=None, decay_type="linear", lr_min=0.0), 8)
+    schedule = build_lr_scheduler(
+        optimizer, SimpleNamespace(warmup_steps=4, decay_ratio=None, decay_type="linear", lr_min=0.0), 8
+    )
     seen = []
     for _ in range(8):
         seen.append(optimizer.param_groups[0]["lr"])

@@ -60,7 +60,9 @@ def test_ac_every_second_block_chosen_by_class_keeps_names_and_outputs():
 def test_per_op_ac_wraps_every_outermost_block_not_its_inner_modules():
     model = parallelize(Net(), None, blocks=lambda m: isinstance(m, (Block, Inner)), ac="op")
     assert all(isinstance(b, CheckpointWrapper) for b in model.stack)
-    assert not any(isinstance(m, CheckpointWrapper) for b in model.stack for m in b._checkpoint_wrapped_module.modules())
+    assert not any(
+        isinstance(m, CheckpointWrapper) for b in model.stack for m in b._checkpoint_wrapped_module.modules()
+    )
 
 
 @pytest.fixture
@@ -72,23 +74,32 @@ def one_rank_world():
 
 def test_nested_fsdp_units_by_class_name_and_prefetch(one_rank_world):
     model = Net()
-    parallelize(model, init_device_mesh("cpu", (1,)), blocks={Block}, fsdp_modules=["Block", "Inner"], prefetch=2,
-                reshard_after_forward=True)
+    parallelize(
+        model,
+        init_device_mesh("cpu", (1,)),
+        blocks={Block},
+        fsdp_modules=["Block", "Inner"],
+        prefetch=2,
+        reshard_after_forward=True,
+    )
     sharded = sorted(name for name, m in model.named_modules() if isinstance(m, FSDPModule))
     assert sharded == ["", *sorted(f"stack.{i}{s}" for i in range(4) for s in ("", ".inner"))]
     model(torch.randn(2, 4)).sum().backward()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"ac": "some"}, "ac must be"),
-    ({"ac": 0}, "ac must be"),
-    ({"ac": "full"}, "ac and compile wrap blocks"),
-    ({"prefetch": -1}, "prefetch must be"),
-    ({"reshard_after_forward": "sometimes"}, "reshard_after_forward must be"),
-    ({"tp_plan": {"stack.0.inner.proj": None}}, "tp_plan needs a mesh"),
-    ({"blocks": ["Missing"]}, "blocks: no module of class Missing"),
-    ({"blocks": [3]}, "blocks: expected module classes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"ac": "some"}, "ac must be"),
+        ({"ac": 0}, "ac must be"),
+        ({"ac": "full"}, "ac and compile wrap blocks"),
+        ({"prefetch": -1}, "prefetch must be"),
+        ({"reshard_after_forward": "sometimes"}, "reshard_after_forward must be"),
+        ({"tp_plan": {"stack.0.inner.proj": None}}, "tp_plan needs a mesh"),
+        ({"blocks": ["Missing"]}, "blocks: no module of class Missing"),
+        ({"blocks": [3]}, "blocks: expected module classes"),
+    ],
+)
 def test_bad_settings_are_one_line(kwargs, message):
     class NoLayers(nn.Module):
         def __init__(self):
@@ -127,4 +138,6 @@ def test_fsdp_shards_a_tensor_with_fewer_rows_than_ranks_along_a_later_dim_it_di
     assert place(torch.nn.Parameter(torch.empty(3, 24, 32))) == Shard(1)
     assert place(torch.nn.Parameter(torch.empty(3, 6, 32))) == Shard(2)
     assert place(torch.nn.Parameter(torch.empty(3, 5, 7))) is None
-    assert place(torch.nn.Parameter(torch.empty(8, 6, 32))) is None and place(torch.nn.Parameter(torch.empty(3))) is None
+    assert (
+        place(torch.nn.Parameter(torch.empty(8, 6, 32))) is None and place(torch.nn.Parameter(torch.empty(3))) is None
+    )

@@ -31,8 +31,15 @@ def test_the_configured_peak_wins_on_any_device(gpu_named):
 
 @pytest.mark.parametrize(
     "name, bf16",
-    [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
-     ("NVIDIA H200", 989e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362e12)],
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L40S", 362e12),
+    ],
 )
 def test_a_known_gpu_gets_its_table_entry_and_half_for_float32(gpu_named, name, bf16):
     gpu_named(name)
@@ -53,7 +60,10 @@ def test_every_table_entry_is_found_with_its_own_peak(gpu_named):
 def test_an_unknown_gpu_or_device_gives_no_peak_and_says_what_to_set(gpu_named):
     gpu_named("Some Future GPU")
     unknown = peak_flops(CUDA, torch.bfloat16, 0.0)
-    assert unknown.flops is None and unknown.source == "Some Future GPU is not in the peak table; set metrics.peak_flops for MFU"
+    assert (
+        unknown.flops is None
+        and unknown.source == "Some Future GPU is not in the peak table; set metrics.peak_flops for MFU"
+    )
     meta = peak_flops(torch.device("meta"), torch.bfloat16, 0.0)
     assert meta == PeakFlops(None, "no peak known for device type meta; set metrics.peak_flops for MFU")
 

@@ -13,14 +13,28 @@ from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
 from titanlite.models.moe import moe_layers
 from titanlite.parallel.estimate import in_flight_microbatches
-from titanlite.parallel.pipeline import ModelParts, _cheapest_runs, _StageCost, part_flops, plan_layout, shared_parameters, split_stage
+from titanlite.parallel.pipeline import (
+    ModelParts,
+    _cheapest_runs,
+    _StageCost,
+    part_flops,
+    plan_layout,
+    shared_parameters,
+    split_stage,
+)
 
 
 def parallelism(degree=2, schedule="1F1B", microbatch=1, per_stage=None, split=(), first=1, last=1, balance="layers"):
-    return SimpleNamespace(pipeline_parallel_degree=degree, pipeline_parallel_schedule=schedule,
-                           pipeline_parallel_microbatch_size=microbatch, pipeline_parallel_layers_per_stage=per_stage,
-                           pipeline_parallel_split_points=list(split), pipeline_parallel_first_stage_less_layers=first,
-                           pipeline_parallel_last_stage_less_layers=last, pipeline_parallel_balance=balance)  # fmt: skip
+    return SimpleNamespace(
+        pipeline_parallel_degree=degree,
+        pipeline_parallel_schedule=schedule,
+        pipeline_parallel_microbatch_size=microbatch,
+        pipeline_parallel_layers_per_stage=per_stage,
+        pipeline_parallel_split_points=list(split),
+        pipeline_parallel_first_stage_less_layers=first,
+        pipeline_parallel_last_stage_less_layers=last,
+        pipeline_parallel_balance=balance,
+    )
 
 
 def blocks(layout) -> list[list[int]]:
@@ -30,7 +44,12 @@ def blocks(layout) -> list[list[int]]:
 def test_the_automatic_split_counts_the_embedding_and_the_output_as_a_block_each():
     two = plan_layout(parallelism(), 6, 8)
     assert blocks(two) == [[0, 1, 2], [3, 4, 5]]
-    assert (two.stages[0].first, two.stages[0].last, two.stages[1].first, two.stages[1].last) == (True, False, False, True)
+    assert (two.stages[0].first, two.stages[0].last, two.stages[1].first, two.stages[1].last) == (
+        True,
+        False,
+        False,
+        True,
+    )
     assert blocks(plan_layout(parallelism(schedule="Interleaved1F1B"), 6, 8)) == [[0], [1, 2], [3, 4], [5]]
     # 32 blocks on 4 stages: 34 slots of 8 or 9; the first and last stage give one to the embedding and the head.
     assert [len(s) for s in blocks(plan_layout(parallelism(degree=4), 32, 8))] == [8, 9, 8, 7]
@@ -44,9 +63,16 @@ def test_the_split_by_flops_makes_the_slowest_stage_the_cheapest_possible():
     import itertools
     import random
 
-    assert _cheapest_runs(_StageCost([0.0, 1, 1, 1, 1, 1, 1, 1.2], 2)) == [(0, 4), (4, 6)]  # 4 | 2 + a head of 1.2 blocks
+    assert _cheapest_runs(_StageCost([0.0, 1, 1, 1, 1, 1, 1, 1.2], 2)) == [
+        (0, 4),
+        (4, 6),
+    ]  # 4 | 2 + a head of 1.2 blocks
     assert _cheapest_runs(_StageCost([0.0, 1, 1, 1, 1, 1, 1, 0.5], 2)) == [(0, 3), (3, 6)]
-    assert _cheapest_runs(_StageCost([0.0, 1, 1, 4.0], 3)) == [(0, 1), (1, 2), (2, 2)]  # the head alone on the last stage
+    assert _cheapest_runs(_StageCost([0.0, 1, 1, 4.0], 3)) == [
+        (0, 1),
+        (1, 2),
+        (2, 2),
+    ]  # the head alone on the last stage
     rng = random.Random(0)
     for _ in range(200):
         n_layers, n_stages = rng.randint(1, 7), rng.randint(1, 4)
@@ -56,8 +82,10 @@ def test_the_split_by_flops_makes_the_slowest_stage_the_cheapest_possible():
 
         def largest(runs):
             last = len(runs) - 1
-            return max(sum(costs[1 + a:1 + b]) + (costs[0] if i == 0 else 0) + (costs[-1] if i == last else 0)
-                       for i, (a, b) in enumerate(runs))
+            return max(
+                sum(costs[1 + a : 1 + b]) + (costs[0] if i == 0 else 0) + (costs[-1] if i == last else 0)
+                for i, (a, b) in enumerate(runs)
+            )
 
         splits = []
         for cuts in itertools.combinations_with_replacement(range(n_layers + 1), n_stages - 1):
@@ -91,7 +119,10 @@ def test_part_flops_count_what_the_model_spec_counts_and_balance_the_debug_model
         attention = (spec.flops_per_token(model.args, 0, seq) - spec.flops_per_token(model.args, 0, 0)) / 6
         layout = plan_layout(parallelism(balance="flops"), 6, 8, part_flops(model, attention))
         assert blocks(layout) == want
-    assert layout.stages[1].describe().startswith("stage 1: layers 3-5 + output (") and "MFLOP/token" in layout.stages[1].describe()
+    assert (
+        layout.stages[1].describe().startswith("stage 1: layers 3-5 + output (")
+        and "MFLOP/token" in layout.stages[1].describe()
+    )
     with pytest.raises(TitanliteError, match="^parallelism.pipeline_parallel_split_points: set together with"):
         plan_layout(parallelism(balance="flops", split=["layers.2"]), 6, 8, part_flops(model, 0.0))
 
@@ -130,7 +161,12 @@ def test_stages_sit_round_robin_or_in_a_v():
         (parallelism(), 6, 1, "1F1B needs at least one microbatch per stage (2)"),
         (parallelism(schedule="DualPipeV"), 6, 2, "DualPipeV needs at least one microbatch per stage (4)"),
         (parallelism(degree=4, schedule="Interleaved1F1B"), 16, 9, "needs 9 microbatches to split evenly into them"),
-        (parallelism(degree=4, first=4), 6, 8, "pipeline_parallel_first_stage_less_layers: 4 is more than the first stage's share of 3"),
+        (
+            parallelism(degree=4, first=4),
+            6,
+            8,
+            "pipeline_parallel_first_stage_less_layers: 4 is more than the first stage's share of 3",
+        ),
     ],
 )
 def test_impossible_layouts_are_one_line_naming_the_key(settings, n_layers, batch, message):
@@ -156,7 +192,9 @@ def test_a_stage_is_the_model_without_the_other_stages_and_keeps_every_name():
         for name, param in part.named_parameters():
             assert name in whole and param.shape == whole[name].shape
     parts = ModelParts([first, last])  # rank 0 of the V holds stages 0 and 3
-    assert sorted(n for n, _ in parts.named_parameters()) == sorted(n for n, _ in [*first.named_parameters(), *last.named_parameters()])
+    assert sorted(n for n, _ in parts.named_parameters()) == sorted(
+        n for n, _ in [*first.named_parameters(), *last.named_parameters()]
+    )
     assert all(not n.startswith("parts") for n, _ in parts.named_parameters())
     parts.eval()
     assert not first.training and not last.training and not first.layers["0"].training
@@ -181,8 +219,16 @@ def test_a_stage_runs_through_the_models_own_forward():
 
 @pytest.mark.parametrize(
     "schedule, rank, expected",
-    [("GPipe", 0, 8), ("LoopedBFS", 1, 8), ("1F1B", 0, 4), ("1F1B", 3, 1), ("ZBVZeroBubble", 2, 4), ("DualPipeV", 0, 4),
-     ("Interleaved1F1B", 0, 6), ("Interleaved1F1B", 3, 3)],
+    [
+        ("GPipe", 0, 8),
+        ("LoopedBFS", 1, 8),
+        ("1F1B", 0, 4),
+        ("1F1B", 3, 1),
+        ("ZBVZeroBubble", 2, 4),
+        ("DualPipeV", 0, 4),
+        ("Interleaved1F1B", 0, 6),
+        ("Interleaved1F1B", 3, 3),
+    ],
 )
 def test_microbatches_in_flight_follow_the_schedule(schedule, rank, expected):
     assert in_flight_microbatches(schedule, degree=4, n_microbatches=8, stages_per_rank=2, pp_rank=rank) == expected

@@ -37,8 +37,16 @@ def logged_run(dump_folder: Path, lr: float, validate_at: list[int]):
     cfg = JobConfig()
     cfg.job.dump_folder, cfg.optimizer.lr = str(dump_folder), lr
     run_dir = create_run_dir(cfg)
-    metrics = MetricsLogger(Metrics(enable_tensorboard=False), str(dump_folder), 0, torch.device("cpu"), 1e6,
-                            PeakFlops(1e12, "test"), 1, run_dir)
+    metrics = MetricsLogger(
+        Metrics(enable_tensorboard=False),
+        str(dump_folder),
+        0,
+        torch.device("cpu"),
+        1e6,
+        PeakFlops(1e12, "test"),
+        1,
+        run_dir,
+    )
     for step in range(1, 5):
         metrics.add_tokens(128)
         metrics.log(step, 9.0 - step * lr * 100, 1.0, lr, 128 * step)
@@ -55,8 +63,12 @@ def test_validation_is_a_dashed_line_of_its_own_per_run(tmp_path):
     series = plot_run().main([str(a), str(b), "-o", str(tmp_path / "v.png")])
 
     loss = [(line.run.rpartition(" ")[2], line.kind, line.steps) for line in series["loss"]]
-    assert loss == [("(lr=0.001)", "train", [1, 2, 3, 4]), ("(lr=0.001)", "validation", [2, 4]),
-                    ("(lr=0.002)", "train", [1, 2, 3, 4]), ("(lr=0.002)", "validation", [4])]
+    assert loss == [
+        ("(lr=0.001)", "train", [1, 2, 3, 4]),
+        ("(lr=0.001)", "validation", [2, 4]),
+        ("(lr=0.002)", "train", [1, 2, 3, 4]),
+        ("(lr=0.002)", "validation", [4]),
+    ]
     assert [line.values for line in series["loss"] if line.kind == "validation"][1] == [9.5 - 4 * 0.2]
     assert (tmp_path / "v.png").read_bytes().startswith(PNG_MAGIC)
 
@@ -64,7 +76,9 @@ def test_validation_is_a_dashed_line_of_its_own_per_run(tmp_path):
 def test_without_matplotlib_it_says_which_extra_to_install(tmp_path, monkeypatch):
     run_dir = logged_run(tmp_path, 1e-3, validate_at=[])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    with pytest.raises(TitanliteError, match=r"needs matplotlib \(the optional extra 'plot'\): pip install -e \.\[plot\]"):
+    with pytest.raises(
+        TitanliteError, match=r"needs matplotlib \(the optional extra 'plot'\): pip install -e \.\[plot\]"
+    ):
         plot_run().main([str(run_dir), "-o", str(tmp_path / "x.png")])
 
 

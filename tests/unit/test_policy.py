@@ -18,7 +18,12 @@ def make_step(root, step: int, *, committed: bool = True, weights_only: bool = F
     folder.mkdir(parents=True)
     (folder / ".metadata").write_bytes(b"")
     if committed:
-        commit.write_commit(folder, commit.CommitRecord(step=step, fingerprint={"name": "x"}, contents=["model"], model_weights_only=weights_only))
+        commit.write_commit(
+            folder,
+            commit.CommitRecord(
+                step=step, fingerprint={"name": "x"}, contents=["model"], model_weights_only=weights_only
+            ),
+        )
 
 
 def test_should_save_every_interval_and_at_the_end():
@@ -78,7 +83,9 @@ def test_retention_keeps_latest_k_and_cleans_older_debris():
 def test_save_kind_last_step_is_blocking_and_weights_only_when_asked():
     cfg = Checkpoint(async_mode="async", model_weights_only=True, export_dtype="bfloat16")
     assert policy.save_kind(cfg, last=False) == policy.SaveKind(weights_only=False, export_dtype=None, blocking=False)
-    assert policy.save_kind(cfg, last=True) == policy.SaveKind(weights_only=True, export_dtype="bfloat16", blocking=True)
+    assert policy.save_kind(cfg, last=True) == policy.SaveKind(
+        weights_only=True, export_dtype="bfloat16", blocking=True
+    )
     full = Checkpoint(async_mode="disabled")
     assert policy.save_kind(full, last=False).blocking and not policy.save_kind(full, last=True).weights_only
     seed = commit.CommitRecord(step=0, fingerprint={}, contents=["model"], model_weights_only=True)

@@ -35,8 +35,13 @@ def test_explicit_dtypes_are_kept(host):
 
 @pytest.mark.parametrize(
     "native, speedup, expected",
-    [(False, 4.0, "float32"), (True, 0.2, "float32"), (True, precision.MIN_BF16_SPEEDUP - 0.01, "float32"),
-     (True, precision.MIN_BF16_SPEEDUP, "bfloat16"), (True, 3.5, "bfloat16")],
+    [
+        (False, 4.0, "float32"),
+        (True, 0.2, "float32"),
+        (True, precision.MIN_BF16_SPEEDUP - 0.01, "float32"),
+        (True, precision.MIN_BF16_SPEEDUP, "bfloat16"),
+        (True, 3.5, "bfloat16"),
+    ],
 )
 def test_auto_on_cpu_needs_native_and_fast_bf16(host, native, speedup, expected):
     host(native, speedup)

@@ -23,8 +23,14 @@ def test_round_trip_tokens_and_document_boundaries(prepared, tok):
     manifest = json.loads((folder / "manifest.json").read_text())
     assert len(manifest["shards"]) > 4 and manifest["dtype"] == "uint16"
     assert manifest["documents"] == len(docs) and manifest["tokens"] == shards.num_tokens
-    assert manifest["tokenizer"] == {"file": "titanlite.model", "kind": "sentencepiece", "sha256": tok.sha256,
-                                     "vocab_size": 4096, "bos_id": 1, "eos_id": 2}
+    assert manifest["tokenizer"] == {
+        "file": "titanlite.model",
+        "kind": "sentencepiece",
+        "sha256": tok.sha256,
+        "vocab_size": 4096,
+        "bos_id": 1,
+        "eos_id": 2,
+    }
     encoded = [tok.encode(d) for d in docs]
     assert shards.read(0, shards.num_tokens).tolist() == [t for ids in encoded for t in ids]
     boundaries = []

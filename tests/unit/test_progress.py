@@ -35,5 +35,7 @@ def test_updates_are_throttled_and_finish_always_logs(monkeypatch, caplog):
         now[0] = 75.0
         p.finish()
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["loading: 60% (6 files of 10 files), 5 s elapsed, about 3 s left",
-                     "loading: done, 10 files in 1 min 15 s"]
+    assert lines == [
+        "loading: 60% (6 files of 10 files), 5 s elapsed, about 3 s left",
+        "loading: done, 10 files in 1 min 15 s",
+    ]

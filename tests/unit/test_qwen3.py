@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from titanlite.models import get_model_spec
-from titanlite.models.moe import MoE, MoEArgs, aux_loss_gradients, aux_losses, expert_load, load_balancing_loss, moe_layers
+from titanlite.models.moe import (
+    MoE,
+    MoEArgs,
+    aux_loss_gradients,
+    aux_losses,
+    expert_load,
+    load_balancing_loss,
+    moe_layers,
+)
 from titanlite.models.qwen3 import active_parameters, qwen3_flavors
 
 VOCAB = 64
@@ -35,11 +43,19 @@ def tokens(batch: int = 2, seq: int = 24, seed: int = 0) -> torch.Tensor:
 
 def hf_weights(model, moe: bool) -> dict[str, torch.Tensor]:
     """Our weights under transformers' names (the mapping the HF adapter will own)."""
-    names = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
-             "lm_head.weight": model.output.weight}  # fmt: skip
+    names = {
+        "model.embed_tokens.weight": model.tok_embeddings.weight,
+        "model.norm.weight": model.norm.weight,
+        "lm_head.weight": model.output.weight,
+    }
     for i, block in model.layers.items():
         prefix, attention, ffn = f"model.layers.{i}.", block.attention, block.feed_forward
-        for hf, ours in (("q_proj", attention.wq), ("k_proj", attention.wk), ("v_proj", attention.wv), ("o_proj", attention.wo)):
+        for hf, ours in (
+            ("q_proj", attention.wq),
+            ("k_proj", attention.wk),
+            ("v_proj", attention.wv),
+            ("o_proj", attention.wo),
+        ):
             names[f"{prefix}self_attn.{hf}.weight"] = ours.weight
         names[f"{prefix}self_attn.q_norm.weight"] = attention.q_norm.weight
         names[f"{prefix}self_attn.k_norm.weight"] = attention.k_norm.weight
@@ -62,15 +78,31 @@ def test_logits_are_transformers_qwen3s_on_the_same_weights(flavor):
     transformers = pytest.importorskip("transformers")
     args, model = build(flavor)
     model = model.double().eval()
-    common = dict(vocab_size=VOCAB, hidden_size=args.dim, num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
-                  num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
-                  max_position_embeddings=args.max_seq_len, tie_word_embeddings=False, attn_implementation="eager")  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=args.dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        max_position_embeddings=args.max_seq_len,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     if args.moe is None:
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=args.hidden_dim, **common))
     else:
-        config = transformers.Qwen3MoeConfig(intermediate_size=args.hidden_dim, moe_intermediate_size=args.moe.hidden_dim,
-                                             num_experts=args.moe.n_experts, num_experts_per_tok=args.moe.top_k, norm_topk_prob=True,
-                                             experts_implementation="eager", **common)  # fmt: skip
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=args.hidden_dim,
+            moe_intermediate_size=args.moe.hidden_dim,
+            num_experts=args.moe.n_experts,
+            num_experts_per_tok=args.moe.top_k,
+            norm_topk_prob=True,
+            experts_implementation="eager",
+            **common,
+        )
         hf = transformers.Qwen3MoeForCausalLM(config)
     hf = hf.double().eval()
     hf.load_state_dict(hf_weights(model, args.moe is not None), strict=True)
@@ -90,9 +122,13 @@ def test_q_and_k_are_normalized_per_head_before_rope():
     k = 0.1 * torch.randn(2, 5, args.n_kv_heads, args.head_dim)
     rotated_q, rotated_k = attention.rotate(q, k, model.rope_cache)
     for rotated in (rotated_q, rotated_k):
-        torch.testing.assert_close(rotated.norm(dim=-1), torch.full(rotated.shape[:-1], math.sqrt(args.head_dim)), rtol=1e-4, atol=0)
+        torch.testing.assert_close(
+            rotated.norm(dim=-1), torch.full(rotated.shape[:-1], math.sqrt(args.head_dim)), rtol=1e-4, atol=0
+        )
     attention.q_norm.weight.data.fill_(2.0)  # the norm's weight scales every head
-    assert torch.allclose(attention.rotate(q, k, model.rope_cache)[0].norm(dim=-1), 2 * rotated_q.norm(dim=-1), rtol=1e-5)
+    assert torch.allclose(
+        attention.rotate(q, k, model.rope_cache)[0].norm(dim=-1), 2 * rotated_q.norm(dim=-1), rtol=1e-5
+    )
 
 
 @torch.no_grad()
@@ -128,8 +164,16 @@ def test_tied_flavors_share_one_table_and_untied_ones_do_not():
 
 
 # total and activated parameters, from the model cards (Qwen/Qwen3-*), with the 151,936-token vocabulary
-PUBLISHED = {"0.6B": (0.6e9, None), "1.7B": (1.7e9, None), "4B": (4.0e9, None), "8B": (8.2e9, None), "14B": (14.8e9, None),
-             "32B": (32.8e9, None), "30B-A3B": (30.5e9, 3.3e9), "235B-A22B": (235e9, 22e9)}  # fmt: skip
+PUBLISHED = {
+    "0.6B": (0.6e9, None),
+    "1.7B": (1.7e9, None),
+    "4B": (4.0e9, None),
+    "8B": (8.2e9, None),
+    "14B": (14.8e9, None),
+    "32B": (32.8e9, None),
+    "30B-A3B": (30.5e9, 3.3e9),
+    "235B-A22B": (235e9, 22e9),
+}
 
 
 @pytest.mark.parametrize("flavor", PUBLISHED)
@@ -170,7 +214,9 @@ def test_the_moe_flavor_routes_records_expert_load_and_trains_its_gate_through_t
     assert list(layers) == [f"layers.{i}.feed_forward" for i in range(args.n_layers)]
     model(tokens())
     load = expert_load(model)
-    assert len(load) == args.n_layers and all(1.0 <= ratio <= args.moe.n_experts / args.moe.top_k for ratio in load.values())
+    assert len(load) == args.n_layers and all(
+        1.0 <= ratio <= args.moe.n_experts / args.moe.top_k for ratio in load.values()
+    )
     assert all(int(layer.tokens_per_expert.sum()) == 2 * 24 * args.moe.top_k for layer in layers.values())
     aux = aux_losses(model)
     assert aux.item() > 0

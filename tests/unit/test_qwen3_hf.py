@@ -45,7 +45,9 @@ def test_save_pretrained_converts_both_ways_with_transformers_logits(tmp_path, k
     source = weight_map(tmp_path / "hf")
     assert len(set(source.values())) > 2  # several files
     if args.moe is not None:  # transformers writes each expert as its own tensor
-        assert "model.layers.2.mlp.experts.2.up_proj.weight" in source and "model.layers.1.mlp.gate_proj.weight" in source
+        assert (
+            "model.layers.2.mlp.experts.2.up_proj.weight" in source and "model.layers.1.mlp.gate_proj.weight" in source
+        )
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf_adapter.check_hf_config(config, args) == []
     assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--model", "qwen3"]) == 0
@@ -56,7 +58,9 @@ def test_save_pretrained_converts_both_ways_with_transformers_logits(tmp_path, k
         torch.testing.assert_close(ours(reference["tokens"]), reference["logits"], rtol=1e-4, atol=1e-4)
     assert convert()(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "back"), "--max-shard-size", "8KB"]) == 0
     assert weight_map(tmp_path / "back").keys() == source.keys()
-    torch.testing.assert_close(hf_logits(tmp_path / "back", reference["tokens"]), reference["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        hf_logits(tmp_path / "back", reference["tokens"]), reference["logits"], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_sharded_io_writes_what_to_hf_maps_and_reads_it_back(tmp_path):
@@ -86,11 +90,16 @@ def test_an_expert_bias_is_refused_on_export_and_zero_from_hf(tmp_path):
     biased = dataclasses.replace(aux, moe=dataclasses.replace(aux.moe, use_expert_bias=True))
     model = Qwen3(biased)
     model.init_weights(seed=0)
-    with pytest.raises(TitanliteError, match=r"an expert bias \(DeepSeek-V3's balancing; MoEArgs.use_expert_bias\) \(Qwen3-MoE has none\)$"):
+    with pytest.raises(
+        TitanliteError,
+        match=r"an expert bias \(DeepSeek-V3's balancing; MoEArgs.use_expert_bias\) \(Qwen3-MoE has none\)$",
+    ):
         hf_io.save_hf_weights(model.state_dict(), tmp_path / "out", hf_adapter, biased)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
     argv = ["--config", "debug_model", "--model.name", "qwen3", "--checkpoint.last_save_in_hf", "true"]
-    with pytest.raises(TitanliteError, match="^checkpoint.last_save_in_hf: model qwen3 flavor debugmodel_moe has what .* expert bias"):
+    with pytest.raises(
+        TitanliteError, match="^checkpoint.last_save_in_hf: model qwen3 flavor debugmodel_moe has what .* expert bias"
+    ):
         plan_run(load_config([*argv, "--model.flavor", "debugmodel_moe"]), 1, vocab_size=64)
     plan_run(load_config([*argv, "--model.flavor", "debugmodel_moe_aux"]), 1, vocab_size=64)
     hf_io.save_hf_weights(Qwen3(aux).state_dict(), tmp_path / "hf", hf_adapter, aux)
@@ -110,13 +119,26 @@ def test_every_flavors_config_round_trips(flavor):
 def test_the_config_check_names_each_mismatch():
     moe = TINY["qwen3_moe"]
     config = hf_adapter.hf_config(moe)
-    changed = {**config, "num_experts": 8, "norm_topk_prob": False, "mlp_only_layers": [], "head_dim": 8,
-               "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}, "router_aux_loss_coef": 0.5}
+    changed = {
+        **config,
+        "num_experts": 8,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [],
+        "head_dim": 8,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5.0},
+        "router_aux_loss_coef": 0.5,
+    }
     assert hf_adapter.check_hf_config(changed, moe) == [
-        "head_dim 8 (this model: 16)", "rope_theta 5.0 (this model: 1000000.0)", "num_experts 8 (this model: 3)",
-        "norm_topk_prob False (this model: True)", "mlp_only_layers [] (this model: [1])"]  # the aux coefficient trains, it does not change the function
+        "head_dim 8 (this model: 16)",
+        "rope_theta 5.0 (this model: 1000000.0)",
+        "num_experts 8 (this model: 3)",
+        "norm_topk_prob False (this model: True)",
+        "mlp_only_layers [] (this model: [1])",
+    ]  # the aux coefficient trains, it does not change the function
     assert hf_adapter.check_hf_config(config, TINY["qwen3"]) == ["model_type 'qwen3_moe' (this model: 'qwen3')"]
     yarn = {**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}
-    assert hf_adapter.check_hf_config(yarn, moe) == ["unreadable RoPE settings (rope type 'yarn' is not supported (Qwen3 here has default RoPE only))"]
+    assert hf_adapter.check_hf_config(yarn, moe) == [
+        "unreadable RoPE settings (rope type 'yarn' is not supported (Qwen3 here has default RoPE only))"
+    ]
     older = {k: v for k, v in config.items() if k != "rope_parameters"}  # transformers 4: top-level rope_theta
     assert hf_adapter.check_hf_config(older, moe) == []

@@ -9,7 +9,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _updater():
-    spec = importlib.util.spec_from_file_location("update_readme_reference", REPO / "scripts/update_readme_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "update_readme_reference", REPO / "scripts/update_readme_reference.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -12,8 +12,18 @@ from titanlite.observe.run_dir import CONFIG_FILE, METRICS_FILE, create_run_dir,
 
 
 def test_config_toml_reads_back_to_the_config_used(tmp_path):
-    argv = ["--config", "debug_model", "--optimizer.lr", "3e-4", "--lr_scheduler.decay_ratio", "none",
-            "--parallelism.fsdp_shard_modules", "TransformerBlock,Attention", "--job.dump_folder", str(tmp_path)]
+    argv = [
+        "--config",
+        "debug_model",
+        "--optimizer.lr",
+        "3e-4",
+        "--lr_scheduler.decay_ratio",
+        "none",
+        "--parallelism.fsdp_shard_modules",
+        "TransformerBlock,Attention",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     cfg = load_config(argv)
     run_dir = create_run_dir(cfg)
     assert run_dir.parent == tmp_path / cfg.metrics.save_runs_folder

@@ -23,7 +23,10 @@ def test_dtype_follows_the_vocabulary(tmp_path):
 def test_a_shard_entry_records_the_crc32_of_its_files_and_a_resumed_preparation_the_same(tmp_path):
     entry = write_shard(tmp_path, 3, [[1, 2, 3], [4]], "uint16")
     tokens, offsets = np.array([1, 2, 3, 4], dtype="<u2"), np.array([0, 3, 4], dtype="<u8")
-    assert entry["crc32"] == {"bin": f"{zlib.crc32(tokens.tobytes()):08x}", "idx": f"{zlib.crc32(offsets.tobytes()):08x}"}
+    assert entry["crc32"] == {
+        "bin": f"{zlib.crc32(tokens.tobytes()):08x}",
+        "idx": f"{zlib.crc32(offsets.tobytes()):08x}",
+    }
     assert complete_shard(tmp_path, 3, "uint16") == entry  # a complete shard kept by a resumed preparation
 
 

@@ -22,12 +22,24 @@ def corpus(tmp_path) -> tuple[Path, list[str]]:
     (root / "sub").mkdir(parents=True)
     (root / "a.txt").write_text("First paragraph,\nstill first.\n\n\nSecond paragraph.\n\nThird ✓\n")
     (root / "b.jsonl").write_text(
-        json.dumps({"text": "json one", "id": 1}) + "\n\n" + json.dumps({"text": "json two: 日本語"}) + "\n" + json.dumps({"text": ""}) + "\n"
+        json.dumps({"text": "json one", "id": 1})
+        + "\n\n"
+        + json.dumps({"text": "json two: 日本語"})
+        + "\n"
+        + json.dumps({"text": ""})
+        + "\n"
     )
     (root / "sub" / "c.txt").write_text("nested file\nwith two lines")
     (root / "notes.md").write_text("ignored")
     (root / ".hidden.txt").write_text("ignored too")
-    docs = ["First paragraph,\nstill first.", "Second paragraph.", "Third ✓", "json one", "json two: 日本語", "nested file\nwith two lines"]
+    docs = [
+        "First paragraph,\nstill first.",
+        "Second paragraph.",
+        "Third ✓",
+        "json one",
+        "json two: 日本語",
+        "nested file\nwith two lines",
+    ]
     return root, docs
 
 
@@ -95,8 +107,10 @@ def test_random_bytes_are_not_text(tmp_path):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("content, why", [(b"text\x00with a NUL\n", "a NUL byte on line 1"),
-                                          ("caf\xe9 ".encode("latin-1") * 2000, "not valid UTF-8")])
+@pytest.mark.parametrize(
+    "content, why",
+    [(b"text\x00with a NUL\n", "a NUL byte on line 1"), ("caf\xe9 ".encode("latin-1") * 2000, "not valid UTF-8")],
+)
 def test_binary_looking_text_is_refused(tmp_path, content, why):
     path = tmp_path / "odd.txt"
     path.write_bytes(content)
@@ -127,7 +141,9 @@ def test_jsonl_without_text_names_file_and_line(tmp_path):
         list(FilesSource(str(path)).one_pass())
 
 
-@pytest.mark.parametrize("line,why", [("not json", "not valid JSON"), ('{"text": 5}', "expected a string"), ("[1, 2]", '"text"')])
+@pytest.mark.parametrize(
+    "line,why", [("not json", "not valid JSON"), ('{"text": 5}', "expected a string"), ("[1, 2]", '"text"')]
+)
 def test_jsonl_bad_lines(tmp_path, line, why):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")

@@ -21,8 +21,14 @@ CPU = torch.device("cpu")
 
 def builder(*overrides: str) -> StepBuilder:
     cfg = load_config(["--config", "debug_model", *overrides])
-    return StepBuilder.for_run(cfg, dims=ParallelDims.from_config(cfg.parallelism, 1), pipeline=None,
-                               meshes=Meshes(None, None, None, None), device=CPU, rank=0)
+    return StepBuilder.for_run(
+        cfg,
+        dims=ParallelDims.from_config(cfg.parallelism, 1),
+        pipeline=None,
+        meshes=Meshes(None, None, None, None),
+        device=CPU,
+        rank=0,
+    )
 
 
 def test_one_process_gets_the_whole_model_runner_with_its_compute_context_and_document_flag():
@@ -41,8 +47,16 @@ def test_one_process_gets_the_whole_model_runner_with_its_compute_context_and_do
 def test_the_loss_rank_is_the_lowest_global_rank_holding_the_last_stage():
     world = SimpleNamespace(mesh=torch.arange(8).reshape(2, 2, 2))  # pp 2 outermost, then 2 x 2
     for schedule, pp_rank in (("1F1B", 1), ("ZBVZeroBubble", 0)):
-        parallelism = load_config(["--config", "debug_model", "--parallelism.pipeline_parallel_degree", "2",
-                                   "--parallelism.pipeline_parallel_schedule", schedule]).parallelism
+        parallelism = load_config(
+            [
+                "--config",
+                "debug_model",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                schedule,
+            ]
+        ).parallelism
         layout = plan_layout(parallelism, 6, 4)
         assert layout.last_stage_pp_rank() == pp_rank and layout.output_rank(world) == 4 * pp_rank
 

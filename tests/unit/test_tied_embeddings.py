@@ -14,8 +14,9 @@ from titanlite.models.llama.model import Llama
 
 def tiny(tied: bool) -> Llama:
     """Built on meta and materialized as the trainer does (to_empty, then init_weights)."""
-    args = dataclasses.replace(llama3_spec.args_for("debugmodel", 96), dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                               tie_word_embeddings=tied)
+    args = dataclasses.replace(
+        llama3_spec.args_for("debugmodel", 96), dim=32, n_layers=1, n_heads=4, n_kv_heads=2, tie_word_embeddings=tied
+    )
     with torch.device("meta"):
         model = Llama(args)
     model.to_empty(device="cpu")
@@ -34,7 +35,10 @@ def test_one_table_for_lookup_and_head():
     seq = 16
     attention = 12 * args.n_layers * args.dim * seq
     assert llama3_spec.flops_per_token(args, n_tied, seq) == 6 * n_tied + attention
-    assert llama3_spec.flops_per_token(untied.args, n_untied, seq) == 6 * (n_untied - args.vocab_size * args.dim) + attention
+    assert (
+        llama3_spec.flops_per_token(untied.args, n_untied, seq)
+        == 6 * (n_untied - args.vocab_size * args.dim) + attention
+    )
 
 
 def test_hugging_face_stores_the_table_once():

@@ -18,7 +18,9 @@ def test_tiktoken_matches_the_reference_library(tiktoken_file, text):
 
     path, ranks = tiktoken_file
     specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
-    reference = tiktoken.Encoding(name="reference", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    reference = tiktoken.Encoding(
+        name="reference", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+    )
     tok = Tokenizer(str(path))
     ids = tok.encode(text, bos=False, eos=False)
     assert ids == reference.encode_ordinary(text)
@@ -54,5 +56,7 @@ def test_tiktoken_long_runs_are_cut_but_round_trip(tiktoken_file):
 def test_bad_rank_line_is_named(tmp_path, tiktoken_file):
     path = tmp_path / "tokenizer.model"
     path.write_bytes(tiktoken_file[0].read_bytes()[:40] + b"\nnot base64!! x\n")
-    with pytest.raises(TitanliteError, match=r"model\.tokenizer_path: .*tokenizer\.model:\d+: not a tiktoken rank line"):
+    with pytest.raises(
+        TitanliteError, match=r"model\.tokenizer_path: .*tokenizer\.model:\d+: not a tiktoken rank line"
+    ):
         Tokenizer(str(path))

@@ -9,8 +9,14 @@ import json
 import numpy as np
 import pytest
 
-from tests.helpers.token_data import (change_a_token_inside_the_vocabulary, drop_checksums, folder_bytes, make_prepared, prepared,  # noqa: F401 (fixtures)
-                                      tok)
+from tests.helpers.token_data import (
+    change_a_token_inside_the_vocabulary,
+    drop_checksums,
+    folder_bytes,
+    make_prepared,
+    prepared,  # noqa: F401 (fixtures)
+    tok,  # noqa: F401 (fixture)
+)
 from titanlite.data.token_shards import TokenShards
 from titanlite.errors import TitanliteError
 
@@ -30,7 +36,10 @@ def test_reads_across_shard_boundaries(prepared):
         ("missing_shard", r"shard-00002\.bin is missing"),
         ("truncated_shard", r"shard-00001\.bin is truncated or altered: \d[\d,]* bytes, the manifest says"),
         ("future_version", r"has format version 99; this titanlite reads version 1 and older"),
-        ("no_manifest", r"is not a prepared dataset \(no manifest\.json; write one with python -m titanlite\.data\.prepare"),
+        (
+            "no_manifest",
+            r"is not a prepared dataset \(no manifest\.json; write one with python -m titanlite\.data\.prepare",
+        ),
     ],
 )
 def test_bad_prepared_folder_is_one_line(prepared, tmp_path, case, message):
@@ -66,7 +75,10 @@ def test_corrupted_token_is_refused_when_read(prepared, tmp_path):
     path.write_bytes(bytes(raw))
     shards = TokenShards(folder)
     shards.read(0, 100)  # shard 0 is intact
-    with pytest.raises(TitanliteError, match=r"shard-00001\.bin is corrupted: token 10 is id 60,000, outside the manifest's vocabulary of 4,096"):
+    with pytest.raises(
+        TitanliteError,
+        match=r"shard-00001\.bin is corrupted: token 10 is id 60,000, outside the manifest's vocabulary of 4,096",
+    ):
         shards.read(shards.starts[1], 50)
 
 
@@ -104,5 +116,7 @@ def test_a_manifest_from_before_checksums_loads_and_verify_says_it_cannot_check_
     assert capsys.readouterr().err == ""
     assert np.array_equal(TokenShards(folder, verify=True).read(0, 1400), expected)
     assert capsys.readouterr().err.splitlines() == [
-        f"titanlite: note: training.dataset_path: {folder}/manifest.json records no checksums (prepared before titanlite "
-        "wrote them), so its shards are read unverified; prepare it again to add them"]
+        f"titanlite: note: training.dataset_path: {folder}/manifest.json records no checksums (prepared before "
+        "titanlite "
+        "wrote them), so its shards are read unverified; prepare it again to add them"
+    ]

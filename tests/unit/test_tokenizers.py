@@ -34,7 +34,9 @@ def test_directory(tmp_path):
 def test_garbage_file(tmp_path):
     path = tmp_path / "garbage.model"
     path.write_bytes(bytes(range(256)) * 8)
-    with pytest.raises(TitanliteError, match=r"model\.tokenizer_path: .*garbage\.model is not a tokenizer file titanlite reads") as info:
+    with pytest.raises(
+        TitanliteError, match=r"model\.tokenizer_path: .*garbage\.model is not a tokenizer file titanlite reads"
+    ) as info:
         Tokenizer(str(path))
     assert "\n" not in str(info.value)
 
@@ -46,7 +48,9 @@ def test_empty_file(tmp_path):
         Tokenizer(str(path))
 
 
-@pytest.mark.parametrize("module, extra, name", [("tiktoken", "tiktoken", "tokenizer.model"), ("tokenizers", "tokenizers", "tokenizer.json")])
+@pytest.mark.parametrize(
+    "module, extra, name", [("tiktoken", "tiktoken", "tokenizer.model"), ("tokenizers", "tokenizers", "tokenizer.json")]
+)
 def test_missing_library_names_the_extra(monkeypatch, tiktoken_file, hf_file, module, extra, name):
     path = tiktoken_file[0] if name == "tokenizer.model" else hf_file
     monkeypatch.setitem(sys.modules, module, None)

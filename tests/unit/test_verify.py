@@ -9,7 +9,12 @@ import shutil
 
 import pytest
 
-from tests.helpers.token_data import change_a_token_inside_the_vocabulary, drop_checksums, prepared, tok  # noqa: F401 (fixtures)
+from tests.helpers.token_data import (  # noqa: F401 (fixtures)
+    change_a_token_inside_the_vocabulary,
+    drop_checksums,
+    prepared,
+    tok,
+)
 from titanlite.data.token_shards import TokenShards
 from titanlite.data.verify import main
 from titanlite.logging import logger
@@ -37,7 +42,10 @@ def test_a_prepared_folder_verifies(prepared, capsys):
     count = len(TokenShards(folder).entries)
     code, out, err = run(folder, capsys)
     assert (code, err, len(out)) == (0, [], 1)
-    assert f"{folder}: all {count} shards ({2 * count} files, " in out[0] and " match the CRC-32s in manifest.json (" in out[0]
+    assert (
+        f"{folder}: all {count} shards ({2 * count} files, " in out[0]
+        and " match the CRC-32s in manifest.json (" in out[0]
+    )
 
 
 def damage_inside_the_vocabulary(folder):
@@ -52,7 +60,10 @@ def remove_a_shard(folder):
 
 def drop_the_checksums(folder):
     drop_checksums(folder)
-    return r"manifest\.json records no checksums for shard-00000 \(prepared before titanlite wrote them\), so nothing can be verified"
+    return (
+        r"manifest\.json records no checksums for shard-00000 \(prepared before titanlite wrote them\), so "
+        r"nothing can be verified"
+    )
 
 
 @pytest.mark.parametrize("damage", [damage_inside_the_vocabulary, remove_a_shard, drop_the_checksums])
@@ -67,8 +78,18 @@ def test_a_bad_folder_is_one_line_naming_the_file(prepared, tmp_path, capsys, da
 
 def test_what_is_not_a_prepared_dataset_is_one_line(prepared, capsys):
     text = prepared[0].parent / "text"  # the corpus the fixture prepared from
-    assert run(text, capsys) == (2, [], [f"titanlite: error: FOLDER: {text} is not a prepared dataset (no manifest.json; "
-                                         f"write one with python -m titanlite.data.prepare SOURCE {text} --tokenizer PATH)"])
-    assert run(text / "docs.jsonl", capsys) == (2, [], [f"titanlite: error: FOLDER: {text / 'docs.jsonl'} is not a prepared dataset (not a folder)"])
+    assert run(text, capsys) == (
+        2,
+        [],
+        [
+            f"titanlite: error: FOLDER: {text} is not a prepared dataset (no manifest.json; "
+            f"write one with python -m titanlite.data.prepare SOURCE {text} --tokenizer PATH)"
+        ],
+    )
+    assert run(text / "docs.jsonl", capsys) == (
+        2,
+        [],
+        [f"titanlite: error: FOLDER: {text / 'docs.jsonl'} is not a prepared dataset (not a folder)"],
+    )
     code, out, err = main([]), *capsys.readouterr()
     assert (code, out, err) == (2, "", "titanlite: error: the following arguments are required: FOLDER\n")

@@ -23,8 +23,17 @@ from titanlite.observe.metrics import MetricsLogger, PeakFlops
 def logger_in(tmp_path, rank: int = 0, run_config: dict | None = None) -> MetricsLogger:
     run_dir = tmp_path / "runs" / "r"
     run_dir.mkdir(parents=True, exist_ok=True)
-    return MetricsLogger(Metrics(enable_wandb=True), str(tmp_path), rank, torch.device("cpu"), flops_per_token=1e6,
-                         peak=PeakFlops(1e12, "test"), devices_per_replica=1, run_dir=run_dir, run_config=run_config)
+    return MetricsLogger(
+        Metrics(enable_wandb=True),
+        str(tmp_path),
+        rank,
+        torch.device("cpu"),
+        flops_per_token=1e6,
+        peak=PeakFlops(1e12, "test"),
+        devices_per_replica=1,
+        run_dir=run_dir,
+        run_config=run_config,
+    )
 
 
 def test_wandb_gets_tensorboards_scalars_and_the_config_and_is_finished_at_close(tmp_path, monkeypatch):
@@ -34,7 +43,9 @@ def test_wandb_gets_tensorboards_scalars_and_the_config_and_is_finished_at_close
     monkeypatch.setenv("WANDB_PROJECT", "llama-small")
     monkeypatch.setenv("WANDB_RUN_NAME", "lr-sweep-3")
     monkeypatch.setenv("WANDB_RUN_TAGS", "cpu,debug")
-    metrics = logger_in(tmp_path, run_config={"training": {"steps": 2, "lr": 3e-4}, "job": {"dump_folder": str(tmp_path)}})
+    metrics = logger_in(
+        tmp_path, run_config={"training": {"steps": 2, "lr": 3e-4}, "job": {"dump_folder": str(tmp_path)}}
+    )
     metrics.add_tokens(256)
     metrics.log(1, loss=8.5, grad_norm=1.25, lr=1e-4, tokens_seen=512)
     metrics.log_skipped_steps(2, 1)
@@ -73,6 +84,8 @@ def test_a_missing_wandb_is_one_line_and_exit_2_before_training(tmp_path, monkey
     monkeypatch.setitem(sys.modules, "wandb", None)
     code = train.main(["--config", "debug_model", "--metrics.enable_wandb", "true", "--job.dump_folder", str(tmp_path)])
     err = capsys.readouterr().err
-    assert code == 2 and err == ("titanlite: error: metrics.enable_wandb: logging to Weights & Biases needs the wandb "
-                                 "package: pip install wandb\n")
+    assert code == 2 and err == (
+        "titanlite: error: metrics.enable_wandb: logging to Weights & Biases needs the wandb "
+        "package: pip install wandb\n"
+    )
     assert not any(tmp_path.iterdir())  # stopped before the run folder (or a device)

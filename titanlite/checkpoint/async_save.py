@@ -142,8 +142,14 @@ class BackgroundStager:
         cuda = torch.cuda.is_available()
         # Pinning and non-blocking copies need CUDA; shared memory lets a writer process
         # read the staged tensors without another copy.
-        stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=self.shared_memory,
-                                              use_async_staging=True, use_non_blocking_copy=cuda))
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=self.shared_memory,
+                use_async_staging=True,
+                use_non_blocking_copy=cuda,
+            )
+        )
         if isinstance(getattr(stager, "_state_dict_stager", None), StateDictStager):
             stager._state_dict_stager = GilFreeStateDictStager(pin_memory=cuda, share_memory=self.shared_memory)
         return stager

@@ -25,7 +25,12 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
@@ -64,18 +69,32 @@ class Checkpointer:
     keep_latest_k: committed checkpoints kept (0 = all).
     """
 
-    def __init__(self, folder: str | os.PathLike, *, model: nn.Module | None = None, optimizer: Optimizer | None = None,
-                 states: dict[str, Stateful] | None = None, async_mode: str = "async", keep_latest_k: int = 0):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        model: nn.Module | None = None,
+        optimizer: Optimizer | None = None,
+        states: dict[str, Stateful] | None = None,
+        async_mode: str = "async",
+        keep_latest_k: int = 0,
+    ):
         if async_mode not in ASYNC_MODES:
-            raise TitanliteError(f"Checkpointer: async_mode must be one of {', '.join(ASYNC_MODES)}, got {async_mode!r}")
+            raise TitanliteError(
+                f"Checkpointer: async_mode must be one of {', '.join(ASYNC_MODES)}, got {async_mode!r}"
+            )
         if isinstance(keep_latest_k, bool) or not isinstance(keep_latest_k, int) or keep_latest_k < 0:
-            raise TitanliteError(f"Checkpointer: keep_latest_k must be a whole number >= 0 (0 = keep all), got {keep_latest_k!r}")
+            raise TitanliteError(
+                f"Checkpointer: keep_latest_k must be a whole number >= 0 (0 = keep all), got {keep_latest_k!r}"
+            )
         if optimizer is not None and model is None:
             raise TitanliteError("Checkpointer: optimizer needs the model it optimizes (model=)")
         self.states = dict(states or {})
         clash = {"model", "optimizer"} & set(self.states)
         if clash:
-            raise TitanliteError(f"Checkpointer: states key {sorted(clash)[0]!r} is taken by the model or optimizer; rename it")
+            raise TitanliteError(
+                f"Checkpointer: states key {sorted(clash)[0]!r} is taken by the model or optimizer; rename it"
+            )
         self.root, self.optimizer = Path(folder), optimizer
         self.model = checkpoint_module(model) if model is not None else None
         self.keep_latest_k, self.async_mode = keep_latest_k, async_mode
@@ -122,8 +141,13 @@ class Checkpointer:
         state = self.state()
         dcp_load(state, choice.path, self.group)
         if self.optimizer is not None:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                           options=FLAT_OPTIMIZER)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=FLAT_OPTIMIZER,
+            )
         elif self.model is not None:
             set_model_state_dict(self.model, state["model"])
         for key, obj in self.states.items():
@@ -145,7 +169,10 @@ class Checkpointer:
         else:
             future = self.saver.save(state, path)
             self._pending = _PendingSave(step, path, record, future, started)
-            logger.info(f"checkpoint: step {step} staged in {time.perf_counter() - started:.2f} s, writing {path} in the background ({self.async_mode})")
+            logger.info(
+                f"checkpoint: step {step} staged in {time.perf_counter() - started:.2f} s, writing {path} in the "
+                f"background ({self.async_mode})"
+            )
         return path
 
     def poll(self) -> None:
@@ -189,7 +216,10 @@ class Checkpointer:
         commit.write_commit(path, record)
         for sidecar in integrity.sidecars(path):  # merged into commit.json now
             self.housekeeper.delete(sidecar)
-        logger.info(f"checkpoint: step {step} committed to {path} ({seconds:.2f} s{', model weights only' if record.model_weights_only else ''})")
+        logger.info(
+            f"checkpoint: step {step} committed to {path} ({seconds:.2f} "
+            f"s{', model weights only' if record.model_weights_only else ''})"
+        )
         if policy.is_export(record):
             return  # an export must not push the newest resumable checkpoint out of retention
         inventory = commit.scan(self.root)
@@ -199,7 +229,9 @@ class Checkpointer:
             if old != step and old not in in_flight:  # never the newest commit or a save in flight
                 self._retire(old)
         if victims:
-            logger.info(f"checkpoint: removed step(s) {', '.join(map(str, victims))} (keep_latest_k {self.keep_latest_k})")
+            logger.info(
+                f"checkpoint: removed step(s) {', '.join(map(str, victims))} (keep_latest_k {self.keep_latest_k})"
+            )
 
     def _retire(self, step: int) -> None:
         """Un-commit and move a step folder aside now; delete it in the background."""

@@ -187,7 +187,10 @@ class Inventory:
         if not self.incomplete:
             return None
         names = ", ".join(f"step-{s}" for s in self.incomplete)
-        return f"checkpoint: ignoring incomplete checkpoint folder(s) {names} under {self.root} (no {COMMIT_FILE}: the save was interrupted)"
+        return (
+            f"checkpoint: ignoring incomplete checkpoint folder(s) {names} under {self.root} (no {COMMIT_FILE}: "
+            "the save was interrupted)"
+        )
 
 
 def scan(root: str | os.PathLike) -> Inventory:

@@ -29,6 +29,7 @@ from titanlite.checkpoint.commit import read_commit, read_dcp_index
 from titanlite.errors import TitanliteError, user_errors
 from titanlite.parallel.state_dict import full_state_dict
 
+
 @contextlib.contextmanager
 def single_process() -> Iterator[None]:
     """DCP warns on every no_dist call that it assumes one process; here that is the point."""
@@ -83,7 +84,7 @@ def read_dcp_model(folder: str | os.PathLike, dtype: torch.dtype | None = None) 
     if not prefix and any(k.startswith("optimizer.") for k in keys):
         raise TitanliteError(f"{folder}: checkpoint has no model weights")
     state = read_dcp_tensors(folder, prefix)
-    return cast_floating({k[len(prefix):]: v for k, v in state.items()}, dtype)
+    return cast_floating({k[len(prefix) :]: v for k, v in state.items()}, dtype)
 
 
 def dcp_to_full_file(folder: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype | None = None) -> int:

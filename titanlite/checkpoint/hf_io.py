@@ -86,8 +86,10 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
                 raise TitanliteError(f"{folder / name}: missing, but {HF_INDEX_FILE} names it")
         stray = sorted(p for p in folder.glob("*.safetensors") if p.name not in set(names))
         if stray:
-            raise TitanliteError(f"{stray[0]}: {HF_INDEX_FILE} does not name this file, and every *.safetensors in the "
-                                 "folder would be read; move it out of the folder")
+            raise TitanliteError(
+                f"{stray[0]}: {HF_INDEX_FILE} does not name this file, and every *.safetensors in the "
+                "folder would be read; move it out of the folder"
+            )
         files = [folder / name for name in names]
     else:
         files = sorted(folder.glob("*.safetensors"))
@@ -115,8 +117,11 @@ def hf_names(keys: list[str], adapter: Any, args: Any) -> dict[str, str]:
     """Our state-dict key -> its Hugging Face name, for the keys HF stores whole under one
     name. Left out: a tied head (its embedding, stored once), a stacked tensor (`stacked_hf_names`)
     and state HF's class has no place for (`adapter.zero_in_hf`)."""
-    return {key: adapter.hf_name(key) for key in keys
-            if not (adapter.tied_to(key, args) or adapter.zero_in_hf(key, args) or adapter.stacked_hf_names(key, args))}
+    return {
+        key: adapter.hf_name(key)
+        for key in keys
+        if not (adapter.tied_to(key, args) or adapter.zero_in_hf(key, args) or adapter.stacked_hf_names(key, args))
+    }
 
 
 def stacked_hf_names(keys: list[str], adapter: Any, args: Any) -> dict[str, list[str]]:
@@ -133,8 +138,9 @@ def _expected(wanted: dict[str, tuple[int, ...]], adapter: Any, args: Any) -> di
     return expected
 
 
-def check_hf_folder(folder: str | os.PathLike, adapter: Any, args: Any,
-                    wanted: dict[str, tuple[int, ...]]) -> dict[str, tuple[tuple[int, ...], str, Path]]:
+def check_hf_folder(
+    folder: str | os.PathLike, adapter: Any, args: Any, wanted: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[tuple[int, ...], str, Path]]:
     """Everything that can be wrong with a Hugging Face folder, as one line each, before any
     rank reads a tensor: config.json of another model, a shard the index names missing,
     a tensor missing, of the wrong shape, or unknown to this model. `wanted`: our key ->
@@ -151,7 +157,9 @@ def check_hf_folder(folder: str | os.PathLike, adapter: Any, args: Any,
         shape, _, path = found[name]
         if shape != needed:
             part = "" if needed == tuple(wanted[key]) else f", {list(needed)} for each of its slices"
-            raise TitanliteError(f"{path}: tensor {name} has shape {list(shape)}, this model's {key} is {list(wanted[key])}{part}")
+            raise TitanliteError(
+                f"{path}: tensor {name} has shape {list(shape)}, this model's {key} is {list(wanted[key])}{part}"
+            )
     known = set(expected) | {adapter.hf_name(k) for k in wanted if adapter.tied_to(k, args)}
     unknown = sorted(k for k in found if k not in known and not adapter.ignored_hf_tensor(k, args))
     if unknown:
@@ -168,8 +176,13 @@ def _group(group: dist.ProcessGroup | None) -> dict[str, Any]:
     return {"process_group": group} if group is not None else {"no_dist": True}
 
 
-def load_hf_weights(state_dict: dict[str, torch.Tensor], folder: str | os.PathLike, adapter: Any, args: Any,
-                    group: dist.ProcessGroup | None = None) -> None:
+def load_hf_weights(
+    state_dict: dict[str, torch.Tensor],
+    folder: str | os.PathLike,
+    adapter: Any,
+    args: Any,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Fill `state_dict` (our keys; plain tensors or this rank's DTensor shards) in place
     from a Hugging Face folder, each rank reading only its slices; state HF's class has no
     place for is zeroed (where HF's model acts as if it were zero). Collective over `group`
@@ -183,7 +196,9 @@ def load_hf_weights(state_dict: dict[str, torch.Tensor], folder: str | os.PathLi
             if adapter.zero_in_hf(key, args):
                 value.zero_()
     with user_errors(f"{folder}: cannot load Hugging Face weights"), _quiet(group):
-        dcp.load(request, storage_reader=HFProgressReader(folder), planner=HFReadPlanner(head_dims, stacked), **_group(group))
+        dcp.load(
+            request, storage_reader=HFProgressReader(folder), planner=HFReadPlanner(head_dims, stacked), **_group(group)
+        )
 
 
 def whole_model_shapes(model_class: Any, args: Any) -> dict[str, tuple[int, ...]]:
@@ -201,9 +216,14 @@ def read_hf_model(folder: str | os.PathLike, adapter: Any, args: Any, model_clas
 
     wanted = whole_model_shapes(model_class, args)
     found = check_hf_folder(folder, adapter, args, wanted)
-    dtypes = {key: DTYPE_MAP.get(found[name][1], torch.float32) for name, (key, _) in _expected(wanted, adapter, args).items()}
-    state = {key: torch.empty(wanted[key], dtype=dtypes.get(key, torch.float32))
-             for key in wanted if key in dtypes or adapter.zero_in_hf(key, args)}
+    dtypes = {
+        key: DTYPE_MAP.get(found[name][1], torch.float32) for name, (key, _) in _expected(wanted, adapter, args).items()
+    }
+    state = {
+        key: torch.empty(wanted[key], dtype=dtypes.get(key, torch.float32))
+        for key in wanted
+        if key in dtypes or adapter.zero_in_hf(key, args)
+    }
     load_hf_weights(state, folder, adapter, args)
     for key in wanted:
         if (source := adapter.tied_to(key, args)) is not None:
@@ -215,11 +235,13 @@ def _rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
-def _to_hf_rows(values: dict[str, torch.Tensor], heads: dict[str, int], head_dim: int, adapter: Any,
-                group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+def _to_hf_rows(
+    values: dict[str, torch.Tensor], heads: dict[str, int], head_dim: int, adapter: Any, group: dist.ProcessGroup | None
+) -> dict[str, torch.Tensor]:
     """The q/k projections in HF's row order. Each rank permutes its own rows when every
     rank's shard holds whole heads (one all-reduce decides, so all ranks agree); otherwise
     the tensor is gathered and permuted whole, and saved once (replicated)."""
+
     def whole_heads(value: torch.Tensor) -> bool:
         return all(c.offsets[0] % head_dim == 0 and c.sizes[0] % head_dim == 0 for c in local_chunks(value))
 
@@ -235,11 +257,17 @@ def _to_hf_rows(values: dict[str, torch.Tensor], heads: dict[str, int], head_dim
             out[key] = adapter.interleaved_to_half(value, heads[key])
         elif everywhere.item():
             local = value.to_local()
-            permuted = adapter.interleaved_to_half(local, local.shape[0] // head_dim) if local.numel() else local.clone()
-            out[key] = DTensor.from_local(permuted, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False)
+            permuted = (
+                adapter.interleaved_to_half(local, local.shape[0] // head_dim) if local.numel() else local.clone()
+            )
+            out[key] = DTensor.from_local(
+                permuted, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
+            )
         else:
             full = adapter.interleaved_to_half(value.full_tensor(), heads[key])
-            out[key] = DTensor.from_local(full, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False)
+            out[key] = DTensor.from_local(
+                full, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False
+            )
     return out
 
 
@@ -249,13 +277,16 @@ _TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "ge
 
 def tokenizer_files(tokenizer: Path) -> list[Path]:
     """The run's tokenizer file and the HF companions found beside it."""
-    return [tokenizer] + [tokenizer.parent / n for n in _TOKENIZER_COMPANIONS if (tokenizer.parent / n).is_file() and n != tokenizer.name]
+    return [tokenizer] + [
+        tokenizer.parent / n for n in _TOKENIZER_COMPANIONS if (tokenizer.parent / n).is_file() and n != tokenizer.name
+    ]
 
 
 def file_indices(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
     """HF name -> output file number (1..N), from each tensor's size in bytes: tensors in
     layer order, a new file whenever the next tensor would take the current one past
     `max_file_bytes` (transformers' rule)."""
+
     def order(name: str) -> tuple[int, str]:
         layer = re.search(r"\.layers\.(\d+)\.", name)
         return (int(layer.group(1)) + 1 if layer else (0 if "embed" in name else 1 << 30), name)
@@ -268,8 +299,9 @@ def file_indices(sizes: dict[str, int], max_file_bytes: int) -> dict[str, int]:
     return mapping
 
 
-def _global_sizes(values: dict[str, torch.Tensor], stacked: dict[str, list[str]],
-                  group: dist.ProcessGroup | None) -> dict[str, int]:
+def _global_sizes(
+    values: dict[str, torch.Tensor], stacked: dict[str, list[str]], group: dist.ProcessGroup | None
+) -> dict[str, int]:
     """Every HF tensor's whole size in bytes (each slice of a stacked tensor its own), over
     all ranks: a pipeline stage holds only its own layers, and the file plan must be the
     same everywhere."""
@@ -284,9 +316,16 @@ def _global_sizes(values: dict[str, torch.Tensor], stacked: dict[str, list[str]]
     return {name: size for ranks in everyone for name, size in ranks.items()}
 
 
-def save_hf_weights(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike, adapter: Any, args: Any,
-                    group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
-                    extra_files: list[Path] = (), max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Path:
+def save_hf_weights(
+    state_dict: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    adapter: Any,
+    args: Any,
+    group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
+    extra_files: list[Path] = (),
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> Path:
     """Write a folder `from_pretrained` reads: sharded safetensors with its index,
     config.json and `extra_files` (the tokenizer). Collective over `group` (None: one
     process); `state_dict` has our keys, plain tensors or this rank's DTensor shards."""
@@ -301,15 +340,21 @@ def save_hf_weights(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathL
         partial.mkdir(parents=True)
     names = hf_names(list(state_dict), adapter, args)
     stacked = stacked_hf_names(list(state_dict), adapter, args)
-    values = {name: (state_dict[key].to(dtype) if dtype is not None and state_dict[key].is_floating_point() else state_dict[key])
-              for key, name in [*names.items(), *((key, key) for key in stacked)]}
+    values = {
+        name: (
+            state_dict[key].to(dtype) if dtype is not None and state_dict[key].is_floating_point() else state_dict[key]
+        )
+        for key, name in [*names.items(), *((key, key) for key in stacked)]
+    }
     heads = {name: count for key, name in names.items() if (count := adapter.rotary_heads(key, args))}
     values = _to_hf_rows(values, heads, args.head_dim, adapter, group)
     mapping = file_indices(_global_sizes(values, stacked, group), max_file_bytes)
     distributed = group is not None and dist.get_world_size(group) > 1
     with user_errors(f"{out_dir}: cannot write Hugging Face weights"), _quiet(group):
         if distributed:
-            from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+            from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+                consolidate_safetensors_files_on_every_rank,
+            )
 
             dist.barrier(group=group)  # the folder exists before any rank writes into it
             pieces = partial / "sharded"
@@ -317,8 +362,12 @@ def save_hf_weights(state_dict: dict[str, torch.Tensor], out_dir: str | os.PathL
             dcp.save(values, storage_writer=writer, planner=HFWritePlanner(stacked), process_group=group)
             consolidate_safetensors_files_on_every_rank(str(pieces), str(partial), mapping, process_group=group)
         else:
-            dcp.save(values, storage_writer=HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=mapping),
-                     planner=HFWritePlanner(stacked), no_dist=True)
+            dcp.save(
+                values,
+                storage_writer=HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=mapping),
+                planner=HFWritePlanner(stacked),
+                no_dist=True,
+            )
     if rank == 0:
         shutil.rmtree(partial / "sharded", ignore_errors=True)
         floating = next((v.dtype for v in values.values() if v.is_floating_point()), torch.float32)

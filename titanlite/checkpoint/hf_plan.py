@@ -30,7 +30,15 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.tensor import DTensor
 
 from titanlite.errors import TitanliteError
@@ -63,14 +71,16 @@ def rotary_row_reads(fqn: str, chunk: ChunkStorageMetadata, head_dim: int) -> li
             last = (hi - base - parity - 1) // 2  # the last with base+2i+parity < hi
             if last < first:
                 continue
-            reads.append(ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(fqn, chunk.offsets),
-                dest_offsets=torch.Size([base + 2 * first + parity - row0, 0]),
-                storage_index=MetadataIndex(fqn, torch.Size([0, 0])),
-                storage_offsets=torch.Size([base + parity * half + first, col0]),
-                lengths=torch.Size([last - first + 1, cols]),
-            ))
+            reads.append(
+                ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=MetadataIndex(fqn, chunk.offsets),
+                    dest_offsets=torch.Size([base + 2 * first + parity - row0, 0]),
+                    storage_index=MetadataIndex(fqn, torch.Size([0, 0])),
+                    storage_offsets=torch.Size([base + parity * half + first, col0]),
+                    lengths=torch.Size([last - first + 1, cols]),
+                )
+            )
     return reads
 
 
@@ -83,30 +93,40 @@ def stacked_reads(fqn: str, chunk: ChunkStorageMetadata, names: list[str]) -> li
     if 0 in chunk.sizes[1:]:
         return []
     rest = len(chunk.sizes) - 1
-    return [ReadItem(
-        type=LoadItemType.TENSOR,
-        dest_index=MetadataIndex(fqn, chunk.offsets),
-        dest_offsets=torch.Size([e - first] + [0] * rest),
-        storage_index=MetadataIndex(names[e], torch.Size([0] * rest)),
-        storage_offsets=torch.Size(chunk.offsets[1:]),
-        lengths=torch.Size(chunk.sizes[1:]),
-    ) for e in range(first, first + count)]
+    return [
+        ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(fqn, chunk.offsets),
+            dest_offsets=torch.Size([e - first] + [0] * rest),
+            storage_index=MetadataIndex(names[e], torch.Size([0] * rest)),
+            storage_offsets=torch.Size(chunk.offsets[1:]),
+            lengths=torch.Size(chunk.sizes[1:]),
+        )
+        for e in range(first, first + count)
+    ]
 
 
-def stacked_writes(names: list[str], chunk: ChunkStorageMetadata, shape: torch.Size,
-                   properties: TensorProperties) -> list[WriteItem]:
+def stacked_writes(
+    names: list[str], chunk: ChunkStorageMetadata, shape: torch.Size, properties: TensorProperties
+) -> list[WriteItem]:
     """The write items of one local shard of a stacked tensor of global `shape` [E, ...]:
     each slice the shard covers, as its block of the HF tensor `names[e]` [...]."""
     first, count = chunk.offsets[0], chunk.sizes[0]
     if 0 in chunk.sizes[1:]:
         return []
     offsets, sizes = torch.Size(chunk.offsets[1:]), torch.Size(chunk.sizes[1:])
-    return [WriteItem(
-        index=MetadataIndex(names[e], offsets),
-        type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes), properties=properties,
-                                    size=torch.Size(shape[1:])),
-    ) for e in range(first, first + count)]
+    return [
+        WriteItem(
+            index=MetadataIndex(names[e], offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                properties=properties,
+                size=torch.Size(shape[1:]),
+            ),
+        )
+        for e in range(first, first + count)
+    ]
 
 
 class HFReadPlanner(DefaultLoadPlanner):
@@ -124,7 +144,9 @@ class HFReadPlanner(DefaultLoadPlanner):
         if stored is None:
             raise TitanliteError(f"tensor {name} is missing")
         if len(stored.chunks) != 1:
-            raise TitanliteError(f"tensor {name} is stored in {len(stored.chunks)} pieces; a Hugging Face folder holds whole tensors")
+            raise TitanliteError(
+                f"tensor {name} is stored in {len(stored.chunks)} pieces; a Hugging Face folder holds whole tensors"
+            )
 
     def create_local_plan(self) -> LoadPlan:
         plain = {k: v for k, v in self.state_dict.items() if k not in self.head_dims and k not in self.stacked}
@@ -132,7 +154,9 @@ class HFReadPlanner(DefaultLoadPlanner):
         items = list(plan.items)
         for fqn, head_dim in self.head_dims.items():
             self._whole(fqn)
-            items += [read for chunk in local_chunks(self.state_dict[fqn]) for read in rotary_row_reads(fqn, chunk, head_dim)]
+            items += [
+                read for chunk in local_chunks(self.state_dict[fqn]) for read in rotary_row_reads(fqn, chunk, head_dim)
+            ]
         for fqn, names in self.stacked.items():
             for name in names:
                 self._whole(name)

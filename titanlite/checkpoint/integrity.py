@@ -83,4 +83,8 @@ def tokenizer_record(tokenizer) -> dict[str, object]:
     """What a checkpoint records of the tokenizer it was trained with (`tokenizer` has
     .path and .vocab_size): a resume with another one would train on different token ids."""
     path = Path(tokenizer.path)
-    return {"path": str(path), "vocab_size": int(tokenizer.vocab_size), "crc32": file_crc32(path) if path.is_file() else ""}
+    return {
+        "path": str(path),
+        "vocab_size": int(tokenizer.vocab_size),
+        "crc32": file_crc32(path) if path.is_file() else "",
+    }

@@ -64,8 +64,10 @@ class _Reporting:
         stored = self.storage_data.values()
         files = len({s.relative_path for s in stored})
         mine = sum(self._item_bytes(item) for item in plan.items)
-        logger.info(f"checkpoint load: {self.path} holds {amount_text(sum(self._stored_bytes(s) for s in stored), 'B')} in "
-                    f"{amount_text(files, 'files' if files != 1 else 'file')}; this rank reads {amount_text(mine, 'B')}")
+        logger.info(
+            f"checkpoint load: {self.path} holds {amount_text(sum(self._stored_bytes(s) for s in stored), 'B')} in "
+            f"{amount_text(files, 'files' if files != 1 else 'file')}; this rank reads {amount_text(mine, 'B')}"
+        )
         progress = Progress(f"checkpoint load: {Path(self.path).name}", total=mine, unit="B", every_s=self.every_s)
         done = super().read_data(plan, _CountingPlanner(planner, self._item_bytes, progress))
         progress.finish()

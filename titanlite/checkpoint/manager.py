@@ -59,9 +59,13 @@ class CheckpointManager:
         self.pipeline = Checkpointer(self.root, async_mode=cfg.async_mode, keep_latest_k=cfg.keep_latest_k)
         self.world_size = self.pipeline.world_size
         # `tokenizer` (anything with .path and .vocab_size): recorded, and compared on resume.
-        self.tokenizer = integrity.tokenizer_record(tokenizer) if tokenizer is not None and self.pipeline.rank == 0 else {}
+        self.tokenizer = (
+            integrity.tokenizer_record(tokenizer) if tokenizer is not None and self.pipeline.rank == 0 else {}
+        )
         self.tokenizer_path = Path(tokenizer.path) if tokenizer is not None else None
-        self.restorer = Restorer(cfg, self.root, spec, flavor, model_args, self.contents, self.pipeline.group, self.tokenizer)
+        self.restorer = Restorer(
+            cfg, self.root, spec, flavor, model_args, self.contents, self.pipeline.group, self.tokenizer
+        )
 
     @property
     def saver(self) -> Saver:
@@ -103,8 +107,15 @@ class CheckpointManager:
         out = self.root / f"step-{step}-hf"
         extra = hf_io.tokenizer_files(self.tokenizer_path) if self.tokenizer_path is not None else []
         spec, args = self.restorer.spec, self.restorer.model_args
-        hf_io.save_hf_weights(get_model_state_dict(self.contents.model), out, spec.hf_adapter, args,
-                              self.pipeline.group, torch_dtype(self.cfg.export_dtype), extra)
+        hf_io.save_hf_weights(
+            get_model_state_dict(self.contents.model),
+            out,
+            spec.hf_adapter,
+            args,
+            self.pipeline.group,
+            torch_dtype(self.cfg.export_dtype),
+            extra,
+        )
         logger.info(f"checkpoint: step {step} written as a Hugging Face folder {out}")
         return out
 

@@ -92,11 +92,18 @@ def choose_resume(root: str | os.PathLike, load_step: int) -> LoadChoice:
     if load_step >= 0:
         path = step_dir(root, load_step)
         if not root.is_dir():
-            raise TitanliteError(f"checkpoint.load_step: {load_step} was asked for, but the checkpoint folder {root} does not exist")
+            raise TitanliteError(
+                f"checkpoint.load_step: {load_step} was asked for, but the checkpoint folder {root} does not exist"
+            )
         if load_step in inventory.incomplete:
-            raise TitanliteError(f"checkpoint.load_step: {path} is incomplete (no {COMMIT_FILE}: its save was interrupted); complete steps: {_steps(inventory.complete)}")
+            raise TitanliteError(
+                f"checkpoint.load_step: {path} is incomplete (no {COMMIT_FILE}: its save was interrupted); complete "
+                f"steps: {_steps(inventory.complete)}"
+            )
         if load_step not in inventory.complete:
-            raise TitanliteError(f"checkpoint.load_step: {path} does not exist; complete steps: {_steps(inventory.complete)}")
+            raise TitanliteError(
+                f"checkpoint.load_step: {path} does not exist; complete steps: {_steps(inventory.complete)}"
+            )
         record = read_commit(path)
         if is_export(record):
             raise TitanliteError(
@@ -134,7 +141,9 @@ def stale_incomplete(incomplete: tuple[int, ...] | list[int], newest_committed: 
     return [s for s in incomplete if s < newest_committed]
 
 
-def resolve_initial_load(path: str | os.PathLike, what: str = "checkpoint.initial_load_path") -> tuple[Path, CommitRecord | None]:
+def resolve_initial_load(
+    path: str | os.PathLike, what: str = "checkpoint.initial_load_path"
+) -> tuple[Path, CommitRecord | None]:
     """`checkpoint.initial_load_path` for format dcp: a DCP folder (ours, or any other DCP
     writer's such as torchtitan's), or one of our checkpoint roots (its newest committed step).
     `what` names the input in errors (the config field, or a script's argument)."""
@@ -150,6 +159,5 @@ def resolve_initial_load(path: str | os.PathLike, what: str = "checkpoint.initia
         newest = step_dir(path, inventory.complete[-1])
         return newest, read_commit(newest)
     raise TitanliteError(
-        f"{what}: {path} is not a DCP checkpoint (no {DCP_METADATA_FILE}) "
-        "and holds no complete step-N checkpoint"
+        f"{what}: {path} is not a DCP checkpoint (no {DCP_METADATA_FILE}) and holds no complete step-N checkpoint"
     )

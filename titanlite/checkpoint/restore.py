@@ -100,7 +100,10 @@ class Restorer:
         integrity.verify(path, record.checksums, self.group)
         if record.model_weights_only:  # the step-0 seed: weights only, training starts at 0
             self._load_model_dcp(path, prefix="model.")
-            logger.info(f"checkpoint: initialized the model from the seed checkpoint {path} ({time.perf_counter() - started:.2f} s)")
+            logger.info(
+                f"checkpoint: initialized the model from the seed checkpoint {path} "
+                f"({time.perf_counter() - started:.2f} s)"
+            )
             return
         state = self.contents.training_state()
         missing_rng = self._drop_missing_rng(state, metadata)
@@ -113,7 +116,10 @@ class Restorer:
             f"saved at {layout}, loaded at {now}; data stream position {_short(state['dataloader'])}"
         )
         if missing_rng and self.rank == 0:
-            logger.warning(f"checkpoint: {path} has no RNG state for ranks >= {record.world_size} (saved at world size {record.world_size}); they keep their seeded RNG")
+            logger.warning(
+                f"checkpoint: {path} has no RNG state for ranks >= {record.world_size} (saved at world size "
+                f"{record.world_size}); they keep their seeded RNG"
+            )
 
     def _drop_missing_rng(self, state: dict[str, Any], metadata: Metadata) -> bool:
         """Leave out this rank's RNG entries the checkpoint lacks (saved at a smaller world
@@ -139,7 +145,11 @@ class Restorer:
             path, record = policy.resolve_initial_load(given)
             metadata = read_checked_metadata(path)
             prefix = "model." if any(k.startswith("model.") for k in metadata.state_dict_metadata) else ""
-            saved = {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)}
+            saved = {
+                k[len(prefix) :]: tuple(v.size)
+                for k, v in metadata.state_dict_metadata.items()
+                if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
+            }
             check_tensor_shapes(path, saved, self.contents.model_shapes())
             return path, prefix, record.checksums if record is not None else {}
 
@@ -165,13 +175,20 @@ class Restorer:
         if adapter is None:
             raise TitanliteError(f"checkpoint.initial_load_format: model {self.spec.name} has no Hugging Face mapping")
         # Against the whole model's shapes: a pipeline stage holds only its layers.
-        on_rank0(self.group, lambda: hf_io.check_hf_folder(
-            folder, adapter, self.model_args, hf_io.whole_model_shapes(self.spec.model_class, self.model_args)))
+        on_rank0(
+            self.group,
+            lambda: hf_io.check_hf_folder(
+                folder, adapter, self.model_args, hf_io.whole_model_shapes(self.spec.model_class, self.model_args)
+            ),
+        )
         started = time.perf_counter()
         model_sd = get_model_state_dict(self.contents.model)
         hf_io.load_hf_weights(model_sd, folder, adapter, self.model_args, self.group)
         set_model_state_dict(self.contents.model, model_sd)
-        logger.info(f"checkpoint: initialized the model from Hugging Face weights {folder} ({time.perf_counter() - started:.2f} s)")
+        logger.info(
+            f"checkpoint: initialized the model from Hugging Face weights {folder} "
+            f"({time.perf_counter() - started:.2f} s)"
+        )
 
 
 def dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
@@ -225,18 +242,24 @@ def check_model(path: Path, record: CommitRecord, built: dict[str, str], model_a
     model, flavor and hyperparameters. Shapes alone would let a tied flavor load an untied
     one's weights (both tables have the same shape) without a word."""
     if record.fingerprint != built:
-        raise TitanliteError(f"{path}: checkpoint is of {_describe(record.fingerprint, record.model_args)}, "
-                             f"but this run builds {_describe(built, args_dict(model_args))}")
+        raise TitanliteError(
+            f"{path}: checkpoint is of {_describe(record.fingerprint, record.model_args)}, "
+            f"but this run builds {_describe(built, args_dict(model_args))}"
+        )
 
 
 def check_tensor_shapes(path: Path, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:
     """Every tensor the model wants is in the checkpoint, at the same global shape."""
     missing = [k for k in wanted if k not in saved]
     if missing:
-        raise TitanliteError(f"{path}: the checkpoint lacks {len(missing)} of the model's tensors (first: {missing[0]})")
+        raise TitanliteError(
+            f"{path}: the checkpoint lacks {len(missing)} of the model's tensors (first: {missing[0]})"
+        )
     for key, shape in wanted.items():
         if tuple(saved[key]) != tuple(shape):
-            raise TitanliteError(f"{path}: tensor {key} has shape {list(saved[key])} in the checkpoint but {list(shape)} in this model")
+            raise TitanliteError(
+                f"{path}: tensor {key} has shape {list(saved[key])} in the checkpoint but {list(shape)} in this model"
+            )
 
 
 def _mesh_text(mesh: dict[str, int]) -> str:

@@ -22,26 +22,73 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig,
-                                    LocalOptimStateDictConfig, LocalStateDictConfig, MixedPrecision, OptimStateDictConfig,
-                                    OptimStateKeyType, ShardedOptimStateDictConfig, ShardedStateDictConfig,
-                                    ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType)
-from torch.distributed.fsdp.wrap import (CustomPolicy, ModuleWrapPolicy, always_wrap_policy, lambda_auto_wrap_policy,
-                                         size_based_auto_wrap_policy, transformer_auto_wrap_policy)
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    always_wrap_policy,
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 
 from titanlite.errors import TitanliteError
 from titanlite.parallel import full_params, optim_state, state_dict
-from titanlite.parallel.wrap_plan import (WrapPlan, backward_prefetch_of, build_fsdp_mesh, device_of, forward_prefetch_of,
-                                          ignored_of, offload_of, precision_of, require_process_group, reshard_of,
-                                          strategy_of, wrap_units)
+from titanlite.parallel.wrap_plan import (
+    WrapPlan,
+    backward_prefetch_of,
+    build_fsdp_mesh,
+    device_of,
+    forward_prefetch_of,
+    ignored_of,
+    offload_of,
+    precision_of,
+    require_process_group,
+    reshard_of,
+    strategy_of,
+    wrap_units,
+)
 from titanlite.parallel.wrapper import ShardedWrapper, wrappers_in
 
 __all__ = [
-    "FullyShardedDataParallel", "ShardingStrategy", "MixedPrecision", "CPUOffload", "BackwardPrefetch", "StateDictType",
-    "StateDictConfig", "FullStateDictConfig", "ShardedStateDictConfig", "LocalStateDictConfig", "OptimStateDictConfig",
-    "FullOptimStateDictConfig", "ShardedOptimStateDictConfig", "LocalOptimStateDictConfig", "StateDictSettings",
-    "OptimStateKeyType", "ModuleWrapPolicy", "CustomPolicy", "always_wrap_policy", "lambda_auto_wrap_policy",
-    "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "MixedPrecision",
+    "CPUOffload",
+    "BackwardPrefetch",
+    "StateDictType",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "ShardedStateDictConfig",
+    "LocalStateDictConfig",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "StateDictSettings",
+    "OptimStateKeyType",
+    "ModuleWrapPolicy",
+    "CustomPolicy",
+    "always_wrap_policy",
+    "lambda_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
 ]
 
 _CONFIGS = {
@@ -81,32 +128,50 @@ class FullyShardedDataParallel(ShardedWrapper):
     ):
         require_process_group("FullyShardedDataParallel")
         if param_init_fn is not None:
-            raise TitanliteError("param_init_fn: FSDP2 has no per-unit init hook; build the model on meta, wrap it, "
-                                 "then call module.to_empty(device=...) and your init (it fills each rank's shard)")
+            raise TitanliteError(
+                "param_init_fn: FSDP2 has no per-unit init hook; build the model on meta, wrap it, "
+                "then call module.to_empty(device=...) and your init (it fills each rank's shard)"
+            )
         strategy = strategy_of(sharding_strategy)
         device = device_of(device_id)
         mesh, group = build_fsdp_mesh(process_group, device_mesh, strategy, fsdp_group_size, device.type)
         modules, params = ignored_of(ignored_modules, ignored_states)
-        plan = WrapPlan(mesh=mesh, group=group, units=wrap_units(module, auto_wrap_policy, modules),
-                        reshard_after_forward=reshard_of(reshard_after_forward, strategy), mp_policy=precision_of(mixed_precision),
-                        cpu_offload=offload_of(cpu_offload), backward_prefetch=backward_prefetch_of(backward_prefetch),
-                        forward_prefetch=forward_prefetch_of(forward_prefetch), ignored_params=params, device=device)
+        plan = WrapPlan(
+            mesh=mesh,
+            group=group,
+            units=wrap_units(module, auto_wrap_policy, modules),
+            reshard_after_forward=reshard_of(reshard_after_forward, strategy),
+            mp_policy=precision_of(mixed_precision),
+            cpu_offload=offload_of(cpu_offload),
+            backward_prefetch=backward_prefetch_of(backward_prefetch),
+            forward_prefetch=forward_prefetch_of(forward_prefetch),
+            ignored_params=params,
+            device=device,
+        )
         super().__init__(module, plan, sync_module_states)
-        self._settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+        self._settings = StateDictSettings(
+            StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+        )
 
     # --- module state dicts -------------------------------------------------------------------
 
     summon_full_params = staticmethod(full_params.summon_full_params)
 
     @staticmethod
-    def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config: StateDictConfig | None = None,
-                            optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
         """What `state_dict()`, `load_state_dict()` and the optimizer-state methods of every
         wrapper in `module` mean from now on; returns the previous settings."""
         if state_dict_type not in _CONFIGS:
             raise TitanliteError(f"state_dict_type: expected a StateDictType, got {state_dict_type!r}")
         model_config, optim_config = _CONFIGS[state_dict_type]
-        settings = StateDictSettings(state_dict_type, state_dict_config or model_config(), optim_state_dict_config or optim_config())
+        settings = StateDictSettings(
+            state_dict_type, state_dict_config or model_config(), optim_state_dict_config or optim_config()
+        )
         before = FullyShardedDataParallel.get_state_dict_type(module)
         for wrapper in wrappers_in(module, FullyShardedDataParallel):
             wrapper._settings = settings
@@ -121,11 +186,17 @@ class FullyShardedDataParallel(ShardedWrapper):
 
     @staticmethod
     @contextlib.contextmanager
-    def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config: StateDictConfig | None = None,
-                        optim_state_dict_config: OptimStateDictConfig | None = None) -> Iterator[None]:
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Iterator[None]:
         """`set_state_dict_type` for the duration of the block."""
         before = [(w, w._settings) for w in wrappers_in(module, FullyShardedDataParallel)]
-        FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
         try:
             yield
         finally:
@@ -153,7 +224,9 @@ class FullyShardedDataParallel(ShardedWrapper):
         """The counterpart of `state_dict()` under the current type (a full one: every rank
         passes the same whole tensors; each keeps its shard)."""
         if assign:
-            raise TitanliteError("load_state_dict: assign=True has no FSDP2 meaning (the shards are FSDP's); leave it False")
+            raise TitanliteError(
+                "load_state_dict: assign=True has no FSDP2 meaning (the shards are FSDP's); leave it False"
+            )
         kind = self._settings.state_dict_type
         if kind == StateDictType.SHARDED_STATE_DICT:
             return state_dict.load_sharded_state_dict(self.module, state, strict=strict)
@@ -174,34 +247,57 @@ class FullyShardedDataParallel(ShardedWrapper):
     # --- optimizer state dicts (parallel/optim_state.py) ------------------------------------
 
     @staticmethod
-    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None, rank0_only: bool = True,
-                              group: Any = None) -> dict[str, Any]:
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: Any = None,
+    ) -> dict[str, Any]:
         """The whole optimizer state keyed by parameter name (on rank 0 only with `rank0_only`)."""
         return optim_state.whole_by_name(model, optim, rank0_only)
 
     @staticmethod
-    def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module, optim_input: Any = None,
-                                    optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
         """This rank's part of a whole state every rank holds, for `optim.load_state_dict`."""
         order = optim_state.parameter_order(model, optim, optim_input)
         return optim_state.loadable(full_optim_state_dict, model, order, from_rank0=False)
 
     @staticmethod
-    def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module, optim_input: Any = None,
-                                      optim: torch.optim.Optimizer | None = None, group: Any = None) -> dict[str, Any]:
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
         """Like `shard_full_optim_state_dict`, with the whole state on rank 0 alone (scattered)."""
         order = optim_state.parameter_order(model, optim, optim_input)
         return optim_state.loadable(full_optim_state_dict, model, order, from_rank0=True, group=group)
 
     @staticmethod
-    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType, model: nn.Module,
-                               optim_input: Any = None, optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
         """Keys by name (PARAM_NAME, a wrapped model's) or by id (PARAM_ID, a plain optimizer's)."""
-        by = {OptimStateKeyType.PARAM_NAME: "name", OptimStateKeyType.PARAM_ID: "id"}.get(optim_state_key_type, optim_state_key_type)
+        by = {OptimStateKeyType.PARAM_NAME: "name", OptimStateKeyType.PARAM_ID: "id"}.get(
+            optim_state_key_type, optim_state_key_type
+        )
         return optim_state.rekey(optim_state_dict, optim_state.parameter_order(model, optim, optim_input), by)
 
     @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Any = None, group: Any = None) -> dict[str, Any]:
+    def optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Any = None, group: Any = None
+    ) -> dict[str, Any]:
         """By name, as the model's state-dict type says: whole (FullOptimStateDictConfig's
         rank0_only) or sharded."""
         settings = FullyShardedDataParallel.get_state_dict_type(model)
@@ -211,15 +307,27 @@ class FullyShardedDataParallel(ShardedWrapper):
         return optim_state.whole_by_name(model, optim, settings.optim_state_dict_config.rank0_only)
 
     @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
-                                 is_named_optimizer: bool = False, load_directly: bool = False, group: Any = None) -> dict[str, Any]:
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
+    ) -> dict[str, Any]:
         """An `optim_state_dict()` result as `optim.load_state_dict` takes it (loaded too with `load_directly`)."""
         if is_named_optimizer:
-            raise TitanliteError("optim_state_dict_to_load: is_named_optimizer=True (torchrec's KeyedOptimizer) is not supported")
+            raise TitanliteError(
+                "optim_state_dict_to_load: is_named_optimizer=True (torchrec's KeyedOptimizer) is not supported"
+            )
         settings = FullyShardedDataParallel.get_state_dict_type(model)
         _refuse_local(settings, "optim_state_dict_to_load")
-        from_rank0 = settings.state_dict_type == StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only
-        result = optim_state.loadable(optim_state_dict, model, optim_state.parameter_order(model, optim), from_rank0, group)
+        from_rank0 = (
+            settings.state_dict_type == StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only
+        )
+        result = optim_state.loadable(
+            optim_state_dict, model, optim_state.parameter_order(model, optim), from_rank0, group
+        )
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -227,4 +335,6 @@ class FullyShardedDataParallel(ShardedWrapper):
 
 def _refuse_local(settings: StateDictSettings, method: str) -> None:
     if settings.state_dict_type == StateDictType.LOCAL_STATE_DICT:
-        raise TitanliteError(f"{method}: LOCAL_STATE_DICT has no optimizer form (as in FSDP1); use FULL_ or SHARDED_STATE_DICT")
+        raise TitanliteError(
+            f"{method}: LOCAL_STATE_DICT has no optimizer form (as in FSDP1); use FULL_ or SHARDED_STATE_DICT"
+        )

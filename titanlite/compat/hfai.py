@@ -27,11 +27,26 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer
 
 from titanlite.errors import TitanliteError
 from titanlite.parallel import full_params, state_dict
-from titanlite.parallel.wrap_plan import (WrapPlan, backward_prefetch_of, build_fsdp_mesh, device_of, forward_prefetch_of,
-                                          precision_of, require_process_group, reshard_of, strategy_of, wrap_units)
+from titanlite.parallel.wrap_plan import (
+    WrapPlan,
+    backward_prefetch_of,
+    build_fsdp_mesh,
+    device_of,
+    forward_prefetch_of,
+    precision_of,
+    require_process_group,
+    reshard_of,
+    strategy_of,
+    wrap_units,
+)
 from titanlite.parallel.wrapper import ShardedWrapper
 
-__all__ = ["FullyShardedDataParallel", "BackwardPrefetch", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy"]
+__all__ = [
+    "FullyShardedDataParallel",
+    "BackwardPrefetch",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+]
 
 
 class FullyShardedDataParallel(ShardedWrapper):
@@ -50,19 +65,35 @@ class FullyShardedDataParallel(ShardedWrapper):
     ):
         require_process_group("FullyShardedDataParallel")
         if _is_root is not True:
-            raise TitanliteError("_is_root: only a root wrapper is built by hand; nested units come from auto_wrap_policy")
+            raise TitanliteError(
+                "_is_root: only a root wrapper is built by hand; nested units come from auto_wrap_policy"
+            )
         device = device_of(None)
         mesh, group = build_fsdp_mesh(process_group, None, strategy_of(None), fsdp_group_size, device.type)
-        plan = WrapPlan(mesh=mesh, group=group, units=wrap_units(module, auto_wrap_policy, set()),
-                        reshard_after_forward=reshard_of(reshard_after_forward), mp_policy=precision_of(None), cpu_offload=False,
-                        backward_prefetch=backward_prefetch_of(backward_prefetch),
-                        forward_prefetch=forward_prefetch_of(forward_prefetch), ignored_params=set(), device=device)
+        plan = WrapPlan(
+            mesh=mesh,
+            group=group,
+            units=wrap_units(module, auto_wrap_policy, set()),
+            reshard_after_forward=reshard_of(reshard_after_forward),
+            mp_policy=precision_of(None),
+            cpu_offload=False,
+            backward_prefetch=backward_prefetch_of(backward_prefetch),
+            forward_prefetch=forward_prefetch_of(forward_prefetch),
+            ignored_params=set(),
+            device=device,
+        )
         super().__init__(module, plan)
         self._whole = False
 
     @contextlib.contextmanager
-    def summon_full_params(self, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
-                           offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+    def summon_full_params(
+        self,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
         """Whole parameters inside the block, where `state_dict()` / `load_state_dict()` are
         the whole model's; edits (and loads) are written back to the shards on exit."""
         with full_params.summon_full_params(self, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
@@ -75,7 +106,9 @@ class FullyShardedDataParallel(ShardedWrapper):
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
         """Inside `summon_full_params`: the whole model's (`module.state_dict()`). Outside:
         this rank's own pieces, plain tensors to `torch.save` per rank."""
-        result = self.module.state_dict(keep_vars=keep_vars) if self._whole else state_dict.local_state_dict(self.module)
+        result = (
+            self.module.state_dict(keep_vars=keep_vars) if self._whole else state_dict.local_state_dict(self.module)
+        )
         destination = {} if destination is None else destination
         destination.update({prefix + k: v for k, v in result.items()})
         return destination
@@ -86,4 +119,6 @@ class FullyShardedDataParallel(ShardedWrapper):
         pieces from a `state_dict()` taken outside it at the same layout."""
         if not self._whole:
             return state_dict.load_local_state_dict(self.module, state, strict=strict)
-        return state_dict.copy_into(self.module.state_dict(keep_vars=True), state, strict, "a whole state dict is the unwrapped model's")
+        return state_dict.copy_into(
+            self.module.state_dict(keep_vars=True), state, strict, "a whole state dict is the unwrapped model's"
+        )

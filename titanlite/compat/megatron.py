@@ -35,8 +35,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.parallel import state_dict
-from titanlite.parallel.wrap_plan import (WrapPlan, build_fsdp_mesh, device_of, precision_of, require_process_group, reshard_of,
-                                          strategy_of, wrap_units)
+from titanlite.parallel.wrap_plan import (
+    WrapPlan,
+    build_fsdp_mesh,
+    device_of,
+    precision_of,
+    require_process_group,
+    reshard_of,
+    strategy_of,
+    wrap_units,
+)
 from titanlite.parallel.wrapper import ShardedWrapper
 
 __all__ = ["TorchFullyShardedDataParallel", "MEGATRON_DEFAULT_SUB_MODULES"]
@@ -61,22 +69,42 @@ def megatron_default_sub_modules() -> set[type]:
 class TorchFullyShardedDataParallel(ShardedWrapper):
     """Megatron-core's FSDP2 wrapper (see the module docstring)."""
 
-    def __init__(self, config: Any, ddp_config: Any, module: nn.Module, sub_modules_to_wrap: Any = MEGATRON_DEFAULT_SUB_MODULES,
-                 disable_bucketing: bool = False, process_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        config: Any,
+        ddp_config: Any,
+        module: nn.Module,
+        sub_modules_to_wrap: Any = MEGATRON_DEFAULT_SUB_MODULES,
+        disable_bucketing: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+    ):
         require_process_group("TorchFullyShardedDataParallel")
-        classes = megatron_default_sub_modules() if sub_modules_to_wrap is MEGATRON_DEFAULT_SUB_MODULES else set(sub_modules_to_wrap)
+        classes = (
+            megatron_default_sub_modules()
+            if sub_modules_to_wrap is MEGATRON_DEFAULT_SUB_MODULES
+            else set(sub_modules_to_wrap)
+        )
         if getattr(config, "transformer_impl", None) == "local":
             classes = {c for c in classes if c.__name__ != "ColumnParallelLinear"}
         for sub_module in module.modules():
             classes.update(getattr(sub_module, "_fsdp_modules", []))
         device = device_of(None)
-        mesh, group = build_fsdp_mesh(process_group or _megatron_data_parallel_group(), None, strategy_of(None), None, device.type)
+        mesh, group = build_fsdp_mesh(
+            process_group or _megatron_data_parallel_group(), None, strategy_of(None), None, device.type
+        )
         recompute = getattr(config, "recompute_granularity", None) is not None
-        plan = WrapPlan(mesh=mesh, group=group, units=wrap_units(module, classes, set()) if classes else [],
-                        reshard_after_forward=reshard_of(getattr(ddp_config, "reshard_after_forward", True)),
-                        mp_policy=precision_of(None), cpu_offload=False,
-                        backward_prefetch="previous" if recompute else "default", forward_prefetch=False,
-                        ignored_params=set(), device=device)
+        plan = WrapPlan(
+            mesh=mesh,
+            group=group,
+            units=wrap_units(module, classes, set()) if classes else [],
+            reshard_after_forward=reshard_of(getattr(ddp_config, "reshard_after_forward", True)),
+            mp_policy=precision_of(None),
+            cpu_offload=False,
+            backward_prefetch="previous" if recompute else "default",
+            forward_prefetch=False,
+            ignored_params=set(),
+            device=device,
+        )
         attributes = _parameter_attributes(module)
         super().__init__(module, plan)
         _restore_parameter_attributes(module, attributes)

@@ -6,11 +6,44 @@ checks a config before anything heavy loads. `python -m titanlite.config` prints
 
 from titanlite.config.output import to_dict, to_toml
 from titanlite.config.load import CONFIG_DIR, help_text, load_config, main, parse_blend, validate
-from titanlite.config.sections import (ActivationCheckpoint, Checkpoint, Comm, Compile, Job, JobConfig, LRScheduler,
-                                       Metrics, Model, Optimizer, Parallelism, Profiling, Training, Validation)
+from titanlite.config.sections import (
+    ActivationCheckpoint,
+    Checkpoint,
+    Comm,
+    Compile,
+    Job,
+    JobConfig,
+    LRScheduler,
+    Metrics,
+    Model,
+    Optimizer,
+    Parallelism,
+    Profiling,
+    Training,
+    Validation,
+)
 
 __all__ = [
-    "CONFIG_DIR", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "Job", "JobConfig", "LRScheduler", "Metrics",
-    "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation", "help_text", "load_config", "main",
-    "parse_blend", "to_dict", "to_toml", "validate",
+    "CONFIG_DIR",
+    "ActivationCheckpoint",
+    "Checkpoint",
+    "Comm",
+    "Compile",
+    "Job",
+    "JobConfig",
+    "LRScheduler",
+    "Metrics",
+    "Model",
+    "Optimizer",
+    "Parallelism",
+    "Profiling",
+    "Training",
+    "Validation",
+    "help_text",
+    "load_config",
+    "main",
+    "parse_blend",
+    "to_dict",
+    "to_toml",
+    "validate",
 ]

@@ -37,9 +37,18 @@ Override = tuple[str, str, Any]
 """(section, key, parsed value) from the command line."""
 
 
-def option(default: Any, help: str, *, choices: Sequence[str] = (), gt: float | None = None, ge: float | None = None,
-           lt: float | None = None, le: float | None = None, special: Any = dataclasses.MISSING,
-           nonempty: bool = False) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] = (),
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    special: Any = dataclasses.MISSING,
+    nonempty: bool = False,
+) -> Any:
     """A config field: its default, one line of help, and the rules `check_values` checks.
 
     `special` is one extra allowed value outside the range (a -1 or None sentinel).
@@ -232,7 +241,9 @@ def read_toml(path: Path, shown: str) -> dict[str, Any]:
     except OSError as error:
         raise TitanliteError(f"cannot read config file {shown}: {error.strerror}") from None
     if not data:
-        raise TitanliteError(f"config file {shown} is empty (it sets no [section] key); leave out --config for the defaults")
+        raise TitanliteError(
+            f"config file {shown} is empty (it sets no [section] key); leave out --config for the defaults"
+        )
     return data
 
 
@@ -244,8 +255,12 @@ def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate 
     for section, table in data.items():
         if not isinstance(table, dict):
             if section in by_name:
-                raise TitanliteError(f"{section} {where} is a section, not a key: write [{section}] and its keys under it")
-            raise TitanliteError(f"unknown key {section} {where} (keys belong in a [section]){_hint(suggest_key(root, '', section))}")
+                raise TitanliteError(
+                    f"{section} {where} is a section, not a key: write [{section}] and its keys under it"
+                )
+            raise TitanliteError(
+                f"unknown key {section} {where} (keys belong in a [section]){_hint(suggest_key(root, '', section))}"
+            )
         if section not in by_name:
             if translate is not None and translate.handles_section(section):
                 translate(section, None, table, where)
@@ -253,7 +268,11 @@ def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate 
             close = _closest(section, list(by_name))
             raise TitanliteError(f"unknown section [{section}] {where}{_hint(f'[{close}]' if close else None)}")
         for given_key, given_value in table.items():
-            mapped = translate(section, given_key, given_value, where) if translate is not None else (section, given_key, given_value)
+            mapped = (
+                translate(section, given_key, given_value, where)
+                if translate is not None
+                else (section, given_key, given_value)
+            )
             if mapped is None:
                 continue
             _, key, value = mapped
@@ -309,7 +328,9 @@ def refuse_repeats(overrides: Sequence[Override]) -> None:
     seen: dict[tuple[str, str], Any] = {}
     for section, key, value in overrides:
         if (section, key) in seen:
-            raise TitanliteError(f"--{section}.{key} given twice ({toml_value(seen[section, key])} and {toml_value(value)})")
+            raise TitanliteError(
+                f"--{section}.{key} given twice ({toml_value(seen[section, key])} and {toml_value(value)})"
+            )
         seen[section, key] = value
 
 
@@ -341,7 +362,12 @@ def _in_range(value: Any, meta: typing.Mapping[str, Any]) -> bool:
         return True
     if value is None:
         return False
-    bounds = ((meta["gt"], operator.gt), (meta["ge"], operator.ge), (meta["lt"], operator.lt), (meta["le"], operator.le))
+    bounds = (
+        (meta["gt"], operator.gt),
+        (meta["ge"], operator.ge),
+        (meta["lt"], operator.lt),
+        (meta["le"], operator.le),
+    )
     return all(bound is None or compare(value, bound) for bound, compare in bounds)
 
 

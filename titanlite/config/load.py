@@ -17,8 +17,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from titanlite.config.engine import (Override, apply_toml, check_values, cli_pairs, parse_override, read_toml,
-                                     refuse_repeats)
+from titanlite.config.engine import (
+    Override,
+    apply_toml,
+    check_values,
+    cli_pairs,
+    parse_override,
+    read_toml,
+    refuse_repeats,
+)
 from titanlite.config.output import help_lines, to_toml
 from titanlite.config.sections import JobConfig
 from titanlite.config.torchtitan import TorchtitanKeys
@@ -116,12 +123,16 @@ def validate(cfg: JobConfig) -> None:
     if validation.dataset:
         _validate_data(validation.dataset, validation.dataset_path, "validation")
     elif validation.enable and validation.holdout_fraction == 0:
-        raise TitanliteError("validation.holdout_fraction: 0 holds no window out for validation (validation.dataset "
-                             "is empty, so validation reads the held-out split; got 0)")
+        raise TitanliteError(
+            "validation.holdout_fraction: 0 holds no window out for validation (validation.dataset "
+            "is empty, so validation reads the held-out split; got 0)"
+        )
     reshard = parallelism.fsdp_reshard_after_forward
     if reshard not in ("default", "always", "never") and not (reshard.isdigit() and int(reshard) >= 1):
-        raise TitanliteError(f"parallelism.fsdp_reshard_after_forward: must be default, always, never or a number of ranks >= 1 "
-                             f"(got {reshard!r})")
+        raise TitanliteError(
+            f"parallelism.fsdp_reshard_after_forward: must be default, always, never or a number of ranks >= 1 "
+            f"(got {reshard!r})"
+        )
     if training.enable_cpu_offload and parallelism.fsdp_reshard_after_forward == "never":
         raise TitanliteError(
             "training.enable_cpu_offload: CPU offload needs resharding after forward "
@@ -133,16 +144,21 @@ def validate(cfg: JobConfig) -> None:
             "checkpoint.enable_checkpoint = true"
         )
     if parallelism.pipeline_parallel_split_points and parallelism.pipeline_parallel_layers_per_stage is not None:
-        raise TitanliteError("parallelism.pipeline_parallel_split_points: give it or pipeline_parallel_layers_per_stage, "
-                             f"not both (got {','.join(parallelism.pipeline_parallel_split_points)} and "
-                             f"{parallelism.pipeline_parallel_layers_per_stage} layers per stage)")
+        raise TitanliteError(
+            "parallelism.pipeline_parallel_split_points: give it or pipeline_parallel_layers_per_stage, "
+            f"not both (got {','.join(parallelism.pipeline_parallel_split_points)} and "
+            f"{parallelism.pipeline_parallel_layers_per_stage} layers per stage)"
+        )
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) >= 1):
-        raise TitanliteError(f"activation_checkpoint.selective_ac_option: must be a whole number >= 1 or op (got {option!r})")
+        raise TitanliteError(
+            f"activation_checkpoint.selective_ac_option: must be a whole number >= 1 or op (got {option!r})"
+        )
     for name in parallelism.fsdp_shard_modules:
         if not name.isidentifier():
-            raise TitanliteError(f"parallelism.fsdp_shard_modules: {name!r} is not a class name "
-                                 f"(got {parallelism.fsdp_shard_modules!r})")
+            raise TitanliteError(
+                f"parallelism.fsdp_shard_modules: {name!r} is not a class name (got {parallelism.fsdp_shard_modules!r})"
+            )
 
 
 def _validate_data(dataset: str, path: str, section: str) -> None:
@@ -182,7 +198,7 @@ _USAGE = [
     "",
     "  --config NAME   a TOML file path, or a name in train_configs/ (e.g. debug_model)",
     "  Overrides win over the TOML file. Booleans: true/false/1/0/yes/no, or a bare --section.flag for true.",
-    "  Lists: a,b or [\"a\", \"b\"]. Optional numbers: none.",
+    '  Lists: a,b or ["a", "b"]. Optional numbers: none.',
 ]
 
 
@@ -202,4 +218,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `... --help | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
-

@@ -41,9 +41,11 @@ NO_EFFECT = {
 }
 DOWNLOADED_DATASETS = ("c4", "c4_test", "c4_validation")
 _COMMAND_LINE = "on the command line"  # the `where` of an override (config/engine.py)
-_PREPARE = ("titanlite reads local data prepared once into token shards: python -m titanlite.data.prepare "
-            "hf:allenai/c4:en prepared/ --tokenizer TOKENIZER (pip install titanlite[hf]), then dataset = \"prepared\" "
-            "and dataset_path = \"prepared/\" (docs/data.md)")
+_PREPARE = (
+    "titanlite reads local data prepared once into token shards: python -m titanlite.data.prepare "
+    'hf:allenai/c4:en prepared/ --tokenizer TOKENIZER (pip install titanlite[hf]), then dataset = "prepared" '
+    'and dataset_path = "prepared/" (docs/data.md)'
+)
 
 
 def _is_on(value: Any) -> bool:
@@ -79,36 +81,54 @@ class TorchtitanKeys:
             return self._section(section, value, where)
         if (section, key) in ALIASES:
             return section, ALIASES[(section, key)], value
-        if (section, key) == ("activation_checkpoint", "selective_ac_option") and isinstance(value, int) and not isinstance(value, bool):
+        if (
+            (section, key) == ("activation_checkpoint", "selective_ac_option")
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+        ):
             return section, key, str(value)  # the number form of the string option ('2' in torchtitan's files)
         if (section, key) in OFF_ONLY:
             off, instead = OFF_ONLY[(section, key)]
             if _is_on(value) != off:
-                raise TitanliteError(f"{section}.{key}: not supported ({instead}); set it to {str(off).lower()} or leave it out")
+                raise TitanliteError(
+                    f"{section}.{key}: not supported ({instead}); set it to {str(off).lower()} or leave it out"
+                )
             self.notices.append(f"{section}.{key} = {str(off).lower()} {where}: torchtitan's option, off; {instead}")
             return None
         if (section, key) in NO_EFFECT:
-            self.notices.append(f"{section}.{key} {where}: torchtitan's option, no effect here: {NO_EFFECT[(section, key)]}")
+            self.notices.append(
+                f"{section}.{key} {where}: torchtitan's option, no effect here: {NO_EFFECT[(section, key)]}"
+            )
             return None
         if key == "dataset" and section in ("training", "validation") and value in DOWNLOADED_DATASETS:
             if section == "training" and where == _COMMAND_LINE:
-                raise TitanliteError(f"training.dataset: {value!r} is a dataset torchtitan downloads at run time; {_PREPARE}")
+                raise TitanliteError(
+                    f"training.dataset: {value!r} is a dataset torchtitan downloads at run time; {_PREPARE}"
+                )
             self._downloaded[section] = (value, where)
             return None
         if (section, key) == ("model", "converters"):
             if value:
-                raise TitanliteError(f"model.converters: {', '.join(map(str, value))} is not supported (titanlite has no "
-                                     "float8 or mx conversion); remove it or leave the list empty")
-            self.notices.append(f"model.converters = [] {where}: torchtitan's option, no conversion; titanlite has none")
+                raise TitanliteError(
+                    f"model.converters: {', '.join(map(str, value))} is not supported (titanlite has no "
+                    "float8 or mx conversion); remove it or leave the list empty"
+                )
+            self.notices.append(
+                f"model.converters = [] {where}: torchtitan's option, no conversion; titanlite has none"
+            )
             return None
         return section, key, value
 
     def _section(self, section: str, table: Any, where: str) -> None:
         enabled = _enables(table)
         if enabled:
-            raise TitanliteError(f"[quantize] {where}: {', '.join(enabled)} is not supported (titanlite has no float8 or "
-                                 "mx quantization); remove the section")
-        self.notices.append(f"[quantize] {where}: torchtitan's quantization section, nothing enabled; titanlite has none")
+            raise TitanliteError(
+                f"[quantize] {where}: {', '.join(enabled)} is not supported (titanlite has no float8 or "
+                "mx quantization); remove the section"
+            )
+        self.notices.append(
+            f"[quantize] {where}: torchtitan's quantization section, nothing enabled; titanlite has none"
+        )
         return None
 
     def finish(self, validation_enabled: bool, overridden: set[tuple[str, str]]) -> None:
@@ -116,11 +136,17 @@ class TorchtitanKeys:
         command-line override replaced it, and for validation only when validation is on."""
         for section, (dataset, where) in self._downloaded.items():
             if (section, "dataset") in overridden and where != _COMMAND_LINE:
-                self.notices.append(f"{section}.dataset = {dataset!r} {where}: torchtitan's download, replaced by the command line's")
+                self.notices.append(
+                    f"{section}.dataset = {dataset!r} {where}: torchtitan's download, replaced by the command line's"
+                )
             elif section == "training" or validation_enabled:
-                raise TitanliteError(f"{section}.dataset: {dataset!r} is a dataset torchtitan downloads at run time; {_PREPARE}")
+                raise TitanliteError(
+                    f"{section}.dataset: {dataset!r} is a dataset torchtitan downloads at run time; {_PREPARE}"
+                )
             else:
-                self.notices.append(f"validation.dataset = {dataset!r}: torchtitan's download, not used while validation is off")
+                self.notices.append(
+                    f"validation.dataset = {dataset!r}: torchtitan's download, not used while validation is off"
+                )
 
     def handles_section(self, section: str) -> bool:
         """A section titanlite does not have but torchtitan's files carry."""

@@ -47,4 +47,6 @@ def check_shard(folder: Path, name: str, recorded: dict[str, str], field: str) -
         except OSError as error:
             raise TitanliteError(f"{field}: cannot read {path} ({error.strerror or error})") from None
         if actual != recorded[suffix]:
-            raise TitanliteError(f"{field}: {path} is corrupted: CRC-32 {actual}, the manifest records {recorded[suffix]}")
+            raise TitanliteError(
+                f"{field}: {path} is corrupted: CRC-32 {actual}, the manifest records {recorded[suffix]}"
+            )

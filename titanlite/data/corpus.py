@@ -38,8 +38,9 @@ class Corpus:
     validation: WindowStream | None
 
 
-def open_datasets(dataset: str, dataset_path: str, tokenizer: Tokenizer, cache_dir: str, section: str,
-                  verify: bool) -> list[tuple[TokenShards, float]]:
+def open_datasets(
+    dataset: str, dataset_path: str, tokenizer: Tokenizer, cache_dir: str, section: str, verify: bool
+) -> list[tuple[TokenShards, float]]:
     """The prepared folders of a validated `dataset`/`dataset_path` pair, opened and checked
     (and, with `verify`, each shard's checksums before its first read)."""
     field = f"{section}.dataset_path"
@@ -47,7 +48,9 @@ def open_datasets(dataset: str, dataset_path: str, tokenizer: Tokenizer, cache_d
         folders = parse_blend(dataset_path, field)
     else:
         folders = [(str(ensure_prepared(dataset, dataset_path, tokenizer, cache_dir)), 1.0)]
-    return [(check_tokenizer(TokenShards(folder, field, verify), tokenizer, field), weight) for folder, weight in folders]
+    return [
+        (check_tokenizer(TokenShards(folder, field, verify), tokenizer, field), weight) for folder, weight in folders
+    ]
 
 
 def check_tokenizer(shards: TokenShards, tokenizer: Tokenizer, field: str) -> TokenShards:
@@ -55,7 +58,8 @@ def check_tokenizer(shards: TokenShards, tokenizer: Tokenizer, field: str) -> To
     if made_with["sha256"] != tokenizer.sha256 or int(made_with["vocab_size"]) != tokenizer.vocab_size:
         raise TitanliteError(
             f"{field}: {shards.folder} was prepared with another tokenizer ({made_with.get('file')}, vocab "
-            f"{made_with['vocab_size']:,}, sha256 {made_with['sha256'][:12]}) than model.tokenizer_path {tokenizer.path} "
+            f"{made_with['vocab_size']:,}, sha256 {made_with['sha256'][:12]}) than model.tokenizer_path "
+            f"{tokenizer.path} "
             f"(vocab {tokenizer.vocab_size:,}, sha256 {tokenizer.sha256[:12]})"
         )
     return shards
@@ -64,8 +68,10 @@ def check_tokenizer(shards: TokenShards, tokenizer: Tokenizer, field: str) -> To
 def _windows_of(shards: TokenShards, window: int, field: str) -> int:
     count = window_count(shards, window)
     if count < 1:
-        raise TitanliteError(f"{field}: {shards.folder} holds {shards.num_tokens:,} tokens, fewer than one window of "
-                             f"training.seq_len + 1 = {window}")
+        raise TitanliteError(
+            f"{field}: {shards.folder} holds {shards.num_tokens:,} tokens, fewer than one window of "
+            f"training.seq_len + 1 = {window}"
+        )
     return count
 
 
@@ -76,8 +82,9 @@ def _name(dataset: str, path: str, seed: int | None) -> str:
 def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer) -> Corpus:
     """The training stream (shuffled when `training.shuffle`) and the validation stream."""
     window = training.seq_len + 1
-    datasets = open_datasets(training.dataset, training.dataset_path, tokenizer, training.dataset_cache_dir, "training",
-                             training.verify_data)
+    datasets = open_datasets(
+        training.dataset, training.dataset_path, tokenizer, training.dataset_cache_dir, "training", training.verify_data
+    )
     holdout = 0.0 if validation.dataset else validation.holdout_fraction
     seed = training.seed if training.shuffle else None
     train, held, weights = [], [], []
@@ -85,8 +92,10 @@ def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer
         count = _windows_of(shards, window, "training.dataset_path")
         kept = count - int(count * holdout)
         if kept < 1:
-            raise TitanliteError(f"validation.holdout_fraction: {holdout} of the {count} windows of {shards.folder} "
-                                 "leaves none for training")
+            raise TitanliteError(
+                f"validation.holdout_fraction: {holdout} of the {count} windows of {shards.folder} "
+                "leaves none for training"
+            )
         train.append(DatasetWindows(shards, window, 0, kept, seed, salt))
         weights.append(weight)
         if kept < count:
@@ -99,17 +108,35 @@ def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer
 
 
 def _validation_stream(validation: Validation, tokenizer: Tokenizer, window: int, training: Training) -> WindowStream:
-    datasets = open_datasets(validation.dataset, validation.dataset_path, tokenizer, training.dataset_cache_dir, "validation",
-                             training.verify_data)
+    datasets = open_datasets(
+        validation.dataset,
+        validation.dataset_path,
+        tokenizer,
+        training.dataset_cache_dir,
+        "validation",
+        training.verify_data,
+    )
     parts = [DatasetWindows(s, window, 0, _windows_of(s, window, "validation.dataset_path"), None) for s, _ in datasets]
     return WindowStream(parts, [w for _, w in datasets], _name(validation.dataset, validation.dataset_path, None))
 
 
-def build_dataloader(stream: WindowStream, local_batch_size: int, dp_rank: int, dp_degree: int,
-                     device: torch.device, prefetch: bool = True, documents: bool = False) -> TokenWindowLoader:
+def build_dataloader(
+    stream: WindowStream,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    device: torch.device,
+    prefetch: bool = True,
+    documents: bool = False,
+) -> TokenWindowLoader:
     """This dp rank's loader over `stream`; batches pinned for fast copies on CUDA; with
     `documents`, each window's document ids too (block-causal attention)."""
-    return TokenWindowLoader(stream, local_batch_size, dp_rank, dp_degree, pin_memory=device.type == "cuda",
-                             prefetch=prefetch, documents=documents)
-
-
+    return TokenWindowLoader(
+        stream,
+        local_batch_size,
+        dp_rank,
+        dp_degree,
+        pin_memory=device.type == "cuda",
+        prefetch=prefetch,
+        documents=documents,
+    )

@@ -28,7 +28,9 @@ class HFSource(Source):
         try:
             import datasets
         except ImportError:
-            raise TitanliteError("training.dataset: 'hf' needs the datasets package: pip install titanlite[hf]") from None
+            raise TitanliteError(
+                "training.dataset: 'hf' needs the datasets package: pip install titanlite[hf]"
+            ) from None
         self.path = path
         self.name = f"hf:{path}"
         with user_errors(f"training.dataset_path: cannot open Hugging Face dataset {path!r}"):
@@ -49,6 +51,9 @@ class HFSource(Source):
     def _documents(self) -> Iterator[str]:
         for example in self.dataset:
             if "text" not in example:
-                raise TitanliteError(f"training.dataset_path: Hugging Face dataset {self.path!r} has no \"text\" field (fields: {', '.join(example)})")
+                raise TitanliteError(
+                    f'training.dataset_path: Hugging Face dataset {self.path!r} has no "text" field (fields: '
+                    f"{', '.join(example)})"
+                )
             if example["text"]:
                 yield example["text"]

@@ -36,10 +36,20 @@ class TokenWindowLoader:
     each window (int32, same shape), for block-causal attention. Stateful: `state_dict()` /
     `load_state_dict()` = {"windows", "data", "seq_len"}."""
 
-    def __init__(self, stream: WindowStream, local_batch_size: int, dp_rank: int, dp_degree: int,
-                 pin_memory: bool = False, prefetch: bool = True, documents: bool = False) -> None:
+    def __init__(
+        self,
+        stream: WindowStream,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        pin_memory: bool = False,
+        prefetch: bool = True,
+        documents: bool = False,
+    ) -> None:
         """`dp_rank` in [0, dp_degree) from the mesh, a ValueError otherwise (a caller's bug)."""
-        if not (isinstance(dp_degree, int) and dp_degree >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_degree):
+        if not (
+            isinstance(dp_degree, int) and dp_degree >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_degree
+        ):
             raise ValueError(f"dp_rank {dp_rank!r} must be in [0, dp_degree {dp_degree!r})")
         self.stream, self.local_batch_size = stream, local_batch_size
         self.seq_len = stream.window - 1
@@ -88,16 +98,27 @@ class TokenWindowLoader:
         try:
             windows, data, seq_len = int(state["windows"]), str(state["data"]), int(state["seq_len"])
         except (KeyError, TypeError, ValueError) as e:
-            raise TitanliteError(f"checkpoint: the saved dataloader state is not a titanlite data position ({type(e).__name__}: {e})") from None
+            raise TitanliteError(
+                f"checkpoint: the saved dataloader state is not a titanlite data position ({type(e).__name__}: {e})"
+            ) from None
         if (data, seq_len) != (self.stream.name, self.seq_len):
-            logger.warning(f"data: the checkpoint's data position was saved for {data!r} at seq_len {seq_len}; this run "
-                           f"reads {self.stream.name!r} at seq_len {self.seq_len}; continuing at global window {windows:,}")
+            logger.warning(
+                f"data: the checkpoint's data position was saved for {data!r} at seq_len {seq_len}; this run "
+                f"reads {self.stream.name!r} at seq_len {self.seq_len}; continuing at global window {windows:,}"
+            )
         self.close()
         self.windows = windows
 
 
-def prepared_loader(folder: str, seq_len: int, local_batch_size: int, dp_rank: int = 0, dp_degree: int = 1,
-                    seed: int | None = 0, prefetch: bool = True) -> TokenWindowLoader:
+def prepared_loader(
+    folder: str,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int = 0,
+    dp_degree: int = 1,
+    seed: int | None = 0,
+    prefetch: bool = True,
+) -> TokenWindowLoader:
     """The library's loader over one prepared folder (`titanlite.prepare`, or `python -m
     titanlite.data.prepare`): windows of seq_len + 1 tokens, in a fresh order each epoch from
     `seed` (None: stream order), this dp rank's share of each global batch. Stateful (hand it
@@ -105,6 +126,9 @@ def prepared_loader(folder: str, seq_len: int, local_batch_size: int, dp_rank: i
     shards = TokenShards(folder, field="prepared_loader: folder")
     count = window_count(shards, seq_len + 1)
     if count == 0:
-        raise TitanliteError(f"prepared_loader: {folder} holds {shards.num_tokens} tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
+        raise TitanliteError(
+            f"prepared_loader: {folder} holds {shards.num_tokens} tokens, fewer than one window of seq_len + 1 = "
+            f"{seq_len + 1}"
+        )
     stream = WindowStream([DatasetWindows(shards, seq_len + 1, 0, count, seed)], [1.0], name=str(folder))
     return TokenWindowLoader(stream, local_batch_size, dp_rank, dp_degree, prefetch=prefetch)

@@ -31,7 +31,9 @@ class Prefetcher(Generic[T]):
     def __init__(self, produce: Callable[[int], T], start: int, stride: int, depth: int = 2) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(produce, start, stride), name="titanlite-prefetch", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(produce, start, stride), name="titanlite-prefetch", daemon=True
+        )
         self._thread.start()
 
     def _run(self, produce: Callable[[int], T], position: int, stride: int) -> None:

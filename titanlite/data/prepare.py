@@ -29,8 +29,16 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
-from titanlite.data.shard_format import (FORMAT, FORMAT_VERSION, MANIFEST, complete_shard, remove_temporaries, token_dtype,
-                                   write_manifest, write_shard)
+from titanlite.data.shard_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    complete_shard,
+    remove_temporaries,
+    token_dtype,
+    write_manifest,
+    write_shard,
+)
 from titanlite.data.hf_source import HFSource
 from titanlite.data.sources import BuiltinSource, FilesSource, Source
 from titanlite.data.tokenizers import Tokenizer
@@ -121,16 +129,19 @@ def _check_job(folder: Path, job: dict[str, Any]) -> None:
         previous = json.loads(path.read_text())
         if previous != job:
             changed = ", ".join(k for k in job if previous.get(k) != job[k])
-            raise TitanliteError(f"OUTPUT: {folder} holds a preparation with other settings ({changed}); "
-                                 "use the same arguments to resume it, or an empty folder")
+            raise TitanliteError(
+                f"OUTPUT: {folder} holds a preparation with other settings ({changed}); "
+                "use the same arguments to resume it, or an empty folder"
+            )
         return
     if any(folder.glob("shard-*")) or (folder / MANIFEST).exists():
         raise TitanliteError(f"OUTPUT: {folder} holds files of another preparation; use an empty folder")
     path.write_text(json.dumps(job, indent=1) + "\n")
 
 
-def _tokenize_all(source: Source, tokenizer: Tokenizer, folder: Path, workers: int, shard_chars: int,
-                  progress: Progress) -> list[dict[str, Any]]:
+def _tokenize_all(
+    source: Source, tokenizer: Tokenizer, folder: Path, workers: int, shard_chars: int, progress: Progress
+) -> list[dict[str, Any]]:
     """Every unit of the source as a shard (complete ones kept); manifest entries in order."""
     dtype = token_dtype(tokenizer.vocab_size)
     entries: dict[int, dict[str, Any]] = {}
@@ -160,8 +171,9 @@ def _tokenize_all(source: Source, tokenizer: Tokenizer, folder: Path, workers: i
     return [entries[i] for i in range(len(entries))]
 
 
-def prepare(source: Source, tokenizer: Tokenizer, output: str | Path, workers: int = 1,
-            shard_chars: int = DEFAULT_SHARD_CHARS) -> dict[str, Any]:
+def prepare(
+    source: Source, tokenizer: Tokenizer, output: str | Path, workers: int = 1, shard_chars: int = DEFAULT_SHARD_CHARS
+) -> dict[str, Any]:
     """Prepare `source` into `output` (resuming an unfinished run); returns the manifest."""
     folder = Path(output)
     try:
@@ -169,8 +181,13 @@ def prepare(source: Source, tokenizer: Tokenizer, output: str | Path, workers: i
     except OSError as e:
         raise TitanliteError(f"OUTPUT: cannot create {folder}: {e.strerror or e}") from None
     dtype = token_dtype(tokenizer.vocab_size)
-    job = {"format_version": FORMAT_VERSION, "source": source.name, "tokenizer_sha256": tokenizer.sha256,
-           "dtype": dtype, "shard_chars": shard_chars}
+    job = {
+        "format_version": FORMAT_VERSION,
+        "source": source.name,
+        "tokenizer_sha256": tokenizer.sha256,
+        "dtype": dtype,
+        "shard_chars": shard_chars,
+    }
     with exclusive(folder):
         _check_job(folder, job)
         if (folder / MANIFEST).is_file():
@@ -180,12 +197,22 @@ def prepare(source: Source, tokenizer: Tokenizer, output: str | Path, workers: i
         progress = Progress(f"prepare {source.name}", total=size, unit="B")
         entries = _tokenize_all(source, tokenizer, folder, workers, shard_chars, progress)
         manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype, "source": source.name,
-            "tokens": sum(e["tokens"] for e in entries), "documents": sum(e["documents"] for e in entries),
-            "tokenizer": {"file": Path(tokenizer.path).name, "kind": tokenizer.kind, "sha256": tokenizer.sha256,
-                          "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype,
+            "source": source.name,
+            "tokens": sum(e["tokens"] for e in entries),
+            "documents": sum(e["documents"] for e in entries),
+            "tokenizer": {
+                "file": Path(tokenizer.path).name,
+                "kind": tokenizer.kind,
+                "sha256": tokenizer.sha256,
+                "vocab_size": tokenizer.vocab_size,
+                "bos_id": tokenizer.bos_id,
+                "eos_id": tokenizer.eos_id,
+            },
             "shards": entries,
-        }  # fmt: skip
+        }
         write_manifest(folder, manifest)
         progress.finish()
         return manifest
@@ -201,14 +228,33 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m titanlite.data.prepare", description=__doc__.split("\n\n")[0],
-                     epilog="The on-disk format is described in docs/data.md.")
-    parser.add_argument("source", metavar="SOURCE", help="builtin, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG]")
+    parser = _Parser(
+        prog="python -m titanlite.data.prepare",
+        description=__doc__.split("\n\n")[0],
+        epilog="The on-disk format is described in docs/data.md.",
+    )
+    parser.add_argument(
+        "source", metavar="SOURCE", help="builtin, a .txt/.jsonl/.parquet file or folder, or hf:NAME[:CONFIG]"
+    )
     parser.add_argument("output", metavar="OUTPUT", help="folder to write (an unfinished one is resumed)")
-    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="sentencepiece model, tiktoken rank file "
-                        f"(Llama 3 tokenizer.model) or tokenizer.json (default {DEFAULT_TOKENIZER})")
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="tokenizer processes (default: the CPUs available)")
-    parser.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_CHARS / 1e6, help="text per shard, in millions of characters (default 64)")
+    parser.add_argument(
+        "--tokenizer",
+        default=DEFAULT_TOKENIZER,
+        help="sentencepiece model, tiktoken rank file "
+        f"(Llama 3 tokenizer.model) or tokenizer.json (default {DEFAULT_TOKENIZER})",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="tokenizer processes (default: the CPUs available)",
+    )
+    parser.add_argument(
+        "--shard-mb",
+        type=float,
+        default=DEFAULT_SHARD_CHARS / 1e6,
+        help="text per shard, in millions of characters (default 64)",
+    )
     # The trainer's first-use run: die with the trainer, and name its config keys in errors.
     parser.add_argument("--from-trainer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -220,9 +266,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _cli_message(error: TitanliteError) -> str:
     """Source and tokenizer errors name the training config keys; here they are arguments."""
     text = str(error)
-    for key, argument in (("training.dataset_path: ", "SOURCE: "), ("training.dataset: ", "SOURCE: "), ("model.tokenizer_path: ", "--tokenizer: ")):
+    for key, argument in (
+        ("training.dataset_path: ", "SOURCE: "),
+        ("training.dataset: ", "SOURCE: "),
+        ("model.tokenizer_path: ", "--tokenizer: "),
+    ):
         if text.startswith(key):
-            return argument + text[len(key):]
+            return argument + text[len(key) :]
     return text
 
 
@@ -232,19 +282,26 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()
     init_logger(0)
     try:
-        manifest = prepare(open_source(args.source), Tokenizer(args.tokenizer), args.output, args.workers, int(args.shard_mb * 1e6))
+        manifest = prepare(
+            open_source(args.source), Tokenizer(args.tokenizer), args.output, args.workers, int(args.shard_mb * 1e6)
+        )
     except TitanliteError as error:
         print(f"titanlite: error: {error if args.from_trainer else _cli_message(error)}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     except WorkerDied:
-        print(f"titanlite: error: a tokenizer worker died before finishing its shard; run the same command again "
-              f"to resume {args.output}", file=sys.stderr)
+        print(
+            f"titanlite: error: a tokenizer worker died before finishing its shard; run the same command again "
+            f"to resume {args.output}",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         print(f"titanlite: error: interrupted; run the same command again to resume {args.output}", file=sys.stderr)
         return 130
-    logger.info(f"{args.output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents, "
-                f"{len(manifest['shards'])} shards ({manifest['dtype']})")
+    logger.info(
+        f"{args.output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents, "
+        f"{len(manifest['shards'])} shards ({manifest['dtype']})"
+    )
     return 0
 
 

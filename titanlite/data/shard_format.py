@@ -46,7 +46,7 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def token_dtype(vocab_size: int) -> str:
-    """"uint16" when every id fits, else "uint32" (a key of DTYPES)."""
+    """ "uint16" when every id fits, else "uint32" (a key of DTYPES)."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
@@ -124,21 +124,27 @@ def read_manifest(folder: Path, field: str) -> dict[str, Any]:
     if not folder.is_dir():
         raise TitanliteError(f"{field}: {folder} is not a prepared dataset (not a folder)")
     if not path.is_file():
-        raise TitanliteError(f"{field}: {folder} is not a prepared dataset (no {MANIFEST}; write one with "
-                             f"python -m titanlite.data.prepare SOURCE {folder} --tokenizer PATH)")
+        raise TitanliteError(
+            f"{field}: {folder} is not a prepared dataset (no {MANIFEST}; write one with "
+            f"python -m titanlite.data.prepare SOURCE {folder} --tokenizer PATH)"
+        )
     try:
         manifest = json.loads(path.read_text())
         version, shards, dtype = manifest["format_version"], manifest["shards"], DTYPES.get(manifest["dtype"])
         tokenizer = manifest["tokenizer"]
-        entries = [ShardEntry(str(s["name"]), int(s["tokens"]), int(s["documents"]), _recorded_crc32(s)) for s in shards]
+        entries = [
+            ShardEntry(str(s["name"]), int(s["tokens"]), int(s["documents"]), _recorded_crc32(s)) for s in shards
+        ]
         checks = (int(tokenizer["vocab_size"]), str(tokenizer["sha256"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TitanliteError(f"{field}: {path} is not a titanlite manifest ({type(e).__name__}: {e})") from None
     if manifest.get("format") != FORMAT:
         raise TitanliteError(f"{field}: {path} is not a titanlite manifest (format {manifest.get('format')!r})")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise TitanliteError(f"{field}: {path} has format version {version}; this titanlite reads version "
-                             f"{FORMAT_VERSION} and older (prepared by a newer titanlite?)")
+        raise TitanliteError(
+            f"{field}: {path} has format version {version}; this titanlite reads version "
+            f"{FORMAT_VERSION} and older (prepared by a newer titanlite?)"
+        )
     if dtype is None or not checks[0] > 0:
         raise TitanliteError(f"{field}: {path}: unsupported dtype {manifest['dtype']!r} or vocab size {checks[0]}")
     manifest["_entries"] = entries

@@ -117,7 +117,10 @@ def list_data_files(path: str) -> list[Path]:
         raise TitanliteError(f"training.dataset_path: not found: {path}")
     if p.is_file():
         if p.suffix not in FILE_SUFFIXES:
-            raise TitanliteError(f"training.dataset_path: unsupported file type {p.suffix or '(none)'}: {path} (expected {'/'.join(FILE_SUFFIXES)})")
+            raise TitanliteError(
+                f"training.dataset_path: unsupported file type {p.suffix or '(none)'}: {path} (expected "
+                f"{'/'.join(FILE_SUFFIXES)})"
+            )
         return [p]
     found = []
     for folder, dirs, files in os.walk(p):
@@ -246,10 +249,10 @@ def _read_jsonl(path: Path) -> Iterator[str]:
         except json.JSONDecodeError as e:
             raise TitanliteError(f"training.dataset_path: {where}: not valid JSON ({e.msg})") from None
         if not isinstance(record, dict) or "text" not in record:
-            raise TitanliteError(f"training.dataset_path: {where}: line has no \"text\" field")
+            raise TitanliteError(f'training.dataset_path: {where}: line has no "text" field')
         text = record["text"]
         if not isinstance(text, str):
-            raise TitanliteError(f"training.dataset_path: {where}: \"text\" is {type(text).__name__}, expected a string")
+            raise TitanliteError(f'training.dataset_path: {where}: "text" is {type(text).__name__}, expected a string')
         if text:
             yield text
 
@@ -273,10 +276,14 @@ def _read_parquet(path: Path) -> Iterator[str]:
         raise TitanliteError(f"training.dataset_path: {path}: not a readable parquet file ({one_line(e)})") from None
     schema = pf.schema_arrow
     if "text" not in schema.names:
-        raise TitanliteError(f"training.dataset_path: {path}: no \"text\" column (columns: {', '.join(schema.names)})")
+        raise TitanliteError(f'training.dataset_path: {path}: no "text" column (columns: {", ".join(schema.names)})')
     kind = schema.field("text").type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
-        raise TitanliteError(f"training.dataset_path: {path}: column \"text\" is {kind}, expected strings")
+    if not (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or getattr(pa.types, "is_string_view", lambda _: False)(kind)
+    ):
+        raise TitanliteError(f'training.dataset_path: {path}: column "text" is {kind}, expected strings')
     for group in range(pf.num_row_groups):
         yield from (text for text in pf.read_row_group(group, columns=["text"]).column(0).to_pylist() if text)
 

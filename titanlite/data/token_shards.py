@@ -45,8 +45,12 @@ class TokenShards:
         self._offsets: dict[int, np.memmap] = {}
         self._unverified = {k for k, entry in enumerate(self.entries) if entry.crc32 is not None} if verify else set()
         if verify and len(self._unverified) < len(self.entries):
-            say_notices([f"{field}: {self.folder / MANIFEST} records no checksums (prepared before titanlite wrote them), "
-                         "so its shards are read unverified; prepare it again to add them"])
+            say_notices(
+                [
+                    f"{field}: {self.folder / MANIFEST} records no checksums (prepared before titanlite wrote them), "
+                    "so its shards are read unverified; prepare it again to add them"
+                ]
+            )
 
     def _check_files(self, name: str, tokens: int, documents: int) -> None:
         for suffix, size in ((".bin", tokens * self.dtype.itemsize), (".idx", (documents + 1) * 8)):
@@ -54,9 +58,13 @@ class TokenShards:
             try:
                 actual = path.stat().st_size
             except OSError:
-                raise TitanliteError(f"{self.field}: {path} is missing (listed in {self.folder / 'manifest.json'})") from None
+                raise TitanliteError(
+                    f"{self.field}: {path} is missing (listed in {self.folder / 'manifest.json'})"
+                ) from None
             if actual != size:
-                raise TitanliteError(f"{self.field}: {path} is truncated or altered: {actual:,} bytes, the manifest says {size:,}")
+                raise TitanliteError(
+                    f"{self.field}: {path} is truncated or altered: {actual:,} bytes, the manifest says {size:,}"
+                )
 
     def _verify_once(self, shard: int) -> None:
         """Check the shard's CRC-32s if `verify` asked for it and no read has yet. Two threads
@@ -120,7 +128,9 @@ class TokenShards:
         starts = np.zeros(length, dtype=np.int32)
         for shard, offset, take, done in self._pieces(start, length):
             offsets = self.document_offsets(shard)
-            lo, hi = np.searchsorted(offsets, [offset + 1, offset + take])  # document starts inside (offset, offset + take)
+            lo, hi = np.searchsorted(
+                offsets, [offset + 1, offset + take]
+            )  # document starts inside (offset, offset + take)
             starts[done + offsets[lo:hi].astype(np.int64) - offset] = 1
             if done:
                 starts[done] = 1  # the next shard starts a document

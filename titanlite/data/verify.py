@@ -36,21 +36,33 @@ def verify(folder: str | Path) -> str:
     shards = TokenShards(folder, field=FIELD)  # the manifest, and every shard file's presence and size
     unrecorded = next((entry.name for entry in shards.entries if entry.crc32 is None), None)
     if unrecorded is not None:
-        raise TitanliteError(f"{FIELD}: {shards.folder / MANIFEST} records no checksums for {unrecorded} (prepared before "
-                             "titanlite wrote them), so nothing can be verified; prepare it again to add them")
-    sizes = [sum((shards.folder / f"{entry.name}.{suffix}").stat().st_size for suffix in SHARD_FILES) for entry in shards.entries]
+        raise TitanliteError(
+            f"{FIELD}: {shards.folder / MANIFEST} records no checksums for {unrecorded} (prepared before "
+            "titanlite wrote them), so nothing can be verified; prepare it again to add them"
+        )
+    sizes = [
+        sum((shards.folder / f"{entry.name}.{suffix}").stat().st_size for suffix in SHARD_FILES)
+        for entry in shards.entries
+    ]
     progress = Progress(f"verify {shards.folder}", total=sum(sizes), unit="B")
     for entry, size in zip(shards.entries, sizes):
         check_shard(shards.folder, entry.name, entry.crc32, FIELD)
         progress.advance(size)
-    return (f"{shards.folder}: all {len(sizes)} shards ({2 * len(sizes)} files, {amount_text(sum(sizes), 'B')}, "
-            f"{shards.num_tokens:,} tokens) match the CRC-32s in {MANIFEST} ({time.monotonic() - started:.1f} s)")
+    return (
+        f"{shards.folder}: all {len(sizes)} shards ({2 * len(sizes)} files, {amount_text(sum(sizes), 'B')}, "
+        f"{shards.num_tokens:,} tokens) match the CRC-32s in {MANIFEST} ({time.monotonic() - started:.1f} s)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineArgumentParser(prog="python -m titanlite.data.verify", description=__doc__.split("\n\n")[0],
-                                   epilog="The on-disk format is described in docs/data.md.")
-    parser.add_argument("folder", metavar=FIELD, help="a prepared dataset (written by python -m titanlite.data.prepare)")
+    parser = OneLineArgumentParser(
+        prog="python -m titanlite.data.verify",
+        description=__doc__.split("\n\n")[0],
+        epilog="The on-disk format is described in docs/data.md.",
+    )
+    parser.add_argument(
+        "folder", metavar=FIELD, help="a prepared dataset (written by python -m titanlite.data.prepare)"
+    )
     init_logger(0)
     try:
         summary = verify(parser.parse_args(sys.argv[1:] if argv is None else argv).folder)

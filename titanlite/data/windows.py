@@ -27,7 +27,9 @@ class DatasetWindows:
 
     def __init__(self, shards: TokenShards, window: int, lo: int, hi: int, seed: int | None, salt: int = 0) -> None:
         if not 0 <= lo < hi <= window_count(shards, window):
-            raise ValueError(f"window range [{lo}, {hi}) outside the {window_count(shards, window)} windows of {shards.folder}")
+            raise ValueError(
+                f"window range [{lo}, {hi}) outside the {window_count(shards, window)} windows of {shards.folder}"
+            )
         self.shards, self.window, self.lo, self.hi = shards, window, lo, hi
         self.seed, self.salt = seed, salt
         self._epoch, self._perm = -1, None

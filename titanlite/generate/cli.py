@@ -16,18 +16,38 @@ from titanlite.errors import OneLineArgumentParser, TitanliteError, report_user_
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Generation's own options, checked, with `prompts` the texts to continue; everything
     else is the config (`--config`, `--section.key`)."""
-    parser = OneLineArgumentParser(prog="python -m titanlite.generate", allow_abbrev=False,
-                                   description="Text from a trained model's checkpoint (docs/generate.md).",
-                                   epilog="Config options: python -m titanlite.config --help")  # fmt: skip
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint folder (newest complete step-N), one step-N, or a Hugging Face folder")
+    parser = OneLineArgumentParser(
+        prog="python -m titanlite.generate",
+        allow_abbrev=False,
+        description="Text from a trained model's checkpoint (docs/generate.md).",
+        epilog="Config options: python -m titanlite.config --help",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a checkpoint folder (newest complete step-N), one step-N, or a Hugging Face folder",
+    )
     given = parser.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", action="append", help="a text to continue; repeat it for a batch")
     given.add_argument("--prompt-file", help="a UTF-8 file of texts to continue, one per line (blank lines skipped)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add to each text (fewer at max_seq_len or end of text)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of each prompt's sampling generator (the same on every rank)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; else sample from softmax(logits / T)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="tokens to add to each text (fewer at max_seq_len or end of text)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of each prompt's sampling generator (the same on every rank)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy; else sample from softmax(logits / T)"
+    )
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens only (0: all)")
-    parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence for every token (slow; the cache's reference)")
+    parser.add_argument(
+        "--no-kv-cache",
+        action="store_true",
+        help="recompute the whole sequence for every token (slow; the cache's reference)",
+    )
     options, config_argv = parser.parse_known_args(argv)
     if not Path(options.checkpoint).is_dir():
         raise TitanliteError(f"--checkpoint: {options.checkpoint} is not a folder")
@@ -50,7 +70,9 @@ def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str
     try:
         lines = Path(prompt_file).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
-        raise TitanliteError(f"--prompt-file: cannot read {prompt_file} ({getattr(error, 'strerror', None) or error})") from None
+        raise TitanliteError(
+            f"--prompt-file: cannot read {prompt_file} ({getattr(error, 'strerror', None) or error})"
+        ) from None
     prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise TitanliteError(f"--prompt-file: {prompt_file} holds no prompt (one per line)")
@@ -68,8 +90,10 @@ def for_generation(cfg: JobConfig, checkpoint: Path) -> JobConfig:
     shapes); the residual stream whole on every TP rank (a step of one token per row cannot
     be split by sequence). Context parallelism is refused: it splits the sequence itself."""
     if cfg.parallelism.context_parallel_degree > 1:
-        raise TitanliteError(f"parallelism.context_parallel_degree: generate does not split a sequence over ranks; "
-                             f"use 1 (got {cfg.parallelism.context_parallel_degree})")
+        raise TitanliteError(
+            f"parallelism.context_parallel_degree: generate does not split a sequence over ranks; "
+            f"use 1 (got {cfg.parallelism.context_parallel_degree})"
+        )
     cfg.checkpoint.enable_checkpoint = False
     cfg.checkpoint.create_seed_checkpoint = False
     cfg.checkpoint.initial_load_path = str(checkpoint)
@@ -98,8 +122,15 @@ def run(cfg: JobConfig, options: argparse.Namespace) -> int:
         prompts = [tokenizer.encode(text, bos=True, eos=False) for text in options.prompts]
         max_len = getattr(loaded.plan.model_args, "max_seq_len", None)
         sampling = Sampling(options.temperature, options.top_k, options.seed)
-        result = decode(StageForward(loaded, info.device), prompts, options.max_new_tokens, max_len, sampling,
-                        tokenizer.eos_id, kv_cache=not options.no_kv_cache)
+        result = decode(
+            StageForward(loaded, info.device),
+            prompts,
+            options.max_new_tokens,
+            max_len,
+            sampling,
+            tokenizer.eos_id,
+            kv_cache=not options.no_kv_cache,
+        )
         logger.info(result.describe())
         if info.rank == 0:
             for ids in result.rows:

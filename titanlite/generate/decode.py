@@ -42,8 +42,10 @@ class Decoded:
 
     def describe(self) -> str:
         how = "KV cache" if self.cached else "no KV cache: every forward recomputes the whole rows"
-        return (f"generate: {self.new_tokens} new tokens for {len(self.rows)} prompt(s) in {self.seconds:.2f} s: "
-                f"{self.new_tokens / max(self.seconds, 1e-9):,.1f} tokens/s ({self.forwards} forwards, {how})")
+        return (
+            f"generate: {self.new_tokens} new tokens for {len(self.rows)} prompt(s) in {self.seconds:.2f} s: "
+            f"{self.new_tokens / max(self.seconds, 1e-9):,.1f} tokens/s ({self.forwards} forwards, {how})"
+        )
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
@@ -58,8 +60,15 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: 
     return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
 
-def decode(forward: StageForward, prompts: list[list[int]], max_new_tokens: int, max_len: int | None, sampling: Sampling,
-           eos_id: int | None, kv_cache: bool) -> Decoded:
+def decode(
+    forward: StageForward,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    max_len: int | None,
+    sampling: Sampling,
+    eos_id: int | None,
+    kv_cache: bool,
+) -> Decoded:
     """Up to `max_new_tokens` more ids for each prompt, a row stopping early at the
     end-of-text token (not kept) or at `max_len` tokens (the model's max_seq_len)."""
     ends = _ends(prompts, max_new_tokens, max_len)
@@ -94,13 +103,20 @@ def _ends(prompts: list[list[int]], max_new_tokens: int, max_len: int | None) ->
     """How many ids each row may reach: its prompt and max_new_tokens, at most `max_len`."""
     for index, prompt in enumerate(prompts):
         if max_len is not None and len(prompt) >= max_len:
-            raise TitanliteError(f"--prompt: prompt {index + 1} has {len(prompt)} tokens, which leave no room below "
-                                 f"the model's max_seq_len {max_len}")
+            raise TitanliteError(
+                f"--prompt: prompt {index + 1} has {len(prompt)} tokens, which leave no room below "
+                f"the model's max_seq_len {max_len}"
+            )
     return [min(len(prompt) + max_new_tokens, max_len or len(prompt) + max_new_tokens) for prompt in prompts]
 
 
-def _choose(logits: torch.Tensor | None, rows: list[bool], sampling: Sampling, generators: list[torch.Generator],
-            forward: StageForward) -> list[int]:
+def _choose(
+    logits: torch.Tensor | None,
+    rows: list[bool],
+    sampling: Sampling,
+    generators: list[torch.Generator],
+    forward: StageForward,
+) -> list[int]:
     """The next token of each row in `rows` (-1 for the others), drawn on the rank that
     samples and broadcast, so every rank feeds the same tokens."""
     chosen = torch.full((len(rows),), -1, dtype=torch.long)

@@ -34,13 +34,17 @@ class StageForward:
             held = (0,)
         else:
             self.pp_rank, self.group = meshes.pp.get_local_rank(), meshes.pp.get_group()
-            self.holders = [next(rank for rank in range(layout.degree) if stage in layout.stage_indices(rank))
-                            for stage in range(len(layout.stages))]
+            self.holders = [
+                next(rank for rank in range(layout.degree) if stage in layout.stage_indices(rank))
+                for stage in range(len(layout.stages))
+            ]
             # The rank that samples: the lowest global rank that holds the output.
             self.output_rank = layout.output_rank(meshes.world)
             held = layout.stage_indices(self.pp_rank)
         self.stages = dict(zip(held, loaded.parts))
-        self.autocast_dtype = autocast_dtype(plan.cfg.training.mixed_precision_param, plan.dims.fsdp_enabled)  # as the trainer does
+        self.autocast_dtype = autocast_dtype(
+            plan.cfg.training.mixed_precision_param, plan.dims.fsdp_enabled
+        )  # as the trainer does
         self.kv_cache_supported = plan.spec.supports("kv_cache")
         self.caches: list[KVCache] = []
 

@@ -37,8 +37,13 @@ _compiled_flex = None
 _compiled_block_mask = None
 
 
-def build_mask(mask_type: str, document_ids: torch.Tensor | None, q_positions: torch.Tensor | None,
-               k_positions: torch.Tensor | None, flex: bool) -> Mask:
+def build_mask(
+    mask_type: str,
+    document_ids: torch.Tensor | None,
+    q_positions: torch.Tensor | None,
+    k_positions: torch.Tensor | None,
+    flex: bool,
+) -> Mask:
     """The mask of a forward: None for plain causal attention over a local whole sequence,
     else a boolean [batch or 1, 1, queries, keys] tensor (SDPA) or a BlockMask (`flex`).
 
@@ -77,8 +82,14 @@ def _block_mask(docs: torch.Tensor | None, q_positions: torch.Tensor, k_position
         global _compiled_block_mask
         _compiled_block_mask = _compiled_block_mask or torch.compile(create_block_mask)
         make = _compiled_block_mask
-    return make(causal if docs is None else block_causal, batch, None, len(q_positions), len(k_positions),
-                device=q_positions.device)
+    return make(
+        causal if docs is None else block_causal,
+        batch,
+        None,
+        len(q_positions),
+        len(k_positions),
+        device=q_positions.device,
+    )
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, grouped: bool) -> torch.Tensor:

@@ -31,8 +31,9 @@ aten = torch.ops.aten
 Saved = tuple[Any, ...]  # what one kernel's backward needs besides q, k, v, out and LSE
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, Saved]:
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, Saved]:
     """Attention of q over k, v (top-left causal when `causal`, plus `bias` when given): the
     output, its LSE, and what `backward` needs."""
     if bias is not None and bias.dtype != q.dtype:
@@ -41,7 +42,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
         return out, lse, (bias,)
     if bias is None and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal
+        )
         return out, lse, ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
     groups = q.shape[1] // k.shape[1]
     k, v = (k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)) if groups > 1 else (k, v)
@@ -50,23 +53,35 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out, lse[..., : q.shape[2]], ("efficient", bias, seed, offset, lse.shape[-1], groups)
 
 
-def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, causal: bool, saved: Saved) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    saved: Saved,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for one piece, given the merged `out` and `lse` of its query rows."""
     if q.device.type == "cpu":
         (bias,) = saved
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, attn_mask=bias
+        )
     if saved[0] == "flash":
         _, cum_q, cum_k, max_q, max_k, seed, offset = saved
         return aten._scaled_dot_product_flash_attention_backward(
-            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset)
+            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset
+        )
     _, bias, seed, offset, width, groups = saved
     kv_heads = k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     lse = F.pad(lse, (0, width - lse.shape[-1])).contiguous()
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal)
+        grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal
+    )
     if groups > 1:
         dk, dv = (g.unflatten(1, (kv_heads, groups)).sum(2) for g in (dk, dv))
     return dq, dk, dv

@@ -58,8 +58,9 @@ class ChunkPlan:
     chunks: tuple[QueryChunk, ...]
 
 
-def plan_chunks(mask_type: str, document_ids: torch.Tensor | None, starts: Sequence[int], chunk_len: int,
-                dtype: torch.dtype) -> ChunkPlan:
+def plan_chunks(
+    mask_type: str, document_ids: torch.Tensor | None, starts: Sequence[int], chunk_len: int, dtype: torch.dtype
+) -> ChunkPlan:
     """The plan for local queries made of chunks of `chunk_len` tokens at global `starts` (in
     local order), under "causal" or "block_causal" (document_ids [batch, window], whose ids
     count up along the window as the loader numbers them; other ids get a mask per chunk,
@@ -136,7 +137,12 @@ class _ChunkedAttention(torch.autograd.Function):
             merged_out = merged_lse = None
             for piece in chunk.pieces:
                 part, part_lse, state = attention_lse.forward(
-                    q[:, :, rows], k[:, :, piece.start : piece.stop], v[:, :, piece.start : piece.stop], piece.causal, piece.bias)
+                    q[:, :, rows],
+                    k[:, :, piece.start : piece.stop],
+                    v[:, :, piece.start : piece.stop],
+                    piece.causal,
+                    piece.bias,
+                )
                 saved.append(state)
                 merged_out, merged_lse = _merge(merged_out, merged_lse, part, part_lse)
             out[:, :, rows] = merged_out
@@ -157,16 +163,25 @@ class _ChunkedAttention(torch.autograd.Function):
             rows_lse = lse[:, :, rows].contiguous()
             for piece in chunk.pieces:
                 keys = slice(piece.start, piece.stop)
-                d_q, d_k, d_v = attention_lse.backward(grad[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                                       out[:, :, rows], rows_lse, piece.causal, next(states))
+                d_q, d_k, d_v = attention_lse.backward(
+                    grad[:, :, rows],
+                    q[:, :, rows],
+                    k[:, :, keys],
+                    v[:, :, keys],
+                    out[:, :, rows],
+                    rows_lse,
+                    piece.causal,
+                    next(states),
+                )
                 dq[:, :, rows] += d_q
                 dk[:, :, keys] += d_k
                 dv[:, :, keys] += d_v
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor,
-           part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor, part_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the union of two key sets from each set's output and LSE (in float32)."""
     if out is None:
         return part, part_lse

@@ -121,7 +121,9 @@ class Router(nn.Module):
         return Routing(experts, weights * self.args.route_scale, scores)
 
 
-def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, args: MoEArgs, tokens: int | None = None) -> torch.Tensor:
+def load_balancing_loss(
+    scores: torch.Tensor, counts: torch.Tensor, args: MoEArgs, tokens: int | None = None
+) -> torch.Tensor:
     """Switch Transformer's loss as Qwen3-MoE computes it, without the coefficient, from the
     router's `scores` [T, E] and the tokens each expert was given, `counts` [E]:
     E * sum_i f_i * P_i, f_i = counts_i / T (not differentiable), P_i = the mean over tokens

@@ -10,13 +10,13 @@ Dropless: the caller hands over every routed (token, expert) pair sorted by expe
 count of each group; every pair is computed, whatever the load (no capacity factor, no
 token dropped or padded).
 
-Two ways to run the groups give the same numbers: torch's grouped matmul (one kernel over
-all groups, `torch.nn.functional.grouped_mm`, `torch._grouped_mm` before it was public) and
-a loop over experts (one matmul per group). `use_grouped_mm` picks from the device and dtype
-at run time: the grouped kernel where torch documents one (bfloat16 on CUDA, compute
-capability 8.0 or newer), the loop elsewhere. On CPU torch 2.13's grouped matmul runs
-(float32, bfloat16, float16; not float64) and equals the loop forward and backward to
-rounding (tests/unit/test_moe.py), but it is no faster, needs every stride a multiple of 16 bytes, and its backward fails on an
+Two ways to run the groups give the same numbers: torch's grouped matmul (one kernel over all
+groups, `torch.nn.functional.grouped_mm`, `torch._grouped_mm` before it was public) and a loop
+over experts (one matmul per group). `use_grouped_mm` picks from the device and dtype at run
+time: the grouped kernel where torch documents one (bfloat16 on CUDA, compute capability 8.0 or
+newer), the loop elsewhere. On CPU torch 2.13's grouped matmul runs (float32, bfloat16, float16;
+not float64) and equals the loop forward and backward to rounding (tests/unit/test_moe.py), but
+it is no faster, needs every stride a multiple of 16 bytes, and its backward fails on an
 expanded gradient (as `out.sum().backward()` gives): the loop is the CPU path.
 """
 
@@ -59,15 +59,21 @@ def _aligned(*weights: torch.Tensor) -> bool:
     return all(w.shape[-1] * w.element_size() % 16 == 0 for w in weights)
 
 
-def run_experts_grouped(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def run_experts_grouped(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """SwiGLU of each group of rows of `x` [n, dim] through its expert, in three grouped
     matmuls; `counts` [E] rows per expert, in expert order (zero allowed). No host sync."""
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    hidden = F.silu(_grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) * _grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+    hidden = F.silu(_grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) * _grouped_mm(
+        x, w3.transpose(-2, -1), offs=offsets
+    )
     return _grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
 
 
-def run_experts_loop(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def run_experts_loop(
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """The same as `run_experts_grouped`, one expert at a time (reads `counts` on the host)."""
     groups = x.split(counts.tolist())
     return torch.cat([F.linear(F.silu(F.linear(g, w1[e])) * F.linear(g, w3[e]), w2[e]) for e, g in enumerate(groups)])

@@ -18,6 +18,7 @@ from titanlite.observe.peak_flops import PeakFlops
 from titanlite.observe.run_dir import METRICS_FILE, MetricsFile
 from titanlite.observe.wandb_run import start_wandb_run
 
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocator memory on CUDA; peak resident set size of the process on CPU."""
     if device.type == "cuda":
@@ -43,9 +44,18 @@ class MetricsLogger:
     pipeline-parallel ranks), so MFU = tps * FLOPs/token / peak holds for any layout.
     """
 
-    def __init__(self, metrics_cfg: Metrics, dump_folder: str, rank: int, device: torch.device,
-                 flops_per_token: float, peak: PeakFlops, devices_per_replica: int, run_dir: Path,
-                 run_config: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        metrics_cfg: Metrics,
+        dump_folder: str,
+        rank: int,
+        device: torch.device,
+        flops_per_token: float,
+        peak: PeakFlops,
+        devices_per_replica: int,
+        run_dir: Path,
+        run_config: dict[str, Any] | None = None,
+    ):
         self.device = device
         self.flops_per_token = flops_per_token
         self.peak = peak
@@ -65,8 +75,15 @@ class MetricsLogger:
     def add_tokens(self, count: int) -> None:
         self.tokens += count
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int,
-            expert_load: tuple[float, float] | None = None) -> dict[str, float]:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens_seen: int,
+        expert_load: tuple[float, float] | None = None,
+    ) -> dict[str, float]:
         """Emit one line and the scalars for the window since the last call; returns them.
         `tokens_seen` counts every rank's tokens since the run's first step (resumes included).
         `expert_load` (models with mixture-of-experts layers only): the (mean, max) over the
@@ -104,7 +121,9 @@ class MetricsLogger:
         and its own metrics.jsonl record (the step's training record is already written)."""
         logger.info(f"validation step {step:>5}  loss {loss:7.4f}  perplexity {perplexity:,.2f}")
         scalars = {"validation_loss": loss, "validation_perplexity": perplexity}
-        self._record(step, scalars, {"validation_loss": "validation/loss", "validation_perplexity": "validation/perplexity"})
+        self._record(
+            step, scalars, {"validation_loss": "validation/loss", "validation_perplexity": "validation/perplexity"}
+        )
         return scalars
 
     def log_skipped_steps(self, step: int, skipped: int) -> None:
@@ -124,7 +143,9 @@ class MetricsLogger:
             self.wandb_run.log(tagged, step=step)
         if self.file is not None:
             elapsed_s = time.perf_counter() - self.started
-            self.file.write({"step": step, **scalars, "elapsed_s": round(elapsed_s, 3), "wall_time": round(time.time(), 3)})
+            self.file.write(
+                {"step": step, **scalars, "elapsed_s": round(elapsed_s, 3), "wall_time": round(time.time(), 3)}
+            )
 
     def close(self) -> None:
         if self.writer is not None:

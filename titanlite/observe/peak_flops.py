@@ -69,5 +69,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> P
     if device.type == "cpu":
         measured = measure_cpu_matmul_flops(dtype)
         threads = torch.get_num_threads()
-        return PeakFlops(measured, f"{str(dtype).removeprefix('torch.')} matmul measured at start-up on {threads} thread(s)")
+        return PeakFlops(
+            measured, f"{str(dtype).removeprefix('torch.')} matmul measured at start-up on {threads} thread(s)"
+        )
     return PeakFlops(None, f"no peak known for device type {device.type}; set metrics.peak_flops for MFU")

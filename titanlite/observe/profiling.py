@@ -68,8 +68,10 @@ def maybe_profile(cfg: JobConfig, rank: int, device: torch.device, start_step: i
             if device.type == "cuda":
                 steppers.append(stack.enter_context(_memory_snapshots(cfg, rank, start_step)))
             elif rank == 0:
-                logger.warning(f"profiling.enable_memory_snapshot: memory snapshots are CUDA-only; this run is on "
-                               f"{device.type}, so none are written")
+                logger.warning(
+                    f"profiling.enable_memory_snapshot: memory snapshots are CUDA-only; this run is on "
+                    f"{device.type}, so none are written"
+                )
         yield _Steppers(steppers)
 
 
@@ -93,7 +95,9 @@ def _traces(cfg: JobConfig, rank: int, device: torch.device, start_step: int) ->
         os.makedirs(step_folder, exist_ok=True)
         prof.export_chrome_trace(os.path.join(step_folder, f"rank{rank}_trace.json"))
         with open(os.path.join(step_folder, f"rank{rank}_ops.txt"), "w") as table:
-            table.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
+            table.write(
+                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+            )
         logger.info(f"profiler: trace of step {step} written to {step_folder}")
 
     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -64,8 +64,10 @@ class Progress:
         fraction = min(self.done / self.total, 1.0)
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta = f"about {_duration(left)} left" if left != float("inf") else "time left unknown"
-        return (f"{self.what}: {100 * fraction:.0f}% ({self._amount(self.done)} of {self._amount(self.total)}), "
-                f"{_duration(elapsed)} elapsed, {eta}")
+        return (
+            f"{self.what}: {100 * fraction:.0f}% ({self._amount(self.done)} of {self._amount(self.total)}), "
+            f"{_duration(elapsed)} elapsed, {eta}"
+        )
 
     def _amount(self, value: float) -> str:
         return amount_text(value, self.unit)

@@ -29,17 +29,25 @@ if TYPE_CHECKING:
 
 DEFAULT_PROJECT = "titanlite"
 # wandb.init's argument -> the environment variable it is read from (torchtitan's names)
-RUN_FROM_ENV = {"entity": "WANDB_TEAM", "name": "WANDB_RUN_NAME", "id": "WANDB_RUN_ID", "notes": "WANDB_RUN_NOTES",
-                "group": "WANDB_RUN_GROUP", "job_type": "WANDB_RUN_JOB_TYPE", "resume_from": "WANDB_RESUME_FROM",
-                "fork_from": "WANDB_FORK_FROM"}
+RUN_FROM_ENV = {
+    "entity": "WANDB_TEAM",
+    "name": "WANDB_RUN_NAME",
+    "id": "WANDB_RUN_ID",
+    "notes": "WANDB_RUN_NOTES",
+    "group": "WANDB_RUN_GROUP",
+    "job_type": "WANDB_RUN_JOB_TYPE",
+    "resume_from": "WANDB_RESUME_FROM",
+    "fork_from": "WANDB_FORK_FROM",
+}
 
 
 def require_wandb(metrics_cfg: Metrics) -> None:
     """With `metrics.enable_wandb` on, the wandb package must be installed: found here, not
     imported (that takes a while), so a missing one is one line before any device is used."""
     if metrics_cfg.enable_wandb and importlib.util.find_spec("wandb") is None:
-        raise TitanliteError("metrics.enable_wandb: logging to Weights & Biases needs the wandb package: "
-                             "pip install wandb")
+        raise TitanliteError(
+            "metrics.enable_wandb: logging to Weights & Biases needs the wandb package: pip install wandb"
+        )
 
 
 def start_wandb_run(run_config: dict[str, Any], run_dir: Path) -> Run:
@@ -50,9 +58,14 @@ def start_wandb_run(run_config: dict[str, Any], run_dir: Path) -> Run:
     tags = os.environ.get("WANDB_RUN_TAGS")
     described = {arg: os.environ.get(variable) for arg, variable in RUN_FROM_ENV.items()}
     try:
-        return wandb.init(project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
-                          dir=os.environ.get("WANDB_DIR", str(run_dir)), config=run_config,
-                          tags=tags.split(",") if tags else None, **described)
+        return wandb.init(
+            project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
+            dir=os.environ.get("WANDB_DIR", str(run_dir)),
+            config=run_config,
+            tags=tags.split(",") if tags else None,
+            **described,
+        )
     except wandb.errors.UsageError as error:
-        raise TitanliteError(f"metrics.enable_wandb: W&B refused the run: {error} (WANDB_MODE=offline logs "
-                             "locally without an account)") from None
+        raise TitanliteError(
+            f"metrics.enable_wandb: W&B refused the run: {error} (WANDB_MODE=offline logs locally without an account)"
+        ) from None

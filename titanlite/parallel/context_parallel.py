@@ -85,7 +85,9 @@ class ContextParallel:
         """This rank's tokens of a whole-sequence tensor (inputs, labels), along `dim`."""
         return x.index_select(dim, chunk_positions(x.shape[dim], self.rank, self.size).to(x.device))
 
-    def gather(self, parts: tuple[torch.Tensor, ...], dim: int, memory_order: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    def gather(
+        self, parts: tuple[torch.Tensor, ...], dim: int, memory_order: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """The whole window of each of `parts` (same shapes) along `dim`, in window order,
         from every rank's part, in one collective; each result laid out in memory in
         `memory_order` (e.g. keys [batch, seq, heads, head_dim] as (0, 2, 1, 3): every head's

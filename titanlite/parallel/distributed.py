@@ -25,8 +25,15 @@ import torch
 import torch.distributed as dist
 
 # Where torch issues or awaits a collective (or a pipeline's sends and receives), and where our own code is.
-_COLLECTIVE_FILES = tuple(os.path.join("torch", "distributed", name) for name in (
-    "distributed_c10d.py", "_functional_collectives.py", os.path.join("pipelining", "schedules.py"), os.path.join("pipelining", "stage.py")))
+_COLLECTIVE_FILES = tuple(
+    os.path.join("torch", "distributed", name)
+    for name in (
+        "distributed_c10d.py",
+        "_functional_collectives.py",
+        os.path.join("pipelining", "schedules.py"),
+        os.path.join("pipelining", "stage.py"),
+    )
+)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What gloo and NCCL say when a peer stopped answering or went away.
 _PEER_TROUBLE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|peer", re.IGNORECASE)
@@ -103,7 +110,11 @@ def init_distributed(init_timeout_seconds: int = 600, cpu_offload: bool = False)
         if "MASTER_ADDR" not in os.environ:  # launched without torchrun: a world of one
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
         backend = backend_for(device.type, cpu_offload)
-        dist.init_process_group(backend, timeout=timedelta(seconds=init_timeout_seconds), device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            timeout=timedelta(seconds=init_timeout_seconds),
+            device_id=device if device.type == "cuda" else None,
+        )
     _timeouts.seconds, _timeouts.groups = init_timeout_seconds, [dist.group.WORLD]
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
 
@@ -187,16 +198,20 @@ def collective_failure(error: BaseException) -> CollectiveFailure | None:
         return None
     # Our frame: the last of ours that called into torch (a pipeline's wait is ours, inside torch's schedule).
     callers = frames[: frames.index(torch_frame)] if torch_frame is not None else frames
-    what = _describe(torch_frame, next((f for f in reversed(callers) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None))
+    what = _describe(
+        torch_frame, next((f for f in reversed(callers) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None)
+    )
     if re.search(r"timed out|timeout", text, re.IGNORECASE):
         return CollectiveFailure(f"{what} timed out after {_timeouts.seconds} s: a peer rank stopped answering", True)
     if re.search(r"connection (closed|reset)|broken pipe", text, re.IGNORECASE):
         return CollectiveFailure(f"{what} failed: a peer rank closed its connection (it died)", False)
-    return CollectiveFailure(f"{what} failed: {next((line for line in text.splitlines() if line.strip()), type(error).__name__)}", False)
+    return CollectiveFailure(
+        f"{what} failed: {next((line for line in text.splitlines() if line.strip()), type(error).__name__)}", False
+    )
 
 
 def _describe(torch_frame: FrameType | None, our_frame: FrameType | None) -> str:
-    """"all_gather_single on group mesh_tp (waited for in forward, titanlite/models/...:146)"."""
+    """ "all_gather_single on group mesh_tp (waited for in forward, titanlite/models/...:146)"."""
     what = "a collective"
     if torch_frame is not None and os.path.join("distributed", "pipelining") in torch_frame.f_code.co_filename:
         what = f"a pipeline send/receive in {torch_frame.f_code.co_name}"

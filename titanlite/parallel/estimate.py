@@ -94,12 +94,21 @@ class StepShape:
     @classmethod
     def from_config(cls, cfg: Any, tp: int) -> StepShape:
         act_bytes = torch_dtype(cfg.training.mixed_precision_param).itemsize
-        sequence_parallel = tp > 1 and cfg.parallelism.sequence_parallel != "off"  # "auto" is on, on the GPUs planned for
+        sequence_parallel = (
+            tp > 1 and cfg.parallelism.sequence_parallel != "off"
+        )  # "auto" is on, on the GPUs planned for
         return cls(
-            cfg.training.local_batch_size, cfg.training.seq_len, tp, cfg.parallelism.enable_loss_parallel and tp > 1,
-            sequence_parallel, act_bytes, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option,
-            cfg.parallelism.context_parallel_degree, cfg.parallelism.expert_parallel_degree,
-        )  # fmt: skip
+            cfg.training.local_batch_size,
+            cfg.training.seq_len,
+            tp,
+            cfg.parallelism.enable_loss_parallel and tp > 1,
+            sequence_parallel,
+            act_bytes,
+            cfg.activation_checkpoint.mode,
+            cfg.activation_checkpoint.selective_ac_option,
+            cfg.parallelism.context_parallel_degree,
+            cfg.parallelism.expert_parallel_degree,
+        )
 
 
 @dataclass(frozen=True)
@@ -118,7 +127,11 @@ class Activations:
 
     @property
     def kept(self) -> float:
-        one = (self.n_blocks - self.n_checkpointed) * self.block + self.n_checkpointed * self.checkpointed_block + self.head
+        one = (
+            (self.n_blocks - self.n_checkpointed) * self.block
+            + self.n_checkpointed * self.checkpointed_block
+            + self.head
+        )
         return self.in_flight * one
 
     @property
@@ -134,8 +147,14 @@ def checkpointed_blocks(n_layers: int, mode: str, option: str) -> int:
     return n_layers if mode == "full" else 0
 
 
-def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = None, holds_head: bool = True,
-                         in_flight: int = 1, boundary_buffers: int = 0) -> Activations:
+def estimate_activations(
+    args: Any,
+    shape: StepShape,
+    n_blocks: int | None = None,
+    holds_head: bool = True,
+    in_flight: int = 1,
+    boundary_buffers: int = 0,
+) -> Activations:
     """The formula of the module docstring for one microbatch on one rank: `n_blocks` of the
     model's blocks (all by default), the head where `holds_head`, `in_flight` microbatches,
     `boundary_buffers` pipeline receive buffers."""
@@ -144,7 +163,9 @@ def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = Non
     k = getattr(args, "kv_heads", args.n_heads) * args.head_dim
     q = args.n_heads * args.head_dim  # d, unless the model sets head_dim apart from dim
     r = t if shape.sequence_parallel else 1
-    attention = (q + k) / t * 4 + (2 * q + 2 * k * c) / t * p + ((q + k) / t * p if getattr(args, "qk_norm", False) else 0)
+    attention = (
+        (q + k) / t * 4 + (2 * q + 2 * k * c) / t * p + ((q + k) / t * p if getattr(args, "qk_norm", False) else 0)
+    )
     block = n * (2 * d / r * p + 2 * d * p + attention + feed_forward_per_token(args, t, p))
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
     n_blocks = args.n_layers if n_blocks is None else n_blocks
@@ -157,8 +178,17 @@ def estimate_activations(args: Any, shape: StepShape, n_blocks: int | None = Non
         block, recompute = kept, block - kept
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
     extra = max(n * vocab * p if holds_head else 0.0, recompute)
-    return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight, boundary_buffers * n * d / r * p,
-                       all_to_all_bytes(args, n, p) if shape.ep > 1 else 0.0)
+    return Activations(
+        block,
+        n * d / r * p,
+        n_ckpt,
+        n_blocks,
+        head,
+        extra,
+        in_flight,
+        boundary_buffers * n * d / r * p,
+        all_to_all_bytes(args, n, p) if shape.ep > 1 else 0.0,
+    )
 
 
 def all_to_all_bytes(args: Any, n: float, p: int) -> float:
@@ -222,7 +252,9 @@ def gathered_elements(param: torch.Tensor, dp_shard: int) -> int:
     return local_tensor(param).numel() * ranks
 
 
-def estimate_fsdp(model: nn.Module, dp_shard: int, param_bytes: int, reduce_bytes: int, parallelism: Any) -> FsdpWorkingSet:
+def estimate_fsdp(
+    model: nn.Module, dp_shard: int, param_bytes: int, reduce_bytes: int, parallelism: Any
+) -> FsdpWorkingSet:
     """Unsharded = local x dp_shard elements (`gathered_elements`), in the compute dtype. The root stays gathered
     from forward through backward and its gradients from the output layer's backward to the
     end; blocks are gathered one at a time plus the prefetched ones (all with "never", and in

@@ -54,7 +54,9 @@ class ShardCensus:
     covered: int  # sum over ranks of each tensor's local elements / the ranks replicating it
 
 
-def census(specs: Counter[ShardSpec], names: tuple[str, ...], shape: tuple[int, ...], ep: int = 1) -> ShardCensus | None:
+def census(
+    specs: Counter[ShardSpec], names: tuple[str, ...], shape: tuple[int, ...], ep: int = 1
+) -> ShardCensus | None:
     """Every rank's local parameter count, from DTensor's own split of each layout
     (`shard_indices` on small CPU tensors), for parameters laid out on the whole world mesh
     (`names`, `shape`) or, with expert parallelism (`ep` > 1), on its experts' view of it
@@ -76,7 +78,10 @@ def census(specs: Counter[ShardSpec], names: tuple[str, ...], shape: tuple[int, 
     per_rank, summed = [], Counter()
     for rank in range(world_size):
         init_fake_world(world_size, rank)
-        meshes = {v: DeviceMesh("cpu", torch.arange(world_size).view(v[1]), mesh_dim_names=v[0], _init_backend=False) for v in views}
+        meshes = {
+            v: DeviceMesh("cpu", torch.arange(world_size).view(v[1]), mesh_dim_names=v[0], _init_backend=False)
+            for v in views
+        }
         held = 0
         for spec, count in specs.items():
             view, placements = layouts[spec]

@@ -90,14 +90,26 @@ def shard_model(
     if experts:
         _shard_experts(experts, expert_mesh, mesh.size(mesh.ndim - 1), config, reshard_after_forward, pipelined)
     for index, unit in enumerate(units):
-        fully_shard(unit, reshard_after_forward=reshard_policy(reshard_after_forward, index == len(units) - 1, pipelined), **config)
-    fully_shard(model, reshard_after_forward=reshard_after_forward is True or reshard_after_forward == "always", **config)
+        fully_shard(
+            unit,
+            reshard_after_forward=reshard_policy(reshard_after_forward, index == len(units) - 1, pipelined),
+            **config,
+        )
+    fully_shard(
+        model, reshard_after_forward=reshard_after_forward is True or reshard_after_forward == "always", **config
+    )
     if prefetch_depth > 0:
         set_explicit_prefetch(outermost(units, model), prefetch_depth)
 
 
-def _shard_experts(experts: list[nn.Module], mesh: DeviceMesh, shards: int, config: dict,
-                   reshard_after_forward: str | bool | int, pipelined: bool) -> None:
+def _shard_experts(
+    experts: list[nn.Module],
+    mesh: DeviceMesh,
+    shards: int,
+    config: dict,
+    reshard_after_forward: str | bool | int,
+    pipelined: bool,
+) -> None:
     """`fully_shard` each experts module over the efsdp ranks. Each rank's experts gradient
     already sums its ep group's tokens, so the reduction divides by every dp_shard x cp rank
     (`shards`), not only efsdp's. FSDP2 divides by such a factor inside the collective

@@ -38,16 +38,26 @@ def _gather(p: DTensor, offload_to_cpu: bool, with_grads: bool) -> nn.Parameter:
 
 
 @contextlib.contextmanager
-def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
-                       offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+def summon_full_params(
+    module: nn.Module,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
     """Whole parameters inside the block (on rank 0 only with `rank0_only`, in host memory
     with `offload_to_cpu`, with whole gradients with `with_grads`); `writeback` keeps edits.
     Every rank of the model's mesh must enter it (the gather is collective)."""
     if not recurse:
-        raise TitanliteError("summon_full_params: recurse=False has no FSDP2 meaning (units share one model); leave it True")
+        raise TitanliteError(
+            "summon_full_params: recurse=False has no FSDP2 meaning (units share one model); leave it True"
+        )
     if rank0_only and writeback:
-        raise TitanliteError("summon_full_params: writeback=True with rank0_only=True (other ranks hold nothing to "
-                             "write back); pass writeback=False")
+        raise TitanliteError(
+            "summon_full_params: writeback=True with rank0_only=True (other ranks hold nothing to "
+            "write back); pass writeback=False"
+        )
     slots = _slots(module)
     full: dict[int, nn.Parameter] = {}
     for _, _, p in slots:

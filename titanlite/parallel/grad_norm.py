@@ -73,7 +73,9 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([n.float() for n in norms]).pow(2).sum()
 
 
-def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def total_grad_norm(
+    parameters: list[torch.nn.Parameter], world: bool, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The L2 norm of all gradients, as a float32 scalar on the gradients' device.
 
     world: the gradients are spread over every rank of `group` (None: the default group).
@@ -95,19 +97,23 @@ def total_grad_norm(parameters: list[torch.nn.Parameter], world: bool, group: di
     return total.sqrt()
 
 
-def clip_gradients_(parameters: list[torch.nn.Parameter], max_norm: float, world: bool,
-                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_gradients_(
+    parameters: list[torch.nn.Parameter], max_norm: float, world: bool, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Scale gradients so their total norm is at most max_norm (0 = measure only); returns the norm."""
     norm = total_grad_norm(parameters, world, group)
     if max_norm > 0 and any(p.grad is not None for p in parameters):
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+        locals_ = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None
+        ]
         torch._foreach_mul_(locals_, scale.to(locals_[0].device))
     return norm
 
 
-
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for a parallelized model: the L2 norm over every
     shard and replica on the ranks of `group` (None: all ranks, which hold the model between
     them), with one all-reduce, whatever mix of meshes the parameters live on; returns it."""

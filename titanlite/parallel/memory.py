@@ -33,8 +33,18 @@ GPU_MEMORY_GIB: dict[str, float] = {
     "MI300X": 192,
 }
 DEFAULT_GPU = "H100"
-_UNITS = {"": None, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": None,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_memory(text: str) -> int:
@@ -60,7 +70,11 @@ def check_training_state_fits(
         available, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
     else:
         available = host_memory_bytes() / processes_per_host
-        where = f"each of the {processes_per_host} processes on this host gets" if processes_per_host > 1 else "this host has"
+        where = (
+            f"each of the {processes_per_host} processes on this host gets"
+            if processes_per_host > 1
+            else "this host has"
+        )
     if needed > available:
         raise TitanliteError(
             f"parallelism: {n_params / 1e9:,.2f}B parameters sharded {shards} ways need at least "

@@ -46,7 +46,9 @@ class ParallelDims:
         pp = parallelism.pipeline_parallel_degree
         cp = parallelism.context_parallel_degree
         ep = parallelism.expert_parallel_degree
-        with_pp = (f" x context_parallel_degree {cp}" if cp > 1 else "") + (f" x pipeline_parallel_degree {pp}" if pp > 1 else "")
+        with_pp = (f" x context_parallel_degree {cp}" if cp > 1 else "") + (
+            f" x pipeline_parallel_degree {pp}" if pp > 1 else ""
+        )
         others = f"data_parallel_replicate_degree {replicate} x tensor_parallel_degree {tp}{with_pp}"
         model_ranks = tp * pp * cp
         if shard == -1:
@@ -61,7 +63,8 @@ class ParallelDims:
         if replicate * shard * model_ranks != world_size:
             raise TitanliteError(
                 f"parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} "
-                f"x tensor_parallel_degree {tp}{with_pp} = {replicate * shard * model_ranks}, but the world size is {world_size}"
+                f"x tensor_parallel_degree {tp}{with_pp} = {replicate * shard * model_ranks}, but the world size is "
+                f"{world_size}"
             )
         cls._check_ep(ep, replicate, shard, cp)
         return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep)
@@ -72,20 +75,28 @@ class ParallelDims:
         if ep == 1:
             return
         if (shard * cp) % ep:
-            raise TitanliteError(f"parallelism.expert_parallel_degree: {ep} does not divide data_parallel_shard_degree {shard} "
-                                 f"x context_parallel_degree {cp} = {shard * cp} (the ranks expert parallelism borrows)")
+            raise TitanliteError(
+                f"parallelism.expert_parallel_degree: {ep} does not divide data_parallel_shard_degree {shard} "
+                f"x context_parallel_degree {cp} = {shard * cp} (the ranks expert parallelism borrows)"
+            )
         if replicate > 1:
-            raise TitanliteError(f"parallelism.expert_parallel_degree: {ep} with data_parallel_replicate_degree {replicate} "
-                                 "(HSDP) is not supported; shard the data-parallel ranks instead")
+            raise TitanliteError(
+                f"parallelism.expert_parallel_degree: {ep} with data_parallel_replicate_degree {replicate} "
+                "(HSDP) is not supported; shard the data-parallel ranks instead"
+            )
 
     def check_experts(self, n_experts: list[int], model: str) -> None:
         """ep > 1 needs MoE layers (`n_experts`: each one's routed experts) whose experts it divides."""
         if self.ep == 1:
             return
         if not n_experts:
-            raise TitanliteError(f"parallelism.expert_parallel_degree: {self.ep} needs a model with MoE layers; {model} has none")
+            raise TitanliteError(
+                f"parallelism.expert_parallel_degree: {self.ep} needs a model with MoE layers; {model} has none"
+            )
         if uneven := sorted({n for n in n_experts if n % self.ep}):
-            raise TitanliteError(f"parallelism.expert_parallel_degree: {self.ep} does not divide {model}'s {uneven[0]} experts per layer")
+            raise TitanliteError(
+                f"parallelism.expert_parallel_degree: {self.ep} does not divide {model}'s {uneven[0]} experts per layer"
+            )
 
     @property
     def dp(self) -> int:
@@ -120,15 +131,23 @@ class ParallelDims:
 
     def named_degrees(self) -> list[tuple[str, int]]:
         """The mesh dims, outermost first, size-1 ones dropped."""
-        dims = (("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp))
+        dims = (
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            ("dp_shard", self.dp_shard),
+            ("cp", self.cp),
+            ("tp", self.tp),
+        )
         return [(name, size) for name, size in dims if size > 1]
 
     def check_model(self, tp_problems: list[str], seq_len: int) -> None:
         """Shapes that must split evenly across tp ranks (sequence parallel shards seq_len too)
         and cp ranks (2 x cp load-balanced chunks)."""
         if self.cp_enabled and seq_len % (2 * self.cp):
-            raise TitanliteError(f"parallelism.context_parallel_degree: training.seq_len {seq_len} is not divisible by "
-                                 f"2 x context_parallel_degree = {2 * self.cp} (each cp rank holds two chunks of the window)")
+            raise TitanliteError(
+                f"parallelism.context_parallel_degree: training.seq_len {seq_len} is not divisible by "
+                f"2 x context_parallel_degree = {2 * self.cp} (each cp rank holds two chunks of the window)"
+            )
         if not self.tp_enabled:
             return
         problems = list(tp_problems)
@@ -224,17 +243,33 @@ class Meshes:
         return ContextParallel(self.cp) if self.cp is not None else None
 
 
-def build_mesh(dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1,
-               device_type: str | None = None) -> Meshes:
+def build_mesh(
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    cp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    device_type: str | None = None,
+) -> Meshes:
     """The library's mesh: the trainer's named mesh and views from degrees (`dp_shard` -1 =
     the rest of the world), checked as the trainer checks its config. Every rank calls it,
     after `init_distributed`; one process gets a `Meshes` of None views."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    degrees = SimpleNamespace(data_parallel_replicate_degree=dp_replicate, data_parallel_shard_degree=dp_shard,
-                              tensor_parallel_degree=tp, pipeline_parallel_degree=pp, context_parallel_degree=cp,
-                              expert_parallel_degree=ep)
+    degrees = SimpleNamespace(
+        data_parallel_replicate_degree=dp_replicate,
+        data_parallel_shard_degree=dp_shard,
+        tensor_parallel_degree=tp,
+        pipeline_parallel_degree=pp,
+        context_parallel_degree=cp,
+        expert_parallel_degree=ep,
+    )
     for name, value in vars(degrees).items():
-        if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not (name == "data_parallel_shard_degree" and value == -1)):
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or (value < 1 and not (name == "data_parallel_shard_degree" and value == -1))
+        ):
             raise TitanliteError(f"build_mesh: {name} must be a whole number >= 1 (dp_shard also -1), got {value!r}")
     dims = ParallelDims.from_config(degrees, world_size)
     return dims.build_mesh(device_type or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -86,7 +86,9 @@ def rekey(state: dict[str, Any], order: list[str], by: str) -> dict[str, Any]:
         raise TitanliteError(f"optim_state_key_type: expected OptimStateKeyType.PARAM_NAME or PARAM_ID, got {by!r}")
     return {
         "state": {mapping(key): value for key, value in state["state"].items()},
-        "param_groups": [{**group, "params": [mapping(key) for key in group["params"]]} for group in state["param_groups"]],
+        "param_groups": [
+            {**group, "params": [mapping(key) for key in group["params"]]} for group in state["param_groups"]
+        ],
     }
 
 
@@ -96,8 +98,13 @@ def _known(to_id: dict[str, int], name: str) -> int:
     return to_id[name]
 
 
-def loadable(state: dict[str, Any] | None, model: nn.Module, order: list[str], from_rank0: bool,
-             group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def loadable(
+    state: dict[str, Any] | None,
+    model: nn.Module,
+    order: list[str],
+    from_rank0: bool,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
     """A by-name state (whole or sharded) as `optimizer.load_state_dict` takes it on this rank.
     With `from_rank0` only rank 0's `state` is read (others may pass None): its layout is
     broadcast, each tensor scattered to the parameters' shards."""
@@ -120,8 +127,9 @@ def _laid_out_like(value: Any, param: torch.Tensor, from_rank0: bool) -> Any:
         value = torch.empty(value.shape, dtype=value.dtype)
     if not isinstance(param, DTensor) or not _shaped_like(value, param):
         return value.clone() if torch.is_tensor(value) and not isinstance(value, DTensor) else value
-    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
-                             src_data_rank=0 if from_rank0 else None)
+    return distribute_tensor(
+        value.to(param.device), param.device_mesh, param.placements, src_data_rank=0 if from_rank0 else None
+    )
 
 
 class _Placeholder:
@@ -131,8 +139,9 @@ class _Placeholder:
         self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
 
 
-def _broadcast_layout(state: dict[str, Any] | None, order: list[str], params: dict[str, torch.Tensor],
-                      group: dist.ProcessGroup | None) -> dict[str, Any]:
+def _broadcast_layout(
+    state: dict[str, Any] | None, order: list[str], params: dict[str, torch.Tensor], group: dist.ProcessGroup | None
+) -> dict[str, Any]:
     """Rank 0's by-name state on every rank: tensors shaped like their sharded parameter as
     placeholders (the scatter fills them), everything else (steps, hyperparameters, state of
     unsharded parameters) as it is; rank 0 keeps its own tensors."""
@@ -140,9 +149,16 @@ def _broadcast_layout(state: dict[str, Any] | None, order: list[str], params: di
         if state is None:
             raise TitanliteError("scatter_full_optim_state_dict: rank 0 has no optimizer state dict to scatter")
         state = rekey(state, order, "name")
-        layout = {"state": {name: {k: _Placeholder(v) if isinstance(params[name], DTensor) and _shaped_like(v, params[name]) else v for k, v in values.items()}
-                            for name, values in state["state"].items()},
-                  "param_groups": state["param_groups"]}
+        layout = {
+            "state": {
+                name: {
+                    k: _Placeholder(v) if isinstance(params[name], DTensor) and _shaped_like(v, params[name]) else v
+                    for k, v in values.items()
+                }
+                for name, values in state["state"].items()
+            },
+            "param_groups": state["param_groups"],
+        }
     else:
         layout = None
     box = [layout]

@@ -71,12 +71,16 @@ def parallelize(
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
     experts = apply_ep(model, meshes.ep, meshes.tp) if meshes.ep is not None else []
     if meshes.ep is not None and not experts and not pipelined:  # a pipeline stage may hold dense blocks only
-        raise TitanliteError("parallelize: the mesh has an ep dimension but the model has no layer with enable_expert_parallel")
+        raise TitanliteError(
+            "parallelize: the mesh has an ep dimension but the model has no layer with enable_expert_parallel"
+        )
     if tp_plan is not None:
         tp_plan(model, meshes.tp) if callable(tp_plan) else parallelize_module(model, meshes.tp, tp_plan)
     if meshes.context_parallel is not None:
         if not isinstance(model, ContextParallelModel):
-            raise TitanliteError("parallelize: the mesh has a cp dimension but the model has no enable_context_parallel method")
+            raise TitanliteError(
+                "parallelize: the mesh has a cp dimension but the model has no enable_context_parallel method"
+            )
         model.enable_context_parallel(meshes.context_parallel)
     names = [name for name, _ in outermost_named(select(model, blocks, "parallelize: blocks"))]
     if (ac != "none" or compile) and not names:
@@ -89,9 +93,18 @@ def parallelize(
             units = [model.get_submodule(name) for name in names]
         else:
             units = innermost_first(select(model, fsdp_modules, "parallelize: fsdp_modules"))
-        shard_model(model, meshes.fsdp, units, mp_policy=mixed_precision or MixedPrecisionPolicy(),
-                    reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload, prefetch_depth=prefetch,
-                    pipelined=pipelined, experts=experts, expert_mesh=meshes.expert_fsdp)
+        shard_model(
+            model,
+            meshes.fsdp,
+            units,
+            mp_policy=mixed_precision or MixedPrecisionPolicy(),
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            prefetch_depth=prefetch,
+            pipelined=pipelined,
+            experts=experts,
+            expert_mesh=meshes.expert_fsdp,
+        )
     return model
 
 
@@ -100,14 +113,23 @@ def _check(meshes: Meshes, tp_plan: TPPlan, ac: str | int, prefetch: int, reshar
     if tp_plan is not None and meshes.tp is None:
         raise TitanliteError("parallelize: tp_plan needs a mesh with a tp dimension (build_mesh(tp=...))")
     if tp_plan is not None and not (callable(tp_plan) or isinstance(tp_plan, dict)):
-        raise TitanliteError(f"parallelize: tp_plan must be fn(model, tp_mesh) or a parallelize_module plan dict, got {type(tp_plan).__name__}")
+        raise TitanliteError(
+            "parallelize: tp_plan must be fn(model, tp_mesh) or a parallelize_module plan dict, got "
+            f"{type(tp_plan).__name__}"
+        )
     if not (ac in ("none", "full", "op") or (isinstance(ac, int) and not isinstance(ac, bool) and ac >= 1)):
-        raise TitanliteError(f"parallelize: ac must be 'none', 'full', 'op' or a whole number k >= 1 (every k-th block), got {ac!r}")
+        raise TitanliteError(
+            f"parallelize: ac must be 'none', 'full', 'op' or a whole number k >= 1 (every k-th block), got {ac!r}"
+        )
     if not isinstance(prefetch, int) or prefetch < 0:
         raise TitanliteError(f"parallelize: prefetch must be a whole number >= 0, got {prefetch!r}")
     if isinstance(reshard, str) and reshard not in ("default", "always", "never") and not reshard.isdigit():
-        raise TitanliteError(f"parallelize: reshard_after_forward must be True, False, a number of ranks or 'default', got {reshard!r}")
+        raise TitanliteError(
+            f"parallelize: reshard_after_forward must be True, False, a number of ranks or 'default', got {reshard!r}"
+        )
     if isinstance(reshard, int) and not isinstance(reshard, bool) and meshes.fsdp is not None:
         shards = meshes.fsdp.size(meshes.fsdp.ndim - 1)
         if reshard < 1 or shards % reshard:
-            raise TitanliteError(f"parallelize: reshard_after_forward {reshard} ranks do not divide the {shards} FSDP shards")
+            raise TitanliteError(
+                f"parallelize: reshard_after_forward {reshard} ranks do not divide the {shards} FSDP shards"
+            )

@@ -64,7 +64,11 @@ class StageSpec:
     flops: float | None = None
 
     def describe(self) -> str:
-        parts = (["input"] if self.first else []) + ([_block_range(self.blocks)] if self.blocks else []) + (["output"] if self.last else [])
+        parts = (
+            (["input"] if self.first else [])
+            + ([_block_range(self.blocks)] if self.blocks else [])
+            + (["output"] if self.last else [])
+        )
         cost = "" if self.flops is None else f" ({self.flops / 1e6:,.1f} MFLOP/token)"
         return f"stage {self.index}: {' + '.join(parts)}{cost}"
 
@@ -102,12 +106,15 @@ class PipelineLayout:
         return int(world.mesh[self.last_stage_pp_rank()].min())
 
     def describe(self) -> str:
-        return (f"pipeline {self.schedule}: {len(self.stages)} stages on {self.degree} ranks, "
-                f"{self.n_microbatches} microbatches per schedule step; "
-                + "; ".join(s.describe() for s in self.stages))
+        return (
+            f"pipeline {self.schedule}: {len(self.stages)} stages on {self.degree} ranks, "
+            f"{self.n_microbatches} microbatches per schedule step; " + "; ".join(s.describe() for s in self.stages)
+        )
 
 
-def plan_layout(parallelism, n_layers: int, local_batch_size: int, part_costs: Sequence[float] | None = None) -> PipelineLayout:
+def plan_layout(
+    parallelism, n_layers: int, local_batch_size: int, part_costs: Sequence[float] | None = None
+) -> PipelineLayout:
     """Stages and microbatches from `parallelism.pipeline_parallel_*`; a TitanliteError naming
     the key for any combination the schedule cannot run. `part_costs` (`part_flops`: the
     embedding, each block, the output) is what `pipeline_parallel_balance = "flops"` splits."""
@@ -117,27 +124,43 @@ def plan_layout(parallelism, n_layers: int, local_batch_size: int, part_costs: S
     by_flops = parallelism.pipeline_parallel_balance == "flops"
     if parallelism.pipeline_parallel_split_points:
         if by_flops:
-            raise TitanliteError(f"{FIELD}_split_points: set together with {FIELD}_balance = \"flops\", which chooses the "
-                                 "boundaries itself; set one of them")
+            raise TitanliteError(
+                f'{FIELD}_split_points: set together with {FIELD}_balance = "flops", which chooses the '
+                "boundaries itself; set one of them"
+            )
         runs = _split_at(parallelism.pipeline_parallel_split_points, n_layers)
     elif by_flops:
         if part_costs is None or len(part_costs) != n_layers + 2:
-            raise ValueError(f"plan_layout: balance by flops needs the costs of the embedding, the {n_layers} blocks and the output")
+            raise ValueError(
+                f"plan_layout: balance by flops needs the costs of the embedding, the {n_layers} blocks and the output"
+            )
         stage_cost = _StageCost(part_costs, _stage_count(parallelism, n_layers, style))
         runs = _cheapest_runs(stage_cost)
     else:
-        runs = _balanced_runs(n_layers, _stage_count(parallelism, n_layers, style), parallelism.pipeline_parallel_first_stage_less_layers,
-                              parallelism.pipeline_parallel_last_stage_less_layers)
+        runs = _balanced_runs(
+            n_layers,
+            _stage_count(parallelism, n_layers, style),
+            parallelism.pipeline_parallel_first_stage_less_layers,
+            parallelism.pipeline_parallel_last_stage_less_layers,
+        )
     n_stages = len(runs)
     if n_stages % degree:
         raise TitanliteError(f"{FIELD}_degree: {n_stages} stages do not divide over {degree} pipeline ranks")
     per_rank = n_stages // degree
-    wanted = {"single": "exactly 1 stage per rank", "loop": "at least 2 stages per rank", "v": "exactly 2 stages per rank (a V)"}[style]
+    wanted = {
+        "single": "exactly 1 stage per rank",
+        "loop": "at least 2 stages per rank",
+        "v": "exactly 2 stages per rank (a V)",
+    }[style]
     if (style == "single" and per_rank != 1) or (style == "loop" and per_rank < 2) or (style == "v" and per_rank != 2):
-        raise TitanliteError(f"{FIELD}_schedule: {schedule} runs {wanted}, but the split gives {n_stages} stages on "
-                             f"{degree} ranks ({per_rank} per rank)")
-    stages = tuple(StageSpec(i, tuple(blocks[a:b]), i == 0, i == n_stages - 1, stage_cost(i, a, b) if by_flops else None)
-                   for i, (a, b) in enumerate(runs))
+        raise TitanliteError(
+            f"{FIELD}_schedule: {schedule} runs {wanted}, but the split gives {n_stages} stages on "
+            f"{degree} ranks ({per_rank} per rank)"
+        )
+    stages = tuple(
+        StageSpec(i, tuple(blocks[a:b]), i == 0, i == n_stages - 1, stage_cost(i, a, b) if by_flops else None)
+        for i, (a, b) in enumerate(runs)
+    )
     return PipelineLayout(schedule, degree, stages, _microbatches(parallelism, local_batch_size, n_stages, degree))
 
 
@@ -145,7 +168,9 @@ def _stage_count(parallelism, n_layers: int, style: str) -> int:
     per_stage = parallelism.pipeline_parallel_layers_per_stage
     if per_stage is None:
         return parallelism.pipeline_parallel_degree * (1 if style == "single" else 2)
-    weight = parallelism.pipeline_parallel_first_stage_less_layers + parallelism.pipeline_parallel_last_stage_less_layers
+    weight = (
+        parallelism.pipeline_parallel_first_stage_less_layers + parallelism.pipeline_parallel_last_stage_less_layers
+    )
     return math.ceil((n_layers + weight) / per_stage)
 
 
@@ -155,16 +180,20 @@ def _balanced_runs(n_layers: int, n_stages: int, first_less: int, last_less: int
     The first or last stage may end up with no block (the embedding or the head alone)."""
     effective = n_layers + first_less + last_less
     if n_stages > effective:
-        raise TitanliteError(f"{FIELD}_degree: {n_stages} stages for a model of {n_layers} blocks (plus the input and the "
-                             f"output, counted as {first_less} and {last_less}): too many stages")
+        raise TitanliteError(
+            f"{FIELD}_degree: {n_stages} stages for a model of {n_layers} blocks (plus the input and the "
+            f"output, counted as {first_less} and {last_less}): too many stages"
+        )
     base, extra = divmod(effective, n_stages)
     sizes = [base + (i < extra) for i in range(n_stages)]
     sizes[0] -= first_less
     sizes[-1] -= last_less
     for name, size, less in (("first", sizes[0], first_less), ("last", sizes[-1], last_less)):
         if size < 0:
-            raise TitanliteError(f"{FIELD}_{name}_stage_less_layers: {less} is more than the {name} stage's share of "
-                                 f"{size + less} (a model of {n_layers} blocks over {n_stages} stages)")
+            raise TitanliteError(
+                f"{FIELD}_{name}_stage_less_layers: {less} is more than the {name} stage's share of "
+                f"{size + less} (a model of {n_layers} blocks over {n_stages} stages)"
+            )
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)
@@ -183,8 +212,12 @@ class _StageCost:
             self.prefix.append(self.prefix[-1] + cost)
 
     def __call__(self, stage: int, start: int, stop: int) -> float:
-        return (self.prefix[stop] - self.prefix[start] + (self.costs[0] if stage == 0 else 0.0)
-                + (self.costs[-1] if stage == self.n_stages - 1 else 0.0))
+        return (
+            self.prefix[stop]
+            - self.prefix[start]
+            + (self.costs[0] if stage == 0 else 0.0)
+            + (self.costs[-1] if stage == self.n_stages - 1 else 0.0)
+        )
 
 
 def _cheapest_runs(stage_cost: _StageCost) -> list[tuple[int, int]]:
@@ -207,7 +240,7 @@ def _cheapest_runs(stage_cost: _StageCost) -> list[tuple[int, int]]:
     for stage in range(1, n_stages):
         last = stage == n_stages - 1
         nxt, cut = [inf] * (n_layers + 1), [0] * (n_layers + 1)
-        for stop in ([n_layers] if last else range(n_layers + 1)):
+        for stop in [n_layers] if last else range(n_layers + 1):
             for start in range(stop + (1 if last else 0)):  # a middle stage holds a block; the last may hold none
                 value = max(best[start], stage_cost(stage, start, stop))
                 if value < nxt[stop]:
@@ -222,7 +255,9 @@ def _cheapest_runs(stage_cost: _StageCost) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def part_flops(model: nn.Module, attention_per_block: float, routed: Mapping[nn.Module, float] | None = None) -> list[float]:
+def part_flops(
+    model: nn.Module, attention_per_block: float, routed: Mapping[nn.Module, float] | None = None
+) -> list[float]:
     """Training FLOPs per token of the model's pipeline parts: [the children before `layers`,
     each block, the children after it], 6 per matmul weight (an `nn.Linear`'s, and those of
     each module in `routed` times its share of the tokens: a routed expert stack's top_k /
@@ -247,7 +282,7 @@ def part_flops(model: nn.Module, attention_per_block: float, routed: Mapping[nn.
     names = [name for name, _ in model.named_children()]
     at = names.index("layers")
     before = sum(matmul_flops(getattr(model, name)) for name in names[:at])
-    after = sum(matmul_flops(getattr(model, name)) for name in names[at + 1:])
+    after = sum(matmul_flops(getattr(model, name)) for name in names[at + 1 :])
     return [before, *(matmul_flops(block) + attention_per_block for block in model.layers.values()), after]
 
 
@@ -268,15 +303,21 @@ def _split_at(points: list[str], n_layers: int) -> list[tuple[int, int]]:
 def _microbatches(parallelism, local_batch_size: int, n_stages: int, degree: int) -> int:
     size = parallelism.pipeline_parallel_microbatch_size
     if local_batch_size % size:
-        raise TitanliteError(f"{FIELD}_microbatch_size: {size} does not divide training.local_batch_size {local_batch_size}")
+        raise TitanliteError(
+            f"{FIELD}_microbatch_size: {size} does not divide training.local_batch_size {local_batch_size}"
+        )
     count, schedule = local_batch_size // size, parallelism.pipeline_parallel_schedule
     if schedule in _NEEDS_MICROBATCH_PER_STAGE and count < n_stages:
-        raise TitanliteError(f"{FIELD}_microbatch_size: {schedule} needs at least one microbatch per stage ({n_stages}); "
-                             f"local_batch_size {local_batch_size} / microbatch size {size} gives {count}")
+        raise TitanliteError(
+            f"{FIELD}_microbatch_size: {schedule} needs at least one microbatch per stage ({n_stages}); "
+            f"local_batch_size {local_batch_size} / microbatch size {size} gives {count}"
+        )
     rounds = max(1, count // degree)
     if schedule in _ROUNDS and count % rounds:
-        raise TitanliteError(f"{FIELD}_microbatch_size: {schedule} runs the microbatches in {rounds} rounds "
-                             f"(microbatches // pipeline degree {degree}) and needs {count} microbatches to split evenly into them")
+        raise TitanliteError(
+            f"{FIELD}_microbatch_size: {schedule} runs the microbatches in {rounds} rounds "
+            f"(microbatches // pipeline degree {degree}) and needs {count} microbatches to split evenly into them"
+        )
     return count
 
 
@@ -338,8 +379,14 @@ class ModelParts(nn.Module):
         raise RuntimeError("ModelParts runs through the pipeline schedule (step/forward_backward.Pipelined)")
 
 
-def build_schedule(layout: PipelineLayout, parts: list[nn.Module], pp_rank: int, pp_group, device: torch.device,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+def build_schedule(
+    layout: PipelineLayout,
+    parts: list[nn.Module],
+    pp_rank: int,
+    pp_group,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
     """The `torch.distributed.pipelining` schedule over this rank's stage modules. Gradients
     are not scaled by the schedule: `loss_fn` carries the whole step's scale (microbatches and
     gradient accumulation), so accumulating over several schedule steps stays exact."""
@@ -350,7 +397,9 @@ def build_schedule(layout: PipelineLayout, parts: list[nn.Module], pp_rank: int,
     if device.type == "cpu":
         bound_p2p_waits()
     indices = layout.stage_indices(pp_rank)
-    stages = [PipelineStage(part, index, len(layout.stages), device, group=pp_group) for part, index in zip(parts, indices)]
+    stages = [
+        PipelineStage(part, index, len(layout.stages), device, group=pp_group) for part, index in zip(parts, indices)
+    ]
     if issubclass(schedule_class, PipelineScheduleSingle):
         return schedule_class(stages[0], n_microbatches=layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule_class(stages, n_microbatches=layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)

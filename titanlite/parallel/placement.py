@@ -25,7 +25,9 @@ def shard_indices(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[P
     """
     indices = []
     for dim, size in enumerate(shape):
-        along = [p if getattr(p, "dim", None) == dim else Replicate() for p in placements]  # Shard, _StridedShard have .dim
+        along = [
+            p if getattr(p, "dim", None) == dim else Replicate() for p in placements
+        ]  # Shard, _StridedShard have .dim
         if all(isinstance(p, Replicate) for p in along):
             indices.append(torch.arange(size))
             continue

@@ -68,27 +68,36 @@ def local_state_dict(model: nn.Module) -> dict[str, Any]:
     parameter, the whole of anything else), under the model's names: what hfai's wrapper and
     FSDP1's LOCAL_STATE_DICT save per rank (`torch.save(state, f"model{rank}.pt")`). It loads
     back only at the layout that wrote it (`load_local_state_dict`); nothing is communicated."""
-    return {name: (v.to_local() if isinstance(v, DTensor) else v).detach()
-            for name, v in checkpoint_module(model).state_dict(keep_vars=True).items()}
+    return {
+        name: (v.to_local() if isinstance(v, DTensor) else v).detach()
+        for name, v in checkpoint_module(model).state_dict(keep_vars=True).items()
+    }
 
 
 def load_local_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:
     """Copy a `local_state_dict` of the same layout back into this rank's pieces; returns the
     missing and unexpected keys. A piece of another shape is one line naming it."""
-    return copy_into(local_state_dict(model), state, strict,
-                     "a local (per-rank) state dict loads only at the layout that saved it")
+    return copy_into(
+        local_state_dict(model), state, strict, "a local (per-rank) state dict loads only at the layout that saved it"
+    )
 
 
 @torch.no_grad()
-def copy_into(targets: dict[str, torch.Tensor], state: dict[str, Any], strict: bool, shape_hint: str) -> tuple[list[str], list[str]]:
+def copy_into(
+    targets: dict[str, torch.Tensor], state: dict[str, Any], strict: bool, shape_hint: str
+) -> tuple[list[str], list[str]]:
     """Copy `state`'s tensors into the plain tensors `targets` holds under the same names;
     returns the missing and unexpected keys (with `strict`, either is one line)."""
     missing, unexpected = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
     if strict and (missing or unexpected):
-        raise TitanliteError(f"load_state_dict: the state dict misses {missing[:3]} and has unexpected {unexpected[:3]}")
+        raise TitanliteError(
+            f"load_state_dict: the state dict misses {missing[:3]} and has unexpected {unexpected[:3]}"
+        )
     for name in sorted(set(targets) & set(state)):
         if tuple(state[name].shape) != tuple(targets[name].shape):
-            raise TitanliteError(f"load_state_dict: {name} is {tuple(state[name].shape)} in the state dict but "
-                                 f"{tuple(targets[name].shape)} here; {shape_hint}")
+            raise TitanliteError(
+                f"load_state_dict: {name} is {tuple(state[name].shape)} in the state dict but "
+                f"{tuple(targets[name].shape)} here; {shape_hint}"
+            )
         targets[name].copy_(state[name])
     return missing, unexpected

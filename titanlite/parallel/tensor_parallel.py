@@ -67,7 +67,8 @@ class ReplicateParallel(ParallelStyle):
     @staticmethod
     def _replicate_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
         return tuple(
-            x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Replicate(),), run_check=False) for x in inputs
+            x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+            for x in inputs
         )
 
 
@@ -154,7 +155,11 @@ class WholeOnEachRank(ParallelStyle):
     def _residual_output(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
         if isinstance(self.layout, Replicate):
             return output
-        return DTensor.from_local(output, mesh, (Replicate(),), run_check=False).redistribute(mesh, (self.layout,)).to_local()
+        return (
+            DTensor.from_local(output, mesh, (Replicate(),), run_check=False)
+            .redistribute(mesh, (self.layout,))
+            .to_local()
+        )
 
 
 def whole_on_each_rank(sequence_parallel: bool) -> WholeOnEachRank:
@@ -191,6 +196,7 @@ def output_projection(loss_parallel: bool, sequence_parallel: bool) -> ColwisePa
 def present(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """The entries of a `parallelize_module` plan whose module this model holds: a pipeline
     stage (parallel/pipeline.py) has None where another stage's embedding or head would be."""
+
     def held(path: str) -> bool:
         module = model
         for name in path.split("."):

@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, MixedPrecision, MixedPrecisionPolicy,
-                                    ShardingStrategy)
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
 from torch.distributed.fsdp.wrap import _Policy
 
 from titanlite.errors import TitanliteError
@@ -68,8 +67,10 @@ class WrapPlan:
 
 def require_process_group(wrapper: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
-        raise TitanliteError(f"{wrapper}: no process group; call titanlite.init_distributed() "
-                             "(or torch.distributed.init_process_group) first")
+        raise TitanliteError(
+            f"{wrapper}: no process group; call titanlite.init_distributed() "
+            "(or torch.distributed.init_process_group) first"
+        )
 
 
 def strategy_of(value: Any) -> ShardingStrategy:
@@ -94,8 +95,13 @@ def device_of(device_id: int | torch.device | None) -> torch.device:
     return device
 
 
-def build_fsdp_mesh(process_group: Any, device_mesh: DeviceMesh | None, strategy: ShardingStrategy,
-                    fsdp_group_size: int | None, device_type: str) -> tuple[DeviceMesh, dist.ProcessGroup]:
+def build_fsdp_mesh(
+    process_group: Any,
+    device_mesh: DeviceMesh | None,
+    strategy: ShardingStrategy,
+    fsdp_group_size: int | None,
+    device_type: str,
+) -> tuple[DeviceMesh, dist.ProcessGroup]:
     """The mesh `fully_shard` gets, and the group spanning it."""
     if device_mesh is not None:
         if process_group is not None:
@@ -103,15 +109,19 @@ def build_fsdp_mesh(process_group: Any, device_mesh: DeviceMesh | None, strategy
         group = device_mesh.get_group() if device_mesh.ndim == 1 else dist.group.WORLD
         return device_mesh, group
     if isinstance(process_group, tuple):
-        raise TitanliteError("process_group: an (intra-node, inter-node) pair is not taken; pass fsdp_group_size= "
-                             "(ranks per shard group) or a 2D device_mesh for hybrid sharding")
+        raise TitanliteError(
+            "process_group: an (intra-node, inter-node) pair is not taken; pass fsdp_group_size= "
+            "(ranks per shard group) or a 2D device_mesh for hybrid sharding"
+        )
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     shard = _shard_group_size(strategy, fsdp_group_size, world)
     if shard == world:
         return DeviceMesh.from_group(group, device_type), group
     if group is not dist.group.WORLD and world != dist.get_world_size():
-        raise TitanliteError("process_group: hybrid sharding (replicate x shard) runs over all ranks; drop process_group")
+        raise TitanliteError(
+            "process_group: hybrid sharding (replicate x shard) runs over all ranks; drop process_group"
+        )
     mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     return mesh, group
 
@@ -123,14 +133,23 @@ def _shard_group_size(strategy: ShardingStrategy, fsdp_group_size: int | None, w
             raise TitanliteError("fsdp_group_size: NO_SHARD shards nothing; drop one of them")
         return 1
     if fsdp_group_size is not None:
-        if isinstance(fsdp_group_size, bool) or not isinstance(fsdp_group_size, int) or fsdp_group_size < 1 or world % fsdp_group_size:
-            raise TitanliteError(f"fsdp_group_size: {fsdp_group_size!r} must be a whole number dividing the {world} ranks")
+        if (
+            isinstance(fsdp_group_size, bool)
+            or not isinstance(fsdp_group_size, int)
+            or fsdp_group_size < 1
+            or world % fsdp_group_size
+        ):
+            raise TitanliteError(
+                f"fsdp_group_size: {fsdp_group_size!r} must be a whole number dividing the {world} ranks"
+            )
         return fsdp_group_size
     if strategy in _HYBRID:
         shard = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if world % shard:
-            raise TitanliteError(f"sharding_strategy: {strategy.name} shards within a node of {shard} ranks, which does "
-                                 f"not divide the {world} ranks; pass fsdp_group_size=")
+            raise TitanliteError(
+                f"sharding_strategy: {strategy.name} shards within a node of {shard} ranks, which does "
+                f"not divide the {world} ranks; pass fsdp_group_size="
+            )
         return shard
     return world
 
@@ -140,13 +159,19 @@ def precision_of(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy
     if mixed_precision is None:
         return MixedPrecisionPolicy()
     if not isinstance(mixed_precision, MixedPrecision):
-        raise TitanliteError(f"mixed_precision: expected torch.distributed.fsdp.MixedPrecision, got {type(mixed_precision).__name__}")
+        raise TitanliteError(
+            f"mixed_precision: expected torch.distributed.fsdp.MixedPrecision, got {type(mixed_precision).__name__}"
+        )
     if mixed_precision.buffer_dtype is not None:
-        raise TitanliteError("mixed_precision: buffer_dtype has no FSDP2 meaning (buffers stay as they are); "
-                             "cast the buffers yourself, e.g. module.to(dtype) for them, and leave it None")
+        raise TitanliteError(
+            "mixed_precision: buffer_dtype has no FSDP2 meaning (buffers stay as they are); "
+            "cast the buffers yourself, e.g. module.to(dtype) for them, and leave it None"
+        )
     if mixed_precision.keep_low_precision_grads:
-        raise TitanliteError("mixed_precision: keep_low_precision_grads has no FSDP2 meaning (gradients reach "
-                             "the optimizer in the parameters' dtype); leave it False")
+        raise TitanliteError(
+            "mixed_precision: keep_low_precision_grads has no FSDP2 meaning (gradients reach "
+            "the optimizer in the parameters' dtype); leave it False"
+        )
     return MixedPrecisionPolicy(
         param_dtype=mixed_precision.param_dtype,
         reduce_dtype=mixed_precision.reduce_dtype,
@@ -168,12 +193,15 @@ def wrap_units(module: nn.Module, policy: Any, ignored: set[nn.Module]) -> list[
         return innermost_first([(order[id(m)], m) for m in picked])
     if callable(policy) and not isinstance(policy, type) and "recurse" in _parameters(policy):
         keyword = next((k for k in _NUMEL_KEYWORDS if k in _parameters(policy)), _NUMEL_KEYWORDS[0])
-        return _recursive_units(module, lambda m, recurse, numel: policy(module=m, recurse=recurse, **{keyword: numel}),
-                                ignored, root=True)
+        return _recursive_units(
+            module, lambda m, recurse, numel: policy(module=m, recurse=recurse, **{keyword: numel}), ignored, root=True
+        )
     if isinstance(policy, (set, frozenset, list, tuple)) or (callable(policy) and not isinstance(policy, type)):
         inside = {id(m) for i in ignored for m in i.modules()}
         return innermost_first([(n, m) for n, m in select(module, policy, "auto_wrap_policy") if id(m) not in inside])
-    raise TitanliteError(f"auto_wrap_policy: expected an FSDP1 wrap policy, a callable or a set of module classes, got {policy!r}")
+    raise TitanliteError(
+        f"auto_wrap_policy: expected an FSDP1 wrap policy, a callable or a set of module classes, got {policy!r}"
+    )
 
 
 def _parameters(fn: Any) -> set[str]:
@@ -216,7 +244,9 @@ def backward_prefetch_of(value: Any) -> BackwardPrefetchMode:
     if value is None:
         return "off"
     if not isinstance(value, BackwardPrefetch):
-        raise TitanliteError(f"backward_prefetch: expected BackwardPrefetch.BACKWARD_PRE, BACKWARD_POST or None, got {value!r}")
+        raise TitanliteError(
+            f"backward_prefetch: expected BackwardPrefetch.BACKWARD_PRE, BACKWARD_POST or None, got {value!r}"
+        )
     return "default"
 
 
@@ -228,7 +258,9 @@ def forward_prefetch_of(value: Any) -> bool:
 
 def offload_of(cpu_offload: CPUOffload | None) -> bool:
     if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
-        raise TitanliteError(f"cpu_offload: expected torch.distributed.fsdp.CPUOffload, got {type(cpu_offload).__name__}")
+        raise TitanliteError(
+            f"cpu_offload: expected torch.distributed.fsdp.CPUOffload, got {type(cpu_offload).__name__}"
+        )
     return bool(cpu_offload and cpu_offload.offload_params)
 
 

@@ -44,8 +44,15 @@ class ShardedWrapper(nn.Module):
             module.to(plan.device)
         if sync_module_states:
             broadcast_from_first_rank(module, plan.group)
-        shard_model(module, plan.mesh, plan.units, mp_policy=plan.mp_policy, reshard_after_forward=plan.reshard_after_forward,
-                    cpu_offload=plan.cpu_offload, ignored_params=plan.ignored_params)
+        shard_model(
+            module,
+            plan.mesh,
+            plan.units,
+            mp_policy=plan.mp_policy,
+            reshard_after_forward=plan.reshard_after_forward,
+            cpu_offload=plan.cpu_offload,
+            ignored_params=plan.ignored_params,
+        )
         set_prefetch(module, plan)
         setattr(self, WRAPPED, module)
         self._plan = plan
@@ -107,7 +114,9 @@ def _check_reshard(plan: WrapPlan) -> None:
     reshard = plan.reshard_after_forward
     shards = plan.mesh.size(plan.mesh.ndim - 1)
     if not isinstance(reshard, bool) and shards % reshard:
-        raise TitanliteError(f"reshard_after_forward: {reshard} ranks do not divide the {shards} ranks each parameter is sharded over")
+        raise TitanliteError(
+            f"reshard_after_forward: {reshard} ranks do not divide the {shards} ranks each parameter is sharded over"
+        )
 
 
 def set_prefetch(module: nn.Module, plan: WrapPlan) -> None:

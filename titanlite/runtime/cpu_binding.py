@@ -25,7 +25,7 @@ def core_blocks(cores: list[int], processes: int) -> list[list[int]]:
     """`cores` split into `processes` contiguous blocks of equal size (the remainder unused);
     one core each when there are fewer cores than processes (then shared round-robin)."""
     per = max(1, len(cores) // processes)
-    return [cores[(rank * per) % len(cores):(rank * per) % len(cores) + per] for rank in range(processes)]
+    return [cores[(rank * per) % len(cores) : (rank * per) % len(cores) + per] for rank in range(processes)]
 
 
 def encode(blocks: list[list[int]]) -> str:

@@ -174,8 +174,10 @@ def _refusal(path: Path, holder: dict, flocked: bool | None) -> str | None:
         return f"job.dump_folder: {folder} is in use by another run ({_holder_text(holder)}; lock file {path})"
     if flocked is None and holder:
         if holder.get("host") != socket.gethostname():
-            return (f"job.dump_folder: {folder} is locked by a run on another host ({_holder_text(holder)}) and this "
-                    f"file system cannot tell whether it still runs; delete {path} if it does not")
+            return (
+                f"job.dump_folder: {folder} is locked by a run on another host ({_holder_text(holder)}) and this "
+                f"file system cannot tell whether it still runs; delete {path} if it does not"
+            )
         if _pid_alive(holder.get("pid")):
             return f"job.dump_folder: {folder} is in use by another run ({_holder_text(holder)}; lock file {path})"
     return None
@@ -216,7 +218,10 @@ def acquire_lock(folder: Path) -> RunLock:
         os.close(fd)
         raise TitanliteError(problem)
     if holder:
-        logger.warning(f"job.dump_folder: taking over the lock {path} of a run that ended without releasing it ({_holder_text(holder)})")
+        logger.warning(
+            f"job.dump_folder: taking over the lock {path} of a run that ended without releasing it "
+            f"({_holder_text(holder)})"
+        )
     record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
@@ -238,13 +243,18 @@ def written_folders(cfg: JobConfig) -> list[tuple[str, str]]:
         ("metrics.save_runs_folder", cfg.metrics.save_runs_folder, True),
         ("metrics.save_tb_folder", cfg.metrics.save_tb_folder, cfg.metrics.enable_tensorboard),
         ("profiling.save_traces_folder", cfg.profiling.save_traces_folder, cfg.profiling.enable_profiling),
-        ("profiling.save_memory_snapshot_folder", cfg.profiling.save_memory_snapshot_folder, cfg.profiling.enable_memory_snapshot),
+        (
+            "profiling.save_memory_snapshot_folder",
+            cfg.profiling.save_memory_snapshot_folder,
+            cfg.profiling.enable_memory_snapshot,
+        ),
     ]
     return [(field, folder) for field, folder, used in wanted if used]
 
 
-def claim_dump_folder(cfg: JobConfig, n_params: Callable[[], int], group: dist.ProcessGroup | None,
-                     weights_only: bool = False) -> RunLock | None:
+def claim_dump_folder(
+    cfg: JobConfig, n_params: Callable[[], int], group: dist.ProcessGroup | None, weights_only: bool = False
+) -> RunLock | None:
     """Every start-up check on the run's folders, then the lock (rank 0; the others get None,
     or the same one-line error). `n_params` is asked only when checkpoints are saved."""
 

@@ -39,6 +39,8 @@ class ScheduledGC:
         if self.every and step % self.every == 0:
             gc.collect(COLLECTED_GENERATION)
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         if self.every and self._was_enabled:
             gc.enable()

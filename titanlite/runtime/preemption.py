@@ -21,6 +21,7 @@ from types import FrameType
 
 from titanlite.errors import LAUNCHER_PID_ENV  # the launcher's pid: whose death a worker follows (`die_with_launcher`)
 from titanlite.logging import logger
+
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Stop requests: the launcher forwards them to its workers, which save and exit 0."""
 

@@ -43,11 +43,13 @@ def _world() -> bool:
 
 def agree_on_step(stop_signal: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> StepAgreement:
     """One all-reduce (MAX) of [stop signal, loss not finite, grad norm not finite]."""
-    flags = torch.stack([
-        torch.tensor(float(stop_signal), device=loss.device),
-        (~torch.isfinite(loss)).float(),
-        (~torch.isfinite(grad_norm.to(loss.device))).float(),
-    ])  # fmt: skip
+    flags = torch.stack(
+        [
+            torch.tensor(float(stop_signal), device=loss.device),
+            (~torch.isfinite(loss)).float(),
+            (~torch.isfinite(grad_norm.to(loss.device))).float(),
+        ]
+    )
     if _world():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     stop, loss_bad, norm_bad = flags.tolist()

@@ -50,11 +50,25 @@ class StepBuilder:
     autocast: torch.dtype | None  # the compute dtype where FSDP does not cast; None: no autocast
 
     @classmethod
-    def for_run(cls, cfg: JobConfig, *, dims: ParallelDims, pipeline: PipelineLayout | None, meshes: Meshes,
-                device: torch.device, rank: int) -> StepBuilder:
+    def for_run(
+        cls,
+        cfg: JobConfig,
+        *,
+        dims: ParallelDims,
+        pipeline: PipelineLayout | None,
+        meshes: Meshes,
+        device: torch.device,
+        rank: int,
+    ) -> StepBuilder:
         """From the run's config (compute dtype already concrete), degrees, stages and meshes."""
-        return cls(meshes, pipeline, device, rank, documents=cfg.model.attn_mask_type == "block_causal",
-                   autocast=autocast_dtype(cfg.training.mixed_precision_param, dims.fsdp_enabled))
+        return cls(
+            meshes,
+            pipeline,
+            device,
+            rank,
+            documents=cfg.model.attn_mask_type == "block_causal",
+            autocast=autocast_dtype(cfg.training.mixed_precision_param, dims.fsdp_enabled),
+        )
 
     @property
     def loss_rank(self) -> int:
@@ -80,15 +94,31 @@ class StepBuilder:
             return torch.autocast(self.device.type, dtype=self.autocast)
         return contextlib.nullcontext()
 
-    def forward_backward(self, model: nn.Module, parts: list[nn.Module], experts: ExpertLayers | None = None) -> Unpipelined | Pipelined:
+    def forward_backward(
+        self, model: nn.Module, parts: list[nn.Module], experts: ExpertLayers | None = None
+    ) -> Unpipelined | Pipelined:
         """The step's forward and backward: on the whole `model`, or through the pipeline
         schedule over this rank's stage `parts`; with `experts`, training their aux loss."""
         nan_fault_here = self.rank == self.loss_rank
         if self.pipeline is None:
-            return Unpipelined(model, self.compute_context, self.device, nan_fault_here=nan_fault_here,
-                               context_parallel=self.meshes.context_parallel, experts=experts)
-        return Pipelined(self.pipeline, parts, self.meshes.pp, self.compute_context, self.device,
-                         loss=StepLoss(nan_fault_here), context_parallel=self.meshes.context_parallel, experts=experts)
+            return Unpipelined(
+                model,
+                self.compute_context,
+                self.device,
+                nan_fault_here=nan_fault_here,
+                context_parallel=self.meshes.context_parallel,
+                experts=experts,
+            )
+        return Pipelined(
+            self.pipeline,
+            parts,
+            self.meshes.pp,
+            self.compute_context,
+            self.device,
+            loss=StepLoss(nan_fault_here),
+            context_parallel=self.meshes.context_parallel,
+            experts=experts,
+        )
 
     def expert_balance(self, model: nn.Module, experts: ExpertLayers | None) -> ExpertBalance | None:
         """The bias update and load of `model`'s MoE layers (None without any): counts summed

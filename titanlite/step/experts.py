@@ -36,7 +36,9 @@ class ExpertLayers(Protocol):
     def discount_tokens(self, model: nn.Module, counts: torch.Tensor) -> None: ...
 
 
-def aux_loss_gradients(experts: ExpertLayers | None, parts: Iterable[nn.Module], scale: float) -> contextlib.AbstractContextManager:
+def aux_loss_gradients(
+    experts: ExpertLayers | None, parts: Iterable[nn.Module], scale: float
+) -> contextlib.AbstractContextManager:
     """The context in which the forwards and backwards of `parts` (a model, or this rank's
     pipeline stages) train the aux loss weighted `scale`, the weight the step gives each
     forward's loss; nothing without MoE layers."""
@@ -48,7 +50,9 @@ def aux_loss_gradients(experts: ExpertLayers | None, parts: Iterable[nn.Module],
 
 
 @contextlib.contextmanager
-def uncounted_metadata_forwards(experts: ExpertLayers | None, parts: list[nn.Module], n_microbatches: int) -> Iterator[None]:
+def uncounted_metadata_forwards(
+    experts: ExpertLayers | None, parts: list[nn.Module], n_microbatches: int
+) -> Iterator[None]:
     """Around one pipeline schedule call: keep the MoE token counts of its microbatches only.
 
     torch 2.13's pipeline stages learn their inputs' and outputs' shapes by running each stage

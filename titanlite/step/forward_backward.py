@@ -58,9 +58,21 @@ def _model_kwargs(documents: torch.Tensor | None) -> dict[str, torch.Tensor]:
 class Unpipelined:
     """Gradient accumulation on one model: FSDP reduces gradients once, after the last microbatch."""
 
-    def __init__(self, model: nn.Module, compute_context: ComputeContext, device: torch.device, nan_fault_here: bool,
-                 context_parallel: ContextParallel | None = None, experts: ExpertLayers | None = None):
-        self.model, self.compute_context, self.device, self.nan_fault_here = model, compute_context, device, nan_fault_here
+    def __init__(
+        self,
+        model: nn.Module,
+        compute_context: ComputeContext,
+        device: torch.device,
+        nan_fault_here: bool,
+        context_parallel: ContextParallel | None = None,
+        experts: ExpertLayers | None = None,
+    ):
+        self.model, self.compute_context, self.device, self.nan_fault_here = (
+            model,
+            compute_context,
+            device,
+            nan_fault_here,
+        )
         self.context_parallel, self.experts = context_parallel, experts
 
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
@@ -116,9 +128,17 @@ class Pipelined:
     pipeline's microbatches. The first stage is fed the inputs, the last the labels; a rank
     holding neither (a middle stage) only passes activations on."""
 
-    def __init__(self, layout: PipelineLayout, parts: list[nn.Module], pp_mesh: DeviceMesh, compute_context: ComputeContext,
-                 device: torch.device, loss: StepLoss, context_parallel: ContextParallel | None = None,
-                 experts: ExpertLayers | None = None):
+    def __init__(
+        self,
+        layout: PipelineLayout,
+        parts: list[nn.Module],
+        pp_mesh: DeviceMesh,
+        compute_context: ComputeContext,
+        device: torch.device,
+        loss: StepLoss,
+        context_parallel: ContextParallel | None = None,
+        experts: ExpertLayers | None = None,
+    ):
         pp_rank = pp_mesh.get_local_rank()
         held = layout.stage_indices(pp_rank)
         self.has_first, self.has_last = 0 in held, len(layout.stages) - 1 in held
@@ -126,7 +146,9 @@ class Pipelined:
         self.loss, self.context_parallel, self.parts, self.experts = loss, context_parallel, parts, experts
         self.schedule = build_schedule(layout, parts, pp_rank, pp_mesh.get_group(), device, loss)
         # The last stage would otherwise keep every microbatch's logits to hand them back.
-        self._no_outputs = {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
+        self._no_outputs = (
+            {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
+        )
 
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
         scale = 1.0 / (self.n_microbatches * len(microbatches))
@@ -146,8 +168,11 @@ class Pipelined:
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses, **self._no_outputs} if self.has_last else {}
-        with (self.compute_context(), self.loss.passing(self.schedule, scale, step) as loss_arguments,
-              uncounted_metadata_forwards(self.experts, self.parts, self.n_microbatches)):
+        with (
+            self.compute_context(),
+            self.loss.passing(self.schedule, scale, step) as loss_arguments,
+            uncounted_metadata_forwards(self.experts, self.parts, self.n_microbatches),
+        ):
             run(*args, **kwargs, **loss_arguments, **_model_kwargs(documents))
         if not losses:
             return torch.zeros((), device=self.device)

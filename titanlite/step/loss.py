@@ -59,8 +59,12 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if not isinstance(logits, DTensor):
         return _CrossEntropy.apply(logits.flatten(0, 1), labels, 0, None)
     placement = logits.placements[0]
-    if logits.device_mesh.ndim != 1 or not (isinstance(placement, Shard) and placement.dim % logits.ndim == logits.ndim - 1):
-        raise ValueError(f"cross_entropy: expected logits sharded on the vocab over one mesh dim, got {logits.placements}")
+    if logits.device_mesh.ndim != 1 or not (
+        isinstance(placement, Shard) and placement.dim % logits.ndim == logits.ndim - 1
+    ):
+        raise ValueError(
+            f"cross_entropy: expected logits sharded on the vocab over one mesh dim, got {logits.placements}"
+        )
     mesh = logits.device_mesh
     local = logits.to_local()
     start = mesh.get_local_rank() * local.shape[-1]  # the TP plan checks vocab % tp == 0: even shards

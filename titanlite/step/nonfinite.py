@@ -42,7 +42,12 @@ class NonFiniteSteps:
         if agreement.finite:
             return True
         what = " and ".join(
-            name for name, bad in (("loss", agreement.loss_nonfinite), (f"grad_norm ({grad_norm.item():g})", agreement.grad_norm_nonfinite)) if bad
+            name
+            for name, bad in (
+                ("loss", agreement.loss_nonfinite),
+                (f"grad_norm ({grad_norm.item():g})", agreement.grad_norm_nonfinite),
+            )
+            if bad
         )
         if self.skipped >= self.max_skips:
             raise NonFiniteError(
@@ -51,7 +56,10 @@ class NonFiniteSteps:
             )
         self.skipped += 1
         if self.rank == 0:
-            logger.warning(f"step {step}: non-finite {what}: optimizer step skipped ({self.skipped} of training.max_nan_skips {self.max_skips})")
+            logger.warning(
+                f"step {step}: non-finite {what}: optimizer step skipped ({self.skipped} of training.max_nan_skips "
+                f"{self.max_skips})"
+            )
         return False
 
 

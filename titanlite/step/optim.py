@@ -22,7 +22,9 @@ def build_optimizer(params: list[torch.nn.Parameter], optimizer_cfg) -> torch.op
     )
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_ratio: float | None, decay_type: str, lr_min: float) -> float:
+def lr_factor(
+    step: int, total_steps: int, warmup_steps: int, decay_ratio: float | None, decay_type: str, lr_min: float
+) -> float:
     """Multiplier of the peak lr at training step `step` (1-based).
 
     Linear warmup to 1 over `warmup_steps`, then stable, then decay to `lr_min` over the
@@ -45,6 +47,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, lr_cfg, total_steps: in
     """LambdaLR whose counter is the number of steps taken; step n trains with lr_factor(n)."""
 
     def factor(steps_taken: int) -> float:
-        return lr_factor(steps_taken + 1, total_steps, lr_cfg.warmup_steps, lr_cfg.decay_ratio, lr_cfg.decay_type, lr_cfg.lr_min)
+        return lr_factor(
+            steps_taken + 1, total_steps, lr_cfg.warmup_steps, lr_cfg.decay_ratio, lr_cfg.decay_type, lr_cfg.lr_min
+        )
 
     return LambdaLR(optimizer, factor)

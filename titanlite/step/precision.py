@@ -54,7 +54,9 @@ def decide_compute_dtype(setting: str, device: torch.device) -> ComputeDtype:
         return ComputeDtype(setting, "set by training.mixed_precision_param")
     if device.type == "cuda":
         supported = torch.cuda.is_bf16_supported()
-        return ComputeDtype("bfloat16" if supported else "float32", f"auto: this GPU {'has' if supported else 'lacks'} bf16")
+        return ComputeDtype(
+            "bfloat16" if supported else "float32", f"auto: this GPU {'has' if supported else 'lacks'} bf16"
+        )
     if device.type != "cpu":
         return ComputeDtype("float32", f"auto: no bf16 rule for device type {device.type}")
     if not cpu_has_native_bf16():

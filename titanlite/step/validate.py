@@ -1,12 +1,12 @@
 """Validation: loss and perplexity on the validation windows, every `validation.freq` steps.
 
-Each evaluation reads the same windows (the first `batches` global batches of the
-validation stream; dp rank r its share of each), with the model in eval mode and no
-gradient, through the training step's forward (step/forward_backward.py: its compute
-context, loss parallel under TP, the pipeline schedule's forward-only pass under PP). The loss is the mean over every validation
-window of every dp rank. It reads batches by position, not through the training loader,
-and forks the RNG around the forward passes, so the training data position and random
-state are exactly what they would be without validation.
+Each evaluation reads the same windows (the first `batches` global batches of the validation
+stream; dp rank r its share of each), with the model in eval mode and no gradient, through the
+training step's forward (step/forward_backward.py: its compute context, loss parallel under TP,
+the pipeline schedule's forward-only pass under PP). The loss is the mean over every validation
+window of every dp rank. It reads batches by position, not through the training loader, and
+forks the RNG around the forward passes, so the training data position and random state are
+exactly what they would be without validation.
 """
 
 from __future__ import annotations
@@ -31,18 +31,31 @@ Reduce = Callable[[torch.Tensor], float]
 class Validator:
     """Evaluates the first `batches` global batches of the validation stream on demand."""
 
-    def __init__(self, cfg: Validation, loader: TokenWindowLoader, model: torch.nn.Module, batch_loss: BatchLoss,
-                 reduce: Reduce, device: torch.device, metrics: MetricsLogger) -> None:
+    def __init__(
+        self,
+        cfg: Validation,
+        loader: TokenWindowLoader,
+        model: torch.nn.Module,
+        batch_loss: BatchLoss,
+        reduce: Reduce,
+        device: torch.device,
+        metrics: MetricsLogger,
+    ) -> None:
         self.freq, self.loader, self.model = cfg.freq, loader, model
         self.batch_loss, self.reduce, self.device, self.metrics = batch_loss, reduce, device, metrics
         windows, per_batch = len(loader.stream), loader.global_batch
         available = windows // per_batch
         if available < 1:
-            raise TitanliteError(f"validation: {loader.stream.name} has {windows} windows, fewer than one validation batch "
-                                 f"of {per_batch} (local_batch_size x dp degree)")
+            raise TitanliteError(
+                f"validation: {loader.stream.name} has {windows} windows, fewer than one validation batch "
+                f"of {per_batch} (local_batch_size x dp degree)"
+            )
         self.batches = available if cfg.steps == -1 else min(cfg.steps, available)
         if cfg.steps > available:
-            logger.warning(f"validation: {cfg.steps} steps asked, {loader.stream.name} holds {available}; validating on {available}")
+            logger.warning(
+                f"validation: {cfg.steps} steps asked, {loader.stream.name} holds {available}; validating on "
+                f"{available}"
+            )
 
     def maybe_run(self, step: int, last: bool) -> dict[str, float] | None:
         """Validate at every `freq`-th step and at the last; returns the logged figures."""
@@ -64,12 +77,21 @@ class Validator:
         return self.reduce(total) / self.batches
 
 
-def build_validator(cfg: Validation, loader: TokenWindowLoader | None, model: torch.nn.Module, batch_loss: BatchLoss,
-                    reduce: Reduce, device: torch.device, metrics: MetricsLogger) -> Validator | None:
+def build_validator(
+    cfg: Validation,
+    loader: TokenWindowLoader | None,
+    model: torch.nn.Module,
+    batch_loss: BatchLoss,
+    reduce: Reduce,
+    device: torch.device,
+    metrics: MetricsLogger,
+) -> Validator | None:
     """None when validation is off; a one-line error when it is on with nothing to validate on."""
     if not cfg.enable:
         return None
     if loader is None:
-        raise TitanliteError(f"validation.holdout_fraction: {cfg.holdout_fraction} of the training windows holds out no "
-                             "window (too little data); raise it or set validation.dataset")
+        raise TitanliteError(
+            f"validation.holdout_fraction: {cfg.holdout_fraction} of the training windows holds out no "
+            "window (too little data); raise it or set validation.dataset"
+        )
     return Validator(cfg, loader, model, batch_loss, reduce, device, metrics)

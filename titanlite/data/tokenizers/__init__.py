@@ -54,8 +54,10 @@ def _read(path: str) -> bytes:
     if not p.exists():
         raise TitanliteError(f"{FIELD}: tokenizer file not found: {path}")
     if p.is_dir():
-        raise TitanliteError(f"{FIELD}: {path} is a directory, expected a tokenizer file "
-                             "(sentencepiece .model, tiktoken tokenizer.model or tokenizer.json)")
+        raise TitanliteError(
+            f"{FIELD}: {path} is a directory, expected a tokenizer file "
+            "(sentencepiece .model, tiktoken tokenizer.model or tokenizer.json)"
+        )
     try:
         return p.read_bytes()
     except OSError as e:
@@ -109,7 +111,9 @@ def tokenizer_file(tokenizer_path: str, hf_assets_path: str = "") -> str:
         return tokenizer_path
     folder = Path(hf_assets_path)
     if not folder.is_dir():
-        raise TitanliteError(f"model.hf_assets_path: {hf_assets_path} is not a folder (it should hold the tokenizer files)")
+        raise TitanliteError(
+            f"model.hf_assets_path: {hf_assets_path} is not a folder (it should hold the tokenizer files)"
+        )
     for name in ASSET_NAMES:
         if (folder / name).is_file():
             return str(folder / name)

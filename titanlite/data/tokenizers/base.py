@@ -27,5 +27,6 @@ class Backend(Protocol):
 
 def missing_extra(kind: str, package: str, extra: str, path: str) -> TitanliteError:
     """The one line for a tokenizer file whose library is not installed."""
-    return TitanliteError(f"{FIELD}: {path} is a {kind} file; reading it needs the {package} package: "
-                          f"pip install titanlite[{extra}]")
+    return TitanliteError(
+        f"{FIELD}: {path} is a {kind} file; reading it needs the {package} package: pip install titanlite[{extra}]"
+    )

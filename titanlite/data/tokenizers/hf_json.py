@@ -51,7 +51,9 @@ class HFTokenizerJSON:
         try:
             self.tok = tokenizers.Tokenizer.from_file(path)
         except Exception as e:  # tokenizers raises a bare Exception for a malformed file
-            raise TitanliteError(f"{FIELD}: {path} is not a readable Hugging Face tokenizer.json ({one_line(e)})") from None
+            raise TitanliteError(
+                f"{FIELD}: {path} is not a readable Hugging Face tokenizer.json ({one_line(e)})"
+            ) from None
         if hasattr(self.tok, "encode_special_tokens"):
             self.tok.encode_special_tokens = True
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)

@@ -19,14 +19,23 @@ from titanlite.errors import TitanliteError
 
 # Llama 3's pre-tokenizer pattern (the one of its reference tokenizer).
 LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
+    r"?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 NUM_SPECIAL_TOKENS = 256
 _NAMED_SPECIALS = [
-    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-    "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-    "<|eot_id|>", "<|python_tag|>",
-]  # fmt: skip
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
 SPECIAL_TOKENS = _NAMED_SPECIALS + [
     f"<|reserved_special_token_{i}|>" for i in range(2, 2 + NUM_SPECIAL_TOKENS - len(_NAMED_SPECIALS))
 ]
@@ -48,7 +57,9 @@ def read_ranks(path: str) -> dict[bytes, int]:
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except (ValueError, binascii.Error):
-                raise TitanliteError(f"{FIELD}: {path}:{number}: not a tiktoken rank line (expected 'base64 rank')") from None
+                raise TitanliteError(
+                    f"{FIELD}: {path}:{number}: not a tiktoken rank line (expected 'base64 rank')"
+                ) from None
     return ranks
 
 
@@ -75,7 +86,9 @@ class TiktokenBPE:
         self.num_base_tokens = max(ranks.values()) + 1
         specials = {name: self.num_base_tokens + i for i, name in enumerate(SPECIAL_TOKENS)}
         try:
-            self.encoding = tiktoken.Encoding(name=path, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+            self.encoding = tiktoken.Encoding(
+                name=path, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+            )
         except ValueError as e:
             raise TitanliteError(f"{FIELD}: {path}: not a usable tiktoken rank file ({e})") from None
         self.vocab_size = self.num_base_tokens + len(SPECIAL_TOKENS)

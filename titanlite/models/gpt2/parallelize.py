@@ -31,16 +31,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     parallelize_module(
         model,
         tp_mesh,
-        tp.present(model, {
-            # wte: vocab-sharded lookup leaving in the residual layout, kept a DTensor so adding
-            # the replicated wpe output works (and slices it under sequence parallelism); the
-            # sum leaves as a local tensor.
-            "embeddings": PrepareModuleOutput(output_layouts=stream, desired_output_layouts=stream),
-            "embeddings.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=False),
-            "embeddings.wpe": tp.ReplicateParallel(),
-            "ln_f": tp.norm(sp),
-            "lm_head": tp.output_projection(loss_parallel, sp),
-        }),
+        tp.present(
+            model,
+            {
+                # wte: vocab-sharded lookup leaving in the residual layout, kept a DTensor so adding
+                # the replicated wpe output works (and slices it under sequence parallelism); the
+                # sum leaves as a local tensor.
+                "embeddings": PrepareModuleOutput(output_layouts=stream, desired_output_layouts=stream),
+                "embeddings.wte": RowwiseParallel(
+                    input_layouts=Replicate(), output_layouts=stream, use_local_output=False
+                ),
+                "embeddings.wpe": tp.ReplicateParallel(),
+                "ln_f": tp.norm(sp),
+                "lm_head": tp.output_projection(loss_parallel, sp),
+            },
+        ),
     )
     for block in model.layers.values():
         parallelize_module(
@@ -62,4 +67,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
 def tp_problems(args: GPT2Args, tp_degree: int) -> list[str]:
     """Why this flavor cannot be split `tp_degree` ways (empty when it can)."""
     sizes = {"n_heads": args.n_heads, "mlp hidden size": args.ffn_hidden_dim, "vocab_size": args.vocab_size}
-    return [f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}" for name, size in sizes.items() if size % tp_degree]
+    return [
+        f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}"
+        for name, size in sizes.items()
+        if size % tp_degree
+    ]

@@ -127,8 +127,13 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.T
 
 def _llama3_scaling(args: Any) -> dict[str, Any]:
     factor, low, high, original = args.rope_scaling
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-            "original_max_position_embeddings": original}
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
 
 
 def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -181,8 +186,12 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, tuple[float, float, fl
         return theta, None
     if rope_type != "llama3":
         raise ValueError(f"rope type {rope_type!r} is not supported (default and llama3 are)")
-    return theta, (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
-                   int(scaling["original_max_position_embeddings"]))
+    return theta, (
+        float(scaling["factor"]),
+        float(scaling["low_freq_factor"]),
+        float(scaling["high_freq_factor"]),
+        int(scaling["original_max_position_embeddings"]),
+    )
 
 
 def _described(config: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +204,8 @@ def _described(config: dict[str, Any]) -> dict[str, Any]:
         "num_hidden_layers": config.get("num_hidden_layers"),
         "num_attention_heads": heads,
         "num_key_value_heads": config.get("num_key_value_heads") or heads,
-        "head_dim": config.get("head_dim") or (config["hidden_size"] // heads if config.get("hidden_size") and heads else None),
+        "head_dim": config.get("head_dim")
+        or (config["hidden_size"] // heads if config.get("hidden_size") and heads else None),
         "vocab_size": config.get("vocab_size"),
         "rms_norm_eps": config.get("rms_norm_eps", _HF_DEFAULT_EPS),
         "rope_theta": theta,
@@ -251,5 +261,7 @@ def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
     if unsupported:
         raise ValueError(f"{', '.join(unsupported)} true: this Llama has bias-free weights")
     if args.ffn_hidden_dim != hidden or args.head_dim != described["head_dim"]:
-        raise ValueError(f"intermediate_size {hidden} / head_dim {described['head_dim']} cannot be expressed as a Llama flavor")
+        raise ValueError(
+            f"intermediate_size {hidden} / head_dim {described['head_dim']} cannot be expressed as a Llama flavor"
+        )
     return args

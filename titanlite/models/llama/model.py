@@ -239,7 +239,9 @@ class Llama(nn.Module):
             cos_sin, mask = self.rope_cache[self.kv_cache.positions(seq, h.device)], self.kv_cache.mask(seq, h.device)
         elif self.context_parallel is not None:  # this rank's two chunks, attended per chunk
             cos_sin = self.rope_cache[self.context_parallel.positions(seq, h.device)]
-            mask = plan_chunks(self.args.attn_mask_type, document_ids, self.context_parallel.chunk_starts(seq), seq // 2, h.dtype)
+            mask = plan_chunks(
+                self.args.attn_mask_type, document_ids, self.context_parallel.chunk_starts(seq), seq // 2, h.dtype
+            )
         else:
             cos_sin = self.rope_cache[:seq]
             mask = build_mask(self.args.attn_mask_type, document_ids, None, None, flex=h.is_cuda)

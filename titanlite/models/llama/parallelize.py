@@ -12,8 +12,13 @@ from titanlite.models.llama.model import LlamaArgs
 from titanlite.parallel import tensor_parallel as tp
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool,
-             skip_feed_forward: Collection[str] = ()) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    loss_parallel: bool,
+    sequence_parallel: bool,
+    skip_feed_forward: Collection[str] = (),
+) -> None:
     """Shard q/k/v, w1/w3 by columns and wo/w2 by rows over `tp_mesh`, the embedding and the
     head by vocab; the residual stream sequence-sharded or replicated (`sequence_parallel`).
     `skip_feed_forward`: blocks (keys of `model.layers`) whose feed-forward another plan lays
@@ -27,11 +32,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     parallelize_module(
         model,
         tp_mesh,
-        tp.present(model, {
-            "tok_embeddings": tp.vocab_sharded_embedding(sp),
-            "norm": tp.norm(sp),
-            "output": tp.output_projection(loss_parallel, sp),
-        }),
+        tp.present(
+            model,
+            {
+                "tok_embeddings": tp.vocab_sharded_embedding(sp),
+                "norm": tp.norm(sp),
+                "output": tp.output_projection(loss_parallel, sp),
+            },
+        ),
     )
     if model.args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
@@ -47,12 +55,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
             "ffn_norm": tp.norm(sp),
         }
         if name not in skip_feed_forward:
-            plan.update({
-                "feed_forward": tp.block_entry(sp),
-                "feed_forward.w1": tp.ColwiseParallel(),
-                "feed_forward.w2": tp.rowwise_exit(sp),
-                "feed_forward.w3": tp.ColwiseParallel(),
-            })  # fmt: skip
+            plan.update(
+                {
+                    "feed_forward": tp.block_entry(sp),
+                    "feed_forward.w1": tp.ColwiseParallel(),
+                    "feed_forward.w2": tp.rowwise_exit(sp),
+                    "feed_forward.w3": tp.ColwiseParallel(),
+                }
+            )
         parallelize_module(block, tp_mesh, plan)
 
 
@@ -64,4 +74,8 @@ def tp_problems(args: LlamaArgs, tp_degree: int) -> list[str]:
         "ffn hidden size": args.ffn_hidden_dim,
         "vocab_size": args.vocab_size,
     }
-    return [f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}" for name, size in sizes.items() if size % tp_degree]
+    return [
+        f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}"
+        for name, size in sizes.items()
+        if size % tp_degree
+    ]

@@ -20,15 +20,33 @@ from titanlite.model_spec import Capabilities, ModelSpec, transformer_flops_per_
 qwen3_flavors: dict[str, Qwen3Args] = {
     # CPU-sized: trains in seconds on 2 cores with the bundled 4k-vocab tokenizer. Llama's
     # debugmodel widths, Qwen3's shape: q wider than dim (8 heads x 64 = 512 > 256), QK norms.
-    "debugmodel": Qwen3Args(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048),
+    "debugmodel": Qwen3Args(
+        dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048
+    ),
     # 8 experts, top-2. It also runs DeepSeek-V3's expert-bias balancing (with a faster bias
     # step), which no published Qwen3 has, so that the tests train every path of the MoE layer.
-    "debugmodel_moe": Qwen3Args(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048,
-                                moe=qwen3_moe(8, 2, 256, use_expert_bias=True, bias_update_rate=1e-2)),
+    "debugmodel_moe": Qwen3Args(
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=64,
+        hidden_dim=768,
+        max_seq_len=2048,
+        moe=qwen3_moe(8, 2, 256, use_expert_bias=True, bias_update_rate=1e-2),
+    ),
     # The same layer balanced as Qwen3-MoE is, by the aux loss alone: the debug MoE flavor
     # Hugging Face's Qwen3MoeForCausalLM holds both ways (it has no expert bias).
-    "debugmodel_moe_aux": Qwen3Args(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048,
-                                    moe=qwen3_moe(8, 2, 256)),
+    "debugmodel_moe_aux": Qwen3Args(
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=64,
+        hidden_dim=768,
+        max_seq_len=2048,
+        moe=qwen3_moe(8, 2, 256),
+    ),
     "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, tie_word_embeddings=True),
     "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, tie_word_embeddings=True),
     "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, tie_word_embeddings=True),
@@ -37,7 +55,9 @@ qwen3_flavors: dict[str, Qwen3Args] = {
     "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600),
     # MoE: intermediate_size (6144, 12288) is in their config.json but no block uses it.
     "30B-A3B": Qwen3Args(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, hidden_dim=6144, moe=qwen3_moe(128, 8, 768)),
-    "235B-A22B": Qwen3Args(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, hidden_dim=12288, moe=qwen3_moe(128, 8, 1536)),
+    "235B-A22B": Qwen3Args(
+        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, hidden_dim=12288, moe=qwen3_moe(128, 8, 1536)
+    ),
 }
 
 
@@ -54,7 +74,9 @@ def active_parameters(args: Qwen3Args, n_params: int) -> int:
 
 def flops_per_token(args: Qwen3Args, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token from the active parameters (PaLM's accounting, as Llama's)."""
-    return transformer_flops_per_token(active_parameters(args, n_params), args.n_layers, args.n_heads * args.head_dim, seq_len)
+    return transformer_flops_per_token(
+        active_parameters(args, n_params), args.n_layers, args.n_heads * args.head_dim, seq_len
+    )
 
 
 qwen3_spec = ModelSpec(

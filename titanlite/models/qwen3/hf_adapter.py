@@ -101,11 +101,15 @@ def hf_export_problems(args: Any) -> list[str]:
     moe = args.moe
     if moe is None:
         return []
-    problems = [f"{what} (Qwen3-MoE has none)" for what, present in (
-        ("an expert bias (DeepSeek-V3's balancing; MoEArgs.use_expert_bias)", moe.use_expert_bias),
-        (f"{moe.n_shared_experts} shared experts", moe.n_shared_experts > 0),
-        (f"routed_scaling_factor {moe.route_scale}", moe.route_scale != 1.0),
-    ) if present]
+    problems = [
+        f"{what} (Qwen3-MoE has none)"
+        for what, present in (
+            ("an expert bias (DeepSeek-V3's balancing; MoEArgs.use_expert_bias)", moe.use_expert_bias),
+            (f"{moe.n_shared_experts} shared experts", moe.n_shared_experts > 0),
+            (f"routed_scaling_factor {moe.route_scale}", moe.route_scale != 1.0),
+        )
+        if present
+    ]
     if moe.score_func != "softmax":
         problems.append(f"{moe.score_func} router scores (Qwen3-MoE's are a softmax)")
     return problems
@@ -138,8 +142,13 @@ def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.T
     for key, slices in experts.items():
         out[key] = torch.stack([slices[e] for e in range(args.moe.n_experts)])
     if args.moe is not None and args.moe.use_expert_bias:
-        out.update({f"layers.{i}.feed_forward.expert_bias": torch.zeros(args.moe.n_experts)
-                    for i in range(args.n_layers) if args.moe_layer(i)})
+        out.update(
+            {
+                f"layers.{i}.feed_forward.expert_bias": torch.zeros(args.moe.n_experts)
+                for i in range(args.n_layers)
+                if args.moe_layer(i)
+            }
+        )
     if args.tie_word_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -173,16 +182,18 @@ def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         "torch_dtype": dtype_name(dtype),
     }
     if args.moe is not None:
-        config.update({
-            "num_experts": args.moe.n_experts,
-            "num_experts_per_tok": args.moe.top_k,
-            "moe_intermediate_size": args.moe.hidden_dim,
-            "norm_topk_prob": args.moe.renormalize,
-            "router_aux_loss_coef": args.moe.aux_loss_coef,
-            "decoder_sparse_step": args.decoder_sparse_step,
-            "mlp_only_layers": list(args.mlp_only_layers),
-            "output_router_logits": False,
-        })
+        config.update(
+            {
+                "num_experts": args.moe.n_experts,
+                "num_experts_per_tok": args.moe.top_k,
+                "moe_intermediate_size": args.moe.hidden_dim,
+                "norm_topk_prob": args.moe.renormalize,
+                "router_aux_loss_coef": args.moe.aux_loss_coef,
+                "decoder_sparse_step": args.decoder_sparse_step,
+                "mlp_only_layers": list(args.mlp_only_layers),
+                "output_router_logits": False,
+            }
+        )
     return config
 
 
@@ -230,9 +241,11 @@ def _described(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("model_type") == "qwen3_moe":
         described.update({key: config.get(key) for key in ("num_experts_per_tok", "moe_intermediate_size")})
         described["num_experts"] = _expert_count(config)
-        described.update(norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-                         decoder_sparse_step=config.get("decoder_sparse_step", 1),
-                         mlp_only_layers=sorted(config.get("mlp_only_layers") or []))
+        described.update(
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            decoder_sparse_step=config.get("decoder_sparse_step", 1),
+            mlp_only_layers=sorted(config.get("mlp_only_layers") or []),
+        )
     return described
 
 
@@ -268,20 +281,35 @@ def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
     if unsupported:
         raise ValueError(f"{', '.join(unsupported)} true: this Qwen3 has bias-free, full attention")
     values = dict(
-        dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
-        n_kv_heads=described["num_key_value_heads"], head_dim=described["head_dim"],
-        hidden_dim=config["intermediate_size"], vocab_size=config["vocab_size"], norm_eps=described["rms_norm_eps"],
-        rope_theta=described["rope_theta"], max_seq_len=config.get("max_position_embeddings", 40960),
-        tie_word_embeddings=described["tie_word_embeddings"], moe=None,
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"],
+        n_kv_heads=described["num_key_value_heads"],
+        head_dim=described["head_dim"],
+        hidden_dim=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        norm_eps=described["rms_norm_eps"],
+        rope_theta=described["rope_theta"],
+        max_seq_len=config.get("max_position_embeddings", 40960),
+        tie_word_embeddings=described["tie_word_embeddings"],
+        moe=None,
     )
     if config["model_type"] == "qwen3_moe":
         if _expert_count(config) is None:
             raise KeyError("num_experts")
-        sizes = dict(n_experts=_expert_count(config), top_k=config["num_experts_per_tok"],
-                     hidden_dim=config["moe_intermediate_size"], renormalize=described["norm_topk_prob"],
-                     aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)))
-        base_moe: MoEArgs = getattr(base, "moe", None) or qwen3_moe(sizes["n_experts"], sizes["top_k"], sizes["hidden_dim"])
-        values.update(moe=dataclasses.replace(base_moe, **sizes),
-                      decoder_sparse_step=described["decoder_sparse_step"],
-                      mlp_only_layers=tuple(described["mlp_only_layers"]))
+        sizes = dict(
+            n_experts=_expert_count(config),
+            top_k=config["num_experts_per_tok"],
+            hidden_dim=config["moe_intermediate_size"],
+            renormalize=described["norm_topk_prob"],
+            aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+        )
+        base_moe: MoEArgs = getattr(base, "moe", None) or qwen3_moe(
+            sizes["n_experts"], sizes["top_k"], sizes["hidden_dim"]
+        )
+        values.update(
+            moe=dataclasses.replace(base_moe, **sizes),
+            decoder_sparse_step=described["decoder_sparse_step"],
+            mlp_only_layers=tuple(described["mlp_only_layers"]),
+        )
     return dataclasses.replace(base, **values) if base is not None else Qwen3Args(**values)

@@ -76,7 +76,11 @@ class Qwen3Args:
 
     def moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has the MoE feed-forward (HF's Qwen3MoeDecoderLayer rule)."""
-        return self.moe is not None and (layer_id + 1) % self.decoder_sparse_step == 0 and layer_id not in self.mlp_only_layers
+        return (
+            self.moe is not None
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+            and layer_id not in self.mlp_only_layers
+        )
 
     @property
     def n_moe_layers(self) -> int:
@@ -139,5 +143,13 @@ def qwen3_moe(n_experts: int, top_k: int, hidden_dim: int, **extra) -> MoEArgs:
     """Qwen3-MoE's layer: softmax router, top-k renormalized (norm_topk_prob), no shared
     experts, aux loss 0.001, computed per sequence (MoEArgs.aux_loss_per_sequence: the form
     every parallel layout trains alike; transformers pools a forward's tokens)."""
-    return MoEArgs(n_experts=n_experts, top_k=top_k, hidden_dim=hidden_dim, score_func="softmax", renormalize=True,
-                   aux_loss_coef=1e-3, aux_loss_per_sequence=True, **extra)
+    return MoEArgs(
+        n_experts=n_experts,
+        top_k=top_k,
+        hidden_dim=hidden_dim,
+        score_func="softmax",
+        renormalize=True,
+        aux_loss_coef=1e-3,
+        aux_loss_per_sequence=True,
+        **extra,
+    )
