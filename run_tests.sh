@@ -4,6 +4,13 @@ set -euo pipefail
 cd "$(dirname "$0")"
 export TITANLITE_TESTS=1
 source scripts/ensure_env.sh
+# Lint and format first (ruff, pinned in the test extra; settings in pyproject.toml): a lint
+# error or an unformatted file fails the run before any test starts. `ruff format .` fixes the latter.
+"$PYTHON" -m ruff check --quiet .
+"$PYTHON" -m ruff format --check --quiet . || {
+    echo "titanlite: the files above are not formatted: run '$PYTHON -m ruff format .'" >&2
+    exit 1
+}
 # Two workers by default (TITANLITE_TEST_WORKERS; 0 = in this process), each taking whole
 # files so a module's fixtures run once: most tests start processes that spend their first
 # seconds importing and rendezvousing, which two at a time overlap on two cores.
