@@ -130,8 +130,8 @@ class Training:
     mixed_precision_param: str = _opt(
         "auto",
         "compute dtype of forward/backward (FSDP mixed precision, or autocast "
-        "without FSDP); auto = bfloat16 on GPUs and on CPUs with fast native bf16 "
-        "matmuls, else float32",
+        "without FSDP); auto = bfloat16 on GPUs of SM >= 8.0 and on CPUs with native bf16 "
+        "matmuls (AVX512-BF16 or AMX), else float32 (from the hardware, never a timing)",
         choices=("auto", "float32", "bfloat16"),
     )
     mixed_precision_reduce: str = _opt(

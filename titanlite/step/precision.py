@@ -2,13 +2,16 @@
 
 Mixed precision here always keeps float32 master weights, optimizer state and gradient
 reductions; only forward/backward compute runs in the chosen dtype (FSDP's parameter dtype,
-or autocast without FSDP). "auto" picks bfloat16 where it is fast and float32 where it is not:
+or autocast without FSDP). "auto" picks bfloat16 where the hardware has bf16 units and
+float32 where it does not, from what the hardware reports, never from a timing: a timing
+taken on a busy host once picked float32 and minutes later bfloat16 for the same run, with
+different losses. The same host and config give the same dtype every time.
 
-- CUDA: bfloat16 when the GPU supports it;
-- CPU: bfloat16 only when oneDNN reports native bf16 matmuls (AVX512-BF16 / AMX) *and* a
-  bf16 matmul measured on this process's threads is at least `MIN_BF16_SPEEDUP` times the
-  float32 one. A CPU without them emulates bf16 at 5-10x the cost of float32 (seen on an
-  AVX2 host), and a flag alone does not say whether the units are fast.
+- CUDA: bfloat16 on compute capability >= 8.0 (Ampere on), whose tensor cores run bf16;
+  older GPUs only emulate it (`torch.cuda.is_bf16_supported()` says True there too).
+- CPU: bfloat16 when oneDNN reports native bf16 matmuls (AVX512-BF16 or AMX), about 4x
+  float32's rate on such a host; without them bf16 is emulated, 2-3x slower than float32
+  (seen on an AVX2 host).
 
 Every rank must compute in the same dtype, so rank 0's decision is broadcast.
 """
@@ -21,11 +24,10 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config.dtypes import DTYPES
-from titanlite.observe.peak_flops import measure_cpu_matmul_flops
 from titanlite.parallel.collectives import on_rank0
 
-MIN_BF16_SPEEDUP = 1.3
-"""bf16 must beat float32 matmuls by this much to be worth its rounding."""
+MIN_BF16_CAPABILITY = (8, 0)
+"""The CUDA compute capability from which GPUs run bf16 natively (Ampere)."""
 
 
 @dataclass(frozen=True)
@@ -41,29 +43,22 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def bf16_matmul_speedup(budget_s: float = 0.2) -> float:
-    """bf16 over float32 `F.linear` rate on this process's threads (1024^3 products)."""
-    bf16 = measure_cpu_matmul_flops(torch.bfloat16, budget_s=budget_s)
-    fp32 = measure_cpu_matmul_flops(torch.float32, budget_s=budget_s)
-    return bf16 / fp32
-
-
 def decide_compute_dtype(setting: str, device: torch.device) -> ComputeDtype:
     """This process's choice for `setting` ("auto" or an explicit dtype name) on `device`."""
     if setting != "auto":
         return ComputeDtype(setting, "set by training.mixed_precision_param")
     if device.type == "cuda":
-        supported = torch.cuda.is_bf16_supported()
+        major, minor = torch.cuda.get_device_capability(device)
+        native = (major, minor) >= MIN_BF16_CAPABILITY
         return ComputeDtype(
-            "bfloat16" if supported else "float32", f"auto: this GPU {'has' if supported else 'lacks'} bf16"
+            "bfloat16" if native else "float32",
+            f"auto: this GPU is SM {major}.{minor} (native bf16 from SM {'.'.join(map(str, MIN_BF16_CAPABILITY))})",
         )
     if device.type != "cpu":
         return ComputeDtype("float32", f"auto: no bf16 rule for device type {device.type}")
-    if not cpu_has_native_bf16():
-        return ComputeDtype("float32", "auto: this CPU has no native bf16 matmul (oneDNN)")
-    speedup = bf16_matmul_speedup()
-    name = "bfloat16" if speedup >= MIN_BF16_SPEEDUP else "float32"
-    return ComputeDtype(name, f"auto: bf16 matmuls measured {speedup:.2f}x float32 (bf16 needs {MIN_BF16_SPEEDUP}x)")
+    if cpu_has_native_bf16():
+        return ComputeDtype("bfloat16", "auto: this CPU has native bf16 matmuls (oneDNN: AVX512-BF16 or AMX)")
+    return ComputeDtype("float32", "auto: this CPU has no native bf16 matmuls (oneDNN: no AVX512-BF16 or AMX)")
 
 
 def resolve_compute_dtype(setting: str, device: torch.device) -> ComputeDtype:
