@@ -65,7 +65,7 @@ class Trainer:
         self.nonfinite = NonFiniteSteps(plan.cfg.training.max_nan_skips, self.dist.rank)
         self.device = self.dist.device
         init_logger(self.dist.rank, log_all_ranks=not plan.cfg.metrics.rank_0_only)
-        plan = self.plan = self._resolve_compute_dtype(plan)
+        plan = self.plan = resolve_plan_dtype(plan, self.device)
         cfg = self.cfg = plan.cfg
         if cfg.job.print_config:
             logger.info(f"config: {to_dict(cfg)}")
@@ -138,17 +138,6 @@ class Trainer:
         )
         if plan.pipeline is not None:
             logger.info(plan.pipeline.describe())
-
-    def _resolve_compute_dtype(self, plan: RunPlan) -> RunPlan:
-        """The plan with `mixed_precision_param` made concrete ("auto" decided for this
-        device and agreed by every rank), said once at start-up."""
-        training = plan.cfg.training
-        choice = resolve_compute_dtype(training.mixed_precision_param, self.device)
-        logger.info(
-            f"compute dtype {choice.name} ({choice.reason}); master weights and optimizer state float32, "
-            f"gradient reductions {training.mixed_precision_reduce}"
-        )
-        return plan.with_compute_dtype(choice.name)
 
     @staticmethod
     def _seed(seed: int, deterministic: bool) -> None:
@@ -267,6 +256,19 @@ class Trainer:
         self.signals.restore()
 
 
+def resolve_plan_dtype(plan: RunPlan, device: torch.device) -> RunPlan:
+    """The plan with `mixed_precision_param` made concrete ("auto" decided for this device
+    and agreed by every rank), said once at start-up: the model is built only from a
+    concrete dtype, for training and for a seed checkpoint alike."""
+    training = plan.cfg.training
+    choice = resolve_compute_dtype(training.mixed_precision_param, device)
+    logger.info(
+        f"compute dtype {choice.name} ({choice.reason}); master weights and optimizer state float32, "
+        f"gradient reductions {training.mixed_precision_reduce}"
+    )
+    return plan.with_compute_dtype(choice.name)
+
+
 def create_seed_checkpoint(plan: RunPlan) -> None:
     """`checkpoint.create_seed_checkpoint`: initialize the model on this one process and save
     it as step 0, model only. A later run of any layout in the same folder starts from it
@@ -274,6 +276,7 @@ def create_seed_checkpoint(plan: RunPlan) -> None:
     cfg = plan.cfg
     info = init_distributed(cfg.comm.init_timeout_seconds)
     init_logger(info.rank)
+    plan = resolve_plan_dtype(plan, info.device)  # the weights are saved in float32 whatever it is
     torch.manual_seed(cfg.training.seed)
     lock = claim_dump_folder(cfg, lambda: plan.n_params, dist.group.WORLD, weights_only=True)
     model = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size).model

@@ -173,6 +173,22 @@ def test_seed_checkpoint_initializes_multi_process_runs(runs, seed):
     assert losses(runs["fsdp2"]["straight"])[1] == pytest.approx(losses(runs["fsdp2_tp2"]["straight"])[1], rel=1e-5)
 
 
+@pytest.mark.timeout(120)
+def test_seed_checkpoint_with_the_default_compute_dtype(tmp_path):
+    """`mixed_precision_param` "auto" (the default) is decided for the seed as for training,
+    not left to the model build (which refuses "auto"); the weights are saved in float32."""
+    import torch
+
+    result = train(
+        "single", tmp_path, "--checkpoint.create_seed_checkpoint", "true", "--training.mixed_precision_param", "auto"
+    )
+    assert "compute dtype " in result.stdout and "(auto: " in result.stdout, result.stdout[-2000:]
+    record = json.loads((ckpt(tmp_path, 0) / "commit.json").read_text())
+    assert record["model_weights_only"] and record["contents"] == ["model"]
+    weights = export.read_dcp_model(ckpt(tmp_path, 0))
+    assert weights and {tensor.dtype for tensor in weights.values()} == {torch.float32}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["fsdp4", "single"])
 def test_reshard_on_resume(runs, layout, tmp_path):
