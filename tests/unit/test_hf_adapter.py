@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import runpy
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.scripts import script_main
 from tests.helpers.stand_ins import TINY, tiny_model
 from titanlite.checkpoint import hf_io
 from titanlite.errors import TitanliteError
@@ -27,7 +27,6 @@ from titanlite.models.llama.model import Llama, LlamaArgs, apply_rope, rope_cos_
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPE = dict(
     hidden_size=64,
     intermediate_size=192,
@@ -52,7 +51,7 @@ ROPES = {
 
 
 def convert():
-    return runpy.run_path(str(REPO / "scripts" / "convert_hf.py"), run_name="script")["main"]
+    return script_main("convert_hf.py")
 
 
 def save_pretrained(folder: Path, rope: str) -> "transformers.LlamaForCausalLM":
@@ -173,6 +172,39 @@ def test_a_safetensors_file_the_index_does_not_name_is_refused_not_read(tmp_path
     with pytest.raises(TitanliteError) as info:
         hf_io.read_hf_model(tmp_path / "hf", hf_adapter, args, Llama)
     assert str(info.value).startswith(f"{stray}: model.safetensors.index.json does not name this file")
+
+
+def test_a_folder_without_an_index_refuses_a_tensor_in_two_files_and_a_foreign_one(tmp_path, capsys):
+    """transformers' single-file save has no index, and DCP's reader then reads every
+    *.safetensors: a second file holding the norm (5.0) was loaded over the model's without a
+    word. A tensor in two files names both files; one the model lacks names its file; each is
+    one line from convert_hf.py too, and nothing is written."""
+    import safetensors.torch as st
+
+    save_pretrained(tmp_path / "hf", "default")
+    folder, single = tmp_path / "hf", tmp_path / "hf" / "model.safetensors"
+    assert single.is_file() and not (folder / hf_io.HF_INDEX_FILE).exists()  # transformers' single-file save
+    args = hf_adapter.args_from_hf_config(json.loads((folder / "config.json").read_text()))
+    assert hf_io.read_hf_model(folder, hf_adapter, args, Llama).keys() == Llama(args).state_dict().keys()
+    note = f"(the folder has no {hf_io.HF_INDEX_FILE}, so every *.safetensors in it is read)"
+
+    second = folder / "extra.safetensors"
+    st.save_file({"model.norm.weight": torch.full((args.dim,), 5.0)}, str(second), metadata={"format": "pt"})
+    with pytest.raises(TitanliteError) as info:
+        hf_io.read_hf_model(folder, hf_adapter, args, Llama)
+    assert str(info.value) == (
+        f"{single}: tensor model.norm.weight is also in {second}; a Hugging Face folder holds each tensor in one "
+        f"file {note}: move one of them out"
+    )
+    capsys.readouterr()
+    assert convert()(["from-hf", str(folder), str(tmp_path / "out.pt")]) == 2
+    assert capsys.readouterr().err == f"titanlite: error: {info.value}\n"
+
+    st.save_file({"model.extra.weight": torch.zeros(args.dim)}, str(second), metadata={"format": "pt"})
+    with pytest.raises(TitanliteError) as info:
+        hf_io.read_hf_model(folder, hf_adapter, args, Llama)
+    assert str(info.value) == f"{second}: tensor model.extra.weight is not part of this model {note}"
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_from_hf_with_a_flavor_of_another_theta_is_one_line(tmp_path, capsys):

@@ -99,18 +99,35 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
 
 
 def read_hf_shapes(folder: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str, Path]]:
-    """Every tensor's (shape, safetensors dtype, file), from the files' headers only."""
+    """Every tensor's (shape, safetensors dtype, file), from the files' headers only. A
+    tensor in two files is refused, naming both: DCP's reader would read both and keep
+    either (a folder without an index, where every *.safetensors is read, most often)."""
     safe_open = _safe_open()
     found = {}
     for path in weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    piece = f.get_slice(key)
-                    found[key] = (tuple(piece.get_shape()), piece.get_dtype(), path)
+                headers = {key: f.get_slice(key) for key in f.keys()}
+                pieces = {key: (tuple(p.get_shape()), p.get_dtype(), path) for key, p in headers.items()}
         except Exception as error:  # a truncated or foreign file: safetensors' own words
             raise TitanliteError(f"{path}: cannot read safetensors ({' '.join(str(error).split())})") from None
+        twice = next((key for key in pieces if key in found), None)
+        if twice is not None:
+            raise TitanliteError(
+                f"{path}: tensor {twice} is also in {found[twice][2]}; a Hugging Face folder holds each tensor in "
+                f"one file{_every_file_note(Path(folder))}: move one of them out"
+            )
+        found.update(pieces)
     return found
+
+
+def _every_file_note(folder: Path) -> str:
+    """Why a file nobody meant to load is read: without an index every *.safetensors is."""
+    return (
+        ""
+        if (folder / HF_INDEX_FILE).is_file()
+        else f" (the folder has no {HF_INDEX_FILE}, so every *.safetensors in it is read)"
+    )
 
 
 def hf_names(keys: list[str], adapter: Any, args: Any) -> dict[str, str]:
@@ -163,7 +180,9 @@ def check_hf_folder(
     known = set(expected) | {adapter.hf_name(k) for k in wanted if adapter.tied_to(k, args)}
     unknown = sorted(k for k in found if k not in known and not adapter.ignored_hf_tensor(k, args))
     if unknown:
-        raise TitanliteError(f"{found[unknown[0]][2]}: tensor {unknown[0]} is not part of this model")
+        raise TitanliteError(
+            f"{found[unknown[0]][2]}: tensor {unknown[0]} is not part of this model{_every_file_note(folder)}"
+        )
     return found
 
 
