@@ -6,14 +6,17 @@
 
     # HF -> ours: a DCP folder usable as checkpoint.initial_load_path (format dcp), or a .pt file
     python scripts/convert_hf.py from-hf hf_model/ seed_ckpt/ [--model llama3] [--flavor 8B]
-    python scripts/convert_hf.py from-hf Qwen3-30B-A3B/ seed_ckpt/ --model qwen3 --flavor 30B-A3B
+    python scripts/convert_hf.py from-hf Qwen3-30B-A3B/ seed_ckpt/ --flavor 30B-A3B
 
 Our checkpoints say which model they hold (commit.json); a bare .pt file does not, so
-to-hf then needs --model/--flavor/--vocab-size. from-hf reads the hyperparameters from
-config.json, RoPE included wherever its transformers version wrote it (`rope_parameters`,
-or top-level `rope_theta` / `rope_scaling`); --flavor only names the result (it must match
-config.json). Loading HF weights straight into training needs no conversion:
-checkpoint.initial_load_format = "hf", which checks config.json against the flavor the same way.
+to-hf then needs --model/--flavor/--vocab-size, and every tensor's shape must be the
+flavor's (the config.json it writes), or one line names the first that is not. from-hf
+takes the model from config.json's `model_type` (--model, when given, must read it), the
+hyperparameters from config.json, RoPE included wherever its transformers version wrote it
+(`rope_parameters`, or top-level `rope_theta` / `rope_scaling`); --flavor only names the
+result (it must match config.json). Both say how far their reads and writes got. Loading HF
+weights straight into training needs no conversion: checkpoint.initial_load_format = "hf",
+which checks config.json against the flavor the same way.
 Both directions run on titanlite.checkpoint.hf_io, the code a multi-process run uses (DCP's
 Hugging Face storage reader and writer), here on one process.
 """
@@ -31,8 +34,10 @@ import torch.distributed.checkpoint as dcp
 
 from titanlite.checkpoint import commit, export, hf_io, policy
 from titanlite.config.dtypes import DTYPE_NAMES, torch_dtype
+from titanlite.checkpoint.load_progress import ProgressWriter
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
-from titanlite.models import get_model_spec
+from titanlite.logging import init_logger
+from titanlite.models import get_model_spec, model_names
 from titanlite.model_spec import ModelSpec
 
 
@@ -73,6 +78,22 @@ def _adapter(spec: ModelSpec) -> Any:
     raise TitanliteError(f"--model: {spec.name} has no Hugging Face mapping")
 
 
+def check_shapes(source: Path, state: dict[str, torch.Tensor], wanted: dict[str, tuple[int, ...]], what: str) -> None:
+    """Every tensor of `state` is one of the model's, at the shape `what` (the model, flavor
+    and vocabulary whose config.json is written beside them) has: else transformers would
+    build that model around tensors of another."""
+    for key, shape in wanted.items():
+        if key not in state:
+            raise TitanliteError(f"{source}: tensor {key} of {what} is missing")
+        if tuple(state[key].shape) != shape:
+            raise TitanliteError(
+                f"{source}: tensor {key} has shape {list(state[key].shape)}, but {what} has {list(shape)}"
+            )
+    unknown = sorted(set(state) - set(wanted))
+    if unknown:
+        raise TitanliteError(f"{source}: tensor {unknown[0]} is not part of {what}")
+
+
 def to_hf(args: argparse.Namespace) -> str:
     source = Path(args.source)
     dtype = torch_dtype(args.dtype) if args.dtype else None
@@ -81,8 +102,9 @@ def to_hf(args: argparse.Namespace) -> str:
             raise TitanliteError(
                 f"{source}: a .pt file does not say which model it holds: pass --flavor and --vocab-size"
             )
-        spec = get_model_spec(args.model, args.flavor)
+        spec = get_model_spec(args.model or "llama3", args.flavor)
         model_args = spec.args_for(args.flavor, args.vocab_size)
+        what = f"--model {spec.name} --flavor {args.flavor} --vocab-size {args.vocab_size}"
         state = torch.load(source, map_location="cpu", weights_only=True)
     else:
         folder, record = policy.resolve_initial_load(source, "source")
@@ -91,7 +113,9 @@ def to_hf(args: argparse.Namespace) -> str:
                 f"{folder}: no commit.json, so the model is unknown; export it to .pt first and pass --flavor"
             )
         spec, model_args = args_from_record(record)
+        what = f"the model its commit.json records ({spec.name} {record.fingerprint['flavor']})"
         state = export.read_dcp_model(folder)
+    check_shapes(source, state, hf_io.whole_model_shapes(spec.model_class, model_args), what)
     out = hf_io.save_hf_weights(
         state, args.out, _adapter(spec), model_args, dtype=dtype, max_file_bytes=args.max_shard_size
     )
@@ -102,10 +126,29 @@ def to_hf(args: argparse.Namespace) -> str:
     )
 
 
+def model_for(config: dict[str, Any], path: Path, name: str | None) -> str:
+    """The registered model that reads config.json's `model_type`: `name` when given (it must
+    read it), else the one whose Hugging Face adapter lists it."""
+    model_type = config.get("model_type")
+    readers = {
+        model: adapter.HF_MODEL_TYPES
+        for model in model_names()
+        if (adapter := get_model_spec(model).hf_adapter) is not None
+    }
+    match = next((model for model, types in readers.items() if model_type in types), None)
+    if name is None and match is None:
+        known = ", ".join(repr(t) for types in readers.values() for t in types)
+        raise TitanliteError(f"{path}: model_type {model_type!r} is not one titanlite converts ({known})")
+    if name is not None and model_type not in readers.get(name, ()):
+        hint = f"; pass --model {match}" if match else ""
+        raise TitanliteError(f"--model: {name} does not read {path}: its model_type is {model_type!r}{hint}")
+    return name or match
+
+
 def from_hf(args: argparse.Namespace) -> str:
-    spec = get_model_spec(args.model, args.flavor)
-    adapter = _adapter(spec)
     config = hf_io.read_hf_config(args.source)
+    spec = get_model_spec(model_for(config, Path(args.source) / hf_io.HF_CONFIG_FILE, args.model), args.flavor)
+    adapter = _adapter(spec)
     try:
         base = spec.flavors[args.flavor] if args.flavor else None
         model_args = adapter.args_from_hf_config(config, base)
@@ -123,11 +166,10 @@ def from_hf(args: argparse.Namespace) -> str:
     state = export.cast_floating(state, torch_dtype(args.dtype) if args.dtype else None)
     out = Path(args.out)
     if out.suffix == ".pt":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, out)
+        export.save_full_file(state, out)
         return f"wrote {out} ({len(state)} tensors)"
     with export.single_process():
-        dcp.save({"model": state}, checkpoint_id=out, no_dist=True)
+        dcp.save({"model": state}, storage_writer=ProgressWriter(out), no_dist=True)
     fingerprint = commit.fingerprint(spec.name, args.flavor or "hf", model_args)
     record = commit.CommitRecord(
         step=0,
@@ -162,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     back = sub.add_parser("from-hf", help="Hugging Face folder -> our DCP folder (or .pt file)")
     back.add_argument("source")
     back.add_argument("out")
+    out.add_argument("--model", default=None, help="registered model name, with a .pt source (default llama3)")
+    back.add_argument("--model", default=None, help="registered model name (default: from config.json's model_type)")
     for p in (out, back):
-        p.add_argument("--model", default="llama3", help="registered model name (default llama3)")
         p.add_argument("--flavor", default=None)
         p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="cast floating-point weights")
     out.add_argument("--vocab-size", type=int, default=None, help="with a .pt source")
@@ -174,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         help="largest safetensors file, as transformers' max_shard_size: bytes, or with KB/MB/GB (default 5GB)",
     )
     args = parser.parse_args(argv)
+    init_logger(0)  # progress lines: reading and writing a large model takes minutes
     try:
         print(to_hf(args) if args.command == "to-hf" else from_hf(args))
     except TitanliteError as error:

@@ -7,7 +7,8 @@ Face safetensors + config.json use `scripts/convert_hf.py to-hf` instead.
 
 The input is one step folder (or a checkpoint root: its newest complete step). Only the
 model's tensors are read, at their full (unsharded) shapes, whatever mesh saved them; the
-file is a plain state dict that loads into an unparallelized model:
+file is a plain state dict that loads into an unparallelized model (progress lines say how
+far the read got, and a line says when the write starts):
 
     model = Llama(args); model.init_weights(); model.load_state_dict(torch.load("model.pt"))
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 from titanlite.checkpoint import export, policy
 from titanlite.config.dtypes import DTYPE_NAMES, torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
+from titanlite.logging import init_logger
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=sorted(DTYPE_NAMES), default=None, help="cast floating-point weights (default: as saved)"
     )
     args = parser.parse_args(argv)
+    init_logger(0)  # progress lines: reading a large checkpoint takes minutes
     try:
         if Path(args.out).is_dir() or args.out.endswith(("/", os.sep)):
             raise TitanliteError(

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.helpers.scripts import script_main
 from tests.helpers.stand_ins import TINY, tiny_model
 from titanlite.checkpoint import commit, export, hf_io
 from titanlite.errors import TitanliteError
@@ -64,10 +65,7 @@ def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path):
 
 
 def _script(name: str):
-    import runpy
-    from pathlib import Path
-
-    return runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / name), run_name="script")["main"]
+    return script_main(name)
 
 
 def test_export_and_convert_scripts_round_trip(tmp_path, capsys):
@@ -101,3 +99,89 @@ def test_export_and_convert_scripts_round_trip(tmp_path, capsys):
     assert _script("export_checkpoint.py")([str(tmp_path / "nope"), str(tmp_path / "x.pt")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "nope does not exist" in err
+
+
+def _debug_export(path, vocab_size: int = 96):
+    """The debug model's weights as `export_checkpoint.py` writes them (a .pt state dict)."""
+    from titanlite.models import get_model_spec
+
+    spec = get_model_spec("llama3", "debugmodel")
+    torch.save(spec.model_class(spec.args_for("debugmodel", vocab_size)).state_dict(), path)
+    return path
+
+
+def test_to_hf_refuses_weights_of_another_flavor_in_one_line(tmp_path, capsys):
+    """The docs' `to-hf model.pt --flavor 8B --vocab-size 128256` on the debug model's export
+    wrote an 8B config.json around 256-dim tensors (and exit 0): every tensor must have the
+    shape of the config.json written beside it, a missing or foreign one is named too."""
+    pytest.importorskip("safetensors")
+    source, out = _debug_export(tmp_path / "model.pt"), tmp_path / "hf"
+    convert = _script("convert_hf.py")
+    flavor_8b = ["--flavor", "8B", "--vocab-size", "128256"]
+    what = "--model llama3 --flavor 8B --vocab-size 128256"
+    capsys.readouterr()
+    assert convert(["to-hf", str(source), str(out), *flavor_8b]) == 2
+    assert capsys.readouterr().err == (
+        f"titanlite: error: {source}: tensor tok_embeddings.weight has shape [96, 256], but {what} has [128256, 4096]\n"
+    )
+    assert not out.exists() and not (tmp_path / "hf.partial").exists()
+
+    state = torch.load(source, weights_only=True)
+    debug = ["--flavor", "debugmodel", "--vocab-size", "96"]
+    torch.save({k: v for k, v in state.items() if k != "norm.weight"}, tmp_path / "less.pt")
+    assert convert(["to-hf", str(tmp_path / "less.pt"), str(out), *debug]) == 2
+    assert capsys.readouterr().err.endswith(
+        "less.pt: tensor norm.weight of --model llama3 --flavor debugmodel --vocab-size 96 is missing\n"
+    )
+    torch.save({**state, "extra.weight": torch.zeros(3)}, tmp_path / "more.pt")
+    assert convert(["to-hf", str(tmp_path / "more.pt"), str(out), *debug]) == 2
+    assert capsys.readouterr().err.endswith(
+        "more.pt: tensor extra.weight is not part of --model llama3 --flavor debugmodel --vocab-size 96\n"
+    )
+    assert not out.exists()
+    assert convert(["to-hf", str(source), str(out), *debug]) == 0
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == 256
+
+
+@pytest.fixture
+def progress_every_item(monkeypatch):
+    """Progress lines at every item (a tiny model is read in well under the 5 s between lines)."""
+    from titanlite.checkpoint import load_progress
+
+    monkeypatch.setattr(load_progress, "PROGRESS_EVERY_S", 0.0)
+
+
+def test_export_and_convert_scripts_say_how_far_they_got(tmp_path, capsys, progress_every_item):
+    """export_checkpoint.py, to-hf and from-hf on a large model are minutes of reading and
+    writing: each says how much there is, how far it got, and when it is done."""
+    pytest.importorskip("safetensors")
+    step = tmp_path / "checkpoint" / "step-2"
+    dcp.save({"model": tiny_model(seed=5).state_dict()}, checkpoint_id=step, no_dist=True)
+    fingerprint = {"name": "llama3", "flavor": "debugmodel", "args": repr(TINY)}
+    record = commit.CommitRecord(
+        step=2, fingerprint=fingerprint, contents=["model"], model_args=dataclasses.asdict(TINY)
+    )
+    commit.write_commit(step, record)
+    runs = {
+        "export": (_script("export_checkpoint.py"), [str(step), str(tmp_path / "model.pt")]),
+        "to-hf": (_script("convert_hf.py"), ["to-hf", str(step), str(tmp_path / "hf")]),
+        "from-hf": (_script("convert_hf.py"), ["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]),
+        "from-hf .pt": (_script("convert_hf.py"), ["from-hf", str(tmp_path / "hf"), str(tmp_path / "back.pt")]),
+    }
+    logs = {}
+    for name, (main, argv) in runs.items():
+        capsys.readouterr()
+        assert main(argv) == 0, name
+        logs[name] = capsys.readouterr().out
+
+    def lines(log: str, what: str) -> list[str]:
+        return [line.split(" ", 1)[1] for line in log.splitlines() if line.split(" ", 1)[-1].startswith(what)]
+
+    for name, log in logs.items():
+        reads = lines(log, "checkpoint load: ")
+        assert len(reads) >= 3 and " holds " in reads[0] and "%" in reads[1] and ": done, " in reads[-1], (name, log)
+    for name in ("to-hf", "from-hf"):
+        writes = lines(logs[name], "checkpoint write: ")
+        assert " from this rank" in writes[0] and "100% (" in writes[-2] and ": done, " in writes[-1], (name, writes)
+    for name, out in (("export", "model.pt"), ("from-hf .pt", "back.pt")):
+        assert lines(logs[name], "export: writing ")[0].endswith(f" to {tmp_path / out}"), logs[name]

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import runpy
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.scripts import script_main
 from tests.helpers.hf_qwen3 import TINY, hf_logits, save_source
 from titanlite.checkpoint import export, hf_io
 from titanlite.errors import TitanliteError
@@ -27,11 +27,9 @@ from titanlite.models.qwen3 import Qwen3, hf_adapter, qwen3_flavors
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def convert():
-    return runpy.run_path(str(REPO / "scripts" / "convert_hf.py"), run_name="script")["main"]
+    return script_main("convert_hf.py")
 
 
 def weight_map(folder: Path) -> dict[str, str]:
@@ -50,7 +48,7 @@ def test_save_pretrained_converts_both_ways_with_transformers_logits(tmp_path, k
         )
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf_adapter.check_hf_config(config, args) == []
-    assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--model", "qwen3"]) == 0
+    assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0  # the model from model_type
     ours = Qwen3(hf_adapter.args_from_hf_config(config))
     ours.init_weights(seed=5)  # the RoPE table; the weights come next
     ours.load_state_dict(export.read_dcp_model(tmp_path / "dcp"))
@@ -61,6 +59,26 @@ def test_save_pretrained_converts_both_ways_with_transformers_logits(tmp_path, k
     torch.testing.assert_close(
         hf_logits(tmp_path / "back", reference["tokens"]), reference["logits"], rtol=1e-5, atol=1e-5
     )
+
+
+def test_from_hf_names_the_folders_model_type_when_the_model_does_not_read_it(tmp_path, capsys):
+    """`--model llama3` on a Qwen3-MoE folder (the default --model once) blamed a missing
+    intermediate_size; a model_type no registered model reads is named too."""
+    save_source(TINY["qwen3_moe"], tmp_path)
+    config_path = tmp_path / "hf" / "config.json"
+    capsys.readouterr()
+    assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out.pt"), "--model", "llama3"]) == 2
+    assert capsys.readouterr().err == (
+        f"titanlite: error: --model: llama3 does not read {config_path}: its model_type is 'qwen3_moe'; "
+        "pass --model qwen3\n"
+    )
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "model_type": "mistral"}))
+    assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out.pt")]) == 2
+    assert capsys.readouterr().err == (
+        f"titanlite: error: {config_path}: model_type 'mistral' is not one titanlite converts "
+        "('llama', 'qwen3', 'qwen3_moe')\n"
+    )
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_sharded_io_writes_what_to_hf_maps_and_reads_it_back(tmp_path):

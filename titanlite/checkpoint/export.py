@@ -21,12 +21,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite.checkpoint import integrity
 from titanlite.checkpoint.commit import read_commit, read_dcp_index
+from titanlite.checkpoint.load_progress import ProgressReader
 from titanlite.errors import TitanliteError, user_errors
+from titanlite.logging import logger
+from titanlite.observe.progress import amount_text
 from titanlite.parallel.state_dict import full_state_dict
 
 
@@ -56,7 +58,8 @@ def full_model_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = No
 def read_dcp_tensors(folder: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint whose key starts with `prefix`, at full (unsharded)
     shape, read on one process into tensors allocated from the index's global shapes, after
-    the shard checksums its commit record holds (if any) are verified."""
+    the shard checksums its commit record holds (if any) are verified; progress lines say
+    how far the read got (`load_progress`)."""
     folder = Path(folder)
     metadata = read_dcp_index(folder)
     record = read_commit(folder)
@@ -67,7 +70,7 @@ def read_dcp_tensors(folder: str | os.PathLike, prefix: str = "") -> dict[str, t
         if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
     }
     with user_errors(f"{folder}: cannot read checkpoint"), single_process():
-        dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=True)
+        dcp.load(state, storage_reader=ProgressReader(folder), no_dist=True)
     return state
 
 
@@ -90,6 +93,14 @@ def read_dcp_model(folder: str | os.PathLike, dtype: torch.dtype | None = None) 
 def dcp_to_full_file(folder: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype | None = None) -> int:
     """DCP folder -> one `torch.save` file of the model; returns the number of tensors."""
     state = read_dcp_model(folder, dtype)
+    save_full_file(state, out)
+    return len(state)
+
+
+def save_full_file(state: dict[str, torch.Tensor], out: str | os.PathLike) -> None:
+    """`torch.save` of a full state dict, said before it starts: one call, no progress to
+    report inside it, and minutes for a large model."""
+    size = sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+    logger.info(f"export: writing {len(state)} tensors ({amount_text(size, 'B')}) to {out}")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, out)
-    return len(state)

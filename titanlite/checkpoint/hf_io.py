@@ -35,12 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.checkpoint.export import single_process
 from titanlite.checkpoint.hf_plan import HFReadPlanner, HFWritePlanner, local_chunks
-from titanlite.checkpoint.load_progress import HFProgressReader
+from titanlite.checkpoint.load_progress import HFProgressReader, HFProgressWriter
 from titanlite.errors import TitanliteError, user_errors
 
 HF_CONFIG_FILE = "config.json"
@@ -377,13 +376,13 @@ def save_hf_weights(
 
             dist.barrier(group=group)  # the folder exists before any rank writes into it
             pieces = partial / "sharded"
-            writer = HuggingFaceStorageWriter(str(pieces), fqn_to_index_mapping=mapping, save_distributed=True)
+            writer = HFProgressWriter(pieces, fqn_to_index_mapping=mapping, save_distributed=True)
             dcp.save(values, storage_writer=writer, planner=HFWritePlanner(stacked), process_group=group)
             consolidate_safetensors_files_on_every_rank(str(pieces), str(partial), mapping, process_group=group)
         else:
             dcp.save(
                 values,
-                storage_writer=HuggingFaceStorageWriter(str(partial), fqn_to_index_mapping=mapping),
+                storage_writer=HFProgressWriter(partial, fqn_to_index_mapping=mapping),
                 planner=HFWritePlanner(stacked),
                 no_dist=True,
             )

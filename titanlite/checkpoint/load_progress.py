@@ -1,15 +1,18 @@
-"""Progress lines for long checkpoint loads: a DCP restore and a Hugging Face import.
+"""Progress lines for long checkpoint loads (a DCP restore, a Hugging Face import) and for the
+conversions' writes (a Hugging Face export, a DCP folder from Hugging Face weights).
 
 Loading a large checkpoint is minutes of silence otherwise: `dcp.load` is one call, and
-an 8B import reads 16 GB of safetensors before the first step. Both report through
+an 8B import reads 16 GB of safetensors before the first step. Each reports through
 `titanlite.observe.progress.Progress` (rank 0 prints): one line before (how much there is), a line
-at most every few seconds while reading (how far, time left), one after (how much, how
-long).
+at most every `PROGRESS_EVERY_S` seconds while reading or writing (how far, time left), one
+after (how much, how long).
 
 `ProgressReader` (DCP's own `FileSystemReader`) and `HFProgressReader` (its
 `HuggingFaceStorageReader`) are changed in one place: `read_data` hands DCP's load planner
 on wrapped, so that each item counts its bytes as it lands (the planner's public
-`load_bytes` / `commit_tensor` callbacks); the reading itself is DCP's.
+`load_bytes` / `commit_tensor` callbacks); the reading itself is DCP's. `ProgressWriter` and
+`HFProgressWriter` do the same for `write_data`: each item counts as the writer takes its
+data (the planner's `resolve_data`); a file's bytes go to disk after its last item.
 """
 
 from __future__ import annotations
@@ -20,11 +23,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint import (
+    FileSystemReader,
+    FileSystemWriter,
+    HuggingFaceStorageReader,
+    HuggingFaceStorageWriter,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 
 from titanlite.logging import logger
 from titanlite.observe.progress import Progress, amount_text
+
+PROGRESS_EVERY_S = 5.0
+"""Seconds between two progress lines of one load or write."""
 
 
 class _CountingPlanner:
@@ -50,9 +61,9 @@ class _Reporting:
     """`read_data` for a DCP reader class that says what it loads, how far it got and how
     long it took. The reader says what its stored pieces and read items weigh."""
 
-    def __init__(self, path: str | os.PathLike, every_s: float = 5.0):
+    def __init__(self, path: str | os.PathLike, every_s: float | None = None):
         super().__init__(str(path))
-        self.every_s = every_s
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
 
     def _stored_bytes(self, info: Any) -> int:
         raise NotImplementedError
@@ -93,3 +104,55 @@ class HFProgressReader(_Reporting, HuggingFaceStorageReader):
 
     def _item_bytes(self, item: ReadItem) -> int:
         return math.prod(item.lengths) * self.storage_data[item.storage_index].dtype.itemsize
+
+
+class _CountingSavePlanner:
+    """DCP's save planner, unchanged, except that each item the writer takes advances
+    `progress` by its size."""
+
+    def __init__(self, planner: SavePlanner, progress: Progress):
+        self._planner, self._progress = planner, progress
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = self._planner.resolve_data(write_item)
+        self._progress.advance(_write_bytes(write_item))
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+
+def _write_bytes(item: WriteItem) -> int:
+    """A tensor item's bytes (its chunk's elements times its dtype's size); 0 for the small
+    pickled objects DCP writes as bytes."""
+    data = item.tensor_data
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize if data is not None else 0
+
+
+class _ReportingWrites:
+    """`write_data` for a DCP writer class that says what this rank writes, how far it got
+    and how long it took."""
+
+    def __init__(self, path: str | os.PathLike, *args: Any, every_s: float | None = None, **kwargs: Any):
+        super().__init__(str(path), *args, **kwargs)
+        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner):
+        total = sum(_write_bytes(item) for item in plan.items)
+        name = Path(str(self.path)).name
+        logger.info(
+            f"checkpoint write: {self.path} gets {amount_text(total, 'B')} "
+            f"({amount_text(len(plan.items), 'items')}) from this rank"
+        )
+        progress = Progress(f"checkpoint write: {name}", total=total, unit="B", every_s=self.every_s)
+        done = super().write_data(plan, _CountingSavePlanner(planner, progress))
+        progress.finish()
+        return done
+
+
+class ProgressWriter(_ReportingWrites, FileSystemWriter):
+    """A `FileSystemWriter` (a DCP folder) that reports its writes."""
+
+
+class HFProgressWriter(_ReportingWrites, HuggingFaceStorageWriter):
+    """A `HuggingFaceStorageWriter` (safetensors files) that reports its writes."""

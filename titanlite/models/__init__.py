@@ -17,6 +17,11 @@ def _registry() -> dict[str, ModelSpec]:
     return {spec.name: spec for spec in (llama3_spec, gpt2_spec, qwen3_spec)}
 
 
+def model_names() -> list[str]:
+    """Every registered `model.name`, sorted."""
+    return sorted(_registry())
+
+
 def get_model_spec(name: str, flavor: str | None = None) -> ModelSpec:
     """The spec for `model.name`, checking `model.flavor` when given."""
     registry = _registry()

@@ -24,6 +24,9 @@ import torch
 from titanlite.config.dtypes import dtype_name
 from titanlite.models.hf_names import NameTable
 
+HF_MODEL_TYPES = ("llama",)
+"""The config.json `model_type`s this adapter reads."""
+
 # Our name (with {i} for the layer) -> Hugging Face name.
 _NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",

@@ -30,6 +30,9 @@ from titanlite.config.dtypes import dtype_name
 from titanlite.models.hf_names import NameTable
 from titanlite.models.moe import MoEArgs
 
+HF_MODEL_TYPES = ("qwen3", "qwen3_moe")
+"""The config.json `model_type`s this adapter reads."""
+
 # Our name (with {i} for the layer) -> Hugging Face name, for tensors stored whole.
 _NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -274,7 +277,7 @@ def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
     cannot express."""
     from titanlite.models.qwen3.model import Qwen3Args, qwen3_moe
 
-    if config.get("model_type") not in ("qwen3", "qwen3_moe"):
+    if config.get("model_type") not in HF_MODEL_TYPES:
         raise ValueError(f"model_type {config.get('model_type')!r} is not Qwen3's ('qwen3' or 'qwen3_moe')")
     described = _described(config)
     unsupported = [key for key in ("attention_bias", "use_sliding_window") if described[key]]
