@@ -385,10 +385,10 @@ def test_initial_load_from_dcp_and_from_hugging_face(runs, tmp_path):
     """The same weights as a DCP folder and as a Hugging Face folder in several files give
     the same first loss; broken Hugging Face folders are one line each and exit 2."""
     pytest.importorskip("safetensors")
-    import runpy
+    from tests.helpers.scripts import script_main
 
     source = ckpt(runs["fsdp2_tp2"]["resumed"], 5)
-    convert = runpy.run_path(str(REPO / "scripts" / "convert_hf.py"), run_name="script")["main"]
+    convert = script_main("convert_hf.py")
     assert convert(["to-hf", str(source), str(tmp_path / "hf"), "--max-shard-size", "400KB"]) == 0
     assert (
         len(set(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
