@@ -8,6 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+
+from tests.helpers.token_data import make_prepared
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -59,3 +62,27 @@ def test_every_example_runs_with_no_arguments():
     """`torchrun ... examples/X.py`, as docs/library.md shows them, needs no flag."""
     needing = [p.name for p in (REPO / "examples").glob("*.py") if "required=True" in p.read_text()]
     assert not needing, needing
+
+
+def python_block_after(doc: str, text: str) -> str:
+    """The first ```python block of docs/`doc` after `text`."""
+    page = (REPO / "docs" / doc).read_text()
+    return re.search(r"```python\n(.*?)```", page[page.index(text) :], re.S).group(1)
+
+
+def test_the_loader_snippet_runs_on_a_mesh_without_data_parallelism(tmp_path):
+    """docs/library.md's loader lines, as written (the folder aside), on one process, whose
+    `build_mesh()` has no data-parallel view: `meshes.dp` is None, as on a tp-only mesh."""
+    import titanlite
+
+    make_prepared(tmp_path / "tokens", 2 * 8 * 2049)
+    snippet = python_block_after("library.md", "titanlite.prepared_loader(folder")
+    assert '"/data/tokens"' in snippet
+    namespace = {"titanlite": titanlite, "meshes": titanlite.build_mesh()}
+    assert namespace["meshes"].dp is None
+    exec(snippet.replace('"/data/tokens"', repr(str(tmp_path / "tokens"))), namespace)
+    try:
+        assert namespace["inputs"].shape == namespace["labels"].shape == (8, 2048)
+        assert torch.equal(namespace["inputs"][:, 1:], namespace["labels"][:, :-1])
+    finally:
+        namespace["loader"].close()
