@@ -1,4 +1,4 @@
-"""The trainer: `Trainer` builds the pieces in DESIGN.md's order (dist -> mesh -> data ->
+"""The trainer: `Trainer` builds the pieces in order (dist -> mesh -> data ->
 model -> parallelize -> optimizer -> checkpoint) and `train` runs a short loop of named
 steps. The command line is `titanlite/train.py`, which checks the config before this module
 (and torch) is imported.
