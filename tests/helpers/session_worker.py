@@ -58,6 +58,8 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
         "norm_param_bytes": sum(
             p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "norm" in n
         ),
+        # This rank's shards of the routed experts: split over ep, then by the experts' FSDP over efsdp.
+        "expert_param_bytes": local_bytes(p for n, p in trainer.model.named_parameters() if ".experts." in n),
         # A mixture-of-experts layer's router and routed experts, which tensor parallelism keeps whole on each rank.
         "moe_param_bytes": sum(
             p.numel() * p.element_size()

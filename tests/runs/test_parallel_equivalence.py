@@ -165,6 +165,7 @@ TIMEOUT_S = {1: 240, 2: 420, 4: 600, 8: 600}
 # Every dimension at once, 16 processes, one session of its own (slow: about 330 s of wall
 # on a busy 2-core host): the dense model at pp 2 x dp_shard 2 x cp 2 x tp 2, and Qwen3-MoE
 # with ep 2 borrowed inside pp 2 x dp_shard 4 x tp 2.
+ALL_DIMENSIONS_WORLD = 16
 ALL_DIMENSIONS = {
     "pp2_dp2_cp2_tp2": ([*batch(4), *PP, *CP, *TP], "causal"),
     "qwen3_moe_ep2_pp2_dp4_tp2": ([*batch(2), *EP, *PP, *TP, *QWEN3_MOE], "qwen3_moe"),
@@ -185,6 +186,25 @@ def sessions(tmp_path_factory) -> dict[str, dict]:
         session = run_session(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}"), TIMEOUT_S[nproc])
         results.update({case.name: session[case.name] for case in cases})
     return results
+
+
+def assert_expert_shares(ranks: list[dict], reference: dict, overrides: list[str], nproc: int) -> None:
+    """Under ep each rank computes with 1/ep of its stage's routed experts (as FSDP's
+    all-gather hands them to forward) and holds 1/(ep x efsdp) = 1/(dp_shard x cp) of them.
+    An ep that the layout ignores computes with every expert, so it fails here, though its
+    curve is the reference's (every rank then computes all experts for its own tokens)."""
+    value = dict(zip(overrides[::2], overrides[1::2]))
+    whole = reference["expert_compute_bytes"]  # one process: every expert of every layer
+    pp, tp, replicate = (int(value.get(f"--parallelism.{key}", 1)) for key in PER_RANK_DEGREES)
+    ep = int(value[EP[0]])
+    here = whole / pp  # a pipeline stage holds its share of the MoE layers
+    assert whole > 0
+    assert [r["expert_compute_bytes"] for r in ranks] == pytest.approx([here / ep] * nproc, rel=0.05)
+    dp_shard_cp = nproc // (pp * tp * replicate)
+    assert [r["expert_param_bytes"] for r in ranks] == pytest.approx([here / dp_shard_cp] * nproc, rel=0.05)
+
+
+PER_RANK_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "data_parallel_replicate_degree")
 
 
 def degrees(overrides: list[str], nproc: int) -> tuple[int, int]:
@@ -210,12 +230,8 @@ def test_layout_matches_single_process(layout, sessions):
     if reference["validation_loss"] is not None:  # validation through the same layout's forward
         assert sessions[layout]["validation_loss"] == pytest.approx(reference["validation_loss"], rel=1e-5)
 
-    if EP[0] in overrides:  # each rank computes with its half of the experts: half the one process's bytes
-        ranks, whole = sessions[layout]["ranks"], reference["ranks"][0]["expert_compute_bytes"]
-        layers_here = 0.5 if PP[0] in overrides else 1.0  # a pipeline stage holds half the MoE layers
-        assert [sizes["expert_compute_bytes"] for sizes in ranks] == pytest.approx(
-            [whole * layers_here / 2] * len(ranks), rel=0.05
-        )
+    if EP[0] in overrides:
+        assert_expert_shares(sessions[layout]["ranks"], reference["ranks"][0], overrides, nproc)
     if any(flag in overrides for flag in (PP[0], CP[0])):
         return  # stages and sequence shards hold other shares; the planner tests check those
     dp_shard, tp = degrees(overrides, nproc)
@@ -229,7 +245,7 @@ def test_layout_matches_single_process(layout, sessions):
 @pytest.fixture(scope="module")
 def all_dimensions(tmp_path_factory) -> dict[str, dict]:
     cases = [Case(name, [*EQUIVALENCE_ARGS, *overrides]) for name, (overrides, _) in ALL_DIMENSIONS.items()]
-    session = run_session(16, cases, tmp_path_factory.mktemp("world16"), 900)
+    session = run_session(ALL_DIMENSIONS_WORLD, cases, tmp_path_factory.mktemp("world16"), 900)
     return {case.name: session[case.name] for case in cases}
 
 
@@ -237,12 +253,15 @@ def all_dimensions(tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.timeout(900 + sum(TIMEOUT_S.values()))
 @pytest.mark.parametrize("layout", ALL_DIMENSIONS)
 def test_every_dimension_at_once_matches_single_process(layout, all_dimensions, sessions):
-    reference = sessions[f"reference_{ALL_DIMENSIONS[layout][1]}"]["history"]
-    assert_same_curve(all_dimensions[layout]["history"], reference, layout)
-    if "moe_load_mean" in reference[0]:
+    overrides, reference_name = ALL_DIMENSIONS[layout]
+    reference = sessions[f"reference_{reference_name}"]
+    assert_same_curve(all_dimensions[layout]["history"], reference["history"], layout)
+    if "moe_load_mean" in reference["history"][0]:
         assert [h["moe_load_max"] for h in all_dimensions[layout]["history"]] == pytest.approx(
-            [h["moe_load_max"] for h in reference], rel=1e-6
+            [h["moe_load_max"] for h in reference["history"]], rel=1e-6
         )
+    if EP[0] in overrides:
+        assert_expert_shares(all_dimensions[layout]["ranks"], reference["ranks"][0], overrides, ALL_DIMENSIONS_WORLD)
 
 
 def test_fsdp_alone_computes_with_every_expert(sessions):
