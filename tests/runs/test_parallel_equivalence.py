@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve
-from tests.helpers.sessions import Case, run_session
+from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve, timeout_scale
+from tests.helpers.sessions import Case, SessionCases, run_session
 from titanlite.step.optim import lr_factor
 
 PP = ["--parallelism.pipeline_parallel_degree", "2"]
@@ -161,7 +161,9 @@ LAYOUTS = {
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
 }
+# Hang guards per session, which run_ranks scales by the host's load (the marks below too).
 TIMEOUT_S = {1: 240, 2: 420, 4: 600, 8: 600}
+ALL_DIMENSIONS_TIMEOUT_S = 900
 # Every dimension at once, 16 processes, one session of its own (slow: about 330 s of wall
 # on a busy 2-core host): the dense model at pp 2 x dp_shard 2 x cp 2 x tp 2, and Qwen3-MoE
 # with ep 2 borrowed inside pp 2 x dp_shard 4 x tp 2.
@@ -173,9 +175,10 @@ ALL_DIMENSIONS = {
 
 
 @pytest.fixture(scope="module")
-def sessions(tmp_path_factory) -> dict[str, dict]:
-    """Every reference and layout, one session per world size; case name -> result."""
-    results = {}
+def sessions(tmp_path_factory) -> SessionCases:
+    """Every reference and layout, one session per world size; case name -> result (a
+    session that timed out fails the first test that needs one of its unfinished cases)."""
+    results = SessionCases()
     references = [Case(f"reference_{name}", [*EQUIVALENCE_ARGS, *batch(8), *argv]) for name, argv in REFERENCES.items()]
     by_world = {1: references}
     for name, (nproc, overrides, _) in LAYOUTS.items():
@@ -183,8 +186,7 @@ def sessions(tmp_path_factory) -> dict[str, dict]:
     by_world[4].append(Case("fsdp_options", [], call="tests.helpers.fsdp_options_checks:run_checks"))
     by_world[2].append(Case("expert_parallel_layer", [], call="tests.helpers.expert_parallel_checks:run_checks"))
     for nproc, cases in by_world.items():
-        session = run_session(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}"), TIMEOUT_S[nproc])
-        results.update({case.name: session[case.name] for case in cases})
+        results.add(run_session(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}"), TIMEOUT_S[nproc]))
     return results
 
 
@@ -215,7 +217,7 @@ def degrees(overrides: list[str], nproc: int) -> tuple[int, int]:
     return nproc // (tp * replicate), tp
 
 
-@pytest.mark.timeout(sum(TIMEOUT_S.values()))
+@pytest.mark.timeout(sum(TIMEOUT_S.values()) * timeout_scale())
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_single_process(layout, sessions):
     nproc, overrides, reference_name = LAYOUTS[layout]
@@ -243,14 +245,15 @@ def test_layout_matches_single_process(layout, sessions):
 
 
 @pytest.fixture(scope="module")
-def all_dimensions(tmp_path_factory) -> dict[str, dict]:
+def all_dimensions(tmp_path_factory) -> SessionCases:
     cases = [Case(name, [*EQUIVALENCE_ARGS, *overrides]) for name, (overrides, _) in ALL_DIMENSIONS.items()]
-    session = run_session(ALL_DIMENSIONS_WORLD, cases, tmp_path_factory.mktemp("world16"), 900)
-    return {case.name: session[case.name] for case in cases}
+    results = SessionCases()
+    results.add(run_session(ALL_DIMENSIONS_WORLD, cases, tmp_path_factory.mktemp("world16"), ALL_DIMENSIONS_TIMEOUT_S))
+    return results
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900 + sum(TIMEOUT_S.values()))
+@pytest.mark.timeout((ALL_DIMENSIONS_TIMEOUT_S + sum(TIMEOUT_S.values())) * timeout_scale())
 @pytest.mark.parametrize("layout", ALL_DIMENSIONS)
 def test_every_dimension_at_once_matches_single_process(layout, all_dimensions, sessions):
     overrides, reference_name = ALL_DIMENSIONS[layout]
