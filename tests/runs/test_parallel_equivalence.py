@@ -190,6 +190,9 @@ def sessions(tmp_path_factory) -> SessionCases:
     return results
 
 
+PER_RANK_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "data_parallel_replicate_degree")
+
+
 def assert_expert_shares(ranks: list[dict], reference: dict, overrides: list[str], nproc: int) -> None:
     """Under ep each rank computes with 1/ep of its stage's routed experts (as FSDP's
     all-gather hands them to forward) and holds 1/(ep x efsdp) = 1/(dp_shard x cp) of them.
@@ -204,9 +207,6 @@ def assert_expert_shares(ranks: list[dict], reference: dict, overrides: list[str
     assert [r["expert_compute_bytes"] for r in ranks] == pytest.approx([here / ep] * nproc, rel=0.05)
     dp_shard_cp = nproc // (pp * tp * replicate)
     assert [r["expert_param_bytes"] for r in ranks] == pytest.approx([here / dp_shard_cp] * nproc, rel=0.05)
-
-
-PER_RANK_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "data_parallel_replicate_degree")
 
 
 def degrees(overrides: list[str], nproc: int) -> tuple[int, int]:
