@@ -18,7 +18,9 @@
 #
 # --dry-run: on any machine, validate every run's flags with the trainer's own config parsing
 # and the dry-run planner (python -m titanlite.plan, a fake world of the same size) instead
-# of training.
+# of training. Each run prints its header and the planner's last lines (its verdict); a run
+# the planner refuses ends the script there, with its one-line error and a non-zero exit
+# code. The test suite runs this (tests/runs/test_gpu_check.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -28,12 +30,15 @@ SEQ_LEN=${SEQ_LEN:-2048}
 OUT=${OUT:-$(mktemp -d -t titanlite_gpu_check.XXXXXX)}
 DRY_RUN=$([ "${1:-}" = "--dry-run" ] && echo 1 || echo 0)
 
-NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-if [ "$DRY_RUN" = 1 ]; then
+if [ "$DRY_RUN" = 1 ]; then  # no torch import of its own: tests/runs/test_gpu_check.py runs it
     NGPU=${NGPU_FOR_DRY_RUN:-8}
-elif [ "$NGPU" -lt 1 ]; then
-    echo "bench/gpu_check.sh: no CUDA GPU here (torch.cuda.device_count() = 0); --dry-run checks the flags" >&2
-    exit 2
+else
+    NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+    if [ "$NGPU" -lt 1 ]; then
+        echo "bench/gpu_check.sh: no CUDA GPU here (torch.cuda.device_count() = 0); --dry-run checks the flags" >&2
+        exit 2
+    fi
+    "$PYTHON" -c "import torch; print(f'torch {torch.__version__}; {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}')"
 fi
 
 COMMON=(--config debug_model
@@ -55,7 +60,6 @@ run() {
         | grep -E "compute dtype|model |step +[0-9]+ " || { echo "=== $name failed: see $OUT/$name" >&2; return 1; }
 }
 
-"$PYTHON" -c "import torch; print(f'torch {torch.__version__}; {torch.cuda.device_count()} x ' + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'))"
 run debug_1gpu 1 --training.seq_len 2048 --training.local_batch_size 8
 run llama32_1b_1gpu 1 "${ONE_B[@]}"
 if [ "$NGPU" -gt 1 ]; then

@@ -1,4 +1,4 @@
-"""The trainer: `Trainer` builds the pieces in DESIGN.md's order (dist -> mesh -> data ->
+"""The trainer: `Trainer` builds the pieces in order (dist -> mesh -> data ->
 model -> parallelize -> optimizer -> checkpoint) and `train` runs a short loop of named
 steps. The command line is `titanlite/train.py`, which checks the config before this module
 (and torch) is imported.
@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from titanlite.build import RunPlan, build_model, plan_run
+from titanlite.checkpoint import commit
 from titanlite.checkpoint.manager import CheckpointManager
 from titanlite.checkpoint.train_state import TrainState
 from titanlite.config import JobConfig, to_dict
@@ -205,7 +207,7 @@ class Trainer:
             self.checkpoint.load()
             if self.state.step:
                 logger.info(f"resumed at step {self.state.step}")
-        first_step = self.state.step + 1
+        first_step, tokens_before, started = self.state.step + 1, self.state.tokens_seen, time.perf_counter()
         batches = iter(self.data)  # after load(): the loader resumes from its restored position
         history = []
         tokens_per_microbatch = cfg.training.local_batch_size * cfg.training.seq_len
@@ -234,7 +236,19 @@ class Trainer:
                 if agreement.stop:
                     self._stop_on_signal(step, agreement.stop_signal_name())
                     break
+        self.metrics.log_summary(
+            self.state.step - first_step + 1,
+            self.state.tokens_seen - tokens_before,
+            time.perf_counter() - started,
+            history[-1]["loss"] if history else None,
+            self._last_checkpoint(),
+        )
         return history
+
+    def _last_checkpoint(self) -> Path | None:
+        """The newest step folder this start saved (in flight or committed), for the summary."""
+        saved = self.checkpoint.pipeline.saved_steps if self.checkpoint is not None else ()
+        return commit.step_dir(self.checkpoint.root, max(saved)) if saved else None
 
     def _stop_on_signal(self, step: int, signal_name: str) -> None:
         """Every rank agreed to stop (SIGTERM or SIGUSR1 reached at least one): a blocking

@@ -11,7 +11,7 @@ started, so a case costs its model build and steps, not a process start and a re
 `copy_checkpoint` puts `folder/checkpoint/step-N` into the case's checkpoint folder first
 (rank 0), so the case resumes from it. A `call` case ("module:function") runs that function
 instead and records its result under "checks". A case that fails records its error and the
-session goes on with the next. Rank 0 writes {name: {"history", "ranks", "error"}}.
+session goes on with the next. Rank 0 writes {name: {"history", "ranks", "error"}} after each case.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
         "norm_param_bytes": sum(
             p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "norm" in n
         ),
+        # This rank's shards of the routed experts: split over ep, then by the experts' FSDP over efsdp.
+        "expert_param_bytes": local_bytes(p for n, p in trainer.model.named_parameters() if ".experts." in n),
         # A mixture-of-experts layer's router and routed experts, which tensor parallelism keeps whole on each rank.
         "moe_param_bytes": sum(
             p.numel() * p.element_size()
@@ -133,9 +135,16 @@ def main() -> None:
                 "error": f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}",
             }
         print(f"@@session case {case['name']} done", flush=True)
-    if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(results))
+        if int(world_from_env()[0]) == 0:  # after every case: a session stopped later keeps what it finished
+            write_results(out_path, results)
     dist.destroy_process_group()
+
+
+def write_results(path: str, results: dict) -> None:
+    """Whole or not at all: a reader never sees half a file."""
+    temporary = Path(f"{path}.tmp")
+    temporary.write_text(json.dumps(results))
+    temporary.replace(path)
 
 
 if __name__ == "__main__":

@@ -3,15 +3,25 @@
 A multi-process run spends most of its seconds starting: importing torch, the rendezvous,
 building the first model. Tests that compare many layouts of one world size against a
 reference run them as cases of one session instead of one launch each.
+
+A session past its timeout (a hang guard, scaled to the host's load by `run_ranks`) is
+stopped; the cases it finished keep their results (the worker writes them after each case),
+and the first test that needs a case it did not finish fails with one line naming the session,
+the case it was in and its last output; any later one is skipped with a short reference to
+that line, instead of every test of a module erroring with the same traceback.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.helpers.distributed import run_ranks, with_overrides
+import pytest
+
+from tests.helpers.distributed import run_ranks, timeout_scale, with_overrides
 
 WORKER = Path(__file__).with_name("session_worker.py")
 
@@ -34,13 +44,35 @@ class SessionResult:
     cases: dict[str, dict] = field(default_factory=dict)
     stdout: str = ""
     stderr: str = ""
+    names: list[str] = field(default_factory=list)  # every case the session was given, in order
+    timed_out: str | None = None  # the one line that says so, when the session was stopped
+    reported: bool = False  # that line has failed a test already
 
     def __getitem__(self, name: str) -> dict:
         """The case's {"history", "ranks"}; a case that failed fails the caller with its error."""
         case = self.cases.get(name)
+        if case is None and self.timed_out is not None:
+            if self.reported:
+                pytest.skip(f"{self.timed_out.split(':')[0]}: reported once, by the first test that needed it")
+            self.reported = True
+            pytest.fail(self.timed_out, pytrace=False)
         assert case is not None, f"case {name} did not run:\n{self.stdout[-2000:]}\n{self.stderr[-4000:]}"
         assert case["error"] is None, f"case {name} failed: {case['error']}\n{self.stderr[-3000:]}"
         return case
+
+
+@dataclass
+class SessionCases:
+    """The cases of several sessions by name (a module fixture's result): a lookup gives the
+    case's result, or fails or skips the test as its session's `SessionResult` does."""
+
+    sessions: dict[str, SessionResult] = field(default_factory=dict)
+
+    def add(self, session: SessionResult) -> None:
+        self.sessions.update({name: session for name in session.names})
+
+    def __getitem__(self, name: str) -> dict:
+        return self.sessions[name][name]
 
 
 def run_session(nproc: int, cases: list[Case], folder: Path, timeout: float) -> SessionResult:
@@ -58,6 +90,26 @@ def run_session(nproc: int, cases: list[Case], folder: Path, timeout: float) -> 
     ]
     (folder / "cases.json").write_text(json.dumps(spec))
     out = folder / "results.json"
-    result = run_ranks(nproc, [str(WORKER), str(out), str(folder / "cases.json")], [], timeout)
+    names = [c.name for c in cases]
+    try:
+        result = run_ranks(nproc, [str(WORKER), str(out), str(folder / "cases.json")], [], timeout)
+    except subprocess.TimeoutExpired as expired:
+        finished = json.loads(out.read_text()) if out.exists() else {}
+        line = timed_out_line(folder.name, nproc, names, finished, expired)
+        return SessionResult(finished, expired.output or "", expired.stderr or "", names, line)
     cases_run = json.loads(out.read_text()) if out.exists() else {}
-    return SessionResult(cases_run, result.stdout, result.stderr)
+    return SessionResult(cases_run, result.stdout, result.stderr, names)
+
+
+def timed_out_line(label: str, nproc: int, names: list[str], finished: dict, expired) -> str:
+    """`session world4 (4 ranks) timed out after 600 s (...): in case X, N of M cases
+    finished; last output: ...`: what a user needs to find the hang, on one line."""
+    stuck = next((name for name in names if name not in finished), "?")
+    output = (expired.output or "") + (expired.stderr or "")
+    last = [line for line in output.splitlines() if line.strip() and not line.startswith("@@")]
+    tail = re.sub(r"\s+", " ", last[-1])[-300:] if last else "(none)"
+    return (
+        f"session {label} ({nproc} ranks) timed out after {expired.timeout:.0f} s (hang guard x "
+        f"{timeout_scale():.1f} for this host's load): in case {stuck}, {len(finished)} of {len(names)} "
+        f"cases finished; last output: {tail}"
+    )

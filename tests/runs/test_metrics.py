@@ -24,7 +24,8 @@ from titanlite.observe.run_dir import CONFIG_FILE, METRICS_FILE, read_metrics
 def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path, monkeypatch):
     """Rank 0 alone writes the run folder; its records are the printed step lines; the
     config it saved (overrides applied) reads back to the run's config; TensorBoard's
-    folder has the same name; the W&B run (rank 0's only, in the run folder) holds
+    folder has the same name; the last line sums the run up and says where its checkpoint and
+    metrics are; the W&B run (rank 0's only, in the run folder) holds
     TensorBoard's scalars at the same steps and that config."""
     offline_wandb(monkeypatch, tmp_path)
     argv = [
@@ -41,6 +42,8 @@ def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path, mo
         "--optimizer.lr",
         "5e-4",
         "--metrics.enable_wandb",
+        "true",
+        "--checkpoint.enable_checkpoint",
         "true",
         "--job.dump_folder",
         str(tmp_path),
@@ -74,3 +77,17 @@ def test_two_process_run_leaves_one_run_folder_matching_the_console(tmp_path, mo
     # 2 data-parallel ranks x 2 sequences x 64 tokens per step
     assert [r["tokens_seen"] for r in records] == [256, 512, 768]
     assert records[0]["elapsed_s"] <= records[1]["elapsed_s"] <= records[2]["elapsed_s"]
+
+    (summary,) = [line for line in run.output.splitlines() if "done: " in line]
+    found = re.search(
+        r"done: 3 steps, 768 tokens in ([\d.]+) s; final loss ([\d.]+); peak mem ([\d.]+) GiB; "
+        r"checkpoint (\S+); metrics (\S+)$",
+        summary,
+    )
+    assert found, summary
+    seconds, loss, memory, checkpoint, metrics = found.groups()
+    assert float(seconds) > 0
+    assert float(loss) == pytest.approx(records[-1]["loss"], abs=5e-5)
+    assert float(memory) >= records[-1]["memory_gib"] - 0.005
+    assert checkpoint == str(tmp_path / "checkpoint" / "step-3") and (tmp_path / "checkpoint" / "step-3").is_dir()
+    assert metrics == str(run_dir / METRICS_FILE)

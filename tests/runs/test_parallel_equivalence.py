@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve
-from tests.helpers.sessions import Case, run_session
+from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve, timeout_scale
+from tests.helpers.sessions import Case, SessionCases, run_session
 from titanlite.step.optim import lr_factor
 
 PP = ["--parallelism.pipeline_parallel_degree", "2"]
@@ -161,10 +161,13 @@ LAYOUTS = {
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
 }
+# Hang guards per session, which run_ranks scales by the host's load (the marks below too).
 TIMEOUT_S = {1: 240, 2: 420, 4: 600, 8: 600}
+ALL_DIMENSIONS_TIMEOUT_S = 900
 # Every dimension at once, 16 processes, one session of its own (slow: about 330 s of wall
 # on a busy 2-core host): the dense model at pp 2 x dp_shard 2 x cp 2 x tp 2, and Qwen3-MoE
 # with ep 2 borrowed inside pp 2 x dp_shard 4 x tp 2.
+ALL_DIMENSIONS_WORLD = 16
 ALL_DIMENSIONS = {
     "pp2_dp2_cp2_tp2": ([*batch(4), *PP, *CP, *TP], "causal"),
     "qwen3_moe_ep2_pp2_dp4_tp2": ([*batch(2), *EP, *PP, *TP, *QWEN3_MOE], "qwen3_moe"),
@@ -172,9 +175,10 @@ ALL_DIMENSIONS = {
 
 
 @pytest.fixture(scope="module")
-def sessions(tmp_path_factory) -> dict[str, dict]:
-    """Every reference and layout, one session per world size; case name -> result."""
-    results = {}
+def sessions(tmp_path_factory) -> SessionCases:
+    """Every reference and layout, one session per world size; case name -> result (a
+    session that timed out fails the first test that needs one of its unfinished cases)."""
+    results = SessionCases()
     references = [Case(f"reference_{name}", [*EQUIVALENCE_ARGS, *batch(8), *argv]) for name, argv in REFERENCES.items()]
     by_world = {1: references}
     for name, (nproc, overrides, _) in LAYOUTS.items():
@@ -182,9 +186,27 @@ def sessions(tmp_path_factory) -> dict[str, dict]:
     by_world[4].append(Case("fsdp_options", [], call="tests.helpers.fsdp_options_checks:run_checks"))
     by_world[2].append(Case("expert_parallel_layer", [], call="tests.helpers.expert_parallel_checks:run_checks"))
     for nproc, cases in by_world.items():
-        session = run_session(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}"), TIMEOUT_S[nproc])
-        results.update({case.name: session[case.name] for case in cases})
+        results.add(run_session(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}"), TIMEOUT_S[nproc]))
     return results
+
+
+PER_RANK_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "data_parallel_replicate_degree")
+
+
+def assert_expert_shares(ranks: list[dict], reference: dict, overrides: list[str], nproc: int) -> None:
+    """Under ep each rank computes with 1/ep of its stage's routed experts (as FSDP's
+    all-gather hands them to forward) and holds 1/(ep x efsdp) = 1/(dp_shard x cp) of them.
+    An ep that the layout ignores computes with every expert, so it fails here, though its
+    curve is the reference's (every rank then computes all experts for its own tokens)."""
+    value = dict(zip(overrides[::2], overrides[1::2]))
+    whole = reference["expert_compute_bytes"]  # one process: every expert of every layer
+    pp, tp, replicate = (int(value.get(f"--parallelism.{key}", 1)) for key in PER_RANK_DEGREES)
+    ep = int(value[EP[0]])
+    here = whole / pp  # a pipeline stage holds its share of the MoE layers
+    assert whole > 0
+    assert [r["expert_compute_bytes"] for r in ranks] == pytest.approx([here / ep] * nproc, rel=0.05)
+    dp_shard_cp = nproc // (pp * tp * replicate)
+    assert [r["expert_param_bytes"] for r in ranks] == pytest.approx([here / dp_shard_cp] * nproc, rel=0.05)
 
 
 def degrees(overrides: list[str], nproc: int) -> tuple[int, int]:
@@ -195,7 +217,7 @@ def degrees(overrides: list[str], nproc: int) -> tuple[int, int]:
     return nproc // (tp * replicate), tp
 
 
-@pytest.mark.timeout(sum(TIMEOUT_S.values()))
+@pytest.mark.timeout(sum(TIMEOUT_S.values()) * timeout_scale())
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_single_process(layout, sessions):
     nproc, overrides, reference_name = LAYOUTS[layout]
@@ -210,12 +232,8 @@ def test_layout_matches_single_process(layout, sessions):
     if reference["validation_loss"] is not None:  # validation through the same layout's forward
         assert sessions[layout]["validation_loss"] == pytest.approx(reference["validation_loss"], rel=1e-5)
 
-    if EP[0] in overrides:  # each rank computes with its half of the experts: half the one process's bytes
-        ranks, whole = sessions[layout]["ranks"], reference["ranks"][0]["expert_compute_bytes"]
-        layers_here = 0.5 if PP[0] in overrides else 1.0  # a pipeline stage holds half the MoE layers
-        assert [sizes["expert_compute_bytes"] for sizes in ranks] == pytest.approx(
-            [whole * layers_here / 2] * len(ranks), rel=0.05
-        )
+    if EP[0] in overrides:
+        assert_expert_shares(sessions[layout]["ranks"], reference["ranks"][0], overrides, nproc)
     if any(flag in overrides for flag in (PP[0], CP[0])):
         return  # stages and sequence shards hold other shares; the planner tests check those
     dp_shard, tp = degrees(overrides, nproc)
@@ -227,22 +245,26 @@ def test_layout_matches_single_process(layout, sessions):
 
 
 @pytest.fixture(scope="module")
-def all_dimensions(tmp_path_factory) -> dict[str, dict]:
+def all_dimensions(tmp_path_factory) -> SessionCases:
     cases = [Case(name, [*EQUIVALENCE_ARGS, *overrides]) for name, (overrides, _) in ALL_DIMENSIONS.items()]
-    session = run_session(16, cases, tmp_path_factory.mktemp("world16"), 900)
-    return {case.name: session[case.name] for case in cases}
+    results = SessionCases()
+    results.add(run_session(ALL_DIMENSIONS_WORLD, cases, tmp_path_factory.mktemp("world16"), ALL_DIMENSIONS_TIMEOUT_S))
+    return results
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900 + sum(TIMEOUT_S.values()))
+@pytest.mark.timeout((ALL_DIMENSIONS_TIMEOUT_S + sum(TIMEOUT_S.values())) * timeout_scale())
 @pytest.mark.parametrize("layout", ALL_DIMENSIONS)
 def test_every_dimension_at_once_matches_single_process(layout, all_dimensions, sessions):
-    reference = sessions[f"reference_{ALL_DIMENSIONS[layout][1]}"]["history"]
-    assert_same_curve(all_dimensions[layout]["history"], reference, layout)
-    if "moe_load_mean" in reference[0]:
+    overrides, reference_name = ALL_DIMENSIONS[layout]
+    reference = sessions[f"reference_{reference_name}"]
+    assert_same_curve(all_dimensions[layout]["history"], reference["history"], layout)
+    if "moe_load_mean" in reference["history"][0]:
         assert [h["moe_load_max"] for h in all_dimensions[layout]["history"]] == pytest.approx(
-            [h["moe_load_max"] for h in reference], rel=1e-6
+            [h["moe_load_max"] for h in reference["history"]], rel=1e-6
         )
+    if EP[0] in overrides:
+        assert_expert_shares(all_dimensions[layout]["ranks"], reference["ranks"][0], overrides, ALL_DIMENSIONS_WORLD)
 
 
 def test_fsdp_alone_computes_with_every_expert(sessions):

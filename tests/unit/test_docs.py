@@ -4,10 +4,21 @@ parallelize order stated in one place (docs/parallelism.md), the others pointing
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import importlib
+import inspect
 import re
 from pathlib import Path
 
 import pytest
+import torch
+
+from tests.helpers.token_data import make_prepared
+from titanlite.config import JobConfig, torchtitan
+from titanlite.parallel.mesh import Meshes
+from titanlite.parallel.parallelize import parallelize
+from titanlite.step.builder import StepBuilder
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -46,16 +57,224 @@ def test_every_module_is_named_in_the_architecture_page():
     assert not unnamed, f"docs/architecture.md does not name: {unnamed}"
 
 
+# What each step of the parallelize order calls, in `parallel/parallelize.parallelize`.
+ORDER_CALLS = {
+    "EP": "apply_ep(",
+    "TP": "parallelize_module(",
+    "CP": "enable_context_parallel(",
+    "AC": "apply_ac(",
+    "compile": "apply_compile(",
+    "FSDP": "shard_model(",
+}
+
+
 def test_the_parallelize_order_is_stated_once():
-    """The order (TP -> CP -> AC -> compile -> FSDP) lives in docs/parallelism.md; every other
-    page points there instead of restating it (restated copies drifted: context parallelism
-    was missing from three of them)."""
+    """The order lives in docs/parallelism.md; every other page points there instead of
+    restating it (restated copies drifted: context parallelism was missing from three of
+    them), and it is the order in which `parallelize` calls each step (expert parallelism
+    was once missing from it)."""
     chains = {doc.name: len(re.findall(r"\bTP\s*->", doc.read_text())) for doc in DOCS}
     assert chains.pop("parallelism.md") == 1 and not any(chains.values()), chains
-    assert "TP -> CP -> AC -> compile -> FSDP" in (REPO / "docs" / "parallelism.md").read_text()
+    stated = re.search(r"((?:\w+ -> )+\w+)", (REPO / "docs" / "parallelism.md").read_text()).group(1)
+    source = inspect.getsource(parallelize)
+    assert all(source.count(call) == 1 for call in ORDER_CALLS.values()), ORDER_CALLS
+    applied = sorted(ORDER_CALLS, key=lambda step: source.index(ORDER_CALLS[step]))
+    assert stated.split(" -> ") == applied, f"docs/parallelism.md says {stated}; parallelize applies {applied}"
+
+
+def test_every_parallelize_argument_is_documented():
+    """Each keyword of `parallelize` in its docstring; `pipelined`, which only the trainer
+    passes, in docs/parallelism.md too."""
+    keywords = [name for name, p in inspect.signature(parallelize).parameters.items() if p.kind == p.KEYWORD_ONLY]
+    undocumented = [name for name in keywords if f"    {name}: " not in parallelize.__doc__]
+    assert not undocumented, f"parallelize's docstring does not say what {undocumented} do"
+    assert "pipelined=" in (REPO / "docs" / "parallelism.md").read_text()
 
 
 def test_every_example_runs_with_no_arguments():
     """`torchrun ... examples/X.py`, as docs/library.md shows them, needs no flag."""
     needing = [p.name for p in (REPO / "examples").glob("*.py") if "required=True" in p.read_text()]
     assert not needing, needing
+
+
+def python_block_after(doc: str, text: str) -> str:
+    """The first ```python block of docs/`doc` after `text`."""
+    page = (REPO / "docs" / doc).read_text()
+    return re.search(r"```python\n(.*?)```", page[page.index(text) :], re.S).group(1)
+
+
+def test_the_loader_snippet_runs_on_a_mesh_without_data_parallelism(tmp_path):
+    """docs/library.md's loader lines, as written (the folder aside), on one process, whose
+    `build_mesh()` has no data-parallel view: `meshes.dp` is None, as on a tp-only mesh."""
+    import titanlite
+
+    make_prepared(tmp_path / "tokens", 2 * 8 * 2049)
+    snippet = python_block_after("library.md", "titanlite.prepared_loader(folder")
+    assert '"/data/tokens"' in snippet
+    namespace = {"titanlite": titanlite, "meshes": titanlite.build_mesh()}
+    assert namespace["meshes"].dp is None
+    exec(snippet.replace('"/data/tokens"', repr(str(tmp_path / "tokens"))), namespace)
+    try:
+        assert namespace["inputs"].shape == namespace["labels"].shape == (8, 2048)
+        assert torch.equal(namespace["inputs"][:, 1:], namespace["labels"][:, :-1])
+    finally:
+        namespace["loader"].close()
+
+
+def modules_by_name() -> dict[str, list[str]]:
+    """Every titanlite module's dotted name, by its last part (`fsdp` -> titanlite.parallel.fsdp)."""
+    found: dict[str, list[str]] = {}
+    for path in (REPO / "titanlite").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts[-1] != "__main__":
+            found.setdefault(parts[-1], []).append(".".join(parts))
+    return found
+
+
+def has_attributes(owner: object, names: list[str]) -> bool:
+    """owner.a.b...; a dataclass's field counts though the class has no attribute for it."""
+    for name in names:
+        fields = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set()
+        if not hasattr(owner, name) and name not in fields:
+            return False
+        owner = getattr(owner, name, None)
+    return True
+
+
+# A doc's `section.key` is a config key, or torchtitan's name that titanlite reads or refuses.
+SECTIONS = {name: {f.name for f in dataclasses.fields(section)} for name, section in vars(JobConfig()).items()}
+TORCHTITAN_KEYS = {*torchtitan.ALIASES, *torchtitan.OFF_ONLY, *torchtitan.NO_EFFECT}
+# A doc's `module.name` (or `Class.name`) is checked against titanlite's module (or class) of
+# that name, except where the first word is another project's package or a wrapper's argument.
+NOT_OURS = {"config", "hfai", "megatron", "model", "optimizer", "torch"}
+FILE_SUFFIXES = {"py", "md", "toml", "json", "jsonl", "sh"}
+MODEL_ATTRIBUTES = {"model.layers", "model.summon_full_params"}
+DOTTED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(\(|`)")
+
+
+def dotted_name_exists(
+    name: str, call: bool, modules: dict[str, list[str]], classes: dict[str, list[type]]
+) -> bool | None:
+    """True or False for a name this test can check; None for another kind (a file, torch's,
+    a call on an object named like a section: `optimizer.step()`, a model's `model.layers`)."""
+    head, *rest = name.split(".")
+    if rest[-1] in FILE_SUFFIXES or name in MODEL_ATTRIBUTES or (call and head in SECTIONS):
+        return None
+    if head in SECTIONS and len(rest) == 1:
+        return rest[0] in SECTIONS[head] or (head, rest[0]) in TORCHTITAN_KEYS
+    if head == "titanlite":
+        for i in range(len(rest), -1, -1):  # the longest prefix that imports, then attributes
+            try:
+                module = importlib.import_module(".".join([head, *rest[:i]]))
+            except ImportError:
+                continue
+            return has_attributes(module, rest[i:])
+    if head in NOT_OURS:
+        return None
+    if head in modules:
+        return any(has_attributes(importlib.import_module(module), rest) for module in modules[head])
+    if head in classes:
+        return any(has_attributes(cls, rest) for cls in classes[head])
+    return None
+
+
+def titanlite_classes(modules: dict[str, list[str]]) -> dict[str, list[type]]:
+    found: dict[str, list[type]] = {}
+    for module in (importlib.import_module(m) for names in modules.values() for m in names):
+        for name, value in vars(module).items():
+            if inspect.isclass(value) and value.__module__ == module.__name__:
+                found.setdefault(name, []).append(value)
+    return found
+
+
+def test_every_module_function_and_config_key_a_doc_names_exists():
+    """`fsdp.expert_shard_dim`, `StepBuilder.reported`, `training.seq_len`: the names the docs
+    give in backticks are in the code (`expert_parallel.experts_placement` outlived its function)."""
+    modules = modules_by_name()
+    classes = titanlite_classes(modules)
+    missing = sorted(
+        f"{doc.name}: {name}"
+        for doc in DOCS
+        for name, after in set(DOTTED.findall(doc.read_text()))
+        if dotted_name_exists(name, after == "(", modules, classes) is False
+    )
+    assert not missing, f"named in the docs but not in the code: {missing}"
+
+
+# Files a docstring or comment may name that live in other projects (torch, transformers,
+# Megatron-core) or that a run writes.
+ELSEWHERE = {
+    "config.toml",
+    "convert_llama_weights_to_hf.py",
+    "_functional_collectives.py",
+    "distributed_c10d.py",
+    "schedules.py",
+    "stage.py",
+    "torch_fully_sharded_data_parallel.py",
+}
+FILE_NAME = re.compile(r"(?<![\w.])((?:[\w.-]+/)*[\w-]+\.(?:py|sh|md|toml))\b")
+
+
+def test_every_file_a_docstring_names_exists():
+    """A module's docstrings and comments name files of the repository by a path or a bare
+    name (`config.py` was split into config/sections.py and load.py, DESIGN.md is not here)."""
+    files = {str(p.relative_to(REPO)) for p in REPO.rglob("*") if not {".git", ".venv"} & set(p.parts)}
+    missing = sorted(
+        f"{path.relative_to(REPO)}: {name}"
+        for path in (REPO / "titanlite").rglob("*.py")
+        for name in set(FILE_NAME.findall(path.read_text()))
+        if name.split("/")[-1] not in ELSEWHERE and not any(f == name or f.endswith("/" + name) for f in files)
+    )
+    assert not missing, missing
+
+
+def test_the_architecture_page_names_each_view_of_meshes_and_each_part_of_the_step_builder():
+    page = (REPO / "docs" / "architecture.md").read_text()
+    views = [f.name for f in dataclasses.fields(Meshes)] + ["context_parallel"]
+    assert not [v for v in views if f".{v}" not in page], f"`Meshes` views the page does not name: {views}"
+    public = [name for name in vars(StepBuilder) if not name.startswith("_")]
+    unnamed = [name for name in public if f"`{name}`" not in page and f".{name}`" not in page]
+    assert not unnamed, f"docs/architecture.md does not name StepBuilder's {unnamed}"
+
+
+def family_folders() -> list[Path]:
+    return sorted(p.parent for p in (REPO / "titanlite" / "models").glob("*/__init__.py"))
+
+
+def readme_layout() -> str:
+    readme = (REPO / "README.md").read_text()
+    return re.search(r"## Layout\n+```\n(.*?)```", readme, re.S).group(1)
+
+
+def test_the_readme_layout_lists_every_model_family_and_shared_layer():
+    models = " ".join(line for line in readme_layout().splitlines() if line.startswith("titanlite/models/"))
+    modules = [p.name for p in (REPO / "titanlite" / "models").glob("*.py") if p.name != "__init__.py"]
+    unlisted = [name for name in [f"{p.name}/" for p in family_folders()] + modules if name not in models]
+    assert not unlisted, f"README.md's layout does not list titanlite/models/ {unlisted}"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+def test_a_family_without_a_hugging_face_adapter_is_said_to_have_none(doc):
+    text = (REPO / doc).read_text()
+    for family in family_folders():
+        says_none = re.search(rf"`?{family.name}/`?[^;|\n]*\bno HF adapter", text) is not None
+        assert says_none == (not (family / "hf_adapter.py").exists()), f"{doc} on {family.name}'s HF adapter"
+
+
+def test_generate_page_lists_the_layouts_its_tests_generate_with():
+    """docs/generate.md's table of layouts: each one the run tests generate with (the
+    parametrized layouts of test_every_layout_prints_what_one_process_prints) is there."""
+    tree = ast.parse((REPO / "tests" / "runs" / "test_generate.py").read_text())
+    (test,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_every_layout")]
+    (parametrize,) = [d for d in test.decorator_list if isinstance(d, ast.Call) and d.func.attr == "parametrize"]
+    tested = [case.elts[0].value for case in parametrize.args[1].elts]
+    table = re.search(r"\| layout \| generates \|.*?\n\n", (REPO / "docs" / "generate.md").read_text(), re.S).group(0)
+    assert tested and not [name for name in tested if f"`{name}`" not in table], (tested, table)
+
+
+def test_the_readme_layout_lists_every_package_and_top_level_module():
+    layout = readme_layout()
+    names = [f"titanlite/{p.name}/" for p in (REPO / "titanlite").iterdir() if (p / "__init__.py").exists()]
+    names += [p.name for p in (REPO / "titanlite").glob("*.py")]
+    assert not [name for name in names if name not in layout], names

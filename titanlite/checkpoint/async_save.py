@@ -246,5 +246,5 @@ def _stop_dcp_checkpoint_process() -> None:
 
 
 def build_saver(mode: str, process_group: dist.ProcessGroup | None) -> Saver:
-    """The strategy for `checkpoint.async_mode` (config.py validated the name)."""
+    """The strategy for `checkpoint.async_mode` (config/sections.py's choices validated the name)."""
     return {"disabled": Saver, "async": ThreadSaver, "async_with_pinned_mem": ProcessSaver}[mode](process_group)

@@ -1,6 +1,6 @@
 """Dtype names as the config and the scripts spell them, parsed in one place.
 
-Config values are validated against `DTYPE_NAMES` (config.py's choices); code that needs the
+Config values are checked by their fields' choices (`sections.py`); code that needs the
 torch dtype calls `torch_dtype(name)`. Kept apart from `parallel/` so the checkpoint package
 and the scripts can parse a dtype without importing FSDP.
 """

@@ -16,7 +16,7 @@ degree, so a state saved at one dp degree resumes at any other at the same next 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from titanlite.data.token_shards import TokenShards
 from titanlite.data.windows import DatasetWindows, WindowStream, window_count
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 PREFETCH_DEPTH = 2
 
@@ -118,11 +121,21 @@ def prepared_loader(
     dp_degree: int = 1,
     seed: int | None = 0,
     prefetch: bool = True,
+    *,
+    dp_mesh: DeviceMesh | None = None,
 ) -> TokenWindowLoader:
     """The library's loader over one prepared folder (`titanlite.prepare`, or `python -m
     titanlite.data.prepare`): windows of seq_len + 1 tokens, in a fresh order each epoch from
     `seed` (None: stream order), this dp rank's share of each global batch. Stateful (hand it
-    to a `Checkpointer`): a resume at any dp degree continues at the same window."""
+    to a `Checkpointer`): a resume at any dp degree continues at the same window.
+
+    `dp_mesh`: `build_mesh(...).dp`, instead of dp_rank and dp_degree; None (a mesh with no
+    data-parallel dimension: one process, or tp/pp/cp only) is rank 0 of 1, so a script
+    passes `meshes.dp` whatever the layout."""
+    if dp_mesh is not None:
+        if (dp_rank, dp_degree) != (0, 1):
+            raise TitanliteError("prepared_loader: give dp_mesh or dp_rank and dp_degree, not both")
+        dp_rank, dp_degree = dp_mesh.get_local_rank(), dp_mesh.size()
     shards = TokenShards(folder, field="prepared_loader: folder")
     count = window_count(shards, seq_len + 1)
     if count == 0:

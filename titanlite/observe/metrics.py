@@ -26,6 +26,25 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is KiB on Linux
 
 
+def run_summary(
+    steps: int,
+    tokens: int,
+    seconds: float,
+    final_loss: float | None,
+    memory_gib: float,
+    checkpoint: Path | None,
+    metrics_file: Path | None,
+) -> str:
+    """`done: 100 steps, 1,638,400 tokens in 58.2 s; final loss 5.5412; peak mem 0.75 GiB;
+    checkpoint outputs/checkpoint/step-100; metrics outputs/runs/<run>/metrics.jsonl`. tokens
+    are every data-parallel rank's; "none" where nothing was saved or written."""
+    loss = "n/a" if final_loss is None else f"{final_loss:.4f}"
+    return (
+        f"done: {steps:,} steps, {tokens:,} tokens in {seconds:.1f} s; final loss {loss}; "
+        f"peak mem {memory_gib:.2f} GiB; checkpoint {checkpoint or 'none'}; metrics {metrics_file or 'none'}"
+    )
+
+
 def tensorboard_dir(metrics_cfg: Metrics, dump_folder: str, rank: int, run_name: str) -> str | None:
     """`<dump_folder>/<save_tb_folder>/<run name>[-rank<r>]` (the run folder's name), or None
     where this rank writes no TensorBoard scalars (disabled, or not rank 0 under rank_0_only)."""
@@ -146,6 +165,17 @@ class MetricsLogger:
             self.file.write(
                 {"step": step, **scalars, "elapsed_s": round(elapsed_s, 3), "wall_time": round(time.time(), 3)}
             )
+
+    def log_summary(
+        self, steps: int, tokens: int, seconds: float, final_loss: float | None, checkpoint: Path | None
+    ) -> str:
+        """The run's last line (rank 0): what this start trained and where its results are,
+        so a user need not scroll back for them. Returns the line."""
+        line = run_summary(
+            steps, tokens, seconds, final_loss, peak_memory_gib(self.device), checkpoint, self.file and self.file.path
+        )
+        logger.info(line)
+        return line
 
     def close(self) -> None:
         if self.writer is not None:

@@ -66,6 +66,8 @@ def parallelize(
     prefetch: 0 = FSDP2's implicit one-ahead prefetch; N = the next N units, explicitly.
     ac: "none", "full", "op" (per-op selective) or k (every k-th block).
     compile: `torch.compile` each block.
+    pipelined: the model is one pipeline stage: "default" resharding keeps every unit's
+        weights gathered to backward, and a stage without MoE layers is allowed on an ep mesh.
     """
     meshes = as_meshes(mesh)
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)

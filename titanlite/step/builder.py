@@ -1,6 +1,6 @@
 """The parallel plumbing of a training step, in one place: the trainer asks `StepBuilder` for
 its forward-backward runner in one line, and for the loss every rank reports, and computes no
-mesh group, rank or flag of its own (DESIGN.md, 2026-11-25 review: the trainer stays a
+mesh group, rank or flag of its own (docs/architecture.md: the trainer stays a
 composition root).
 
 What it owns:

@@ -1,0 +1,47 @@
+"""A training session past its timeout (tests/helpers/sessions.py): a real one-rank session
+whose second case sleeps is stopped at its hang guard, keeps the case it finished, fails the
+first test that needs an unfinished case with one line naming the session and the case, and
+skips later ones with a short reference, instead of erroring every test of a module."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers.distributed import timeout_scale
+from tests.helpers.sessions import Case, SessionCases, run_session
+
+HANG_TIMEOUT_S = 30  # the worker's start-up (torch, titanlite) and one quick case fit in it
+
+
+def ready() -> str:
+    return "ready"
+
+
+def hang() -> None:
+    time.sleep(3600)
+
+
+@pytest.mark.timeout(HANG_TIMEOUT_S * timeout_scale() + 120)
+def test_a_session_past_its_timeout_fails_one_test_in_one_line_naming_it(tmp_path):
+    cases = [
+        Case(name, [], call=f"{__name__}:{function}")
+        for name, function in [("quick", "ready"), ("stuck", "hang"), ("never", "ready")]
+    ]
+    started = time.monotonic()
+    results = SessionCases()
+    results.add(run_session(1, cases, tmp_path / "sleepy", timeout=HANG_TIMEOUT_S))
+    assert time.monotonic() - started < HANG_TIMEOUT_S * timeout_scale() + 60  # stopped, not waited for
+    assert results["quick"]["checks"] == "ready"  # finished before the hang: kept
+
+    with pytest.raises(pytest.fail.Exception) as first:
+        results["stuck"]
+    line = str(first.value)
+    assert "\n" not in line, line
+    assert line.startswith("session sleepy (1 ranks) timed out after "), line
+    assert "in case stuck, 1 of 3 cases finished" in line, line
+
+    with pytest.raises(pytest.skip.Exception) as later:
+        results["never"]
+    assert str(later.value).startswith("session sleepy (1 ranks) timed out") and "reported once" in str(later.value)
