@@ -9,27 +9,27 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.sessions import Case, run_session
+from tests.helpers.sessions import Case, SessionResult, run_session
 
 pytest.importorskip("megatron.core")  # in the test extra
 
 TIMEOUT_S = {2: 300, 4: 240}
 
 
-def run_checks(nproc: int, names: list[str], folder) -> dict[str, dict]:
-    """Each of `names` (a function of compat_checks.py) as a case of one session on `nproc` ranks."""
+def run_checks(nproc: int, names: list[str], folder) -> SessionResult:
+    """Each of `names` (a function of compat_checks.py) as a case of one session on `nproc`
+    ranks; a test reads its own case, so one failing case fails only its tests."""
     cases = [Case(name, [], call=f"tests.helpers.compat_checks:{name}") for name in names]
-    session = run_session(nproc, cases, folder, TIMEOUT_S[nproc])
-    return {name: session[name]["checks"] for name in names}
+    return run_session(nproc, cases, folder, TIMEOUT_S[nproc])
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict[str, dict]:
+def two_ranks(tmp_path_factory) -> SessionResult:
     return run_checks(2, ["fsdp1_nested_prefetch", "megatron_gpt"], tmp_path_factory.mktemp("world2"))
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory) -> dict[str, dict]:
+def four_ranks(tmp_path_factory) -> SessionResult:
     return run_checks(4, ["fsdp1_clip_with_ignored_modules"], tmp_path_factory.mktemp("world4"))
 
 
@@ -38,7 +38,7 @@ def four_ranks(tmp_path_factory) -> dict[str, dict]:
 def test_megatron_gpt_model_trains_in_megatrons_order_like_the_unwrapped_model(two_ranks, impl):
     """transformer_engine is TransformerConfig's default: ColumnParallelLinear joins the units,
     except the local spec's linear_fc1, which hands its bias to its caller (skip_bias_add)."""
-    result = two_ranks["megatron_gpt"][impl]
+    result = two_ranks["megatron_gpt"]["checks"][impl]
     layers = ["decoder.layers.0", "decoder.layers.1"]
     if impl == "local":
         assert result["units"] == ["embedding", *layers]
@@ -52,7 +52,7 @@ def test_megatron_gpt_model_trains_in_megatrons_order_like_the_unwrapped_model(t
 @pytest.mark.timeout(TIMEOUT_S[2] + 60)
 def test_fsdp1_prefetch_options_reach_every_unit_of_a_nested_wrap_policy(two_ranks):
     """Units: each block and, inside it, its mlp (pre-order: blocks.0, blocks.0.mlp, blocks.1, blocks.1.mlp)."""
-    result = two_ranks["fsdp1_nested_prefetch"]
+    result = two_ranks["fsdp1_nested_prefetch"]["checks"]
     units = ["blocks.0", "blocks.0.mlp", "blocks.1", "blocks.1.mlp"]
     assert result["backward_none"]["backward"] == {"(root)": ["(root)"], **{u: [u] for u in units}}
     assert result["forward"]["forward"] == {
@@ -66,7 +66,7 @@ def test_fsdp1_prefetch_options_reach_every_unit_of_a_nested_wrap_policy(two_ran
 
 @pytest.mark.timeout(TIMEOUT_S[4] + 60)
 def test_fsdp1_clip_grad_norm_with_ignored_modules_is_fsdp1s_norm_on_every_rank(four_ranks):
-    ranks = four_ranks["fsdp1_clip_with_ignored_modules"]["ranks"]
+    ranks = four_ranks["fsdp1_clip_with_ignored_modules"]["checks"]["ranks"]
     assert len(ranks) == 4
     for rank in ranks:
         assert rank["norm"] == pytest.approx(rank["fsdp1_norm"], rel=1e-5), ranks
