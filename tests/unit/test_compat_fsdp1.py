@@ -2,7 +2,8 @@
 from each kind of wrap policy, v1.12's keyword included), every refused option and bad value
 one line naming it, and FSDP1's methods (apply, summon_full_params, the three state-dict types,
 the optimizer-state helpers, fsdp_modules). What needs several ranks (strategies, prefetch,
-reshard, no_sync, sync_module_states) is in tests/runs/test_parallel_equivalence.py; the v1.12
+reshard, no_sync, sync_module_states) is in tests/runs/test_parallel_equivalence.py (nested prefetch
+and clipping with ignored modules in tests/runs/test_compat_ranks.py); the v1.12
 page's own program in examples/fsdp1_style.py (tests/runs/test_examples.py)."""
 
 import functools

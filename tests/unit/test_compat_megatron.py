@@ -2,7 +2,8 @@
 units it shards (`sub_modules_to_wrap`, `_fsdp_modules`, transformer_impl "local"), the only
 config attributes it reads (from megatron-core's own config classes and from plain stand-ins),
 parameter attributes kept through sharding, and `_BaseDataParallel`'s methods. The Megatron-style
-program is examples/megatron_style.py (tests/runs/test_examples.py)."""
+program is examples/megatron_style.py (tests/runs/test_examples.py); megatron-core's real GPTModel
+on 2 ranks in tests/runs/test_compat_ranks.py."""
 
 import inspect
 from types import SimpleNamespace

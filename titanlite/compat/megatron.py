@@ -9,7 +9,9 @@ Built as Megatron's own class builds (megatron/core/distributed/torch_fully_shar
   ones innermost first), then the root; `sub_modules_to_wrap` defaults to Megatron's set
   (TransformerLayer, LanguageModelEmbedding, RotaryEmbedding, ColumnParallelLinear) where
   megatron-core is installed; without it a model holds none of them and only the root is
-  sharded, as Megatron's class would do;
+  sharded, as Megatron's class would do. One difference: a layer that returns its bias for
+  its caller to add (`skip_bias_add`, as the local spec's `linear_fc1` under the default
+  `transformer_impl`) stays in its parent's unit (see `_hands_out_bias`);
 - from `config` (TransformerConfig) only `transformer_impl` ("local": ColumnParallelLinear
   leaves the default set) and `recompute_granularity` (not None: each unit prefetches the
   one before it in backward explicitly, since recompute reorders FSDP2's implicit order);
@@ -20,10 +22,11 @@ Built as Megatron's own class builds (megatron/core/distributed/torch_fully_shar
 - attributes Megatron sets on parameters (`tensor_model_parallel`, `sequence_parallel`,
   `allreduce`, ...) survive sharding.
 Methods are `_BaseDataParallel`'s; where Megatron's does nothing on FSDP2 (`finish_grad_sync`,
-`start_grad_sync`, `broadcast_params`: FSDP2 reduces in backward and holds one copy per
-shard), so does this one. `no_sync` really skips the reduction (Megatron's base class
-documents that, though its FSDP2 class reduces anyway; the sum is the same), and
-`disable_bucketing` is accepted and unused, as in Megatron's class.
+`start_grad_sync`, `broadcast_params`: FSDP2 reduces in backward and holds one copy per shard),
+so does this one, with the signatures megatron-core's `finalize_model_grads` calls. `no_sync`
+really skips the reduction (Megatron's base class documents that, though its FSDP2 class reduces
+anyway; the sum is the same), and `disable_bucketing` is accepted and unused, as in Megatron's
+class.
 """
 
 from __future__ import annotations
