@@ -2,7 +2,8 @@
 from each kind of wrap policy, v1.12's keyword included), every refused option and bad value
 one line naming it, and FSDP1's methods (apply, summon_full_params, the three state-dict types,
 the optimizer-state helpers, fsdp_modules). What needs several ranks (strategies, prefetch,
-reshard, no_sync, sync_module_states) is in tests/runs/test_parallel_equivalence.py; the v1.12
+reshard, no_sync, sync_module_states) is in tests/runs/test_parallel_equivalence.py (nested prefetch
+and clipping with ignored modules in tests/runs/test_compat_ranks.py); the v1.12
 page's own program in examples/fsdp1_style.py (tests/runs/test_examples.py)."""
 
 import functools
@@ -334,3 +335,79 @@ def test_without_a_process_group_the_wrapper_says_so(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     with pytest.raises(TitanliteError, match="^FullyShardedDataParallel: no process group"):
         FSDP(net())
+
+
+def test_params_with_grad_is_v1_12s_property():
+    model = FSDP(net(), auto_wrap_policy={Block})
+    assert model.params_with_grad == []
+    model(torch.randn(3, 4)).sum().backward()
+    model.module.head.bias.grad = None
+    assert model.params_with_grad == [p for n, p in model.named_parameters() if n != "head.bias"]
+
+
+def test_scatter_full_optim_state_dict_takes_v1_12s_group_fourth():
+    """v1.12: scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input=None, group=None)."""
+    import torch.distributed as dist
+
+    (model, optim), _ = trained_pair()
+    full = FSDP.full_optim_state_dict(model, optim)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(FSDP.scatter_full_optim_state_dict(full, model, None, dist.group.WORLD))
+    assert_same_state(FSDP.rekey_optim_state_dict(fresh.state_dict(), OptimStateKeyType.PARAM_NAME, model), full)
+    with pytest.raises(TitanliteError, match="^optim: "):
+        FSDP.scatter_full_optim_state_dict(full, model, None, "optimizer", dist.group.WORLD)
+
+
+class NormNet(nn.Module):
+    """Linear -> BatchNorm -> Linear: the MixedPrecision page's case for keeping BatchNorm out of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.mid, self.out = (
+            nn.Linear(4, 16),
+            nn.BatchNorm1d(16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 2),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(torch.relu(self.norm(self.inp(x))))))
+
+
+def test_batch_norm_units_stay_out_of_mixed_precision_and_the_pages_combination_trains():
+    """MixedPrecision(bf16 params, fp32 reduce) with a size-based policy: each BatchNorm is a
+    unit of its own in float32 (its input cast up, its output back), the rest computes in
+    bf16, and training follows the float32 model to bf16's precision."""
+    torch.manual_seed(0)
+    plain = NormNet()
+    torch.manual_seed(0)
+    model = NormNet()
+    wrapped = FSDP(
+        model,
+        auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=200),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    assert sorted(sharded(model)) == ["", "mid", "norm"]  # norm (32 parameters) by the page's rule
+    seen = {}
+    for name in ("norm", "mid"):
+        module = getattr(model, name)  # the weight as forward sees it, the input and output as they pass
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: seen.update({name: [m.weight.dtype, args[0].dtype]})
+        )
+        module.register_forward_hook(lambda m, args, out, name=name: seen[name].append(out.dtype))
+    losses = {}
+    for key, net_ in (("plain", plain), ("wrapped", wrapped)):
+        optim = torch.optim.AdamW(net_.parameters(), lr=1e-2)
+        for step in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            loss = net_(x).float().square().mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.setdefault(key, []).append(loss.item())
+    assert seen["norm"] == [torch.float32, torch.float32, torch.bfloat16]  # computed in fp32, handed on in bf16
+    assert seen["mid"] == [torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    assert losses["wrapped"] == pytest.approx(losses["plain"], rel=3e-2)
+    unwrapped = NormNet()
+    FSDP(unwrapped, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    assert sharded(unwrapped) == [""]  # without an auto_wrap_policy the rule does nothing, as in FSDP1

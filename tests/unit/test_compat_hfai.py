@@ -87,3 +87,11 @@ def test_refusals_are_one_line_naming_the_option():
     with pytest.raises(TitanliteError, match="^load_state_dict: .*misses"):
         with model.summon_full_params():
             model.load_state_dict({})
+
+
+def test_hfais_policy_module_has_its_counterpart():
+    """hfai code imports its policies from `hfai.distributed.fsdp.warp`."""
+    from titanlite.compat.hfai import warp
+
+    assert warp.size_based_auto_wrap_policy is hfai.size_based_auto_wrap_policy
+    assert warp.transformer_auto_wrap_policy is hfai.transformer_auto_wrap_policy

@@ -2,7 +2,8 @@
 units it shards (`sub_modules_to_wrap`, `_fsdp_modules`, transformer_impl "local"), the only
 config attributes it reads (from megatron-core's own config classes and from plain stand-ins),
 parameter attributes kept through sharding, and `_BaseDataParallel`'s methods. The Megatron-style
-program is examples/megatron_style.py (tests/runs/test_examples.py)."""
+program is examples/megatron_style.py (tests/runs/test_examples.py); megatron-core's real GPTModel
+on 2 ranks in tests/runs/test_compat_ranks.py."""
 
 import inspect
 from types import SimpleNamespace
@@ -135,3 +136,42 @@ def test_the_base_data_parallel_methods():
     third = TorchFullyShardedDataParallel(stand_in(), SimpleNamespace(), net(seed=2), sub_modules_to_wrap={Block})
     third.load_state_dict(whole)
     assert torch.equal(third(x), wrapper(x))
+
+
+class BiasHandingLinear(ColumnParallelLinear):
+    """Megatron's skip_bias_add (the local spec's linear_fc1): the layer returns its bias for
+    the caller to add."""
+
+    skip_bias_add = True
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return nn.functional.linear(x, self.weight), self.bias
+
+
+class BiasAddingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = ColumnParallelLinear(8, 8), BiasHandingLinear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = self.mlp(torch.relu(self.attn(x)))
+        return x + out + bias
+
+
+def test_a_layer_that_hands_out_its_bias_stays_in_its_parents_unit_and_finish_grad_sync_takes_megatrons_keyword():
+    """As a unit of its own, the layer's bias would be read after that unit resharded it (a
+    segfault on CPU); in its parent's unit it trains like the plain model."""
+    plain, model = net(), net()
+    for m in (plain, model):
+        torch.manual_seed(1)
+        m.blocks = nn.ModuleList([BiasAddingBlock(), BiasAddingBlock()])
+    wrapper = TorchFullyShardedDataParallel(
+        stand_in(), SimpleNamespace(), model, sub_modules_to_wrap={BiasAddingBlock, ColumnParallelLinear}
+    )
+    assert units(wrapper) == ["blocks.0", "blocks.0.attn", "blocks.1", "blocks.1.attn"]
+    x = torch.randn(3, 4)
+    for m in (plain, wrapper):
+        m(x).square().mean().backward()
+    wrapper.finish_grad_sync(force_all_reduce=True)  # as megatron-core's finalize_model_grads calls it
+    grads = dict(plain.named_parameters())
+    assert all(torch.allclose(p.grad.full_tensor(), grads[n].grad) for n, p in wrapper.named_parameters())

@@ -97,6 +97,8 @@ _CONFIGS = {
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
 
+_FULL_SETTINGS = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+
 
 class FullyShardedDataParallel(ShardedWrapper):
     """FSDP1's wrapper over FSDP2: FSDP1's arguments, plus `reshard_after_forward` (FSDP2's;
@@ -136,22 +138,26 @@ class FullyShardedDataParallel(ShardedWrapper):
         device = device_of(device_id)
         mesh, group = build_fsdp_mesh(process_group, device_mesh, strategy, fsdp_group_size, device.type)
         modules, params = ignored_of(ignored_modules, ignored_states)
+        mp_policy = precision_of(mixed_precision)  # checked before its classes are read
+        units, full_precision = _units(module, auto_wrap_policy, mixed_precision, modules)
         plan = WrapPlan(
             mesh=mesh,
             group=group,
-            units=wrap_units(module, auto_wrap_policy, modules),
+            units=units,
             reshard_after_forward=reshard_of(reshard_after_forward, strategy),
-            mp_policy=precision_of(mixed_precision),
+            mp_policy=mp_policy,
             cpu_offload=offload_of(cpu_offload),
             backward_prefetch=backward_prefetch_of(backward_prefetch),
             forward_prefetch=forward_prefetch_of(forward_prefetch),
             ignored_params=params,
             device=device,
+            full_precision_units=full_precision,
         )
         super().__init__(module, plan, sync_module_states)
-        self._settings = StateDictSettings(
-            StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
-        )
+        self._settings = _FULL_SETTINGS
+
+    # v1.12's property: the parameters that have a gradient.
+    params_with_grad = property(lambda self: [p for p in self.parameters() if p.grad is not None])
 
     # --- module state dicts -------------------------------------------------------------------
 
@@ -277,6 +283,7 @@ class FullyShardedDataParallel(ShardedWrapper):
         group: Any = None,
     ) -> dict[str, Any]:
         """Like `shard_full_optim_state_dict`, with the whole state on rank 0 alone (scattered)."""
+        optim, group = _v1_12_group(optim, group)
         order = optim_state.parameter_order(model, optim, optim_input)
         return optim_state.loadable(full_optim_state_dict, model, order, from_rank0=True, group=group)
 
@@ -331,6 +338,31 @@ class FullyShardedDataParallel(ShardedWrapper):
         if load_directly:
             optim.load_state_dict(result)
         return result
+
+
+def _units(
+    module: nn.Module, auto_wrap_policy: Any, mixed_precision: MixedPrecision | None, ignored: set[nn.Module]
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The units, innermost first, and those of them FSDP1 shards with mixed precision off
+    whatever the policy says (`MixedPrecision._module_classes_to_ignore`, BatchNorm by
+    default, as the MixedPrecision page's note says): only with an `auto_wrap_policy`, as there."""
+    units = wrap_units(module, auto_wrap_policy, ignored)
+    if mixed_precision is None or auto_wrap_policy is None:
+        return units, []
+    classes = tuple(mixed_precision._module_classes_to_ignore)
+    inside = {id(m) for i in ignored for m in i.modules()}
+    full = [m for m in module.modules() if m is not module and isinstance(m, classes) and id(m) not in inside]
+    return [*full, *(u for u in units if u not in full)], full
+
+
+def _v1_12_group(optim: Any, group: Any) -> tuple[torch.optim.Optimizer | None, Any]:
+    """(optim, group) of `scatter_full_optim_state_dict`, whose fourth positional argument is
+    v1.12's `group` (its signature had no `optim`) or later versions' `optim`: told by type."""
+    if optim is None or isinstance(optim, torch.optim.Optimizer):
+        return optim, group
+    if group is not None:
+        raise TitanliteError(f"optim: expected a torch.optim.Optimizer, got {type(optim).__name__}")
+    return None, optim
 
 
 def _refuse_local(settings: StateDictSettings, method: str) -> None:

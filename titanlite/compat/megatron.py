@@ -9,7 +9,9 @@ Built as Megatron's own class builds (megatron/core/distributed/torch_fully_shar
   ones innermost first), then the root; `sub_modules_to_wrap` defaults to Megatron's set
   (TransformerLayer, LanguageModelEmbedding, RotaryEmbedding, ColumnParallelLinear) where
   megatron-core is installed; without it a model holds none of them and only the root is
-  sharded, as Megatron's class would do;
+  sharded, as Megatron's class would do. One difference: a layer that returns its bias for
+  its caller to add (`skip_bias_add`, as the local spec's `linear_fc1` under the default
+  `transformer_impl`) stays in its parent's unit (see `_hands_out_bias`);
 - from `config` (TransformerConfig) only `transformer_impl` ("local": ColumnParallelLinear
   leaves the default set) and `recompute_granularity` (not None: each unit prefetches the
   one before it in backward explicitly, since recompute reorders FSDP2's implicit order);
@@ -20,10 +22,11 @@ Built as Megatron's own class builds (megatron/core/distributed/torch_fully_shar
 - attributes Megatron sets on parameters (`tensor_model_parallel`, `sequence_parallel`,
   `allreduce`, ...) survive sharding.
 Methods are `_BaseDataParallel`'s; where Megatron's does nothing on FSDP2 (`finish_grad_sync`,
-`start_grad_sync`, `broadcast_params`: FSDP2 reduces in backward and holds one copy per
-shard), so does this one. `no_sync` really skips the reduction (Megatron's base class
-documents that, though its FSDP2 class reduces anyway; the sum is the same), and
-`disable_bucketing` is accepted and unused, as in Megatron's class.
+`start_grad_sync`, `broadcast_params`: FSDP2 reduces in backward and holds one copy per shard),
+so does this one, with the signatures megatron-core's `finalize_model_grads` calls. `no_sync`
+really skips the reduction (Megatron's base class documents that, though its FSDP2 class reduces
+anyway; the sum is the same), and `disable_bucketing` is accepted and unused, as in Megatron's
+class.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
         plan = WrapPlan(
             mesh=mesh,
             group=group,
-            units=wrap_units(module, classes, set()) if classes else [],
+            units=[u for u in wrap_units(module, classes, set()) if not _hands_out_bias(u)] if classes else [],
             reshard_after_forward=reshard_of(getattr(ddp_config, "reshard_after_forward", True)),
             mp_policy=precision_of(None),
             cpu_offload=False,
@@ -113,8 +116,9 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
     def start_grad_sync(self, *unused: Any) -> None:
         """FSDP2 reduces each unit's gradients during backward: nothing is left to start."""
 
-    def finish_grad_sync(self) -> None:
-        """Nothing is left to wait for (see `start_grad_sync`)."""
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        """Nothing is left to wait for (see `start_grad_sync`); `force_all_reduce`, which
+        megatron-core's `finalize_model_grads` passes, changes nothing either."""
 
     def broadcast_params(self) -> None:
         """Each rank holds its own shard, not a copy to sync; nothing to broadcast."""
@@ -144,6 +148,14 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
         if any(isinstance(v, DTensor) for v in state.values()):
             return state_dict.load_sharded_state_dict(self.module, state, strict=strict)
         return state_dict.load_full_state_dict(self.module, state, strict=strict, from_rank0=False)
+
+
+def _hands_out_bias(module: nn.Module) -> bool:
+    """A layer that returns its bias for the caller to add (Megatron's `skip_bias_add`, as the
+    local spec's `linear_fc1`): the caller reads that bias after the layer's forward, when a
+    unit of its own has already resharded it (freed storage: a segfault on CPU), so such a
+    layer stays in its parent's unit, which holds it gathered until the add is done."""
+    return bool(getattr(module, "skip_bias_add", False)) and getattr(module, "bias", None) is not None
 
 
 def _megatron_data_parallel_group() -> dist.ProcessGroup | None:

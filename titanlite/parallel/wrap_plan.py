@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -63,6 +63,9 @@ class WrapPlan:
     forward_prefetch: bool
     ignored_params: set[nn.Parameter]
     device: torch.device
+    # Units sharded without mixed precision, their inputs cast up and outputs back (FSDP1's
+    # `MixedPrecision._module_classes_to_ignore`, BatchNorm by default); also in `units`.
+    full_precision_units: list[nn.Module] = field(default_factory=list)
 
 
 def require_process_group(wrapper: str) -> None:

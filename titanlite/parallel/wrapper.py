@@ -20,13 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from titanlite.errors import TitanliteError
 from titanlite.parallel.full_params import summon_full_params
-from titanlite.parallel.fsdp import shard_model
-from titanlite.parallel.grad_norm import clip_gradients_
-from titanlite.parallel.units import outermost
+from titanlite.parallel.fsdp import shard_dim, shard_model
+from titanlite.parallel.grad_norm import total_grad_norm
 from titanlite.parallel.wrap_plan import WrapPlan
 
 WRAPPED = "_fsdp_wrapped_module"  # FSDP1's attribute name, stripped from parameter names as FSDP1 does
@@ -44,10 +44,11 @@ class ShardedWrapper(nn.Module):
             module.to(plan.device)
         if sync_module_states:
             broadcast_from_first_rank(module, plan.group)
+        shard_in_full_precision(plan)
         shard_model(
             module,
             plan.mesh,
-            plan.units,
+            [unit for unit in plan.units if unit not in plan.full_precision_units],
             mp_policy=plan.mp_policy,
             reshard_after_forward=plan.reshard_after_forward,
             cpu_offload=plan.cpu_offload,
@@ -99,10 +100,20 @@ class ShardedWrapper(nn.Module):
             self.module.set_requires_gradient_sync(True)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the total L2 gradient norm over every shard and replica (one all-reduce); returns it."""
+        """Clip the total L2 gradient norm, FSDP1's: the sharded gradients' over every shard
+        and replica (one all-reduce), plus this rank's own unsharded ones (ignored modules,
+        which FSDP does not reduce) counted once, not once per rank; returns it."""
         if float(norm_type) != 2.0:
             raise TitanliteError(f"clip_grad_norm_: norm_type {norm_type} is not supported (only the L2 norm, 2.0)")
-        return clip_gradients_(list(self.parameters()), float(max_norm), world=True, group=self._plan.group)
+        with_grad = [p for p in self.parameters() if p.grad is not None]
+        sharded = [p for p in with_grad if isinstance(p, DTensor)]
+        local = [p for p in with_grad if not isinstance(p, DTensor)]
+        norm = total_grad_norm(sharded, world=True, group=self._plan.group).square()
+        norm = (norm + total_grad_norm(local, world=False).to(norm.device).square()).sqrt()
+        if max_norm > 0 and with_grad:
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in with_grad]
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
+        return norm
 
     def sharded_units(self) -> list[FSDPModule]:
         """The modules FSDP2 sharded on their own inside the root (what FSDP1 would have
@@ -119,22 +130,44 @@ def _check_reshard(plan: WrapPlan) -> None:
         )
 
 
+def shard_in_full_precision(plan: WrapPlan) -> None:
+    """`fully_shard` the plan's full-precision units (leaves, so before any other unit) with
+    no mixed precision, as FSDP1 wraps them: inputs cast to float32 before their forward and
+    outputs back to the inputs' dtype after it (FSDP1's own hooks), so the units around them
+    keep computing in the low precision."""
+    if not plan.full_precision_units:
+        return
+    from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
+
+    options = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if plan.cpu_offload else {}
+    for unit in plan.full_precision_units:
+        fully_shard(
+            unit,
+            mesh=plan.mesh,
+            reshard_after_forward=plan.reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(),
+            shard_placement_fn=shard_dim(plan.mesh.size(plan.mesh.ndim - 1)),
+            **options,
+        )
+        _override_module_mixed_precision(unit, {type(unit)})
+
+
 def set_prefetch(module: nn.Module, plan: WrapPlan) -> None:
-    """Forward: the next unit explicitly (FSDP1's forward_prefetch), else FSDP2's implicit
-    order. Backward: FSDP2's implicit one-ahead ("default"); none ("off": each unit, and the
-    root, prefetches only itself, which it already holds, since FSDP2 reads an empty list as
-    "default"); or the unit before it in the model ("previous", Megatron's)."""
-    units = outermost(plan.units, module)
+    """Over every unit, nested ones included, in the model's order. Forward: the next unit
+    explicitly (FSDP1's forward_prefetch), else FSDP2's implicit order. Backward: FSDP2's
+    implicit one-ahead ("default"); none ("off": each unit, and the root, prefetches only
+    itself, which it already holds, since FSDP2 reads an empty list as "default"); or the
+    unit before it in the model ("previous", Megatron's)."""
+    units = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
     for index, unit in enumerate(units):
         if plan.forward_prefetch:
             unit.set_modules_to_forward_prefetch(units[index + 1 : index + 2])
-    if plan.backward_prefetch == "off":
-        for unit in [*units, module]:
+        if plan.backward_prefetch == "off":
             unit.set_modules_to_backward_prefetch([unit])
-    elif plan.backward_prefetch == "previous":
-        in_order = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
-        for index, unit in enumerate(in_order):
-            unit.set_modules_to_backward_prefetch(in_order[index - 1 : index] if index else [])
+        elif plan.backward_prefetch == "previous":
+            unit.set_modules_to_backward_prefetch(units[index - 1 : index] if index else [])
+    if plan.backward_prefetch == "off":
+        module.set_modules_to_backward_prefetch([module])
 
 
 @torch.no_grad()

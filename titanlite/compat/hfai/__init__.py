@@ -12,7 +12,8 @@ with hfai's signature, defaults and state-dict semantics, which differ from FSDP
   and `load_state_dict(full)` writes a whole state into the shards;
 - outside it, `state_dict()` is each rank's own pieces (`torch.save(state, f"model{rank}.pt")`)
   and `load_state_dict` takes them back at the same layout.
-The policies hfai code imports beside the class are re-exported.
+The policies hfai code imports beside the class are re-exported, and `titanlite.compat.hfai.warp`
+stands for `hfai.distributed.fsdp.warp`, where hfai code imports them from.
 """
 
 from __future__ import annotations
