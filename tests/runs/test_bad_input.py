@@ -164,9 +164,13 @@ CASES: dict[str, Case] = {
     "bad_boolean": Case(["training.deterministic", "maybe"], {"training.deterministic": "maybe"}),
     "nan_float": Case(["optimizer.lr", "finite"], {"optimizer.lr": "nan"}),
     "broken_list": Case(["parallelism.fsdp_shard_modules"], {"parallelism.fsdp_shard_modules": '["Block",'}),
+    "torchtitan_list_option_as_one_name": Case(
+        ["model.converters: float8 is not supported"], extra=["--model.converters", "float8"]
+    ),
     # zero, negative and out-of-range values
     "steps_zero": Case(["training.steps", "0"], {"training.steps": "0"}),
     "steps_negative": Case(["training.steps", "-3"], {"training.steps": "-3"}),
+    "steps_that_cannot_finish": Case(["training.steps", "1e+09", str(10**20)], {"training.steps": str(10**20)}),
     "tp_degree_zero": Case([TP, "0"], {TP: "0"}),
     "tp_degree_negative": Case([TP, "-2"], {TP: "-2"}),
     "dp_shard_degree_zero": Case(

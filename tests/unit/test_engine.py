@@ -192,6 +192,15 @@ def test_parse_override_by_field_type(name, value, parsed):
 
 
 @pytest.mark.parametrize(
+    "text, names",
+    [("float8", ["float8"]), ("float8, mx", ["float8", "mx"]), ('["float8"]', ["float8"]), ("", []), ("[]", [])],
+)
+def test_parse_list_never_splits_a_name_into_characters(text, names):
+    """What a translation (`Translate`) hands on for another tool's list option is this text."""
+    assert E.parse_list(text) == names
+
+
+@pytest.mark.parametrize(
     "name, value, message",
     [
         ("garden.beds", "1.5", "garden.beds: expected an integer, got '1.5'"),

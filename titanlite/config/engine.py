@@ -141,15 +141,17 @@ def _coerce(value: Any, tp: Any) -> Any:
     return float(value) if isinstance(value, int) and float in (tp, _optional_inner(tp)) else value
 
 
-def _parse_list(text: str, tp: Any) -> list[str]:
-    """`a,b` or TOML-style `["a", "b"]`; ValueError if the bracketed form does not parse."""
+def parse_list(text: str) -> list[str]:
+    """`a,b`, one name `a`, or TOML-style `["a", "b"]` as a list of strings (never a string's
+    characters); ValueError if the bracketed form does not parse. Also for a list option that
+    another tool's translation handles (`Translate`), whose command-line value arrives as text."""
     stripped = text.strip()
     if stripped.startswith("["):
         try:
             value = tomllib.loads(f"v = {stripped}")["v"]
         except tomllib.TOMLDecodeError as error:
             raise ValueError from error
-        return _coerce(value, tp)
+        return _coerce(value, list[str])
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
@@ -159,7 +161,7 @@ def _parse_cli(text: str, tp: Any) -> Any:
     if inner is not None:
         return None if text.strip().lower() == "none" else _parse_cli(text, inner)
     if typing.get_origin(tp) is list:
-        return _parse_list(text, tp)
+        return parse_list(text)
     if tp is bool:
         word = text.strip().lower()
         if word in _TRUE or word in _FALSE:
