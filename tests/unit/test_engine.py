@@ -215,6 +215,18 @@ def test_parse_override_errors(name, value, message):
     assert error(E.parse_override, House, name, value) == message
 
 
+def test_a_long_value_is_quoted_short():
+    """A pasted paragraph or a 10,000-digit number: the line quotes its start and says its size."""
+    assert error(E.parse_override, House, "garden.beds", "9" * 10_000) == (
+        f"garden.beds: expected an integer, got '{'9' * 56}... (10,002 characters)"
+    )
+    cfg = House()
+    cfg.garden.soil = "silt " * 100
+    assert error(E.check_values, cfg) == (
+        f"garden.soil: must be one of loam, clay, sand (got '{'silt ' * 11}s... (502 characters))"
+    )
+
+
 # --- unknown names ---------------------------------------------------------------------
 
 
