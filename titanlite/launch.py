@@ -98,10 +98,18 @@ def restart_line(failures: dict[int, ProcessFailure], attempt: int, restarts: in
     )
 
 
+def restart_can_help(failures: dict[int, ProcessFailure]) -> bool:
+    """False when the rank that failed first made a user error (exit code 2: a bad config value
+    found after the workers started): the restarted job would meet the same input and fail the
+    same way, so the job ends at once with that error's line instead of restarting N times."""
+    return not failures or first_failure(failures)[1].exitcode != USER_ERROR_EXIT_CODE
+
+
 def _say_restarts() -> None:
     """The agent says a restart only in an INFO record, which its loggers (WARNING unless
     LOGLEVEL says otherwise) never create. Wraps the local agent's monitor: when it reports a
-    failed group and restarts are left, the agent restarts it, and this says so first."""
+    failed group and restarts are left, the agent restarts it, and this says so first; unless a
+    restart cannot help (`restart_can_help`): then no restarts are left and the agent ends the job."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -111,7 +119,10 @@ def _say_restarts() -> None:
 
     def monitor_saying_restarts(self, worker_group):
         result = monitor(self, worker_group)
-        if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED) and self._remaining_restarts > 0:
+        failed = result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED)
+        if failed and not restart_can_help(result.failures):
+            self._remaining_restarts = 0
+        if failed and self._remaining_restarts > 0:
             restarts = worker_group.spec.max_restarts
             say(restart_line(result.failures, restarts - self._remaining_restarts + 1, restarts))
         return result

@@ -1,4 +1,4 @@
-"""Every malformed input a user can give ends the same way: exit code 2, exactly one
+"""Every malformed input a user can give ends the same way: exit code 2, exactly one short
 `titanlite: error:` line on stderr naming what is wrong, no traceback, no process left.
 
 A table of cases: wrong types, zero and negative degrees, unknown keys and sections,
@@ -45,6 +45,9 @@ PP = "parallelism.pipeline_parallel_degree"
 CP = "parallelism.context_parallel_degree"
 EP = "parallelism.expert_parallel_degree"
 MOE = {"model.name": "qwen3", "model.flavor": "debugmodel_moe"}
+# The longest error line a case may print, paths (pytest's temporary folders) included: a
+# line that lists every valid value or quotes a pasted value whole stops reading as one line.
+MAX_ERROR_LINE = 300
 DUMP = "{dump}"  # placeholders, filled per case
 CASE = "{case}"
 
@@ -164,9 +167,14 @@ CASES: dict[str, Case] = {
     "bad_boolean": Case(["training.deterministic", "maybe"], {"training.deterministic": "maybe"}),
     "nan_float": Case(["optimizer.lr", "finite"], {"optimizer.lr": "nan"}),
     "broken_list": Case(["parallelism.fsdp_shard_modules"], {"parallelism.fsdp_shard_modules": '["Block",'}),
+    "pasted_text_for_int": Case(["training.steps", "(2,002 characters)"], {"training.steps": "x" * 2000}),
+    "torchtitan_list_option_as_one_name": Case(
+        ["model.converters: float8 is not supported"], extra=["--model.converters", "float8"]
+    ),
     # zero, negative and out-of-range values
     "steps_zero": Case(["training.steps", "0"], {"training.steps": "0"}),
     "steps_negative": Case(["training.steps", "-3"], {"training.steps": "-3"}),
+    "steps_that_cannot_finish": Case(["training.steps", "1e+09", str(10**20)], {"training.steps": str(10**20)}),
     "tp_degree_zero": Case([TP, "0"], {TP: "0"}),
     "tp_degree_negative": Case([TP, "-2"], {TP: "-2"}),
     "dp_shard_degree_zero": Case(
@@ -479,6 +487,7 @@ def test_bad_input_is_one_line_exit_2_no_traceback(name, runs):
         f"expected one error line on stderr\n{run.describe()}"
     )
     assert "Traceback" not in run.output, run.describe()
+    assert len(lines[0]) <= MAX_ERROR_LINE, f"{len(lines[0])} characters: {lines[0]!r}"
     for text in CASES[name].mentions:
         filled = text.replace(DUMP, str(case_dir / "out")).replace(CASE, str(case_dir))
         assert filled in lines[0], f"the error line does not name {filled!r}: {lines[0]!r}"

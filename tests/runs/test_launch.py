@@ -106,6 +106,19 @@ def test_run_train_script_checks_its_variables(variable, value):
     assert_one_line_user_error(run, [variable, repr(value)])
 
 
+@pytest.mark.timeout(400)
+def test_a_user_error_is_not_restarted(tmp_path):
+    """MAX_RESTARTS 2 and a config value every rank refuses after the workers started (tp 3 on
+    2 processes): the job ends at once with that one line and exit code 2, no restart."""
+    run = run_command(
+        [str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path), "--parallelism.tensor_parallel_degree", "3"],
+        {**run_env(), "NPROC": "2", "MAX_RESTARTS": "2"},
+        timeout=300,
+    )
+    assert_one_line_user_error(run, ["world size 2", "tensor_parallel_degree 3"])
+    assert "restarting" not in run.output, run.describe()
+
+
 def test_launcher_checks_nproc_per_node():
     run = run_command(
         [sys.executable, "-m", "titanlite.launch", "--standalone", "--nproc-per-node", "0", "-m", "titanlite.train"],

@@ -64,6 +64,14 @@ def test_sub_modules_to_wrap_and_fsdp_modules_choose_the_units():
     )  # Megatron's own classes: none here
 
 
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+@pytest.mark.parametrize("one", ["Block", Block], ids=["name", "class"])
+def test_one_class_or_class_name_is_that_class_not_its_letters(one, impl):
+    """`sub_modules_to_wrap="Block"` (a string where a set is expected) is not split into characters."""
+    wrapper = TorchFullyShardedDataParallel(stand_in(transformer_impl=impl), SimpleNamespace(), net(), one)
+    assert units(wrapper) == ["blocks.0", "blocks.1"]
+
+
 class ColumnParallelLinear(nn.Linear):
     """Named as Megatron's: the class its "local" transformer_impl leaves out of the set."""
 

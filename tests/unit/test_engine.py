@@ -192,6 +192,15 @@ def test_parse_override_by_field_type(name, value, parsed):
 
 
 @pytest.mark.parametrize(
+    "text, names",
+    [("float8", ["float8"]), ("float8, mx", ["float8", "mx"]), ('["float8"]', ["float8"]), ("", []), ("[]", [])],
+)
+def test_parse_list_never_splits_a_name_into_characters(text, names):
+    """What a translation (`Translate`) hands on for another tool's list option is this text."""
+    assert E.parse_list(text) == names
+
+
+@pytest.mark.parametrize(
     "name, value, message",
     [
         ("garden.beds", "1.5", "garden.beds: expected an integer, got '1.5'"),
@@ -204,6 +213,18 @@ def test_parse_override_by_field_type(name, value, parsed):
 )
 def test_parse_override_errors(name, value, message):
     assert error(E.parse_override, House, name, value) == message
+
+
+def test_a_long_value_is_quoted_short():
+    """A pasted paragraph or a 10,000-digit number: the line quotes its start and says its size."""
+    assert error(E.parse_override, House, "garden.beds", "9" * 10_000) == (
+        f"garden.beds: expected an integer, got '{'9' * 56}... (10,002 characters)"
+    )
+    cfg = House()
+    cfg.garden.soil = "silt " * 100
+    assert error(E.check_values, cfg) == (
+        f"garden.soil: must be one of loam, clay, sand (got '{'silt ' * 11}s... (502 characters))"
+    )
 
 
 # --- unknown names ---------------------------------------------------------------------

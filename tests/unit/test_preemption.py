@@ -4,6 +4,7 @@ worker without a launcher keeps its own lifetime."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -26,6 +27,16 @@ def test_stop_signals_are_recorded_and_the_first_is_kept(signals):
     os.kill(os.getpid(), signal.SIGUSR1)
     os.kill(os.getpid(), signal.SIGTERM)
     assert received.stop_signal == signal.SIGUSR1 and not received.interrupted
+
+
+def test_a_stop_signal_does_not_promise_a_checkpoint(signals, caplog, monkeypatch):
+    """The same SIGTERM reaches the ranks left after a peer's kill -9, which save nothing."""
+    monkeypatch.setattr(logging.getLogger("titanlite"), "propagate", True)  # off once init_logger ran
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert caplog.messages == [
+        "got SIGTERM: stopping after this step (saved if checkpointing is on and every rank finishes it)"
+    ]
 
 
 def test_ctrl_c_interrupts_at_once(signals):

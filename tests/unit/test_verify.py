@@ -1,6 +1,6 @@
 """titanlite/data/verify.py (`python -m titanlite.data.verify FOLDER`): a folder whose files match
-its manifest's checksums is one summary line and exit 0; anything else is one line naming the
-first bad file or the folder, exit 2, no traceback."""
+its manifest's checksums is one summary line and exit 0; anything else is one line that starts
+with the first bad file or the folder (never the placeholder word FOLDER), exit 2, no traceback."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_a_bad_folder_is_one_line_naming_the_file(prepared, tmp_path, capsys, da
     message = damage(folder)
     code, out, err = run(folder, capsys)
     assert (code, out, len(err)) == (2, [], 1)
-    assert err[0].startswith(f"titanlite: error: FOLDER: {folder}") and re.search(message, err[0]), err[0]
+    assert err[0].startswith(f"titanlite: error: {folder}/") and re.search(message, err[0]), err[0]
 
 
 def test_what_is_not_a_prepared_dataset_is_one_line(prepared, capsys):
@@ -82,14 +82,14 @@ def test_what_is_not_a_prepared_dataset_is_one_line(prepared, capsys):
         2,
         [],
         [
-            f"titanlite: error: FOLDER: {text} is not a prepared dataset (no manifest.json; "
+            f"titanlite: error: {text} is not a prepared dataset (no manifest.json; "
             f"write one with python -m titanlite.data.prepare SOURCE {text} --tokenizer PATH)"
         ],
     )
     assert run(text / "docs.jsonl", capsys) == (
         2,
         [],
-        [f"titanlite: error: FOLDER: {text / 'docs.jsonl'} is not a prepared dataset (not a folder)"],
+        [f"titanlite: error: {text / 'docs.jsonl'} is not a prepared dataset (not a folder)"],
     )
     code, out, err = main([]), *capsys.readouterr()
     assert (code, out, err) == (2, "", "titanlite: error: the following arguments are required: FOLDER\n")

@@ -89,3 +89,37 @@ def test_a_missing_wandb_is_one_line_and_exit_2_before_training(tmp_path, monkey
         "package: pip install wandb\n"
     )
     assert not any(tmp_path.iterdir())  # stopped before the run folder (or a device)
+
+
+def test_a_wandb_that_fails_to_import_is_one_line_and_exit_2_before_training(tmp_path, monkeypatch, capsys):
+    """An install that is found but raises at import (a dependency clash), simulated by a package
+    named wandb first on the path: rank 0 imports it before any device, not after the model."""
+    from titanlite import train
+
+    broken = tmp_path / "site" / "wandb"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('cannot import name Message from protobuf')\n")
+    monkeypatch.syspath_prepend(str(broken.parent))
+    for name in [name for name in sys.modules if name == "wandb" or name.startswith("wandb.")]:
+        monkeypatch.delitem(sys.modules, name)
+    dump = tmp_path / "dump"
+    code = train.main(["--config", "debug_model", "--metrics.enable_wandb", "true", "--job.dump_folder", str(dump)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (
+        "titanlite: error: metrics.enable_wandb: the installed wandb package fails to import (ImportError: cannot "
+        "import name Message from protobuf); reinstall it: pip install --force-reinstall wandb\n"
+    )
+    assert not dump.exists()  # stopped before the run folder (or a device)
+
+
+def test_a_bad_wandb_mode_is_one_line_and_exit_2_before_training(tmp_path, monkeypatch, capsys):
+    from titanlite import train
+
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    code = train.main(["--config", "debug_model", "--metrics.enable_wandb", "true", "--job.dump_folder", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (
+        "titanlite: error: metrics.enable_wandb: WANDB_MODE='bogus' is not one of wandb's modes (online, offline, "
+        "disabled, shared, dryrun, run)\n"
+    )
+    assert not any(tmp_path.iterdir())

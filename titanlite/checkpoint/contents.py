@@ -87,13 +87,16 @@ class Contents:
         return {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items() if torch.is_tensor(v)}
 
     def mesh(self) -> dict[str, int]:
-        """The mesh the parameters live on ({} when not distributed), recorded for the log."""
+        """The dims of the meshes the parameters live on ({} when not distributed), recorded for
+        the log: the first parameter's, then those only others use (the experts' ep and efsdp)."""
+        dims: dict[str, int] = {}
         for param in self.model.parameters():
             if isinstance(param, DTensor):
                 mesh = param.device_mesh
                 names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-                return dict(zip(names, mesh.shape))
-        return {}
+                for name, size in zip(names, mesh.shape):
+                    dims.setdefault(name, size)
+        return dims
 
     def tokens_seen(self) -> int:
         return int(getattr(self.train_state, "tokens_seen", 0))

@@ -262,8 +262,17 @@ def check_tensor_shapes(path: Path, saved: dict[str, tuple[int, ...]], wanted: d
             )
 
 
+# The experts' dims (parallel/mesh.py): ranks borrowed from dp_shard x cp, shown apart from the mesh they split.
+_EXPERT_DIMS = ("efsdp", "ep")
+
+
 def _mesh_text(mesh: dict[str, int]) -> str:
-    return f" (mesh {' x '.join(f'{k} {v}' for k, v in mesh.items())})" if mesh else ""
+    """` (mesh dp_shard 4 x tp 2; experts efsdp 2 x ep 2)`, or '' for no mesh."""
+
+    def dims(experts: bool) -> str:
+        return " x ".join(f"{k} {v}" for k, v in mesh.items() if (k in _EXPERT_DIMS) == experts)
+
+    return f" (mesh {dims(False)}{f'; experts {dims(True)}' if dims(True) else ''})" if mesh else ""
 
 
 def _describe(saved_fingerprint: dict[str, Any], args: dict[str, Any]) -> str:

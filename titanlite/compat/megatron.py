@@ -82,13 +82,14 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
         process_group: dist.ProcessGroup | None = None,
     ):
         require_process_group("TorchFullyShardedDataParallel")
-        classes = (
-            megatron_default_sub_modules()
-            if sub_modules_to_wrap is MEGATRON_DEFAULT_SUB_MODULES
-            else set(sub_modules_to_wrap)
-        )
+        if sub_modules_to_wrap is MEGATRON_DEFAULT_SUB_MODULES:
+            classes = megatron_default_sub_modules()
+        elif isinstance(sub_modules_to_wrap, (str, type)):  # one class or class name, not its letters
+            classes = {sub_modules_to_wrap}
+        else:
+            classes = set(sub_modules_to_wrap)
         if getattr(config, "transformer_impl", None) == "local":
-            classes = {c for c in classes if c.__name__ != "ColumnParallelLinear"}
+            classes = {c for c in classes if getattr(c, "__name__", c) != "ColumnParallelLinear"}
         for sub_module in module.modules():
             classes.update(getattr(sub_module, "_fsdp_modules", []))
         device = device_of(None)

@@ -36,6 +36,8 @@ from titanlite.errors import TitanliteError
 Override = tuple[str, str, Any]
 """(section, key, parsed value) from the command line."""
 
+QUOTED_LIMIT = 60  # characters of a value an error line quotes (`quoted`)
+
 
 def option(
     default: Any,
@@ -141,15 +143,17 @@ def _coerce(value: Any, tp: Any) -> Any:
     return float(value) if isinstance(value, int) and float in (tp, _optional_inner(tp)) else value
 
 
-def _parse_list(text: str, tp: Any) -> list[str]:
-    """`a,b` or TOML-style `["a", "b"]`; ValueError if the bracketed form does not parse."""
+def parse_list(text: str) -> list[str]:
+    """`a,b`, one name `a`, or TOML-style `["a", "b"]` as a list of strings (never a string's
+    characters); ValueError if the bracketed form does not parse. Also for a list option that
+    another tool's translation handles (`Translate`), whose command-line value arrives as text."""
     stripped = text.strip()
     if stripped.startswith("["):
         try:
             value = tomllib.loads(f"v = {stripped}")["v"]
         except tomllib.TOMLDecodeError as error:
             raise ValueError from error
-        return _coerce(value, tp)
+        return _coerce(value, list[str])
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
@@ -159,7 +163,7 @@ def _parse_cli(text: str, tp: Any) -> Any:
     if inner is not None:
         return None if text.strip().lower() == "none" else _parse_cli(text, inner)
     if typing.get_origin(tp) is list:
-        return _parse_list(text, tp)
+        return parse_list(text)
     if tp is bool:
         word = text.strip().lower()
         if word in _TRUE or word in _FALSE:
@@ -280,7 +284,7 @@ def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate 
             try:
                 setattr(getattr(cfg, section), key, _coerce(value, tp))
             except ValueError:
-                raise TitanliteError(f"{section}.{key}: expected {expected(tp)}, got {value!r} {where}") from None
+                raise TitanliteError(f"{section}.{key}: expected {expected(tp)}, got {quoted(value)} {where}") from None
 
 
 def cli_pairs(argv: Sequence[str], usage: str) -> Iterator[tuple[str, str | None]]:
@@ -319,7 +323,7 @@ def parse_override(root: type, name: str, value: str | None, translate: Translat
     try:
         return section, key, _parse_cli(value, tp)
     except ValueError:
-        raise TitanliteError(f"{section}.{key}: expected {expected(tp)}, got {value!r}") from None
+        raise TitanliteError(f"{section}.{key}: expected {expected(tp)}, got {quoted(value)}") from None
 
 
 def refuse_repeats(overrides: Sequence[Override]) -> None:
@@ -374,16 +378,18 @@ def _in_range(value: Any, meta: typing.Mapping[str, Any]) -> bool:
 def _check_field(name: str, tp: Any, meta: typing.Mapping[str, Any], value: Any) -> None:
     """Type, finiteness, choices and range of one value, from its field's metadata."""
     if not _is_type(value, tp):
-        raise TitanliteError(f"{name}: expected {expected(tp)} (got {value!r})")
+        raise TitanliteError(f"{name}: expected {expected(tp)} (got {quoted(value)})")
     if isinstance(value, float) and not math.isfinite(value):
-        raise TitanliteError(f"{name}: must be a finite number (got {value!r})")
+        raise TitanliteError(f"{name}: must be a finite number (got {quoted(value)})")
     if meta["choices"] and value not in meta["choices"]:
-        raise TitanliteError(f"{name}: must be one of {', '.join(map(shown_choice, meta['choices']))} (got {value!r})")
+        raise TitanliteError(
+            f"{name}: must be one of {', '.join(map(shown_choice, meta['choices']))} (got {quoted(value)})"
+        )
     if meta["nonempty"] and not value:
-        raise TitanliteError(f"{name}: must not be empty (got {value!r})")
+        raise TitanliteError(f"{name}: must not be empty (got {quoted(value)})")
     rule = range_text(meta)
     if rule and not _in_range(value, meta):
-        raise TitanliteError(f"{name}: must be {rule} (got {value!r})")
+        raise TitanliteError(f"{name}: must be {rule} (got {quoted(value)})")
 
 
 def check_values(cfg: Any) -> None:
@@ -392,7 +398,7 @@ def check_values(cfg: Any) -> None:
     for section, section_cls in sections(type(cfg)).items():
         values = getattr(cfg, section)
         if not isinstance(values, section_cls):
-            raise TitanliteError(f"{section}: expected a [{section}] section (got {values!r})")
+            raise TitanliteError(f"{section}: expected a [{section}] section (got {quoted(values)})")
         for key, (tp, f) in keys(section_cls).items():
             _check_field(f"{section}.{key}", tp, f.metadata, getattr(values, key))
 
@@ -407,6 +413,13 @@ def toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(value, ensure_ascii=False)
+
+
+def quoted(value: Any, limit: int = QUOTED_LIMIT) -> str:
+    """A value as an error line quotes it: its repr, cut to `limit` characters, so that a pasted
+    file or a 10,000-digit number still leaves one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text):,} characters)"
 
 
 def shown_choice(choice: str) -> str:

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 from titanlite.config.engine import option as _opt
 
+# training.steps' bound: a run of more steps cannot finish (see its help), so a number past it
+# (10**20, a typo, a stand-in for "forever") is refused instead of training until killed.
+MAX_STEPS = 10**9
+
 # --------------------------------------------------------------------------------------
 # The sections. Field order is the order of help_text and of the printed config.
 # --------------------------------------------------------------------------------------
@@ -124,7 +128,13 @@ class Training:
     )
     seq_len: int = _opt(2048, "tokens per training sequence", gt=0)
     max_norm: float = _opt(1.0, "clip gradients to this total norm; 0 disables clipping", ge=0)
-    steps: int = _opt(10000, "optimizer steps to train for", gt=0)
+    steps: int = _opt(
+        10000,
+        "optimizer steps to train for (more cannot finish: 1e9 steps at 1 ms each, far below any real step, "
+        "take 11.6 days)",
+        gt=0,
+        le=MAX_STEPS,
+    )
     seed: int = _opt(42, "random seed for weight init and data order", ge=0)
     deterministic: bool = _opt(False, "use deterministic kernels (slower; for bitwise-reproducible runs)")
     mixed_precision_param: str = _opt(

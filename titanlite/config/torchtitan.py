@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from titanlite.config.engine import parse_list
 from titanlite.errors import TitanliteError
 
 ALIASES = {
@@ -53,6 +54,15 @@ def _is_on(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("true", "1", "yes", "on")
     return bool(value) and value is not False
+
+
+def _listed(text: str) -> list[str]:
+    """A list option's text (`float8`, `float8,mx`, `["float8"]`) as its names; text that
+    does not parse as a list is one name."""
+    try:
+        return parse_list(text)
+    except ValueError:
+        return [text]
 
 
 def _enables(table: Any) -> list[str]:
@@ -108,6 +118,7 @@ class TorchtitanKeys:
             self._downloaded[section] = (value, where)
             return None
         if (section, key) == ("model", "converters"):
+            value = value if isinstance(value, list) else _listed(str(value))  # the command line's text
             if value:
                 raise TitanliteError(
                     f"model.converters: {', '.join(map(str, value))} is not supported (titanlite has no "

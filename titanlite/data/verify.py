@@ -26,6 +26,8 @@ from titanlite.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, OneLin
 from titanlite.logging import init_logger, logger
 from titanlite.observe.progress import Progress, amount_text
 
+# The readers shared with training name the config field a path came from ("FIELD: path ...");
+# here the path is the command's own argument, so the line starts with the path itself.
 FIELD = "FOLDER"
 
 
@@ -37,8 +39,8 @@ def verify(folder: str | Path) -> str:
     unrecorded = next((entry.name for entry in shards.entries if entry.crc32 is None), None)
     if unrecorded is not None:
         raise TitanliteError(
-            f"{FIELD}: {shards.folder / MANIFEST} records no checksums for {unrecorded} (prepared before "
-            "titanlite wrote them), so nothing can be verified; prepare it again to add them"
+            f"{shards.folder / MANIFEST} records no checksums for {unrecorded} (prepared before titanlite wrote "
+            "them), so nothing can be verified; prepare it again to add them"
         )
     sizes = [
         sum((shards.folder / f"{entry.name}.{suffix}").stat().st_size for suffix in SHARD_FILES)
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = verify(parser.parse_args(sys.argv[1:] if argv is None else argv).folder)
     except TitanliteError as error:
-        say(f"titanlite: error: {error}")
+        say(f"titanlite: error: {str(error).removeprefix(f'{FIELD}: ')}")
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         say("titanlite: error: interrupted; nothing was changed")

@@ -58,7 +58,12 @@ class StopSignals:
             raise KeyboardInterrupt  # as without a handler
         if not self.stop_signal:
             self.stop_signal = signum
-            logger.info(f"got {signal.Signals(signum).name}: stopping after this step, with a checkpoint of it")
+            # No promise of a checkpoint: the launcher also sends SIGTERM to the ranks left after a
+            # peer died (kill -9), whose step never finishes; the line that ends the run says what was saved.
+            logger.info(
+                f"got {signal.Signals(signum).name}: stopping after this step (saved if checkpointing is on "
+                "and every rank finishes it)"
+            )
 
 
 received = StopSignals()
