@@ -192,13 +192,12 @@ class TorchtitanKeys:
         command-line override replaced it, and for validation only when validation is on; a
         torchtitan file's flavor is torchtitan's."""
         self._torchtitan_flavor(cfg, _COMMAND_LINE if ("model", "flavor") in overridden else self._file)
-        validation_enabled = cfg.validation.enable
         for section, (dataset, where) in self._downloaded.items():
             if (section, "dataset") in overridden and where != _COMMAND_LINE:
                 self.notices.append(
                     f"{section}.dataset = {dataset!r} {where}: torchtitan's download, replaced by the command line's"
                 )
-            elif section == "training" or validation_enabled:
+            elif section == "training" or cfg.validation.enable:
                 raise TitanliteError(
                     f"{section}.dataset: {dataset!r} is a dataset torchtitan downloads at run time; {_PREPARE}"
                 )
