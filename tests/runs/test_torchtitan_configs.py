@@ -1,7 +1,12 @@
-"""torchtitan's own TOML files (llama3 debug_model.toml and llama3_8b.toml, as torchtitan v0.2.2
-published them, written out below) run with titanlite once the dataset line is the only edit:
-the debug file trains, the 8B file plans. Unedited, each stops at its dataset in one line that
-says how to prepare local data; torchtitan's options titanlite does not have are one note each."""
+"""torchtitan's own TOML files run with titanlite once the dataset line is the only edit.
+
+tests/torchtitan_configs/ holds torchtitan v0.2.2's files as published (tag v0.2.2, commit
+73a0e69, `torchtitan/models/<family>/train_configs/`; a debug_model.toml renamed after its
+family): every Llama 3 and Qwen3 file, and the debug files of three families titanlite does not
+have. The debug files train for two steps, on torchtitan's flavor shapes; the big ones plan.
+Unedited, each stops at its dataset in one line that says how to prepare local data; torchtitan's
+options titanlite does not have are one note each, and a family titanlite lacks is named first.
+"""
 
 from __future__ import annotations
 
@@ -14,174 +19,48 @@ import pytest
 
 from tests.helpers.distributed import REPO, run_env
 
-DEBUG_MODEL_TOML = """
-[job]
-dump_folder = "./outputs"
-description = "Llama 3 debug training"
-print_config = false
+CONFIGS = Path(__file__).resolve().parents[1] / "torchtitan_configs"
+DOWNLOADS = {"c4": 'dataset = "c4"', "c4_test": 'dataset = "c4_test"'}
+# The big files: the world and the device memory each one's NOTE line is for (8 GPUs when it has none),
+# and the vocabulary of the tokenizer its hf_assets_path names.
+PLANNED = {
+    "llama3_8b": (64, "80GiB", 128256),
+    "llama3_70b": (64, "80GiB", 128256),
+    "llama3_405b": (128, "80GiB", 128256),
+    "qwen3_0.6b": (8, "80GiB", 151936),
+    "qwen3_1.7b": (8, "80GiB", 151936),
+    "qwen3_32b": (8, "96GiB", 151936),
+}
+TRAINED = ("llama3_debug_model", "qwen3_moe_debug")
+ABSENT = ("deepseek_v3_debug_model", "llama4_debug_model", "gpt_oss_debug_model")
+# What the 405B file turns on that titanlite does not have, and the value that turns it off.
+LLAMA3_405B_ON = {
+    'converters = ["float8"]': "converters = []",
+    "enable_async_tensor_parallel = true": "enable_async_tensor_parallel = false",
+    "enable_fsdp_float8_all_gather = true": "enable_fsdp_float8_all_gather = false",
+    "precompute_float8_dynamic_scale_for_fsdp = true": "precompute_float8_dynamic_scale_for_fsdp = false",
+}
 
-[profiling]
-enable_profiling = false
-save_traces_folder = "profile_trace"
-profile_freq = 10
-enable_memory_snapshot = false
-save_memory_snapshot_folder = "memory_snapshot"
 
-[metrics]
-log_freq = 1
-disable_color_printing = false
-enable_tensorboard = false
-save_tb_folder = "tb"
-enable_wandb = false
-
-[model]
-name = "llama3"
-flavor = "debugmodel"
-# test folder with tokenizer.json, for debug purpose only
-hf_assets_path = "./tests/assets/tokenizer"
-# converters = ["float8"]
-
-[optimizer]
-name = "AdamW"
-lr = 8e-4
-eps = 1e-8
-
-[lr_scheduler]
-warmup_steps = 2  # lr scheduler warm up, normally 20% of the train steps
-decay_ratio = 0.8  # lr scheduler decay ratio, 80% of the train steps
-decay_type = "linear"
-min_lr_factor = 0.0
-
-[training]
-local_batch_size = 8
-seq_len = 2048
-max_norm = 1.0  # grad norm clipping
-steps = 10
-dataset = "c4_test"  # supported datasets: c4_test (2K), c4 (177M)
-
-[parallelism]
-data_parallel_replicate_degree = 1
-data_parallel_shard_degree = -1
-fsdp_reshard_after_forward = "default" # default / never / always
-tensor_parallel_degree = 1
-enable_async_tensor_parallel = false
-pipeline_parallel_degree = 1
-pipeline_parallel_schedule = "Interleaved1F1B"
-context_parallel_degree = 1
-
-[checkpoint]
-enable = false
-folder = "checkpoint"
-interval = 10
-last_save_model_only = false
-export_dtype = "float32"
-async_mode = "disabled"  # ["disabled", "async", "async_with_pinned_mem"]
-
-[activation_checkpoint]
-mode = "selective"  # ["none", "selective", "full"]
-selective_ac_option = '2'  # 'int' = ac every positive int layer or 'op', ac based on ops policy
-
-[compile]
-enable=false
-components = ["model", "loss"]
-
-[quantize.linear.float8]
-enable_fsdp_float8_all_gather = false
-precompute_float8_dynamic_scale_for_fsdp = false
-filter_fqns = ["output"]
-
-[validation]
-enable = false
-dataset = "c4_validation"
-freq = 5
-steps = 10
-"""
-
-LLAMA3_8B_TOML = """# NOTE: this toml config is a preset for 64 A100 GPUs.
-
-[job]
-dump_folder = "./outputs"
-description = "Llama 3 8B training"
-
-[profiling]
-enable_profiling = true
-save_traces_folder = "profile_trace"
-profile_freq = 100
-
-[metrics]
-log_freq = 10
-enable_tensorboard = true
-save_tb_folder = "tb"
-
-[model]
-name = "llama3"
-flavor = "8B"
-hf_assets_path = "./assets/hf/Llama-3.1-8B"
-# converters = ["float8"]
-
-[optimizer]
-name = "AdamW"
-lr = 3e-4
-eps = 1e-8
-
-[lr_scheduler]
-warmup_steps = 200  # lr scheduler warm up
-
-[training]
-local_batch_size = 1
-seq_len = 8192
-max_norm = 1.0  # grad norm clipping
-steps = 1000
-dataset = "c4"
-
-[parallelism]
-data_parallel_replicate_degree = 1
-data_parallel_shard_degree = -1
-tensor_parallel_degree = 1
-pipeline_parallel_degree = 1
-context_parallel_degree = 1
-
-[checkpoint]
-enable = false
-folder = "checkpoint"
-interval = 500
-last_save_model_only = true
-export_dtype = "float32"
-async_mode = "disabled" # ["disabled", "async", "async_with_pinned_mem"]
-
-[compile]
-enable=false
-components = ["model", "loss"]
-
-[activation_checkpoint]
-mode = "selective"  # ["none", "selective", "full"]
-selective_ac_option = "op"  # "int" = ac every positive int layer or 'op', ac based on ops policy
-
-[quantize.linear.float8]
-enable_fsdp_float8_all_gather = false
-precompute_float8_dynamic_scale_for_fsdp = false
-filter_fqns = ["output"]
-
-[validation]
-enable = false
-dataset = "c4_validation"
-freq = 500
-steps = 1200 # Recommend value for c4_validation with world-size=8 and seq_len=8192
-"""
+def local(text: str) -> str:
+    """The file with its download replaced by the built-in corpus: the only edit."""
+    for line in DOWNLOADS.values():
+        text = text.replace(line, 'dataset = "builtin"', 1)
+    return text
 
 
 @pytest.fixture
 def workdir(tmp_path) -> Path:
-    """torchtitan's files as published, the dataset line edited in copies, and the tokenizer
-    folder the debug file names (the shipped tokenizer as its tokenizer.model)."""
+    """torchtitan's files as published, a `_local` copy of each with the dataset edited, and
+    the tokenizer folder the debug files name (the shipped tokenizer as its tokenizer.model)."""
     (tmp_path / "tests" / "assets" / "tokenizer").mkdir(parents=True)
     shutil.copy(
         REPO / "assets" / "tokenizer" / "titanlite.model",
         tmp_path / "tests" / "assets" / "tokenizer" / "tokenizer.model",
     )
-    for name, text, download in (("debug_model", DEBUG_MODEL_TOML, "c4_test"), ("llama3_8b", LLAMA3_8B_TOML, "c4")):
-        (tmp_path / f"{name}.toml").write_text(text)
-        (tmp_path / f"{name}_local.toml").write_text(text.replace(f'dataset = "{download}"', 'dataset = "builtin"', 1))
+    for path in CONFIGS.glob("*.toml"):
+        shutil.copy(path, tmp_path / path.name)
+        (tmp_path / f"{path.stem}_local.toml").write_text(local(path.read_text()))
     return tmp_path
 
 
@@ -195,57 +74,133 @@ def notes(result: subprocess.CompletedProcess) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("titanlite: note: ")]
 
 
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The one line a refused run prints (exit code 2, nothing else on stderr)."""
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+def test_the_fixtures_are_every_llama3_and_qwen3_file():
+    names = {path.stem for path in CONFIGS.glob("*.toml")}
+    assert names == {*PLANNED, *TRAINED, *ABSENT}
+    for name in (*PLANNED, *TRAINED):
+        assert sum(line in (CONFIGS / f"{name}.toml").read_text() for line in DOWNLOADS.values()) == 1, name
+
+
 @pytest.mark.timeout(600)
 def test_torchtitans_files_stop_only_at_their_download(workdir):
-    for name, dataset in (("debug_model", "c4_test"), ("llama3_8b", "c4")):
-        result = run(workdir, "titanlite.config", "--config", f"{name}.toml")
-        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-        assert result.stderr.startswith(
-            f"titanlite: error: training.dataset: '{dataset}' is a dataset torchtitan downloads"
+    for name in (*PLANNED, *TRAINED):
+        text = (CONFIGS / f"{name}.toml").read_text()
+        dataset = next(dataset for dataset, line in DOWNLOADS.items() if line in text)
+        if name == "llama3_405b":  # float8 comes first: titanlite has none (below)
+            (workdir / f"{name}.toml").write_text(_replace_all(text, LLAMA3_405B_ON))
+        line = error_line(run(workdir, "titanlite.config", "--config", f"{name}.toml"))
+        assert line.startswith(f"titanlite: error: training.dataset: '{dataset}' is a dataset torchtitan downloads"), (
+            name,
+            line,
         )
-        assert "python -m titanlite.data.prepare" in result.stderr
+        assert "python -m titanlite.data.prepare" in line
 
 
 @pytest.mark.timeout(600)
-def test_the_debug_file_trains_and_says_what_it_leaves_out(workdir):
-    result = run(workdir, "titanlite.train", "--config", "debug_model_local.toml", "--training.steps", "2")
+def test_the_llama3_debug_file_trains_torchtitans_debugmodel_and_says_what_it_leaves_out(workdir):
+    result = run(workdir, "titanlite.train", "--config", "llama3_debug_model_local.toml", "--training.steps", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step     2  loss" in result.stdout, result.stdout[-2000:]
+    # torchtitan's debugmodel: 16 heads, no GQA (titanlite's own has 8 heads and 4 kv heads)
+    assert "model llama3 torchtitan:debugmodel:" in result.stdout, result.stdout[-2000:]
     said = notes(result)
-    assert len(said) == 5, said  # metrics.enable_wandb = false is titanlite's own option: no note
+    assert len(said) == 6, said  # metrics.enable_wandb = false is titanlite's own option: no note
     for key in (
         "metrics.disable_color_printing",
         "parallelism.enable_async_tensor_parallel = false",
         "compile.components",
         "[quantize]",
         "validation.dataset = 'c4_validation'",
+        "model.flavor = 'debugmodel' in llama3_debug_model_local.toml: the file is torchtitan's, so torchtitan's",
     ):
         assert sum(key in line for line in said) == 1, (key, said)
 
 
 @pytest.mark.timeout(600)
-def test_the_8b_file_plans_with_the_llama_3_vocabulary(workdir):
+def test_the_qwen3_moe_debug_file_trains_torchtitans_64_experts(workdir):
+    """torchtitan's debugmodel_moe (8 layers, 16 heads of 128, 64 experts top-8 of width 768,
+    expert-bias balancing) has 317M parameters, 302M of them experts: about 6 GiB resident with
+    AdamW. Its seq_len 4096 (16k tokens a step) would take minutes a step on two cores; seq_len
+    128 trains the same model, every layer and the bias update, in about 20 s of CPU."""
     result = run(
-        workdir, "titanlite.plan", "--config", "llama3_8b_local.toml", "--world-size", "64", "--vocab-size", "128256"
+        workdir,
+        "titanlite.train",
+        "--config",
+        "qwen3_moe_debug_local.toml",
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "128",
     )
-    assert result.returncode == 0, result.stderr
-    assert "model: llama3 8B, 8,030,261,248 parameters" in result.stdout
-    assert "activation checkpointing selective (per op)" in result.stdout and "verdict: fits" in result.stdout
-    assert len(notes(result)) == 3, result.stderr  # compile.components, [quantize], the validation download
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "model qwen3 torchtitan:debugmodel_moe: " in result.stdout, result.stdout[-2000:]
+    assert "step     2  loss" in result.stdout and "moe_load" in result.stdout, result.stdout[-2000:]
+    said = notes(result)
+    for key in (
+        "parallelism.expert_tensor_parallel_degree = 1",
+        "model.flavor = 'debugmodel_moe' in qwen3_moe_debug_local.toml: the file is torchtitan's",
+    ):
+        assert sum(key in line for line in said) == 1, (key, said)
+
+
+@pytest.mark.parametrize("name", list(PLANNED))
+def test_the_big_files_plan_on_torchtitans_flavors(workdir, name):
+    world, memory, vocab = PLANNED[name]
+    if name == "llama3_405b":
+        line = error_line(run(workdir, "titanlite.config", "--config", f"{name}_local.toml"))
+        assert line.startswith("titanlite: error: model.converters: float8 is not supported"), line
+        (workdir / f"{name}_local.toml").write_text(
+            _replace_all((workdir / f"{name}_local.toml").read_text(), LLAMA3_405B_ON)
+        )
+    argv = ["--world-size", str(world), "--device-memory", memory, "--vocab-size", str(vocab)]
+    result = run(workdir, "titanlite.plan", "--config", f"{name}_local.toml", *argv)
+    assert result.returncode == 0 and "verdict: fits" in result.stdout, result.stdout + result.stderr
+    flavor = (CONFIGS / f"{name}.toml").read_text().split('flavor = "')[1].split('"')[0]
+    assert f"model: {name.split('_')[0]} torchtitan:{flavor}, " in result.stdout, result.stdout
+    assert sum(f"model.flavor = '{flavor}'" in line for line in notes(result)) == 1, result.stderr
+    if name == "llama3_8b":  # torchtitan's 8B is the published one
+        assert "model: llama3 torchtitan:8B, 8,030,261,248 parameters" in result.stdout
+        assert "activation checkpointing selective (per op)" in result.stdout
+
+
+@pytest.mark.parametrize("name", ABSENT)
+def test_a_family_titanlite_lacks_is_named_first(workdir, name):
+    """Its files set expert_tensor_parallel_degree and downloads before anything else would be refused."""
+    family = name.removesuffix("_debug_model")
+    line = error_line(run(workdir, "titanlite.config", "--config", f"{name}.toml"))
+    assert line.startswith(f"titanlite: error: model.name: '{family}' in {name}.toml is a torchtitan model family"), (
+        line
+    )
 
 
 def test_an_option_titanlite_lacks_is_refused_when_on(workdir):
-    text = DEBUG_MODEL_TOML.replace('dataset = "c4_test"', 'dataset = "builtin"').replace(
-        "enable_async_tensor_parallel = false", "enable_async_tensor_parallel = true"
+    text = local((CONFIGS / "llama3_debug_model.toml").read_text())
+    (workdir / "async_tp.toml").write_text(
+        text.replace("enable_async_tensor_parallel = false", "enable_async_tensor_parallel = true")
     )
-    (workdir / "async_tp.toml").write_text(text)
-    result = run(workdir, "titanlite.config", "--config", "async_tp.toml")
-    assert result.returncode == 2 and result.stderr.startswith(
-        "titanlite: error: parallelism.enable_async_tensor_parallel: not supported"
+    line = error_line(run(workdir, "titanlite.config", "--config", "async_tp.toml"))
+    assert line.startswith("titanlite: error: parallelism.enable_async_tensor_parallel: not supported")
+    (workdir / "float8.toml").write_text(
+        text.replace("enable_fsdp_float8_all_gather = false", "enable_fsdp_float8_all_gather = true")
     )
-    quantized = DEBUG_MODEL_TOML.replace('dataset = "c4_test"', 'dataset = "builtin"').replace(
-        "enable_fsdp_float8_all_gather = false", "enable_fsdp_float8_all_gather = true"
+    line = error_line(run(workdir, "titanlite.config", "--config", "float8.toml"))
+    assert "linear.float8.enable_fsdp_float8_all_gather is not supported" in line
+    text = local((CONFIGS / "qwen3_moe_debug.toml").read_text())
+    (workdir / "etp.toml").write_text(
+        text.replace("expert_tensor_parallel_degree = 1", "expert_tensor_parallel_degree = 2")
     )
-    (workdir / "float8.toml").write_text(quantized)
-    result = run(workdir, "titanlite.config", "--config", "float8.toml")
-    assert result.returncode == 2 and "linear.float8.enable_fsdp_float8_all_gather is not supported" in result.stderr
+    line = error_line(run(workdir, "titanlite.config", "--config", "etp.toml"))
+    assert line.startswith("titanlite: error: parallelism.expert_tensor_parallel_degree: not supported"), line
+
+
+def _replace_all(text: str, replacements: dict[str, str]) -> str:
+    for old, new in replacements.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    return text

@@ -213,6 +213,8 @@ ELSEWHERE = {
     "stage.py",
     "torch_fully_sharded_data_parallel.py",
 }
+# Paths inside another project's tree (torchtitan's own files, which the torchtitan tables follow).
+ELSEWHERE_ROOTS = ("torchtitan/",)
 FILE_NAME = re.compile(r"(?<![\w.])((?:[\w.-]+/)*[\w-]+\.(?:py|sh|md|toml))\b")
 
 
@@ -224,7 +226,9 @@ def test_every_file_a_docstring_names_exists():
         f"{path.relative_to(REPO)}: {name}"
         for path in (REPO / "titanlite").rglob("*.py")
         for name in set(FILE_NAME.findall(path.read_text()))
-        if name.split("/")[-1] not in ELSEWHERE and not any(f == name or f.endswith("/" + name) for f in files)
+        if name.split("/")[-1] not in ELSEWHERE
+        and not name.startswith(ELSEWHERE_ROOTS)
+        and not any(f == name or f.endswith("/" + name) for f in files)
     )
     assert not missing, missing
 

@@ -1,14 +1,18 @@
 """titanlite/config/torchtitan.py through `load_config`: torchtitan's names for titanlite's
-options, its options titanlite lacks (a note when off, one line when on), its downloads, and
-`model.hf_assets_path` resolved to a tokenizer file (data/tokenizers)."""
+options, its options titanlite lacks (a note when off, one line when on), its downloads, its
+model families (torchtitan's flavor shapes for a torchtitan file, a family titanlite lacks named
+first), and `model.hf_assets_path` resolved to a tokenizer file (data/tokenizers)."""
 
 from __future__ import annotations
 
 import pytest
 
-from titanlite.config import load_config
+from titanlite.config import load_config, torchtitan
 from titanlite.data.tokenizers import tokenizer_file
 from titanlite.errors import TitanliteError
+from titanlite.models import _registry, get_model_spec
+from titanlite.models.llama import llama3_flavors, llama3_torchtitan_flavors
+from titanlite.models.qwen3 import qwen3_flavors, qwen3_torchtitan_flavors
 
 
 def loaded(*argv: str) -> tuple:
@@ -65,8 +69,8 @@ def test_a_command_line_dataset_wins_over_a_files_download(tmp_path):
         load_config(["--config", str(path)])
     notices: list[str] = []
     cfg = load_config(["--config", str(path), "--training.dataset", "builtin"], notices)
-    assert cfg.training.dataset == "builtin"
-    assert notices == [f"training.dataset = 'c4' in {path}: torchtitan's download, replaced by the command line's"]
+    assert cfg.training.dataset == "builtin" and cfg.model.flavor == "torchtitan:debugmodel"  # torchtitan's file
+    assert notices[1:] == [f"training.dataset = 'c4' in {path}: torchtitan's download, replaced by the command line's"]
 
 
 def test_model_converters_say_float8_is_not_supported(tmp_path):
@@ -80,7 +84,7 @@ def test_model_converters_say_float8_is_not_supported(tmp_path):
     path.write_text("[model]\nconverters = []\n")
     notices: list[str] = []
     load_config(["--config", str(path)], notices)
-    assert notices == [f"model.converters = [] in {path}: torchtitan's option, no conversion; titanlite has none"]
+    assert notices[0] == f"model.converters = [] in {path}: torchtitan's option, no conversion; titanlite has none"
 
 
 def test_selective_ac_option_is_a_number_or_op():
@@ -126,3 +130,110 @@ def test_hf_assets_path_finds_the_tokenizer_file_in_the_folder(tmp_path):
 def test_an_empty_choice_is_shown_as_empty_quotes():
     with pytest.raises(TitanliteError, match=r'^validation.dataset: must be one of "", builtin, files, prepared'):
         loaded("--validation.dataset", "web")
+
+
+def test_expert_tensor_parallel_degree_is_a_note_when_1_and_refused_otherwise(tmp_path):
+    """torchtitan's MoE files set it to 1; the closest titanlite key (tensor_parallel_degree) is not it."""
+    _, notices = loaded("--parallelism.expert_tensor_parallel_degree", "1")
+    assert notices == [
+        "parallelism.expert_tensor_parallel_degree = 1 on the command line: torchtitan's option, off; titanlite has "
+        "no expert tensor parallelism: the experts are split by expert_parallel_degree, never by tp"
+    ]
+    path = tmp_path / "etp.toml"
+    for value in ("2", "true", "1.5"):
+        path.write_text(f"[parallelism]\nexpert_tensor_parallel_degree = {value}\n")
+        with pytest.raises(
+            TitanliteError, match="^parallelism.expert_tensor_parallel_degree: not supported .* set it to 1"
+        ):
+            load_config(["--config", str(path)])
+    path.write_text("[parallelism]\nexpert_tensor_parallel_degree = 1\n")
+    notices = []
+    load_config(["--config", str(path)], notices)
+    assert notices[0].startswith(f"parallelism.expert_tensor_parallel_degree = 1 in {path}: torchtitan's option, off")
+
+
+def test_a_torchtitan_model_family_titanlite_lacks_is_named_before_the_keys_of_its_file(tmp_path):
+    path = tmp_path / "deepseek.toml"
+    path.write_text('[parallelism]\nexpert_tensor_parallel_degree = 8\n[model]\nname = "deepseek_v3"\n')
+    with pytest.raises(TitanliteError, match=rf"^model.name: 'deepseek_v3' in {path} is a torchtitan model family"):
+        load_config(["--config", str(path)])
+    with pytest.raises(TitanliteError, match="^model.name: 'llama4' on the command line is a torchtitan model family"):
+        load_config(["--config", "debug_model", "--model.name", "llama4"])
+    # the command line's model wins; then the file's keys are read
+    with pytest.raises(TitanliteError, match="^parallelism.expert_tensor_parallel_degree: not supported"):
+        load_config(["--config", str(path), "--model.name", "llama3"])
+
+
+def test_the_torchtitan_families_are_titanlites_or_named_absent():
+    registered = set(_registry())
+    assert set(torchtitan.SHARED_MODELS) <= registered and not set(torchtitan.ABSENT_MODELS) & registered
+    for name, spec in _registry().items():
+        prefixed = [flavor for flavor in spec.flavors if flavor.startswith(torchtitan.FLAVOR_PREFIX)]
+        assert bool(prefixed) == (name in torchtitan.SHARED_MODELS), name
+
+
+def test_a_torchtitan_file_gets_torchtitans_flavor_and_a_titanlite_file_its_own(tmp_path):
+    path = tmp_path / "qwen3_moe_debug.toml"
+    path.write_text('[model]\nname = "qwen3"\nflavor = "debugmodel_moe"\n[checkpoint]\nenable = false\n')
+    notices: list[str] = []
+    assert load_config(["--config", str(path)], notices).model.flavor == "torchtitan:debugmodel_moe"
+    assert notices[-1] == (
+        f"model.flavor = 'debugmodel_moe' in {path}: the file is torchtitan's, so torchtitan's debugmodel_moe "
+        "shape (torchtitan:debugmodel_moe; titanlite's own flavors are for titanlite's files)"
+    )
+    notices = []
+    cfg = load_config(["--config", str(path), "--model.flavor", "0.6B"], notices)
+    assert (
+        cfg.model.flavor == "torchtitan:0.6B" and "'0.6B' on the command line: the file is torchtitan's" in notices[-1]
+    )
+    # already torchtitan's, another family, a titanlite file (a torchtitan name on the command line included)
+    assert load_config(["--config", str(path), "--model.flavor", "torchtitan:8B"]).model.flavor == "torchtitan:8B"
+    path.write_text('[model]\nname = "gpt2"\n[checkpoint]\nenable = false\n')
+    assert load_config(["--config", str(path)]).model.flavor == "debugmodel"
+    path.write_text('[model]\nname = "qwen3"\nflavor = "debugmodel_moe"\n[checkpoint]\nenable_checkpoint = false\n')
+    assert load_config(["--config", str(path), "--checkpoint.enable", "false"]).model.flavor == "debugmodel_moe"
+    for config in ("debug_model", "llama_8b", "qwen3_30b_a3b"):
+        assert not load_config(["--config", config]).model.flavor.startswith("torchtitan:"), config
+
+
+def test_torchtitans_flavors_have_torchtitan_v0_2_2s_shapes():
+    """torchtitan/models/{llama3,qwen3}/__init__.py at v0.2.2, field by field; published sizes are ours."""
+    debug = llama3_torchtitan_flavors["debugmodel"]
+    assert (debug.dim, debug.n_layers, debug.n_heads, debug.kv_heads, debug.head_dim, debug.ffn_hidden_dim) == (
+        256,
+        6,
+        16,
+        16,
+        16,
+        768,
+    )
+    assert (debug.rope_theta, debug.rope_scaling, debug.norm_eps) == (500000.0, (8.0, 1.0, 4.0, 8192), 1e-5)
+    assert all(llama3_torchtitan_flavors[name] is llama3_flavors[name] for name in ("8B", "70B", "405B"))
+    for name in ("debugmodel", "debugmodel_moe"):
+        args = qwen3_torchtitan_flavors[name]
+        shape = (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim, args.hidden_dim)
+        assert shape == (256, 8, 16, 8, 128, 3072) and args.max_seq_len == 4096 and args.rope_theta == 1e6
+    assert qwen3_torchtitan_flavors["debugmodel"].tie_word_embeddings
+    assert not qwen3_torchtitan_flavors["debugmodel_moe"].tie_word_embeddings
+    for name, (experts, hidden) in {
+        "debugmodel_moe": (64, 768),
+        "30B-A3B": (128, 768),
+        "235B-A22B": (128, 1536),
+    }.items():
+        moe = qwen3_torchtitan_flavors[name].moe
+        assert (moe.n_experts, moe.top_k, moe.hidden_dim, moe.n_shared_experts, moe.score_func) == (
+            experts,
+            8,
+            hidden,
+            0,
+            "softmax",
+        )
+        # route_norm, load_balance_coeff 1e-3 (the expert bias), no aux loss
+        assert moe.renormalize and moe.use_expert_bias and moe.bias_update_rate == 1e-3 and moe.aux_loss_coef == 0
+    assert qwen3_torchtitan_flavors["235B-A22B"].rope_theta == 5e6
+    assert all(qwen3_torchtitan_flavors[n] is qwen3_flavors[n] for n in ("0.6B", "1.7B", "4B", "8B", "14B", "32B"))
+    for spec, table in (
+        (get_model_spec("llama3"), llama3_torchtitan_flavors),
+        (get_model_spec("qwen3"), qwen3_torchtitan_flavors),
+    ):
+        assert all(spec.flavors[f"torchtitan:{name}"] is args for name, args in table.items())

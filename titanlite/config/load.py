@@ -90,10 +90,12 @@ def load_config(argv: Sequence[str], notices: list[str] | None = None) -> JobCon
     cfg = JobConfig()
     if config is not None:
         path, shown = _find_config(config)
-        apply_toml(cfg, read_toml(path, shown), shown, translate)
+        data = read_toml(path, shown)
+        translate.refuse_absent_model(data, shown, overrides)
+        apply_toml(cfg, data, shown, translate)
     for section, key, value in overrides:
         setattr(getattr(cfg, section), key, value)
-    translate.finish(cfg.validation.enable, {(section, key) for section, key, _ in overrides})
+    translate.finish(cfg, {(section, key) for section, key, _ in overrides})
     validate(cfg)
     if notices is not None:
         notices.extend(translate.notices)

@@ -80,10 +80,22 @@ llama3_flavors: dict[str, LlamaArgs] = {
     ),
 }
 
+# torchtitan v0.2.2's llama3 flavors (torchtitan/models/llama3/__init__.py), which a torchtitan TOML
+# file gets (config/torchtitan.py) as `torchtitan:<name>`. Its RoPE is always scaled as Llama 3.1's and
+# its max_seq_len is 131072 unless set. Its debugmodel is another shape than ours: 16 heads of 16, no
+# GQA; its 8B, 70B and 405B are the published ones, ours. Its *_flex_attn / *_varlen_attn variants
+# are not here: titanlite picks the document mask by model.attn_mask_type.
+llama3_torchtitan_flavors: dict[str, LlamaArgs] = {
+    "debugmodel": LlamaArgs(
+        dim=256, n_layers=6, n_heads=16, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE_SCALING, max_seq_len=131072
+    ),
+    **{name: llama3_flavors[name] for name in ("8B", "70B", "405B")},
+}
+
 llama3_spec = ModelSpec(
     name="llama3",
     model_class=Llama,
-    flavors=llama3_flavors,
+    flavors={**llama3_flavors, **{f"torchtitan:{name}": args for name, args in llama3_torchtitan_flavors.items()}},
     apply_tp=apply_tp,
     tp_problems=tp_problems,
     hf_adapter=hf_adapter,
@@ -97,4 +109,4 @@ llama3_spec = ModelSpec(
     ),
 )
 
-__all__ = ["Llama", "LlamaArgs", "llama3_flavors", "llama3_spec"]
+__all__ = ["Llama", "LlamaArgs", "llama3_flavors", "llama3_spec", "llama3_torchtitan_flavors"]

@@ -11,6 +11,9 @@ true, router_aux_loss_coef 0.001, decoder_sparse_step 1, mlp_only_layers []. voc
 (151936 with Qwen's tokenizer) comes from the tokenizer in use.
 """
 
+import dataclasses
+
+from titanlite.models.moe import MoEArgs
 from titanlite.models.qwen3 import hf_adapter
 from titanlite.models.qwen3.model import Qwen3, Qwen3Args, qwen3_moe
 from titanlite.models.qwen3.parallelize import apply_tp, tp_problems
@@ -61,6 +64,53 @@ qwen3_flavors: dict[str, Qwen3Args] = {
 }
 
 
+def _torchtitan_moe(n_experts: int, top_k: int, hidden_dim: int) -> MoEArgs:
+    """torchtitan's Qwen3-MoE layer: softmax router, top-k renormalized (route_norm), no shared
+    experts, balanced by the expert bias alone (load_balance_coeff 1e-3, its default): no aux loss."""
+    return MoEArgs(
+        n_experts=n_experts,
+        top_k=top_k,
+        hidden_dim=hidden_dim,
+        score_func="softmax",
+        renormalize=True,
+        use_expert_bias=True,
+        bias_update_rate=1e-3,
+    )
+
+
+# torchtitan v0.2.2's qwen3 flavors (torchtitan/models/qwen3/__init__.py), which a torchtitan TOML file
+# gets (config/torchtitan.py) as `torchtitan:<name>`. Its debug flavors are other shapes than ours (8
+# layers, 16 heads of 128, 8 kv heads; 64 experts top-8), its MoE sizes balance by the expert bias
+# instead of the aux loss, and its 235B-A22B has rope_theta 5e6; its dense sizes are the published
+# ones, ours. max_seq_len: torchtitan's for the debug flavors, the published context for the others
+# (torchtitan replaces it by training.seq_len when it builds the model).
+qwen3_torchtitan_flavors: dict[str, Qwen3Args] = {
+    "debugmodel": Qwen3Args(
+        dim=256,
+        n_layers=8,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        hidden_dim=3072,
+        max_seq_len=4096,
+        tie_word_embeddings=True,
+    ),
+    **{name: qwen3_flavors[name] for name in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")},
+    "debugmodel_moe": Qwen3Args(
+        dim=256,
+        n_layers=8,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        hidden_dim=3072,
+        max_seq_len=4096,
+        moe=_torchtitan_moe(64, 8, 768),
+    ),
+    "30B-A3B": dataclasses.replace(qwen3_flavors["30B-A3B"], moe=_torchtitan_moe(128, 8, 768)),
+    "235B-A22B": dataclasses.replace(qwen3_flavors["235B-A22B"], rope_theta=5e6, moe=_torchtitan_moe(128, 8, 1536)),
+}
+
+
 def active_parameters(args: Qwen3Args, n_params: int) -> int:
     """The parameters one token's forward multiplies by: all of them but the embedding table
     (a lookup; a tied table is counted once, as the head) and, in each MoE block, the
@@ -82,7 +132,7 @@ def flops_per_token(args: Qwen3Args, n_params: int, seq_len: int) -> float:
 qwen3_spec = ModelSpec(
     name="qwen3",
     model_class=Qwen3,
-    flavors=qwen3_flavors,
+    flavors={**qwen3_flavors, **{f"torchtitan:{name}": args for name, args in qwen3_torchtitan_flavors.items()}},
     apply_tp=apply_tp,
     tp_problems=tp_problems,
     # Qwen3ForCausalLM / Qwen3MoeForCausalLM, the experts one HF tensor each (hf_adapter.py).
@@ -92,4 +142,4 @@ qwen3_spec = ModelSpec(
     flops_per_token=flops_per_token,
 )
 
-__all__ = ["Qwen3", "Qwen3Args", "qwen3_flavors", "qwen3_spec"]
+__all__ = ["Qwen3", "Qwen3Args", "qwen3_flavors", "qwen3_spec", "qwen3_torchtitan_flavors"]
