@@ -47,6 +47,7 @@ from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.runtime.dump_folder import claim_dump_folder
 from titanlite.runtime.gc_schedule import ScheduledGC
 from titanlite.runtime.preemption import die_with_launcher, received
+from titanlite.runtime.stuck import watch_main_thread
 from titanlite.step.agreement import StepAgreement, agree_on_step
 from titanlite.step.builder import StepBuilder
 from titanlite.step.nonfinite import NonFiniteSteps
@@ -326,7 +327,8 @@ def run_checked(cfg: JobConfig) -> int:
     """Plan and run a loaded config; every way it ends is an exit code (see train.main)."""
     die_with_launcher()
     try:
-        run(plan_run(cfg, world_from_env()[1]))
+        with watch_main_thread():  # for the launcher to name this rank if it gets stuck
+            run(plan_run(cfg, world_from_env()[1]))
         return 0
     except TitanliteError as error:
         return report_user_error(error)
