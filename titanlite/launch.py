@@ -122,6 +122,8 @@ def _say_restarts() -> None:
         if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED) and self._remaining_restarts > 0:
             restarts = worker_group.spec.max_restarts
             say(restart_line(result.failures, restarts - self._remaining_restarts + 1, restarts))
+            STOPPED_WORKER_RANKS.clear()  # the next attempt's workers are new processes
+            STUCK_WORKERS.clear()
         return result
 
     monitor_saying_restarts.says_restarts = True

@@ -1,20 +1,24 @@
 """runtime/stuck.py: a worker's record of its main thread stuck in its own code, as the launcher
-reads it. Each case is one real process (a world of one, collective timeout 2 s, so a record
-after 1 s) whose main thread hangs in tests/helpers/hang_worker.py; the test reads the record
-from outside, as the launcher does, then kills the process."""
+reads it, and the launcher's line naming that rank. Each hang is one real process (a world of
+one, collective timeout 2 s, so a record after 1 s) whose main thread hangs in
+tests/helpers/hang_worker.py; the test reads the record from outside, as the launcher does,
+then kills the process. The runs with 4 ranks: tests/runs/test_faults_runtime.py."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from tests.helpers.distributed import REPO, run_env
-from titanlite.errors import ERROR_FILE_ENV, LAUNCHER_PID_ENV
-from titanlite.runtime.stuck import read_stuck, watch_main_thread
+from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, ERROR_FILE_ENV, LAUNCHER_PID_ENV, hand_to_launcher
+from titanlite.launch import failure_line
+from titanlite.runtime.stuck import Stuck, read_stuck, watch_main_thread
 
 SCRIPT = """
 import sys
@@ -55,3 +59,24 @@ def test_no_record_without_the_launcher(tmp_path, monkeypatch):
     with watch_main_thread():
         assert threading.active_count() == before
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_launcher_names_the_stuck_rank_it_killed(tmp_path, monkeypatch):
+    """Rank 0's all-gather timed out (exit 3); rank 1, found stuck when the agent closed the
+    workers, was killed by the launcher (SIGKILL): the cause, not a failure of its own; rank 2
+    ended on the agent's SIGTERM. Without the record, rank 1's SIGKILL would be the first cause."""
+    error_file, none = tmp_path / "error.json", str(tmp_path / "none.json")
+    monkeypatch.setenv(LAUNCHER_PID_ENV, "1")
+    monkeypatch.setenv(ERROR_FILE_ENV, str(error_file))
+    hand_to_launcher("titanlite: rank 0: an all-gather timed out after 10 s")
+    failures = {
+        0: ProcessFailure(0, 100, COLLECTIVE_FAILURE_EXIT_CODE, str(error_file)),
+        1: ProcessFailure(1, 101, -signal.SIGKILL, none),
+        2: ProcessFailure(2, 102, -signal.SIGTERM, none),
+    }
+    assert failure_line(failures, [], {1: Stuck(12.3, "hang, x.py:3")}) == (
+        "titanlite: rank 1 stopped responding (stuck for 12 s in hang, x.py:3, outside any collective); rank 0: an "
+        "all-gather timed out after 10 s",
+        3,
+    )
+    assert failure_line(failures, [], {})[0].startswith("titanlite: rank 1 failed first (killed by signal SIGKILL)")

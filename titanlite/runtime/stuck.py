@@ -15,7 +15,8 @@ for a checkpoint after the step), so the launcher kills it and names it.
 with or without calls, or a wait on a lock, never leaves its frame, while a working rank's
 innermost frames come and go between samples. "In a collective" is torch's distributed
 code (c10d, FSDP, functional collectives, pipeline schedules) or our pipeline's wait as the
-innermost frame, where the thread sits until its peer answers or its timeout expires.
+innermost frame outside torch's other modules (a functional collective waits through
+`torch._ops`), where the thread sits until its peer answers or its timeout expires.
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import NamedTuple
 
+import torch
+import torch.distributed
+
 from titanlite.errors import ERROR_FILE_ENV, LAUNCHER_PID_ENV
 from titanlite.parallel.distributed import collective_timeout
 from titanlite.parallel.pipeline import wait_with_timeout
 
-_TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")
+_TORCH = os.path.dirname(torch.__file__)
+_TORCH_DISTRIBUTED = os.path.dirname(torch.distributed.__file__)
 _STDLIB = sysconfig.get_paths()["stdlib"]
 SAMPLE_S = 0.5
 
@@ -62,8 +67,15 @@ def read_stuck(error_file: str) -> Stuck | None:
     return Stuck(time.time() - record["since"], record["where"])
 
 
-def _in_collective(frame: FrameType) -> bool:
-    return _TORCH_DISTRIBUTED in frame.f_code.co_filename or frame.f_code is wait_with_timeout.__code__
+def _in_collective(frame: FrameType | None) -> bool:
+    """Whether the innermost frame outside torch's other modules is a collective's wait."""
+    while frame is not None and _in(frame, _TORCH) and not _in(frame, _TORCH_DISTRIBUTED):
+        frame = frame.f_back
+    return frame is not None and (_in(frame, _TORCH_DISTRIBUTED) or frame.f_code is wait_with_timeout.__code__)
+
+
+def _in(frame: FrameType, folder: str) -> bool:
+    return frame.f_code.co_filename.startswith(folder + os.sep)
 
 
 def _where(frame: FrameType) -> str:
@@ -103,21 +115,26 @@ class _Watcher(threading.Thread):
             elif anchor is None or anchor not in _stack_keys(frame):
                 anchor, since = (id(frame), frame.f_code), time.monotonic()
             timeout = collective_timeout()
-            stuck = anchor is not None and timeout is not None and time.monotonic() - since >= timeout.seconds / 2
+            held = time.monotonic() - since
+            stuck = anchor is not None and timeout is not None and held >= timeout.total_seconds() / 2
             if stuck and not recorded:
-                self._write(time.time() - (time.monotonic() - since), _where(frame))
+                self._write(time.time() - held, _where(frame))
             elif recorded and not stuck:
-                os.remove(self.path)
+                self._remove()
             recorded = stuck
-            del frame
+            del frame  # no frame (nor its tensors) kept alive while sleeping
         if recorded:
-            os.remove(self.path)
+            self._remove()
 
     def _write(self, since: float, where: str) -> None:
         partial = f"{self.path}.partial"
         with open(partial, "w") as f:
             json.dump({"since": since, "where": where}, f)
         os.replace(partial, self.path)  # the launcher never reads half a record
+
+    def _remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
 
 
 @contextlib.contextmanager
