@@ -326,7 +326,8 @@ def report_collective_failure(failure: CollectiveFailure) -> int:
 
 
 def run_checked(cfg: JobConfig) -> int:
-    """Plan and run a loaded config; every way it ends is an exit code (see train.main)."""
+    """Plan and run a loaded config; every way it ends is an exit code (see train.main),
+    returned, or for a failed collective the process's own (`_exit_at_once`)."""
     die_with_launcher()
     try:
         with watch_main_thread():  # for the launcher to name this rank if it gets stuck
@@ -354,10 +355,10 @@ def run_checked(cfg: JobConfig) -> int:
         code = report_collective_failure(failure)
     finally:
         shutdown()
-    exit_at_once(code)  # only a failed collective gets here: every other way returned or raised
+    _exit_at_once(code)  # only a failed collective gets here: every other way returned or raised
 
 
-def exit_at_once(code: int) -> NoReturn:
+def _exit_at_once(code: int) -> NoReturn:
     """End a worker whose collective failed without Python's teardown of torch's state: it
     took 5-6 s of a 4-rank pipeline job's end on a loaded 2-core host, and the launcher
     stops the other ranks (and kills a stuck one) only once the first has exited. The ending
