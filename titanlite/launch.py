@@ -33,8 +33,9 @@ How a run ends:
   others the first is the earliest by torchrun's timestamps (whole seconds), then by the
   order the agent saw them. A user error (exit 2) is printed as its rank wrote it. When
   every failure is a consequence, a rank stopped responding: the launcher names the one
-  it found stopped (SIGSTOP, a debugger, a frozen cgroup) when it closed the workers, with
-  the line of the collective that timed out waiting for it. The agent's own per-rank
+  it found stopped (SIGSTOP, a debugger, a frozen cgroup) or stuck in its own code
+  (runtime/stuck.py) when it closed the workers, and killed, with the line of the
+  collective that timed out waiting for it. The agent's own per-rank
   records are dropped.
 - SIGTERM and SIGUSR1 are forwarded to the workers, which finish their step, save a
   checkpoint and exit 0 (titanlite/runtime/preemption.py); the launcher keeps supervising them, so
@@ -62,9 +63,16 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import get_args_parser, run
 
 from titanlite.runtime.cpu_binding import CPU_BIND_ENV, core_blocks, encode
-from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, LAUNCHER_PID_ENV, USER_ERROR_EXIT_CODE, say
+from titanlite.errors import (
+    COLLECTIVE_FAILURE_EXIT_CODE,
+    ERROR_FILE_ENV,
+    LAUNCHER_PID_ENV,
+    USER_ERROR_EXIT_CODE,
+    say,
+)
 from titanlite.parallel.distributed import usable_cores
 from titanlite.runtime.preemption import FORWARDED_SIGNALS
+from titanlite.runtime.stuck import Stuck, read_stuck
 
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
@@ -125,42 +133,64 @@ def _say_restarts() -> None:
         if failed and self._remaining_restarts > 0:
             restarts = worker_group.spec.max_restarts
             say(restart_line(result.failures, restarts - self._remaining_restarts + 1, restarts))
+            STOPPED_WORKER_RANKS.clear()  # the next attempt's workers are new processes
+            STUCK_WORKERS.clear()
         return result
 
     monitor_saying_restarts.says_restarts = True
     LocalElasticAgent._monitor_workers = monitor_saying_restarts
 
 
-def _continue_stopped_workers_when_closing() -> None:
+def _kill_unresponsive_workers_when_closing() -> None:
     """torchrun ends the remaining workers with SIGTERM and waits 30 s before SIGKILL. A
-    stopped worker (SIGSTOP, a debugger, a frozen cgroup) cannot take SIGTERM, so the job
-    outlived the collective timeout by those 30 s and ended on the SIGKILL (exit code 1).
-    SIGCONT first: the worker takes SIGTERM and ends like every other one (its collective
-    finds the dead peer). Wraps torch's subprocess handler's close; everything else is torch's."""
+    stopped worker (SIGSTOP, a debugger, a frozen cgroup) cannot take SIGTERM, nor can one
+    stuck in its own code (runtime/stuck.py: SIGTERM only asks it for a checkpoint after its
+    step), so the job outlived the collective timeout by those 30 s and ended on the SIGKILL
+    (exit code 1). Such a worker is the rank the others waited for: it is killed at once and
+    recorded, for the one line to name it. Every other worker gets SIGCONT first (in case it
+    was stopped since), then torch's SIGTERM. Wraps torch's subprocess handler's close;
+    everything else is torch's."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     handler = subprocess_handler.SubprocessHandler
-    if getattr(handler.close, "continues_stopped", False):
+    if getattr(handler.close, "kills_unresponsive", False):
         return
     close = handler.close
 
-    def close_continuing(self, death_sig=None) -> None:
-        if _process_state(self.proc.pid) in ("T", "t"):
-            STOPPED_WORKER_RANKS.append(_global_rank(self.proc.pid))
+    def close_killing_unresponsive(self, death_sig=None) -> None:
+        if _record_unresponsive(self.proc.pid):
+            death_sig = signal.SIGKILL
         try:
             os.killpg(self.proc.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             pass
         close(self, death_sig)
 
-    close_continuing.continues_stopped = True
-    handler.close = close_continuing
+    close_killing_unresponsive.kills_unresponsive = True
+    handler.close = close_killing_unresponsive
 
 
 # The global ranks of workers found stopped when the agent closed them: the ranks that
-# stopped responding (a stopped worker may still end with exit 0 once continued, so it need
-# not be among the failures).
+# stopped responding (killed by the launcher, they are the cause, not a failure of their own).
 STOPPED_WORKER_RANKS: list[int] = []
+# Workers found stuck in their own code when the agent closed them (runtime/stuck.py), by
+# global rank: killed and named like the stopped ones.
+STUCK_WORKERS: dict[int, Stuck] = {}
+
+
+def _record_unresponsive(pid: int) -> bool:
+    """Whether the worker is stopped or stuck (and then recorded above); False if it is gone."""
+    try:
+        environ = _environ(pid)
+        if _process_state(pid) in ("T", "t"):
+            STOPPED_WORKER_RANKS.append(int(environ[b"RANK"]))
+            return True
+        stuck = read_stuck(os.fsdecode(environ[ERROR_FILE_ENV.encode()]))
+        if stuck is not None:
+            STUCK_WORKERS[int(environ[b"RANK"])] = stuck
+        return stuck is not None
+    except (OSError, KeyError):
+        return False
 
 
 def _process_state(pid: int) -> str:
@@ -172,11 +202,10 @@ def _process_state(pid: int) -> str:
         return ""
 
 
-def _global_rank(pid: int) -> int:
-    """A worker's RANK, from the environment the agent started it with."""
+def _environ(pid: int) -> dict[bytes, bytes]:
+    """The environment the agent started a worker with (RANK, its error file)."""
     with open(f"/proc/{pid}/environ", "rb") as environ:
-        variables = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
-    return int(variables[b"RANK"])
+        return dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
 
 
 def _args_problem(args) -> str | None:
@@ -260,14 +289,18 @@ def consequence(failure: ProcessFailure) -> bool:
 
 
 def failure_line(
-    failures: dict[int, ProcessFailure], stopped_ranks: list[int] = STOPPED_WORKER_RANKS
+    failures: dict[int, ProcessFailure],
+    stopped_ranks: list[int] = STOPPED_WORKER_RANKS,
+    stuck: dict[int, Stuck] = STUCK_WORKERS,
 ) -> tuple[str, int]:
     """The launcher's one line and its exit code."""
+    killed = {*stopped_ranks, *stuck}  # by the launcher: the cause, not a failure of their own
+    failures = {rank: failure for rank, failure in failures.items() if rank not in killed} or failures
     rank, first = first_failure(failures)
     if first.exitcode == USER_ERROR_EXIT_CODE and _said(first):
         return _said(first), USER_ERROR_EXIT_CODE
     if consequence(first):
-        return _stopped_line(failures, stopped_ranks), COLLECTIVE_FAILURE_EXIT_CODE
+        return _stopped_line(failures, stopped_ranks, stuck), COLLECTIVE_FAILURE_EXIT_CODE
     others = len(failures) - 1
     after = f"; {others} other rank(s) stopped after it" if others else ""
     if first.exitcode < 0:
@@ -278,13 +311,20 @@ def failure_line(
     )
 
 
-def _stopped_line(failures: dict[int, ProcessFailure], stopped_ranks: list[int]) -> str:
-    """Every rank failed because of another: name the rank found stopped, if one was, with
-    the line of a collective that timed out waiting (a rank's own, as it handed it over)."""
+def _stopped_line(failures: dict[int, ProcessFailure], stopped_ranks: list[int], stuck: dict[int, Stuck]) -> str:
+    """Every rank failed because of another: name the rank found stopped, or else the one
+    stuck longest in its own code, if one was, with the line of a collective that timed out
+    waiting (a rank's own, as it handed it over)."""
     timed_out = next((line for _, f in sorted(failures.items()) if (line := _said(f))), None)
     waited = f"; {timed_out.removeprefix('titanlite: ')}" if timed_out else ""
     if stopped_ranks:
         return f"titanlite: rank {min(stopped_ranks)} stopped responding (its process was stopped){waited}"
+    if stuck:
+        rank, longest = max(stuck.items(), key=lambda item: item[1].seconds)
+        return (
+            f"titanlite: rank {rank} stopped responding (stuck for {longest.seconds:.0f} s in {longest.where}, "
+            f"outside any collective){waited}"
+        )
     return (
         timed_out
         or f"titanlite: rank {min(failures)} failed (exit code {failures[min(failures)].exitcode}) waiting for "
@@ -353,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR_EXIT_CODE
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_DropAgentRecords())
-    _continue_stopped_workers_when_closing()
+    _kill_unresponsive_workers_when_closing()
     _say_restarts()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see module doc

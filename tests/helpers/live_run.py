@@ -33,10 +33,16 @@ def running(pid: int) -> bool:
 
 
 class LiveRun:
-    """`python -m titanlite.launch --standalone --nproc-per-node N [launcher args] -m titanlite.train ARGV`."""
+    """`python -m titanlite.launch --standalone --nproc-per-node N [launcher args] -m MODULE ARGV` (MODULE:
+    titanlite.train unless given)."""
 
     def __init__(
-        self, nproc: int, argv: list[str], launcher_args: tuple[str, ...] = (), env: dict[str, str] | None = None
+        self,
+        nproc: int,
+        argv: list[str],
+        launcher_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        module: str = "titanlite.train",
     ):
         self.marker = uuid.uuid4().hex
         self.command = [
@@ -47,7 +53,7 @@ class LiveRun:
             f"--nproc-per-node={nproc}",
             *launcher_args,
             "-m",
-            "titanlite.train",
+            module,
             *argv,
         ]
         self.started = time.monotonic()

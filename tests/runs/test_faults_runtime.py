@@ -1,7 +1,8 @@
 """Run-time faults, as real gloo runs through the launcher: a rank killed (with and without
-a restart), a rank stopped, SIGTERM to the launcher, a non-finite loss; the stop, the kill and
-SIGTERM also in a pipeline (pp 2, whose stages wait for each other in sends and receives
-rather than collectives), and the non-finite loss there (computed on the last stage's rank). Each run is the
+a restart), a rank stopped, SIGTERM to the launcher, a non-finite loss; the kill and SIGTERM
+also in a pipeline (pp 2, whose stages wait for each other in sends and receives rather than
+collectives), the stop and a rank stuck in its own code in pipelines with FSDP or expert
+parallelism (pp 2 x 2), and the non-finite loss there (computed on the last stage's rank). Each run is the
 debug model at seq_len 64; every wait has a hard timeout, and every process a run starts
 must be gone when it ends (tests/helpers/live_run.py).
 
@@ -165,29 +166,51 @@ def test_stopped_rank_times_out_on_every_other_rank(tmp_path):
     assert "Traceback" not in run.stdout, run.describe()
 
 
+MOE_EP2 = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2")
+
+
 @pytest.mark.timeout(2 * START_S + RUN_S)
-def test_stopped_stage_times_out_on_the_other_stage_and_the_job_ends(tmp_path):
-    """SIGSTOP of rank 1 in a pp 2 run: rank 0, waiting for its pipeline send or receive,
-    exits within the timeout, and the launcher (which continues the stopped rank before
-    stopping it) ends the job a few seconds later, with exit code 3, not after torchrun's
-    30 s wait for a SIGKILL, and exactly one line: rank 1 stopped, rank 0's pipeline
-    send/receive timed out waiting for it."""
+@pytest.mark.parametrize(
+    "layout, rank, fault",
+    [((), 1, "stop"), (MOE_EP2, 2, "stop"), ((), 2, "spin")],
+    ids=["fsdp2-stopped", "ep2-stopped", "fsdp2-spinning"],
+)
+def test_an_unresponsive_pipeline_rank_is_named_and_the_job_ends(tmp_path, layout, rank, fault):
+    """pp 2 x FSDP 2 and pp 2 x ep 2 (a Qwen3 MoE), 4 ranks: one rank stopped (SIGSTOP) after
+    step 3, or stuck in its own code at step 4 (a busy loop, tests/helpers/hang_worker.py). Its
+    peers time out in all-gathers, all-to-alls or pipeline sends and receives (which the stage
+    wraps in its own "[Stage 0] failed to run forward" error); the launcher kills the rank and
+    ends the job within the timeout and a few seconds (not torchrun's 30 s wait for a SIGKILL),
+    with exit code 3 and exactly one line naming that rank, not the one that timed out first."""
+    hang = {"TITANLITE_TEST_HANG": f"{rank}:4:{fault}"} if fault != "stop" else {}
     live = LiveRun(
-        2, args(tmp_path, *PIPELINE, "--checkpoint.enable_checkpoint", "false", "--metrics.enable_tensorboard", "false")
+        4,
+        args(
+            tmp_path,
+            *PIPELINE,
+            *layout,
+            "--checkpoint.enable_checkpoint",
+            "false",
+            "--metrics.enable_tensorboard",
+            "false",
+        ),
+        env=hang,
+        module="tests.helpers.hang_worker" if hang else "titanlite.train",
     )
-    live.wait_for(r"step +2 +loss", START_S)
-    os.kill(live.worker_pid(1), signal.SIGSTOP)
-    stopped_at = time.monotonic()
+    live.wait_for(r"step +3 +loss", 2 * START_S)
+    if fault == "stop":
+        os.kill(live.worker_pid(rank), signal.SIGSTOP)
+    since = time.monotonic()
     run = live.finish(TIMEOUT_S + 60)
-    assert time.monotonic() - stopped_at < TIMEOUT_S + 20, (
-        f"the job ended {time.monotonic() - stopped_at:.0f} s after the stop\n{run.describe()}"
+    assert time.monotonic() - since < TIMEOUT_S + 15, (
+        f"the job ended {time.monotonic() - since:.0f} s after the {fault}\n{run.describe()}"
     )
     assert run.returncode == 3, run.describe()
     lines = titanlite_lines(run.stdout)
-    assert len(lines) == 1 and lines[0].startswith(
-        "titanlite: rank 1 stopped responding (its process was stopped); rank 0: "
-    ), run.describe()
-    assert "a pipeline send/receive" in lines[0] and f"timed out after {TIMEOUT_S} s" in lines[0], run.describe()
+    why = "its process was stopped" if fault == "stop" else "stuck for "
+    assert len(lines) == 1 and lines[0].startswith(f"titanlite: rank {rank} stopped responding ({why}"), run.describe()
+    assert f"timed out after {TIMEOUT_S} s" in lines[0], run.describe()
+    assert fault == "stop" or "in hang, tests/helpers/hang_worker.py:" in lines[0], run.describe()
     assert "Traceback" not in run.stdout, run.describe()
 
 

@@ -148,7 +148,7 @@ def test_the_cycle_finder_finds_a_cycle():
         # The checkpoint package saves whatever it is handed: no model code, no FSDP.
         ("titanlite.checkpoint", lambda t: not t.startswith(("titanlite.models", "titanlite.parallel.fsdp"))),
         # The launcher runs no training code: error codes, the host's core count for threads,
-        # the stop signals it forwards, the core blocks of --cpu-bind.
+        # the stop signals it forwards, the core blocks of --cpu-bind, the workers' stuck records.
         (
             "titanlite.launch",
             lambda t: (
@@ -158,6 +158,7 @@ def test_the_cycle_finder_finds_a_cycle():
                     "titanlite.parallel.distributed",
                     "titanlite.runtime.cpu_binding",
                     "titanlite.runtime.preemption",
+                    "titanlite.runtime.stuck",
                 }
             ),
         ),

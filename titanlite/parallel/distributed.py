@@ -189,9 +189,22 @@ def collective_failure(error: BaseException) -> CollectiveFailure | None:
 
     gloo raises a plain RuntimeError from inside the c10d call (found in the traceback,
     whose frame also holds the `group` argument) or from the wait of an async functional
-    collective (tensor parallel); NCCL and the stores raise DistError.
+    collective (tensor parallel); NCCL and the stores raise DistError. A wrapper that raises
+    its own error from it (a pipeline stage's "[Stage 0] failed to run forward") is seen
+    through: its causes are read in turn, each with the frames that led to it.
     """
-    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    frames: list[FrameType] = []
+    while error is not None:
+        frames += [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+        failure = _failure(error, frames)
+        if failure is not None:
+            return failure
+        error = error.__cause__
+    return None
+
+
+def _failure(error: BaseException, frames: list[FrameType]) -> CollectiveFailure | None:
+    """`collective_failure` of one error of the chain, reached through `frames`."""
     torch_frame = next((f for f in reversed(frames) if f.f_code.co_filename.endswith(_COLLECTIVE_FILES)), None)
     text = str(error)
     if not isinstance(error, dist.DistError) and (torch_frame is None or not _PEER_TROUBLE.search(text)):
