@@ -17,6 +17,9 @@ Each (model, layout, setting) is one real `titanlite.launch --standalone` run of
 - `--setting NAME=VAR=V,VAR=V` adds one of your own (`--setting none=` sets nothing and runs
   glibc's adaptive defaults, which the launcher does not give).
 
+`--malloc-trim`: each worker also calls glibc's `malloc_trim(0)` after every step, which
+returns the free pages inside the heap (a trim threshold returns only its top).
+
 Models:
 
 - moe: torchtitan's Qwen3 `debugmodel_moe` shape (torchtitan models/qwen3/__init__.py: dim
@@ -51,6 +54,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 MOE_FLAVOR = "torchtitan_debugmodel_moe"
 MOE_LAYERS_ENV = "TITANLITE_BENCH_MOE_LAYERS"  # --moe-layers, to the workers
+MALLOC_TRIM_ENV = "TITANLITE_BENCH_MALLOC_TRIM"  # --malloc-trim, to the workers
 
 SETTINGS: dict[str, dict[str, str]] = {
     "launcher": {},
@@ -131,6 +135,8 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
     def counted_step(microbatches):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         result = step(microbatches)
+        if os.environ.get(MALLOC_TRIM_ENV) == "1":
+            ctypes.CDLL(None).malloc_trim(0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         return result
 
@@ -192,6 +198,11 @@ def parse_args() -> argparse.Namespace:
         "--setting", action="append", default=[], metavar="NAME=VAR=V,...", help="add a setting of your own"
     )
     parser.add_argument("--moe-layers", type=int, default=8, help="blocks of the MoE model (torchtitan's: 8)")
+    parser.add_argument(
+        "--malloc-trim",
+        action="store_true",
+        help="workers call glibc's malloc_trim(0) after each step (returns free pages inside the heap)",
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup-steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1, help="sweeps, settings interleaved in each")
@@ -236,8 +247,10 @@ def trainer_args(args: argparse.Namespace, model: str, dump: Path) -> list[str]:
 def main() -> None:
     args = parse_args()
     os.environ[MOE_LAYERS_ENV] = str(args.moe_layers)
+    os.environ[MALLOC_TRIM_ENV] = "1" if args.malloc_trim else "0"
+    trims = ", malloc_trim(0) after each" if args.malloc_trim else ""
     print(
-        f"{args.steps} steps, {args.warmup_steps} warm-up; float32, eager, gloo; settings: "
+        f"{args.steps} steps{trims}, {args.warmup_steps} warm-up; float32, eager, gloo; settings: "
         + "; ".join(
             f"{name}: {' '.join(f'{k}={v}' for k, v in SETTINGS[name].items()) or '-'}" for name in args.settings
         )
