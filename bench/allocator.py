@@ -2,6 +2,7 @@
 
     python bench/allocator.py [--models moe,dense] [--layouts one,fsdp2] [--settings launcher,before,glibc]
                               [--steps 8] [--warmup-steps 4] [--rounds 1] [--setting NAME=VAR=V,VAR=V ...]
+                              [--moe-layers 8] [--malloc-trim] [-- extra trainer overrides]
 
 Why: issue 36 item 1. `titanlite.launch` sets glibc malloc's settings for CPU workers
 (titanlite/launch.py, `CPU_MALLOC_DEFAULTS`) so that a step's freed tensors are reused
@@ -25,7 +26,8 @@ Models:
 - moe: torchtitan's Qwen3 `debugmodel_moe` shape (torchtitan models/qwen3/__init__.py: dim
   256, 8 layers, 16 heads / 8 kv heads of 128, 64 experts of width 768, top 8, softmax,
   renormalized, no shared expert) as a Qwen3 flavor built here, with the bundled tokenizer's
-  vocabulary (4096; torchtitan's test tokenizer has 2048), local batch 4 x 256 per rank;
+  vocabulary (4096; torchtitan's test tokenizer has 2048), local batch 4 x 256 per rank
+  (`--moe-layers N` keeps N of its blocks: the full shape needs 4-8 GiB per FSDP 2 rank);
 - dense: titanlite's Llama debug model, local batch 8 x 512 per rank (docs/performance.md).
 
 Figures per run, after `--warmup-steps`: each rank's peak resident memory (VmHWM, the
