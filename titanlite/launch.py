@@ -282,6 +282,14 @@ def _said(failure: ProcessFailure) -> str | None:
     return message if isinstance(message, str) and message.startswith("titanlite: ") else None
 
 
+def _user_error(failures: dict[int, ProcessFailure]) -> str | None:
+    """A user error's line that a rank handed over, whatever its exit: a rank still in Python's
+    teardown after writing it may be stopped (SIGTERM) once a peer, which met it as a closed
+    connection, has exited first."""
+    said = (_said(failure) for _, failure in sorted(failures.items()))
+    return next((line for line in said if line and line.startswith("titanlite: error: ")), None)
+
+
 def consequence(failure: ProcessFailure) -> bool:
     """A rank that failed because another did: its collective found the peer gone or timed
     out (COLLECTIVE_FAILURE_EXIT_CODE), or the agent stopped it afterwards (SIGTERM)."""
@@ -296,6 +304,8 @@ def failure_line(
     """The launcher's one line and its exit code."""
     killed = {*stopped_ranks, *stuck}  # by the launcher: the cause, not a failure of their own
     failures = {rank: failure for rank, failure in failures.items() if rank not in killed} or failures
+    if user_error := _user_error(failures):
+        return user_error, USER_ERROR_EXIT_CODE
     rank, first = first_failure(failures)
     if first.exitcode == USER_ERROR_EXIT_CODE and _said(first):
         return _said(first), USER_ERROR_EXIT_CODE

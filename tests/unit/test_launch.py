@@ -109,6 +109,19 @@ def test_a_user_error_is_printed_once_as_the_rank_that_met_it_wrote_it(tmp_path,
     assert failure_line(failures, []) == (line, 2)
 
 
+def test_a_user_error_wins_when_its_rank_was_stopped_after_a_peer_exited(tmp_path, monkeypatch):
+    """Rank 1 met a data error and handed its line over, but was still in Python's teardown
+    when rank 0, which met it as a closed connection, exited at once (exit 3): the agent then
+    stopped rank 1 (SIGTERM). The user error is still the cause (tests/runs/test_errors.py)."""
+    line = "titanlite: error: shard-00000.bin: token id 70000 at 12 is outside the vocabulary (96)"
+    closed = "titanlite: rank 0: all_gather_single on group default_pg failed: a peer rank closed its connection"
+    failures = {
+        0: failure(0, COLLECTIVE_FAILURE_EXIT_CODE, 100, handed(tmp_path, monkeypatch, 0, closed)),
+        1: failure(1, -signal.SIGTERM, 100, handed(tmp_path, monkeypatch, 1, line)),
+    }
+    assert failure_line(failures, []) == (line, 2)
+
+
 def test_a_user_error_without_its_line_still_gets_one(tmp_path):
     failures = {0: failure(0, 2, 100), 1: failure(1, -signal.SIGTERM, 101)}
     assert failure_line(failures, []) == (
