@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import resource
@@ -88,20 +89,12 @@ LAYOUTS = {"one": ("1 process", 1), "fsdp2": ("FSDP 2", 2)}
 
 
 def register_moe_flavor() -> None:
-    """torchtitan's Qwen3 `debugmodel_moe` shape as a titanlite Qwen3 flavor, in this process
-    (with `--moe-layers` blocks, 8 unless the bench was told otherwise)."""
-    from titanlite.models.qwen3 import Qwen3Args, qwen3_flavors
-    from titanlite.models.qwen3.model import qwen3_moe
+    """torchtitan's Qwen3 `debugmodel_moe` shape (the `torchtitan:debugmodel_moe` flavor) as a
+    flavor of this process, with `--moe-layers` blocks (8 unless the bench was told otherwise)."""
+    from titanlite.models.qwen3 import qwen3_spec, qwen3_torchtitan_flavors
 
-    qwen3_flavors[MOE_FLAVOR] = Qwen3Args(
-        dim=256,
-        n_layers=int(os.environ.get(MOE_LAYERS_ENV, "8")),
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        hidden_dim=3072,
-        max_seq_len=4096,
-        moe=qwen3_moe(64, 8, 768),
+    qwen3_spec.flavors[MOE_FLAVOR] = dataclasses.replace(
+        qwen3_torchtitan_flavors["debugmodel_moe"], n_layers=int(os.environ.get(MOE_LAYERS_ENV, "8"))
     )
 
 
