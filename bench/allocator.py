@@ -12,7 +12,7 @@ Each (model, layout, setting) is one real `titanlite.launch --standalone` run of
 (which it hands on where the caller set them). Settings:
 
 - launcher: nothing set, what `titanlite.launch` gives a CPU worker now;
-- before: what it gave before issue 36 (`MALLOC_MMAP_MAX_=0`, `MALLOC_TRIM_THRESHOLD_=1 TiB`);
+- before: what it gave before issue 36 (`MALLOC_MMAP_MAX_=0`, `MALLOC_TRIM_THRESHOLD_=1 TiB`, no huge pages);
 - glibc: glibc's own values set explicitly, as the issue ran it (`MALLOC_MMAP_MAX_=65536
   MALLOC_TRIM_THRESHOLD_=131072`; setting either also fixes glibc's mmap threshold at 128 KiB);
 - `--setting NAME=VAR=V,VAR=V` adds one of your own (`--setting none=` sets nothing and runs
@@ -25,7 +25,7 @@ Models:
 
 - moe: torchtitan's Qwen3 `debugmodel_moe` shape (torchtitan models/qwen3/__init__.py: dim
   256, 8 layers, 16 heads / 8 kv heads of 128, 64 experts of width 768, top 8, softmax,
-  renormalized, no shared expert) as a Qwen3 flavor built here, with the bundled tokenizer's
+  renormalized, no shared expert): the `torchtitan:debugmodel_moe` flavor, with the bundled tokenizer's
   vocabulary (4096; torchtitan's test tokenizer has 2048), local batch 4 x 256 per rank
   (`--moe-layers N` keeps N of its blocks: the full shape needs 4-8 GiB per FSDP 2 rank);
 - dense: titanlite's Llama debug model, local batch 8 x 512 per rank (docs/performance.md).
@@ -59,10 +59,12 @@ MOE_FLAVOR = "torchtitan_debugmodel_moe"
 MOE_LAYERS_ENV = "TITANLITE_BENCH_MOE_LAYERS"  # --moe-layers, to the workers
 MALLOC_TRIM_ENV = "TITANLITE_BENCH_MALLOC_TRIM"  # --malloc-trim, to the workers
 
+# The launcher adds glibc.malloc.hugetlb=1 unless the caller's GLIBC_TUNABLES names it.
+NO_HUGE_PAGES = "glibc.malloc.hugetlb=0"
 SETTINGS: dict[str, dict[str, str]] = {
     "launcher": {},
-    "before": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
-    "glibc": {"MALLOC_MMAP_MAX_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"},
+    "before": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "GLIBC_TUNABLES": NO_HUGE_PAGES},
+    "glibc": {"MALLOC_MMAP_MAX_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072", "GLIBC_TUNABLES": NO_HUGE_PAGES},
 }
 
 # name: (trainer overrides, label)

@@ -17,9 +17,14 @@ So does glibc's malloc, which by default serves every block over 32 MiB (and, pa
 adaptive threshold, smaller ones) with a fresh mmap and returns it on free: a CPU training
 step allocates and frees its activations, logits and gradients anew every step, and each
 time the kernel maps and zeroes them again, page by page (55-63 thousand page faults per
-debug-model step, ~5% of the step). MALLOC_MMAP_MAX_ = 0 and MALLOC_TRIM_THRESHOLD_ = 1 TiB
-keep freed blocks in the heap for the next step (1-3 thousand faults): the process keeps
-its peak footprint, which a training step reaches every step anyway.
+debug-model step, ~5% of the step). A fixed MALLOC_MMAP_THRESHOLD_ of 32 MiB and
+MALLOC_TRIM_THRESHOLD_ = 1 TiB keep every smaller freed block in the heap for the next step
+(1-3 thousand faults), while blocks of 32 MiB and more (an FSDP unit's gathered weights, a
+stack of experts' gradients) are mapped and given back: kept in the heap too (MALLOC_MMAP_MAX_
+= 0, before issue 36), their holes, refilled by smaller blocks, made an MoE model's heap
+outgrow one process's (docs/performance.md). glibc.malloc.hugetlb=1 (glibc >= 2.35; older
+ones ignore it) maps those blocks with transparent huge pages where the kernel allows it
+(madvise), one fault per 2 MiB instead of per 4 KiB.
 `--cpu-bind` (opt-in) also binds each CPU worker to its own block of cores (runtime/cpu_binding.py).
 
 How a run ends:
@@ -353,8 +358,10 @@ def _signal_line(sig: signal.Signals) -> str:
     )
 
 
-# glibc malloc: never mmap a block, never give the heap's top back (see the module docstring).
-CPU_MALLOC_DEFAULTS = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+# glibc malloc: blocks under 32 MiB reused from the heap, never given back; larger ones mapped
+# and returned on free, on huge pages (see the module docstring).
+CPU_MALLOC_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 def set_cpu_worker_defaults(nproc_per_node: str, env: MutableMapping[str, str] = os.environ) -> None:
@@ -369,6 +376,9 @@ def set_cpu_worker_defaults(nproc_per_node: str, env: MutableMapping[str, str] =
     env.setdefault("GOMP_SPINCOUNT", "1000")
     for name, value in CPU_MALLOC_DEFAULTS.items():
         env.setdefault(name, value)
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" not in tunables:
+        env["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGE_TUNABLE}" if tunables else HUGE_PAGE_TUNABLE
 
 
 def _parser():
