@@ -60,7 +60,7 @@ case " ${args[*]:-} " in
     *) args=(--config debug_model.toml "${args[@]}") ;;
 esac
 
-# CPU thread and allocator settings (cores split between the processes, glibc keeping freed memory) come from titanlite.launch.
+# CPU thread and allocator settings (cores split between the processes; glibc keeping freed blocks under 32 MiB, returning larger ones) come from titanlite.launch.
 exec "$PYTHON" -m titanlite.launch \
     --nnodes "$NNODES" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" \
