@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import REPO, run_env
+from tests.helpers.distributed import REPO, run_env, timeout_scale
 
 RUN_TIMEOUT = 180  # seconds per command; generous, other suites may share the 2 cores
 TEST_TIMEOUT = RUN_TIMEOUT + 60
@@ -89,7 +89,9 @@ def kill_marked(marker: str) -> list[int]:
 
 
 def run_command(command: list[str], env: dict[str, str], timeout: float = RUN_TIMEOUT) -> Run:
-    """Run `command` from the repo root; fail the test on a hang or on processes that outlive it."""
+    """Run `command` from the repo root; fail the test on a hang (`timeout` x `timeout_scale()`)
+    or on processes that outlive it."""
+    timeout *= timeout_scale()
     marker = uuid.uuid4().hex
     env = {**env, MARKER_VAR: marker}
     start = time.monotonic()

@@ -183,9 +183,12 @@ def run_mains(
     the other in one interpreter, as a world of one: the imports (~5 s of CPU a process on
     two cores) are paid once. One CompletedProcess per argv, with that run's exit code (an
     argparse exit's, or 1 and the traceback for an exception) and its share of stdout and
-    stderr; a run that did not finish fails the test with the driver's output."""
+    stderr; a run that did not finish (in `timeout` x `timeout_scale()`) fails the test with the
+    driver's output."""
     command = [sys.executable, "-c", MAINS_DRIVER, module, json.dumps(argvs)]
-    result = subprocess.run(command, cwd=REPO, env=env or run_env(), capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        command, cwd=REPO, env=env or run_env(), capture_output=True, text=True, timeout=timeout * timeout_scale()
+    )
     outs, errs = _cases(result.stdout), _cases(result.stderr)
     missing = [index for index in range(len(argvs)) if index not in errs or index not in outs]
     assert not missing, f"{module}: runs {missing} did not finish (exit {result.returncode}):\n{result.stderr[-4000:]}"
