@@ -153,8 +153,9 @@ def run_worker(out_path: str, trainer_args: list[str]) -> None:
 
 def launch(nproc: int, env_extra: dict[str, str], trainer_args: list[str], out: Path, timeout: float) -> list[dict]:
     """One run under `titanlite.launch`, the setting's variables in its environment (and
-    every malloc variable of ours removed, so only the setting's reach the launcher)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env_extra
+    every malloc variable and glibc tunable of ours removed, so only the setting's reach the
+    launcher)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"} | env_extra
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     cmd = [
         sys.executable,
