@@ -184,17 +184,15 @@ class Trainer:
     def train_step(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
-        """Forward/backward over the microbatches, clip, agree with every rank on the step
-        (`step/agreement.agree_on_step`), step unless it is skipped. Returns (this rank's
-        loss, grad norm, agreement)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.forward_backward.train(microbatches, self.state.step)
-        if self.ft is not None:  # the replica groups' average
-            loss = self.ft.average_gradients(self.params, loss)
-        grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
-        agreement = agree_on_step(self.signals.stop_signal, loss, grad_norm)
-        committed = self.ft is None or self.ft.commit()  # every group of the quorum takes it, or none
-        updated = committed and self.nonfinite.allows_update(self.state.step, agreement, grad_norm)
+        """Gradients of the microbatches (`_gradients`), then the optimizer step unless it is
+        skipped. Returns (this rank's loss, grad norm, agreement). Under fault tolerance a step
+        that a peer group failed during is not committed by any group: it is redone on the same
+        batches by the new quorum (runtime/fault_tolerance.py)."""
+        loss, grad_norm, agreement = self._gradients(microbatches)
+        while self.ft is not None and not self.ft.commit():
+            self.ft.begin_step(self.state.step - 1, redo=True)
+            loss, grad_norm, agreement = self._gradients(microbatches)
+        updated = self.nonfinite.allows_update(self.state.step, agreement, grad_norm)
         if updated:
             self.optimizer.step()
         else:
@@ -204,6 +202,18 @@ class Trainer:
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # what this step trained with, before the schedule moves on
         self.lr_scheduler.step()
         return loss, grad_norm, agreement
+
+    def _gradients(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
+        """Forward/backward over the microbatches, (with fault tolerance) the replica groups'
+        average, clip, and agree with every rank on the step (`step/agreement.agree_on_step`)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_backward.train(microbatches, self.state.step)
+        if self.ft is not None:
+            loss = self.ft.average_gradients(self.params, loss)
+        grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
+        return loss, grad_norm, agree_on_step(self.signals.stop_signal, loss, grad_norm)
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
         expert_load = self.expert_balance.load() if self.expert_balance is not None else None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -128,6 +129,7 @@ class ReplicaGroup:
             init_sync=False,  # every group initializes the same weights from training.seed
         )
         self.participants = 0  # groups in the last quorum
+        self.waiting = False  # the last quorum had fewer than min_replica_size groups
         self.healed_at: int | None = None  # the step a heal brought this group to, until it is said
         self.semi_sync: Any = None  # torchft's DiLoCo / LocalSGD, entered at the first step
 
@@ -166,14 +168,43 @@ class ReplicaGroup:
 
     # -- the step -------------------------------------------------------------------------
 
-    def begin_step(self, step: int) -> None:
-        """Before step `step + 1` draws its batches: the quorum (a joining group heals here, and
-        takes the live group's step, data position and RNG); one line when it changed."""
+    def begin_step(self, step: int, redo: bool = False) -> None:
+        """Before step `step + 1` draws its batches (or, `redo`, draws them again after a peer
+        failed during it): the quorum, waiting while it has fewer than min_replica_size groups
+        (up to quorum_timeout_ms); a joining group heals here, taking a live group's step, data
+        position and RNG. One line when the quorum changed."""
         if self.ft.semi_sync_method is not None:
             self._enter_semi_sync()
             return
-        self.manager.start_quorum()
+        if redo:
+            logger.info(f"fault_tolerance: step {step + 1}: a peer group failed during it; redone by the new quorum")
+        deadline = time.monotonic() + self.ft.quorum_timeout_ms / 1000
+        self._quorum()
+        while self.manager.num_participants() < self.ft.min_replica_size:
+            if not self.waiting:
+                logger.info(
+                    f"fault_tolerance: step {step + 1}: {self.manager.num_participants()}/{self.ft.group_size} groups, "
+                    f"fewer than min_replica_size {self.ft.min_replica_size}: waiting for more"
+                )
+                self.waiting = True
+            if time.monotonic() > deadline:
+                raise TitanliteError(self._timeout_line(step))
+            time.sleep(0.5)
+            self._quorum()
         self._say_quorum(step)
+
+    def _quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # the lighthouse's deadline (a Rust error) or a lost lighthouse
+            raise TitanliteError(f"{self._timeout_line(None)} ({str(error).splitlines()[0][:200]})") from None
+
+    def _timeout_line(self, step: int | None) -> str:
+        at = f" at step {step + 1}" if step is not None else ""
+        return (
+            f"fault_tolerance: no quorum of min_replica_size {self.ft.min_replica_size} replica groups{at} within "
+            f"quorum_timeout_ms {self.ft.quorum_timeout_ms} (lighthouse {os.environ.get(LIGHTHOUSE_ENV)})"
+        )
 
     def _say_quorum(self, step: int) -> None:
         participants = self.manager.num_participants()
@@ -184,6 +215,10 @@ class ReplicaGroup:
                 f"{self.ft.group_size} groups"
             )
             self.healed_at = None
+        elif self.waiting:
+            logger.info(
+                f"fault_tolerance: step {step + 1}: {participants}/{self.ft.group_size} groups; training goes on"
+            )
         elif self.participants and participants < self.participants:
             logger.info(
                 f"fault_tolerance: step {step + 1}: quorum shrank to {participants}/{self.ft.group_size} replica "
@@ -194,7 +229,7 @@ class ReplicaGroup:
                 f"fault_tolerance: step {step + 1}: quorum grew to {participants}/{self.ft.group_size} replica "
                 "groups (a group rejoined)"
             )
-        self.participants = participants
+        self.participants, self.waiting = participants, False
 
     def _enter_semi_sync(self) -> None:
         if self.semi_sync is not None:
@@ -251,7 +286,7 @@ class ReplicaGroup:
     @property
     def quorum(self) -> tuple[int, int]:
         """(groups in the last quorum, configured groups), for the step line."""
-        return self.participants or self.manager.num_participants(), self.ft.group_size
+        return self.manager.num_participants(), self.ft.group_size
 
     def close(self) -> None:
         if self.semi_sync is not None:

@@ -1,0 +1,91 @@
+"""Fault tolerance without a restart (issue 38), real processes on gloo: a torchft lighthouse and
+replica groups of the real trainer on the debug model (fp32, fixed seed), each group its own
+world (tests/helpers/replica_groups.py).
+
+- Two groups of FSDP 2 equal a plain HSDP 2 x 2 run of the same global batch (every logged loss
+  and grad norm within 1e-5), and end with bit-equal states.
+- kill -9 of one group at step k: the other goes on (steps continue, the shrink logged, nothing
+  resumed from a checkpoint); the killed group started again heals from the live one, the two
+  train together again and end with bit-equal weights and optimizer state.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve, run_trainer_worker, with_overrides
+from tests.helpers.replica_groups import Group, lighthouse
+
+pytest.importorskip("torchft")
+
+GROUPS = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
+# Global batch 8: 2 groups x FSDP 2 x local_batch_size 2, as HSDP 2 x 2 x 2.
+FT_ARGS = with_overrides(EQUIVALENCE_ARGS, ["--training.local_batch_size", "2"], GROUPS)
+
+
+def step_numbers(history: list[dict]) -> list[int]:
+    return [h["step"] for h in history]
+
+
+@pytest.mark.slow
+def test_two_groups_equal_hsdp(tmp_path):
+    with lighthouse(min_replicas=2) as address:  # both groups in the first quorum
+        groups = [Group(g, 2, [*FT_ARGS, "--job.dump_folder", str(tmp_path / "ft")], tmp_path, address) for g in (0, 1)]
+        results = [group.wait(180) for group in groups]
+    hsdp = run_trainer_worker(
+        4,
+        [
+            *with_overrides(EQUIVALENCE_ARGS, ["--training.local_batch_size", "2"]),
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path / "hsdp"),
+        ],
+        tmp_path / "hsdp.json",
+    )
+    for g, result in enumerate(results):
+        assert_same_curve(result["history"], hsdp["history"], f"replica group {g}")
+        assert [h["quorum"] for h in result["history"]] == [2] * len(result["history"])
+        assert [h["tokens_seen"] for h in result["history"]] == [h["tokens_seen"] for h in hsdp["history"]]
+    assert results[0]["checksums"] == results[1]["checksums"]
+
+
+KILL_STEPS, KILL_AT = 45, 5
+
+
+@pytest.mark.slow
+def test_kill_rejoin_heal(tmp_path):
+    args = with_overrides(FT_ARGS, ["--training.steps", str(KILL_STEPS), "--job.dump_folder", str(tmp_path / "ft")])
+    with lighthouse(min_replicas=1) as address:
+        groups = [Group(g, 2, args, tmp_path, address) for g in (0, 1)]
+        try:
+            for group in groups:
+                group.wait_for(rf"^\S+ step +{KILL_AT} ", 120)
+            # The group that started second healed from the first at its first step: kill that one,
+            # so the survivor's history runs from step 1.
+            victim = next((g for g in groups if "healed from a live group" in g.text()), groups[1])
+            survivor = groups[1 - victim.replica]
+            victim.kill()
+            rejoined = Group(victim.replica, 2, args, tmp_path, address, tag="_restarted")
+            lived, back = survivor.wait(300), rejoined.wait(300)
+        finally:
+            for group in groups:
+                group.stop()
+    out = survivor.text()
+    assert step_numbers(lived["history"]) == list(range(1, KILL_STEPS + 1))  # no step lost, none repeated
+    assert "resumed at step" not in out
+    shrink = re.search(r"step (\d+): quorum shrank to 1/2", out)
+    assert shrink and int(shrink[1]) > KILL_AT, out[-3000:]
+    grew = re.search(r"step (\d+): quorum grew to 2/2", out[shrink.end() :])
+    assert grew, f"the restarted group did not rejoin before the survivor finished:\n{out[-3000:]}"
+    healed = re.search(rf"step (\d+): replica group {victim.replica} healed from a live group", rejoined.text())
+    assert healed and healed[1] == grew[1], rejoined.text()[-3000:]
+    first = int(healed[1])
+    assert step_numbers(back["history"]) == list(range(first, KILL_STEPS + 1))
+    together = {h["step"]: h for h in lived["history"] if h["step"] >= first}
+    for h in back["history"]:
+        assert h["loss"] == pytest.approx(together[h["step"]]["loss"], rel=1e-6), h["step"]
+        assert h["quorum"] == together[h["step"]]["quorum"] == 2
+    assert back["checksums"] == lived["checksums"]
