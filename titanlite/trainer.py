@@ -115,14 +115,8 @@ class Trainer:
         self.step_lr = 0.0  # the lr of the step just taken (the schedule has moved on when it is logged)
         self.state = TrainState()
         self.checkpoint = self._build_checkpoint()
-        self.ft = build_replica_group(
-            cfg.fault_tolerance,
-            model=self.model,
-            optimizer=self.optimizer,
-            states={"lr_scheduler": self.lr_scheduler, "dataloader": self.data, "train_state": self.state},
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-        )
+        states = {"lr_scheduler": self.lr_scheduler, "dataloader": self.data, "train_state": self.state}
+        self.ft = build_replica_group(cfg.fault_tolerance, self.model, self.optimizer, states, self.dist)
 
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
         self.metrics = MetricsLogger(

@@ -37,6 +37,7 @@ from titanlite.config.fault_tolerance import FaultTolerance
 from titanlite.config.sections import JobConfig
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
+from titanlite.parallel.distributed import DistInfo
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
@@ -294,6 +295,16 @@ class ReplicaGroup:
         self.manager.shutdown(wait=False)
 
 
-def build_replica_group(ft: FaultTolerance, **pieces: Any) -> ReplicaGroup | None:
+def build_replica_group(
+    ft: FaultTolerance,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    states: dict[str, Any],
+    dist_info: DistInfo,
+) -> ReplicaGroup | None:
     """The run's ReplicaGroup when `fault_tolerance.enable`, else None (see ReplicaGroup)."""
-    return ReplicaGroup(ft, **pieces) if ft.enable else None
+    if not ft.enable:
+        return None
+    return ReplicaGroup(
+        ft, model=model, optimizer=optimizer, states=states, rank=dist_info.rank, world_size=dist_info.world_size
+    )
