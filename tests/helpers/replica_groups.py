@@ -22,6 +22,17 @@ from titanlite.launch import set_cpu_worker_defaults
 
 WORKER = Path(__file__).with_name("ft_worker.py")
 LIGHTHOUSE = Path(sys.executable).with_name("torchft_lighthouse")
+REFERENCE = Path(__file__).with_name("diloco_reference.py")
+
+
+def run_python(argv: list[str], timeout: float) -> dict:
+    """`python ARGV` as a world of one whose first argument is the JSON it writes; returns that JSON."""
+    command = [sys.executable, *argv]
+    limit = timeout * timeout_scale()
+    result = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=limit)
+    output = result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, f"{argv[0]} exited {result.returncode}:\n{output}"
+    return json.loads(Path(argv[1]).read_text())
 
 
 @contextlib.contextmanager

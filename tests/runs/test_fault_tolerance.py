@@ -7,6 +7,7 @@ world (tests/helpers/replica_groups.py).
 - kill -9 of one group at step k: the other goes on (steps continue, the shrink logged, nothing
   resumed from a checkpoint); the killed group started again heals from the live one, the two
   train together again and end with bit-equal weights and optimizer state.
+- DiLoCo (torchft's) over two groups equals a DiLoCo written in plain torch over the trainer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 import pytest
 
 from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve, run_trainer_worker, with_overrides
-from tests.helpers.replica_groups import Group, lighthouse
+from tests.helpers.replica_groups import REFERENCE, Group, lighthouse, run_python
 
 pytest.importorskip("torchft")
 
@@ -89,3 +90,50 @@ def test_kill_rejoin_heal(tmp_path):
         assert h["loss"] == pytest.approx(together[h["step"]]["loss"], rel=1e-6), h["step"]
         assert h["quorum"] == together[h["step"]]["quorum"] == 2
     assert back["checksums"] == lived["checksums"]
+
+
+DILOCO_STEPS, SYNC_STEPS, OUTER_LR, OUTER_MOMENTUM = 6, 2, 0.7, 0.9
+
+
+@pytest.mark.slow
+def test_diloco_equals_plain_torch_diloco(tmp_path):
+    """Two one-process groups under torchft's DiLoCo: weights equal right after each sync and
+    different between syncs; every loss and grad norm, and the final weights, as a DiLoCo
+    written in plain torch over the same trainer (tests/helpers/diloco_reference.py)."""
+    base = with_overrides(EQUIVALENCE_ARGS, ["--training.steps", str(DILOCO_STEPS), "--training.local_batch_size", "4"])
+    diloco = [
+        *GROUPS,
+        "--fault_tolerance.semi_sync_method",
+        "diloco",
+        "--fault_tolerance.sync_steps",
+        str(SYNC_STEPS),
+        "--fault_tolerance.outer_lr",
+        str(OUTER_LR),
+        "--fault_tolerance.outer_momentum",
+        str(OUTER_MOMENTUM),
+        "--job.dump_folder",
+        str(tmp_path / "ft"),
+    ]
+    with lighthouse(min_replicas=2) as address:
+        groups = [Group(g, 1, [*base, *diloco], tmp_path, address) for g in (0, 1)]
+        results = [group.wait(180) for group in groups]
+    reference = run_python(
+        [
+            str(REFERENCE),
+            str(tmp_path / "reference.json"),
+            str(SYNC_STEPS),
+            str(OUTER_LR),
+            str(OUTER_MOMENTUM),
+            str(tmp_path / "reference"),
+            *base,
+        ],
+        timeout=180,
+    )
+    for step, (a, b) in enumerate(zip(results[0]["weights"], results[1]["weights"]), start=1):
+        assert (a == b) == (step % SYNC_STEPS == 0), f"step {step}: groups' weights equal: {a == b}"
+    for g, result in enumerate(results):
+        assert step_numbers(result["history"]) == list(range(1, DILOCO_STEPS + 1))
+        for ours, ref in zip(result["history"], reference["histories"][g]):
+            for key in ("loss", "grad_norm"):
+                assert ours[key] == pytest.approx(ref[key], rel=1e-5), f"group {g} step {ref['step']} {key}"
+        assert result["sums"] == pytest.approx(reference["sums"][g], rel=1e-5, abs=1e-6)
