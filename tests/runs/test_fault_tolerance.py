@@ -8,6 +8,7 @@ world (tests/helpers/replica_groups.py).
   resumed from a checkpoint); the killed group started again heals from the live one, the two
   train together again and end with bit-equal weights and optimizer state.
 - DiLoCo (torchft's) over two groups equals a DiLoCo written in plain torch over the trainer.
+- An unreachable lighthouse ends in one line.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ import re
 
 import pytest
 
-from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve, run_trainer_worker, with_overrides
+from tests.helpers.distributed import (
+    EQUIVALENCE_ARGS,
+    assert_same_curve,
+    free_port,
+    run_env,
+    run_mains,
+    run_trainer_worker,
+    with_overrides,
+)
 from tests.helpers.replica_groups import REFERENCE, Group, lighthouse, run_python
 
 pytest.importorskip("torchft")
@@ -137,3 +146,16 @@ def test_diloco_equals_plain_torch_diloco(tmp_path):
             for key in ("loss", "grad_norm"):
                 assert ours[key] == pytest.approx(ref[key], rel=1e-5), f"group {g} step {ref['step']} {key}"
         assert result["sums"] == pytest.approx(reference["sums"][g], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_unreachable_lighthouse_is_one_line(tmp_path):
+    """No lighthouse at TORCHFT_LIGHTHOUSE: one line naming it, exit code 2, after
+    process_group_timeout_ms (the Manager's connect timeout), no traceback."""
+    env = {**run_env(), "TORCHFT_LIGHTHOUSE": f"http://localhost:{free_port()}"}
+    argv = [*FT_ARGS, "--fault_tolerance.process_group_timeout_ms", "2000", "--job.dump_folder", str(tmp_path)]
+    (run,) = run_mains("titanlite.train", [argv], timeout=120, env=env)
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "titanlite: error:" in line]
+    assert run.returncode == 2 and len(lines) == 1, run.stderr[-3000:]
+    assert "the lighthouse TORCHFT_LIGHTHOUSE=http://localhost:" in lines[0] and "is unreachable" in lines[0]
+    assert "Traceback" not in run.stderr

@@ -108,14 +108,30 @@ class ReplicaGroup:
         rank: int,
         world_size: int,
     ) -> None:
-        from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         self.ft, self.model, self.optimizer, self.states = ft, model, optimizer, states
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
         process_group = (ProcessGroupGloo if ft.process_group == "gloo" else ProcessGroupNCCL)(timeout=timeout)
-        self.manager = Manager(
+        try:
+            self.manager = self._start_manager(process_group, timeout, rank, world_size)
+        except RuntimeError as error:  # torchft's Rust client: the lighthouse refused or timed out
+            raise TitanliteError(
+                f"fault_tolerance: the lighthouse {LIGHTHOUSE_ENV}={os.environ.get(LIGHTHOUSE_ENV)} is unreachable: "
+                f"{str(error).split(';')[0]}"
+            ) from None
+        self.participants = 0  # groups in the last quorum
+        self.waiting = False  # the last quorum had fewer than min_replica_size groups
+        self.healed_at: int | None = None  # the step a heal brought this group to, until it is said
+        self.semi_sync: Any = None  # torchft's DiLoCo / LocalSGD, entered at the first step
+
+    def _start_manager(self, process_group: Any, timeout: timedelta, rank: int, world_size: int) -> Any:
+        """torchft's Manager for this group: rank 0 also starts its server, which joins the lighthouse."""
+        from torchft import Manager
+
+        ft = self.ft
+        return Manager(
             pg=process_group,
             load_state_dict=self._load,
             state_dict=self._state,
@@ -129,10 +145,6 @@ class ReplicaGroup:
             replica_id=f"replica_{ft.replica_id}",
             init_sync=False,  # every group initializes the same weights from training.seed
         )
-        self.participants = 0  # groups in the last quorum
-        self.waiting = False  # the last quorum had fewer than min_replica_size groups
-        self.healed_at: int | None = None  # the step a heal brought this group to, until it is said
-        self.semi_sync: Any = None  # torchft's DiLoCo / LocalSGD, entered at the first step
 
     # -- healing: what a live group sends, what a joining group applies -----------------
 
