@@ -3,7 +3,8 @@ replica groups of the real trainer on the debug model (fp32, fixed seed), each g
 world (tests/helpers/replica_groups.py).
 
 - Two groups of FSDP 2 equal a plain HSDP 2 x 2 run of the same global batch (every logged loss
-  and grad norm within 1e-5), and end with bit-equal states.
+  and grad norm within 1e-5), and end with bit-equal states; a whole-job restart resumes from the
+  one checkpoint the first group of the quorum saved (the other group heals from it).
 - kill -9 of one group at step k: the other goes on (steps continue, the shrink logged, nothing
   resumed from a checkpoint); the killed group started again heals from the live one, the two
   train together again and end with bit-equal weights and optimizer state.
@@ -39,15 +40,29 @@ def step_numbers(history: list[dict]) -> list[int]:
     return [h["step"] for h in history]
 
 
+RESUMED_STEPS = 8
+# Constant lr after warmup: a run told to stop at step 5 follows the schedule of one told to run 8.
+CONSTANT_LR = ["--lr_scheduler.decay_ratio", "0"]
+CHECKPOINTS = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "5"]
+
+
 @pytest.mark.slow
-def test_two_groups_equal_hsdp(tmp_path):
+def test_two_groups_equal_hsdp_and_resume_after_a_whole_job_restart(tmp_path):
+    """Two FSDP 2 groups, 5 steps, equal HSDP 2 x 2 and end bit-equal; the first group of the
+    quorum saved the step-5 checkpoint. The whole job started again to step 8: group 0 resumes
+    from it, group 1 (which saved none) heals from group 0, and steps 6-8 are HSDP's too."""
+    args = [*FT_ARGS, *CONSTANT_LR, *CHECKPOINTS, "--job.dump_folder", str(tmp_path / "ft")]
     with lighthouse(min_replicas=2) as address:  # both groups in the first quorum
-        groups = [Group(g, 2, [*FT_ARGS, "--job.dump_folder", str(tmp_path / "ft")], tmp_path, address) for g in (0, 1)]
-        results = [group.wait(180) for group in groups]
+        results = [group.wait(180) for group in [Group(g, 2, args, tmp_path, address) for g in (0, 1)]]
+        longer = with_overrides(args, ["--training.steps", str(RESUMED_STEPS)])
+        restarted = [Group(g, 2, longer, tmp_path, address, "_b") for g in (0, 1)]
+        resumed = [group.wait(180) for group in restarted]
     hsdp = run_trainer_worker(
         4,
         [
-            *with_overrides(EQUIVALENCE_ARGS, ["--training.local_batch_size", "2"]),
+            *with_overrides(EQUIVALENCE_ARGS, ["--training.local_batch_size", "2"], CONSTANT_LR),
+            "--training.steps",
+            str(RESUMED_STEPS),
             "--parallelism.data_parallel_replicate_degree",
             "2",
             "--job.dump_folder",
@@ -56,10 +71,22 @@ def test_two_groups_equal_hsdp(tmp_path):
         tmp_path / "hsdp.json",
     )
     for g, result in enumerate(results):
-        assert_same_curve(result["history"], hsdp["history"], f"replica group {g}")
+        assert_same_curve(result["history"], hsdp["history"][:5], f"replica group {g}")
         assert [h["quorum"] for h in result["history"]] == [2] * len(result["history"])
-        assert [h["tokens_seen"] for h in result["history"]] == [h["tokens_seen"] for h in hsdp["history"]]
+        assert [h["tokens_seen"] for h in result["history"]] == [h["tokens_seen"] for h in hsdp["history"][:5]]
     assert results[0]["checksums"] == results[1]["checksums"]
+    assert (tmp_path / "ft" / "replica_0" / "checkpoint" / "step-5").is_dir()
+    assert not (tmp_path / "ft" / "replica_1" / "checkpoint").exists() or not any(
+        (tmp_path / "ft" / "replica_1" / "checkpoint").iterdir()
+    )
+    assert "resumed at step 5" in restarted[0].text()
+    assert "step 6: replica group 1 healed from a live group" in restarted[1].text()
+    for g, result in enumerate(resumed):
+        assert step_numbers(result["history"]) == [6, 7, 8]
+        for ours, ref in zip(result["history"], hsdp["history"][5:]):
+            for key in ("loss", "grad_norm"):
+                assert ours[key] == pytest.approx(ref[key], rel=1e-5), f"resumed group {g} step {ref['step']} {key}"
+    assert resumed[0]["checksums"] == resumed[1]["checksums"]
 
 
 KILL_STEPS, KILL_AT = 45, 5
