@@ -186,3 +186,67 @@ def test_unreachable_lighthouse_is_one_line(tmp_path):
     assert run.returncode == 2 and len(lines) == 1, run.stderr[-3000:]
     assert "the lighthouse TORCHFT_LIGHTHOUSE=http://localhost:" in lines[0] and "is unreachable" in lines[0]
     assert "Traceback" not in run.stderr
+
+
+WAIT_STEPS, WAIT_KILL_AT = 12, 3
+
+
+@pytest.mark.slow
+def test_below_min_replica_size_training_waits_then_goes_on(tmp_path):
+    """min_replica_size 2 of 2 one-process groups: when one is killed the other commits no step
+    alone, says it waits, and goes on when the group is back (healed); both end bit-equal."""
+    args = [
+        *with_overrides(FT_ARGS, ["--training.steps", str(WAIT_STEPS)]),
+        "--fault_tolerance.min_replica_size",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path / "ft"),
+    ]
+    with lighthouse(min_replicas=1) as address:
+        groups = [Group(g, 1, args, tmp_path, address) for g in (0, 1)]
+        try:
+            for group in groups:
+                group.wait_for(rf"^\S+ step +{WAIT_KILL_AT} ", 120)
+            victim = next((g for g in groups if "healed from a live group" in g.text()), groups[1])
+            survivor = groups[1 - victim.replica]
+            victim.kill()
+            survivor.wait_for(r"fewer than min_replica_size 2: waiting for more", 120)
+            rejoined = Group(victim.replica, 1, args, tmp_path, address, tag="_restarted")
+            lived, back = survivor.wait(300), rejoined.wait(300)
+        finally:
+            for group in groups:
+                group.stop()
+    out = survivor.text()
+    assert step_numbers(lived["history"]) == list(range(1, WAIT_STEPS + 1))
+    assert re.search(r"step \d+: 2/2 groups; training goes on", out), out[-3000:]
+    assert all(h["quorum"] == 2 for h in lived["history"] if h["step"] > 1)  # never a step alone
+    healed = re.search(rf"step (\d+): replica group {victim.replica} healed from a live group", rejoined.text())
+    assert healed, rejoined.text()[-3000:]
+    # The heal came while the survivor waited inside a step it redoes: the joiner starts at that
+    # very step, from the state before it drew its batches.
+    assert step_numbers(back["history"]) == list(range(int(healed[1]), WAIT_STEPS + 1))
+    together = {h["step"]: h for h in lived["history"]}
+    for h in back["history"]:
+        assert h["loss"] == pytest.approx(together[h["step"]]["loss"], rel=1e-6), h["step"]
+    assert back["checksums"] == lived["checksums"]
+
+
+@pytest.mark.slow
+def test_a_group_that_stays_away_ends_in_one_line(tmp_path):
+    """Below min_replica_size for longer than quorum_timeout_ms: one line naming it, exit code 2."""
+    argv = [
+        *FT_ARGS,
+        "--fault_tolerance.min_replica_size",
+        "2",
+        "--fault_tolerance.quorum_timeout_ms",
+        "3000",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
+    with lighthouse(min_replicas=1) as address:
+        (run,) = run_mains("titanlite.train", [argv], timeout=120, env={**run_env(), "TORCHFT_LIGHTHOUSE": address})
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "titanlite: error:" in line]
+    assert run.returncode == 2 and len(lines) == 1, run.stderr[-3000:]
+    assert "no quorum of min_replica_size 2 replica groups at step 1 within quorum_timeout_ms 3000" in lines[0]
+    assert "fewer than min_replica_size 2: waiting for more" in run.stderr + run.stdout
+    assert "Traceback" not in run.stderr

@@ -125,6 +125,7 @@ class ReplicaGroup:
         self.waiting = False  # the last quorum had fewer than min_replica_size groups
         self.healed_at: int | None = None  # the step a heal brought this group to, until it is said
         self.semi_sync: Any = None  # torchft's DiLoCo / LocalSGD, entered at the first step
+        self.step_start: dict[str, Any] = {}  # `states` as the current step found them
 
     def _start_manager(self, process_group: Any, timeout: timedelta, rank: int, world_size: int) -> Any:
         """torchft's Manager for this group: rank 0 also starts its server, which joins the lighthouse."""
@@ -157,7 +158,9 @@ class ReplicaGroup:
         return {
             "model": {name: _local(p.detach()) for name, p in self.model.named_parameters()},
             "optimizer": optimizer,
-            **{name: piece.state_dict() for name, piece in self.states.items()},
+            # per-step mode: the state before this step drew its batches (also while it is redone);
+            # DiLoCo / local SGD heal at a sync, inside the optimizer step: the state as it is
+            **(self.step_start or {name: piece.state_dict() for name, piece in self.states.items()}),
         }
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -191,8 +194,15 @@ class ReplicaGroup:
             return
         if redo:
             logger.info(f"fault_tolerance: step {step + 1}: a peer group failed during it; redone by the new quorum")
+        else:  # what a heal sends: the state before this step drew its batches, also while it is redone
+            self.step_start = {name: piece.state_dict() for name, piece in self.states.items()}
         deadline = time.monotonic() + self.ft.quorum_timeout_ms / 1000
         self._quorum()
+        while self.manager.errored() is not None:  # a heal or a reconfiguration failed: a peer died meanwhile
+            logger.info(f"fault_tolerance: step {step + 1}: the quorum failed ({self._first_line()}); asking again")
+            if time.monotonic() > deadline:
+                raise TitanliteError(self._timeout_line(step))
+            self._quorum()
         while self.manager.num_participants() < self.ft.min_replica_size:
             if not self.waiting:
                 logger.info(
@@ -205,6 +215,10 @@ class ReplicaGroup:
             time.sleep(0.5)
             self._quorum()
         self._say_quorum(step)
+
+    def _first_line(self) -> str:
+        error = self.manager.errored()
+        return str(getattr(error, "original_exception", error)).splitlines()[0][:200]
 
     def _quorum(self) -> None:
         try:
