@@ -8,12 +8,15 @@ world (tests/helpers/replica_groups.py).
 - kill -9 of one group at step k: the other goes on (steps continue, the shrink logged, nothing
   resumed from a checkpoint); the killed group started again heals from the live one, the two
   train together again and end with bit-equal weights and optimizer state.
-- DiLoCo (torchft's) over two groups equals a DiLoCo written in plain torch over the trainer.
+- DiLoCo and local SGD (torchft's) over two groups equal a DiLoCo written in plain torch over
+  the trainer.
 - An unreachable lighthouse ends in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 
 import pytest
@@ -132,47 +135,44 @@ DILOCO_STEPS, SYNC_STEPS, OUTER_LR, OUTER_MOMENTUM = 6, 2, 0.7, 0.9
 
 
 @pytest.mark.slow
-def test_diloco_equals_plain_torch_diloco(tmp_path):
-    """Two one-process groups under torchft's DiLoCo: weights equal right after each sync and
-    different between syncs; every loss and grad norm, and the final weights, as a DiLoCo
-    written in plain torch over the same trainer (tests/helpers/diloco_reference.py)."""
+def test_diloco_and_local_sgd_equal_plain_torch(tmp_path):
+    """Pairs of one-process groups under torchft's DiLoCo and LocalSGD: weights equal right after
+    each sync and different between syncs; every loss and grad norm, and the final weights, as a
+    DiLoCo written in plain torch over the same trainer (tests/helpers/diloco_reference.py;
+    local SGD is its outer lr 1 without momentum: the groups' average)."""
     base = with_overrides(EQUIVALENCE_ARGS, ["--training.steps", str(DILOCO_STEPS), "--training.local_batch_size", "4"])
-    diloco = [
-        *GROUPS,
-        "--fault_tolerance.semi_sync_method",
-        "diloco",
-        "--fault_tolerance.sync_steps",
-        str(SYNC_STEPS),
-        "--fault_tolerance.outer_lr",
-        str(OUTER_LR),
-        "--fault_tolerance.outer_momentum",
-        str(OUTER_MOMENTUM),
-        "--job.dump_folder",
-        str(tmp_path / "ft"),
-    ]
-    with lighthouse(min_replicas=2) as address:
-        groups = [Group(g, 1, [*base, *diloco], tmp_path, address) for g in (0, 1)]
-        results = [group.wait(180) for group in groups]
-    reference = run_python(
-        [
-            str(REFERENCE),
-            str(tmp_path / "reference.json"),
-            str(SYNC_STEPS),
-            str(OUTER_LR),
-            str(OUTER_MOMENTUM),
-            str(tmp_path / "reference"),
-            *base,
-        ],
-        timeout=180,
-    )
-    for step, (a, b) in enumerate(zip(results[0]["weights"], results[1]["weights"]), start=1):
-        assert (a == b) == (step % SYNC_STEPS == 0), f"step {step}: groups' weights equal: {a == b}"
-    for g, result in enumerate(results):
-        assert step_numbers(result["history"]) == list(range(1, DILOCO_STEPS + 1))
-        for ours, ref in zip(result["history"], reference["histories"][g]):
-            for key in ("loss", "grad_norm"):
-                assert ours[key] == pytest.approx(ref[key], rel=1e-5), f"group {g} step {ref['step']} {key}"
-        assert result["sums"] == pytest.approx(reference["sums"][g], rel=1e-5, abs=1e-6)
+    outer_args = ["--fault_tolerance.outer_lr", str(OUTER_LR), "--fault_tolerance.outer_momentum", str(OUTER_MOMENTUM)]
+    methods = {"diloco": outer_args, "local_sgd": []}
+    outers = [[OUTER_LR, OUTER_MOMENTUM], [1.0, 0.0]]
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for method, outer in methods.items():
+            address = stack.enter_context(lighthouse(min_replicas=2))
+            args = [
+                *base,
+                *GROUPS,
+                "--fault_tolerance.semi_sync_method",
+                method,
+                "--fault_tolerance.sync_steps",
+                str(SYNC_STEPS),
+                *outer,
+                "--job.dump_folder",
+                str(tmp_path / method),
+            ]
+            runs[method] = [Group(g, 1, args, tmp_path, address, tag=method) for g in (0, 1)]
+        reference_argv = [str(REFERENCE), str(tmp_path / "reference.json"), str(SYNC_STEPS), str(tmp_path / "ref")]
+        references = run_python([*reference_argv, json.dumps(outers), *base], timeout=240)
+        results = {method: [group.wait(180) for group in groups] for method, groups in runs.items()}
+    for method, reference in zip(methods, references):
+        ours = results[method]
+        for step, (a, b) in enumerate(zip(ours[0]["weights"], ours[1]["weights"]), start=1):
+            assert (a == b) == (step % SYNC_STEPS == 0), f"{method} step {step}: groups' weights equal: {a == b}"
+        for g, result in enumerate(ours):
+            assert step_numbers(result["history"]) == list(range(1, DILOCO_STEPS + 1))
+            for got, ref in zip(result["history"], reference["histories"][g]):
+                for key in ("loss", "grad_norm"):
+                    assert got[key] == pytest.approx(ref[key], rel=1e-5), f"{method} {g} step {ref['step']} {key}"
+            assert result["sums"] == pytest.approx(reference["sums"][g], rel=1e-5, abs=1e-6), method
 
 
 @pytest.mark.slow

@@ -34,9 +34,8 @@ class FaultTolerance:
         choices=(None, "diloco", "local_sgd"),
     )
     sync_steps: int = _opt(5, "with semi_sync_method: inner steps between two syncs", gt=0)
-    outer_lr: float = _opt(0.7, "DiLoCo's outer SGD learning rate", gt=0)
+    outer_lr: float = _opt(0.7, "DiLoCo's outer SGD learning rate (Nesterov momentum, as in the DiLoCo paper)", gt=0)
     outer_momentum: float = _opt(0.9, "DiLoCo's outer SGD momentum", ge=0, lt=1)
-    outer_nesterov: bool = _opt(True, "DiLoCo's outer SGD uses Nesterov momentum")
 
 
 def check_fault_tolerance(ft: FaultTolerance) -> None:

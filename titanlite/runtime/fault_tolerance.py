@@ -267,9 +267,7 @@ class ReplicaGroup:
         if ft.semi_sync_method == "local_sgd":
             self.semi_sync = LocalSGD(self.manager, self.model, self.optimizer, sync_every=ft.sync_steps)
         else:
-            outer = torch.optim.SGD(
-                self.model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum, nesterov=ft.outer_nesterov
-            )
+            outer = torch.optim.SGD(self.model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum, nesterov=True)
             self.semi_sync = DiLoCo(
                 self.manager, [self.model], self.optimizer, outer, sync_every=ft.sync_steps, pin_memory=False
             )
