@@ -10,7 +10,9 @@ world (tests/helpers/replica_groups.py).
   train together again and end with bit-equal weights and optimizer state.
 - DiLoCo and local SGD (torchft's) over two groups equal a DiLoCo written in plain torch over
   the trainer.
-- An unreachable lighthouse ends in one line.
+- Below min_replica_size training waits, and goes on when the group is back; a group that stays
+  away, and an unreachable lighthouse, end in one line.
+- scripts/run_ft_local.sh starts a lighthouse and the groups.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
 from tests.helpers.distributed import (
     EQUIVALENCE_ARGS,
+    REPO,
     assert_same_curve,
     free_port,
     run_env,
     run_mains,
     run_trainer_worker,
+    timeout_scale,
     with_overrides,
 )
 from tests.helpers.replica_groups import REFERENCE, Group, lighthouse, run_python
@@ -250,3 +256,23 @@ def test_a_group_that_stays_away_ends_in_one_line(tmp_path):
     assert "no quorum of min_replica_size 2 replica groups at step 1 within quorum_timeout_ms 3000" in lines[0]
     assert "fewer than min_replica_size 2: waiting for more" in run.stderr + run.stdout
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+def test_run_ft_local_script(tmp_path):
+    """The documented start on one host: scripts/run_ft_local.sh GROUPS PROCS [args] starts a
+    lighthouse and the groups under titanlite.launch; both train every step in one quorum. A
+    bad count is one usage line and exit code 2."""
+    script = str(REPO / "scripts" / "run_ft_local.sh")
+    env = {**run_env(), "LOG_DIR": str(tmp_path / "logs"), "PYTHON": sys.executable, "MIN_REPLICAS": "2"}
+    env["LIGHTHOUSE_PORT"] = str(free_port())
+    bad = subprocess.run(["bash", script, "two", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "usage:" in bad.stderr
+    args = [*with_overrides(EQUIVALENCE_ARGS, ["--training.steps", "3"]), "--job.dump_folder", str(tmp_path / "out")]
+    run = subprocess.run(
+        ["bash", script, "2", "1", *args], env=env, capture_output=True, text=True, timeout=300 * timeout_scale()
+    )
+    logs = [(tmp_path / "logs" / f"replica_{g}.log").read_text() for g in (0, 1)]
+    assert run.returncode == 0, run.stderr + "".join(logs)[-4000:]
+    for log in logs:
+        assert [int(s) for s in re.findall(r"step +(\d+) .*quorum 2/2", log)] == [1, 2, 3], log[-3000:]
