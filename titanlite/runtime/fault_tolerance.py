@@ -281,10 +281,10 @@ class ReplicaGroup:
         grads = [_local(p.grad) if p.grad is not None else None for p in params]
         flat = torch.cat(
             [
-                (g if g is not None else torch.zeros(_local(p).numel(), dtype=torch.float32)).reshape(-1).float()
+                (g if g is not None else _local(p.detach()).new_zeros(_local(p).numel())).reshape(-1).float()
                 for g, p in zip(grads, params)
             ]
-            + [loss.detach().reshape(1).float()]
+            + [(loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().reshape(1).float()]  # loss parallel
         )
         self.manager.allreduce(flat).wait()
         offset = 0
