@@ -91,13 +91,17 @@ class Group:
     def text(self) -> str:
         return "".join(log.read_text(errors="replace") for log in self.logs)
 
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        """Block until rank 0's output matches `pattern` (a regex); fails the test past `timeout`."""
+    def count(self, pattern: str) -> int:
+        return len(re.findall(pattern, self.logs[0].read_text(errors="replace"), re.MULTILINE))
+
+    def wait_for(self, pattern: str, timeout: float, seen: int = 0) -> re.Match:
+        """Block until rank 0's output matches `pattern` (a regex) more than `seen` times; returns
+        that match; fails the test past `timeout`."""
         deadline = time.monotonic() + timeout * timeout_scale()
         while time.monotonic() < deadline:
-            found = re.search(pattern, self.logs[0].read_text(errors="replace"), re.MULTILINE)
-            if found:
-                return found
+            found = list(re.finditer(pattern, self.logs[0].read_text(errors="replace"), re.MULTILINE))
+            if len(found) > seen:
+                return found[seen]
             if any(p.poll() not in (None, 0) for p in self.processes):
                 break
             time.sleep(0.05)

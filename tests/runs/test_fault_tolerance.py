@@ -198,9 +198,11 @@ WAIT_STEPS, WAIT_KILL_AT = 12, 3
 
 
 @pytest.mark.slow
-def test_below_min_replica_size_training_waits_then_goes_on(tmp_path):
+def test_below_min_replica_size_training_waits_and_a_failure_at_the_heal(tmp_path):
     """min_replica_size 2 of 2 one-process groups: when one is killed the other commits no step
-    alone, says it waits, and goes on when the group is back (healed); both end bit-equal."""
+    alone and says it waits; the group started again is killed once more as the quorum that
+    heals it forms (a second failure during the heal): the other waits again; started a third
+    time it heals, the two go on together and end bit-equal."""
     args = [
         *with_overrides(FT_ARGS, ["--training.steps", str(WAIT_STEPS)]),
         "--fault_tolerance.min_replica_size",
@@ -210,17 +212,27 @@ def test_below_min_replica_size_training_waits_then_goes_on(tmp_path):
     ]
     with lighthouse(min_replicas=1) as address:
         groups = [Group(g, 1, args, tmp_path, address) for g in (0, 1)]
+        started = list(groups)
         try:
             for group in groups:
                 group.wait_for(rf"^\S+ step +{WAIT_KILL_AT} ", 120)
             victim = next((g for g in groups if "healed from a live group" in g.text()), groups[1])
             survivor = groups[1 - victim.replica]
+            waiting, going_on = r"fewer than min_replica_size 2: waiting for more", r"2/2 groups; training goes on"
+            waits = survivor.count(waiting)
             victim.kill()
-            survivor.wait_for(r"fewer than min_replica_size 2: waiting for more", 120)
+            survivor.wait_for(waiting, 120, seen=waits)
+            goes_on, waits = survivor.count(going_on), survivor.count(waiting)
+            second = Group(victim.replica, 1, args, tmp_path, address, tag="_second")
+            started.append(second)
+            survivor.wait_for(going_on, 120, seen=goes_on)
+            second.kill()
+            survivor.wait_for(waiting, 120, seen=waits)
             rejoined = Group(victim.replica, 1, args, tmp_path, address, tag="_restarted")
+            started.append(rejoined)
             lived, back = survivor.wait(300), rejoined.wait(300)
         finally:
-            for group in groups:
+            for group in started:
                 group.stop()
     out = survivor.text()
     assert step_numbers(lived["history"]) == list(range(1, WAIT_STEPS + 1))
