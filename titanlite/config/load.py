@@ -27,6 +27,7 @@ from titanlite.config.engine import (
     refuse_repeats,
 )
 from titanlite.config.output import help_lines, to_toml
+from titanlite.config.fault_tolerance import check_fault_tolerance
 from titanlite.config.sections import JobConfig
 from titanlite.config.torchtitan import TorchtitanKeys
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
@@ -114,6 +115,7 @@ def validate(cfg: JobConfig) -> None:
     world size are ParallelDims' job, model/flavor names the registry's.
     """
     check_values(cfg)
+    check_fault_tolerance(cfg.fault_tolerance)
     training, parallelism = cfg.training, cfg.parallelism
     if training.global_batch_size != -1 and training.global_batch_size % training.local_batch_size:
         raise TitanliteError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titanlite.config.engine import option as _opt
+from titanlite.config.fault_tolerance import FaultTolerance
 
 # training.steps' bound: a run of more steps cannot finish (see its help), so a number past it
 # (10**20, a typo, a stand-in for "forever") is refused instead of training until killed.
@@ -415,3 +416,4 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
