@@ -48,6 +48,7 @@ from titanlite.parallel.distributed import (
     world_from_env,
 )
 from titanlite.parallel.grad_norm import clip_gradients_
+from titanlite.parallel.optim_state import clean_name
 from titanlite.runtime.dump_folder import claim_dump_folder
 from titanlite.runtime.gc_schedule import ScheduledGC
 from titanlite.runtime.preemption import die_with_launcher, received
@@ -55,7 +56,7 @@ from titanlite.runtime.stuck import watch_main_thread
 from titanlite.step.agreement import StepAgreement, agree_on_step
 from titanlite.step.builder import StepBuilder
 from titanlite.step.nonfinite import NonFiniteSteps
-from titanlite.step.optim import build_lr_scheduler, build_optimizer
+from titanlite.step.optim import build_lr_scheduler, build_optimizer, current_factor
 from titanlite.step.precision import resolve_compute_dtype
 from titanlite.step.validate import build_validator
 
@@ -106,8 +107,9 @@ class Trainer:
         self.model_parts, self.model, self.size = built.parts, built.model, built.size
         self.forward_backward = self.steps.forward_backward(self.model, self.model_parts, built.experts)
         self.expert_balance = self.steps.expert_balance(self.model, built.experts)  # None without MoE layers
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optimizer)
+        named_params = [(clean_name(name), p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named_params]
+        self.optimizer = build_optimizer(named_params, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step_lr = 0.0  # the lr of the step just taken (the schedule has moved on when it is logged)
         self.state = TrainState()
@@ -187,7 +189,8 @@ class Trainer:
             self.metrics.log_skipped_steps(self.state.step, self.nonfinite.skipped)
         if self.expert_balance is not None:
             self.expert_balance.after_step(updated)
-        self.step_lr = self.optimizer.param_groups[0]["lr"]  # what this step trained with, before the schedule moves on
+        # what this step trained with (optimizer.lr; groups scale it), before the schedule moves on
+        self.step_lr = self.cfg.optimizer.lr * current_factor(self.lr_scheduler)
         self.lr_scheduler.step()
         return loss, grad_norm, agreement
 

@@ -26,8 +26,17 @@ def test_cosine_decay_and_stable_phase():
 
 def test_scheduler_sets_the_lr_each_step():
     param = torch.nn.Parameter(torch.zeros(2))
-    cfg = SimpleNamespace(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, implementation="for-loop")
-    optimizer = build_optimizer([param], cfg)
+    cfg = SimpleNamespace(
+        name="AdamW",
+        param_groups=[],
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        implementation="for-loop",
+    )
+    optimizer = build_optimizer([("w", param)], cfg)
     schedule = build_lr_scheduler(
         optimizer, SimpleNamespace(warmup_steps=4, decay_ratio=None, decay_type="linear", lr_min=0.0), 8
     )
@@ -44,8 +53,17 @@ def test_scheduler_sets_the_lr_each_step():
 def test_optimizer_implementations_agree(implementation):
     initial = torch.randn(16, generator=torch.Generator().manual_seed(0))
     param = torch.nn.Parameter(initial.clone())
-    cfg = SimpleNamespace(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, implementation=implementation)
-    optimizer = build_optimizer([param], cfg)
+    cfg = SimpleNamespace(
+        name="AdamW",
+        param_groups=[],
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        implementation=implementation,
+    )
+    optimizer = build_optimizer([("w", param)], cfg)
     param.grad = torch.ones(16)
     optimizer.step()
     # First AdamW step: decoupled decay, then lr * m_hat / (sqrt(v_hat) + eps) = lr * g / (|g| + eps).

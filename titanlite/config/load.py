@@ -27,6 +27,7 @@ from titanlite.config.engine import (
     refuse_repeats,
 )
 from titanlite.config.output import help_lines, to_toml
+from titanlite.config.param_groups import parse_groups
 from titanlite.config.sections import JobConfig
 from titanlite.config.torchtitan import TorchtitanKeys
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
@@ -114,6 +115,7 @@ def validate(cfg: JobConfig) -> None:
     world size are ParallelDims' job, model/flavor names the registry's.
     """
     check_values(cfg)
+    parse_groups(cfg.optimizer.param_groups)
     training, parallelism = cfg.training, cfg.parallelism
     if training.global_batch_size != -1 and training.global_batch_size % training.local_batch_size:
         raise TitanliteError(
