@@ -81,7 +81,7 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError("Muon: a muon group holds a parameter that is not 2-D or stacked 3-D")
         ordered = [p for group in self.param_groups for p in group["params"]]
         self._keys = {id(p): names[id(p)] if names else f"param{i}" for i, p in enumerate(ordered)}
-        self._plan: dict[MatrixKey, _Matrix] | None = None
+        self._plan: _Plan | None = None
         self.last_owned = 0  # matrices this rank orthogonalized in the last step
         self.last_gathered_bytes = 0  # bytes of other ranks' pieces it received for them
 
@@ -154,6 +154,7 @@ class Muon(torch.optim.Optimizer):
                 distributed.append((group, param))
             else:
                 result[id(param)] = _orthogonal(updates[id(param)], group["ns_steps"])
+        self.last_owned, self.last_gathered_bytes = sum(u.shape[0] if u.ndim == 3 else 1 for u in result.values()), 0
         if dist.is_initialized():  # every rank takes part in the exchange, holding DTensors or not
             result.update(self._exchange(distributed, updates))
         return result
@@ -163,38 +164,29 @@ class Muon(torch.optim.Optimizer):
     ) -> dict[int, torch.Tensor]:
         if self._plan is None:
             self._plan = _Plan.build([(self._keys[id(p)], p) for _, p in params])
-        plan, rank = self._plan, dist.get_rank()
+        plan = self._plan
         blocks = {}  # this rank's block of each matrix it holds
-        for group, param in params:
+        for _, param in params:
             key, update = self._keys[id(param)], updates[id(param)]
             first = plan.first_expert.get(key)
             for index in [None] if first is None else range(first, first + update.shape[0]):
                 blocks[(key, index)] = update if index is None else update[index - first]
         ns_steps = {self._keys[id(p)]: group["ns_steps"] for group, p in params}
-        owned = [k for k, m in plan.matrices.items() if m.owner == rank]
         # Gather: every rank sends each owner the distinct blocks it holds of the owner's matrices.
-        gathered = plan.all_to_all(
-            lambda key, m, sender, dest: sender == rank and m.owner == dest,
-            lambda key, m, sender, source: sender == source and m.owner == rank,
-            lambda key: blocks[key],
-            use_senders=True,
-        )
-        results = {}
-        for key in owned:
-            matrix = plan.matrices[key]
-            whole = torch.empty(matrix.shape, dtype=torch.float32)
-            for (sender, row, col, rows, cols), piece in zip(matrix.senders, gathered[key]):
-                whole[row : row + rows, col : col + cols] = piece.view(rows, cols)
+        outgoing = [[blocks[key] for key, _ in sends] for sends in plan.gather_out]
+        gathered, self.last_gathered_bytes = _all_to_all(outgoing, plan.gather_in)
+        results = {key: torch.empty(plan.matrices[key].shape) for key in plan.owned}
+        for key, (_, row, col, rows, cols), piece in gathered:
+            results[key][row : row + rows, col : col + cols] = piece.view(rows, cols)
+        for key, whole in results.items():
             results[key] = _orthogonal(whole, ns_steps[key[0]])
-        self.last_owned = len(owned)
-        self.last_gathered_bytes = plan.last_received_bytes
+        self.last_owned += len(plan.owned)
         # Scatter: each owner sends every holder the block of the result its shard holds.
-        scattered = plan.all_to_all(
-            lambda key, m, holder, dest: m.owner == rank and holder == dest,
-            lambda key, m, holder, source: m.owner == source and holder == rank,
-            lambda key, block: results[key][block[1] : block[1] + block[3], block[2] : block[2] + block[4]],
-            use_senders=False,
-        )
+        outgoing = [
+            [results[key][row : row + rows, col : col + cols] for key, (_, row, col, rows, cols) in sends]
+            for sends in plan.scatter_out
+        ]
+        scattered = {key: piece for key, _, piece in _all_to_all(outgoing, plan.scatter_in)[0]}
         out = {}
         for _, param in params:
             key, update = self._keys[id(param)], updates[id(param)]
@@ -202,10 +194,10 @@ class Muon(torch.optim.Optimizer):
             if update.numel() == 0:
                 out[id(param)] = update.clone()
             elif first is None:
-                out[id(param)] = scattered[(key, None)][0].view_as(update)
+                out[id(param)] = scattered[(key, None)].view_as(update)
             else:
                 experts = range(first, first + update.shape[0])
-                out[id(param)] = torch.stack([scattered[(key, e)][0].view_as(update[0]) for e in experts])
+                out[id(param)] = torch.stack([scattered[(key, e)].view_as(update[0]) for e in experts])
         return out
 
 
@@ -224,6 +216,7 @@ def _orthogonal(update: torch.Tensor, ns_steps: int) -> torch.Tensor:
 
 
 Block = tuple[int, int, int, int, int]  # (rank, first row, first column, rows, columns) of a matrix
+Route = list[list[tuple[MatrixKey, Block]]]  # per rank: the (matrix, block) pairs sent to it or from it, in order
 
 
 @dataclass
@@ -238,15 +231,29 @@ class _Matrix:
 
 
 class _Plan:
-    """Who holds which block of every matrix and who owns it: the same on every rank, built
-    once from each rank's DTensor chunks (one all_gather_object over the world)."""
+    """Who holds which block of every matrix and who owns it, the same on every rank, built once
+    from each rank's DTensor chunks (one all_gather_object over the world); and what this rank
+    sends to and receives from each rank in the two all-to-alls of a step, in one fixed order."""
 
-    def __init__(self, matrices: dict[MatrixKey, _Matrix], first_expert: dict[str, int]):
-        self.matrices = dict(
-            sorted(matrices.items(), key=lambda item: (item[0][0], -1 if item[0][1] is None else item[0][1]))
-        )
+    def __init__(self, matrices: dict[MatrixKey, _Matrix], rank: int, world: int, first_expert: dict[str, int]):
+        self.matrices = matrices
         self.first_expert = first_expert  # this rank's first expert of each stacked weight it holds
-        self.last_received_bytes = 0
+        self.owned = [key for key, matrix in matrices.items() if matrix.owner == rank]
+        self.gather_out: Route = [[] for _ in range(world)]
+        self.gather_in: Route = [[] for _ in range(world)]
+        self.scatter_out: Route = [[] for _ in range(world)]
+        self.scatter_in: Route = [[] for _ in range(world)]
+        for key, matrix in matrices.items():
+            for block in matrix.senders:
+                if block[0] == rank:
+                    self.gather_out[matrix.owner].append((key, block))
+                if matrix.owner == rank:
+                    self.gather_in[block[0]].append((key, block))
+            for block in matrix.holders:
+                if matrix.owner == rank:
+                    self.scatter_out[block[0]].append((key, block))
+                if block[0] == rank:
+                    self.scatter_in[matrix.owner].append((key, block))
 
     @classmethod
     def build(cls, params: list[tuple[str, DTensor]]) -> _Plan:
@@ -254,49 +261,46 @@ class _Plan:
         for key, param in params:
             chunk = param.__create_chunk_list__()[0]
             mine.append((key, tuple(param.shape), tuple(chunk.offsets), tuple(chunk.sizes)))
-        everyone: list = [None] * dist.get_world_size()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
         matrices: dict[MatrixKey, _Matrix] = {}
-        for rank, chunks in enumerate(everyone):
+        for holder, chunks in enumerate(everyone):
             for key, shape, offsets, sizes in chunks:
                 if 0 in sizes:
                     continue
                 experts = [None] if len(shape) == 2 else range(offsets[0], offsets[0] + sizes[0])
                 for index in experts:
                     matrix = matrices.setdefault((key, index), _Matrix(tuple(shape[-2:])))
-                    block = (rank, offsets[-2], offsets[-1], sizes[-2], sizes[-1])
+                    block = (holder, offsets[-2], offsets[-1], sizes[-2], sizes[-1])
                     matrix.holders.append(block)
-                    if all(b[1:] != block[1:] for b in matrix.senders):
+                    if all(other[1:] != block[1:] for other in matrix.senders):  # a replica sends once
                         matrix.senders.append(block)
         _assign_owners(matrices)
-        first = {key: offsets[0] for key, shape, offsets, sizes in everyone[dist.get_rank()] if len(shape) == 3}
-        return cls(matrices, first)
+        first = {key: offsets[0] for key, shape, offsets, _ in everyone[rank] if len(shape) == 3}
+        ordered = dict(
+            sorted(matrices.items(), key=lambda item: (item[0][0], -1 if item[0][1] is None else item[0][1]))
+        )
+        return cls(ordered, rank, world, first)
 
-    def all_to_all(self, sends_to, receives_from, block_of, use_senders: bool) -> dict[MatrixKey, list[torch.Tensor]]:
-        """One all_to_all_single over the world: this rank sends, to each rank, the blocks
-        `sends_to(key, matrix, block rank, destination)` selects, in plan order, and returns
-        the blocks `receives_from` selects, per matrix, in the order of its block list."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        outgoing, incoming = [[] for _ in range(world)], [[] for _ in range(world)]
-        for key, matrix in self.matrices.items():
-            for block in matrix.senders if use_senders else matrix.holders:
-                for other in range(world):
-                    if sends_to(key, matrix, block[0], other):
-                        piece = block_of(key) if use_senders else block_of(key, block)
-                        outgoing[other].append(piece.reshape(-1).float())
-                    if receives_from(key, matrix, block[0], other):
-                        incoming[other].append((key, block[3] * block[4]))
-        sent = [sum(p.numel() for p in pieces) for pieces in outgoing]
-        sizes = [sum(n for _, n in pieces) for pieces in incoming]
-        buffer = torch.empty(sum(sizes))
-        payload = torch.cat([p for pieces in outgoing for p in pieces]) if sum(sent) else torch.empty(0)
-        dist.all_to_all_single(buffer, payload, sizes, sent)
-        self.last_received_bytes = 4 * (sum(sizes) - sizes[rank])
-        received: dict[MatrixKey, list[torch.Tensor]] = {}
-        for pieces, part in zip(incoming, buffer.split(sizes)):
-            for (key, _), piece in zip(pieces, part.split([n for _, n in pieces])):
-                received.setdefault(key, []).append(piece)
-        return received
+
+def _all_to_all(
+    outgoing: list[list[torch.Tensor]], incoming: list[list[tuple[MatrixKey, Block]]]
+) -> tuple[list[tuple[MatrixKey, Block, torch.Tensor]], int]:
+    """One all_to_all_single over the world: `outgoing[r]`, flattened in order, to rank r; from
+    each rank r the blocks `incoming[r]` lists. Returns (matrix, block, flat piece) for each
+    received block, and the bytes received from other ranks."""
+    rank = dist.get_rank()
+    sent = [sum(piece.numel() for piece in pieces) for pieces in outgoing]
+    sizes = [sum(block[3] * block[4] for _, block in expected) for expected in incoming]
+    flat = [piece.reshape(-1).float() for pieces in outgoing for piece in pieces]
+    buffer = torch.empty(sum(sizes))
+    dist.all_to_all_single(buffer, torch.cat(flat) if flat else torch.empty(0), sizes, sent)
+    received = []
+    for expected, part in zip(incoming, buffer.split(sizes)):
+        pieces = part.split([block[3] * block[4] for _, block in expected])
+        received += [(key, block, piece) for (key, block), piece in zip(expected, pieces)]
+    return received, 4 * (sum(sizes) - sizes[rank])
 
 
 def _assign_owners(matrices: dict[MatrixKey, _Matrix]) -> None:
