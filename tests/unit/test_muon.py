@@ -115,6 +115,18 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest_of_a_moe_model():
     assert any(".attention.wq." in n for n in muon) and any(".feed_forward.experts.w2" in n for n in muon)
 
 
+def test_gpt2s_embeddings_and_head_take_adamw():
+    spec = get_model_spec("gpt2")
+    with torch.device("meta"):
+        model = spec.model_class(spec.args_for("debugmodel", vocab_size=64))
+    named = list(model.named_parameters())
+    optimizer = build_optimizer(named, Optimizer(name="Muon"))
+    names = {id(p): n for n, p in named}
+    adamw = {names[id(p)] for g in optimizer.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
+    assert {"embeddings.wte.weight", "embeddings.wpe.weight", "lm_head.weight", "ln_f.weight"} <= adamw
+    assert all(p.ndim == 1 for n, p in named if n in adamw and n.startswith("layers."))
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [

@@ -21,20 +21,26 @@ def named_model(name: str = "qwen3", flavor: str = "debugmodel_moe") -> list[tup
     return list(model.named_parameters())
 
 
-def exempt(name: str) -> bool:
-    return name.startswith("tok_embeddings.") or name.endswith("norm.weight") or name.endswith(".bias")
+def exempt(name: str, param: torch.Tensor) -> bool:
+    """Embeddings (token and position), norms and biases (the only 1-D parameters of these models)."""
+    return param.ndim == 1 or "embeddings." in name
 
 
-def test_the_default_exempts_embeddings_norms_and_biases_and_decays_the_rest():
-    named = named_model()
+MODELS = [("qwen3", "debugmodel_moe"), ("llama3", "debugmodel"), ("gpt2", "debugmodel")]
+
+
+@pytest.mark.parametrize("model, flavor", MODELS)
+def test_the_default_exempts_embeddings_norms_and_biases_and_decays_the_rest(model, flavor):
+    named = named_model(model, flavor)
     optimizer = build_optimizer(named, Optimizer())
     names = {id(p): n for n, p in named}
     decay = {names[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     assert decay.keys() == {n for n, _ in named}
-    assert {n for n, wd in decay.items() if wd == 0.0} == {n for n, _ in named if exempt(n)}
-    assert {wd for n, wd in decay.items() if not exempt(n)} == {Optimizer().weight_decay}
-    assert "output.weight" in decay and decay["output.weight"] == 0.1  # the head decays (OLMo 2)
-    assert any(".attention.q_norm." in n for n in decay) and any(".router.gate." in n for n in decay)
+    assert {n for n, wd in decay.items() if wd == 0.0} == {n for n, p in named if exempt(n, p)}
+    assert {wd for n, wd in decay.items() if n not in {m for m, p in named if exempt(m, p)}} == {0.1}
+    head = "lm_head.weight" if model == "gpt2" else "output.weight"
+    assert decay[head] == 0.1  # the head decays (OLMo 2)
+    assert any(n.endswith("ln_1.weight") or n.endswith("attention_norm.weight") for n in decay)
 
 
 def test_a_step_on_zero_gradients_shrinks_only_the_decayed_weights():
@@ -45,7 +51,7 @@ def test_a_step_on_zero_gradients_shrinks_only_the_decayed_weights():
         param.grad = torch.zeros_like(param)
     optimizer.step()
     for name, param in named:
-        if exempt(name):
+        if exempt(name, param):
             assert torch.equal(param.detach(), before[name]), name
         else:  # decoupled decay alone: w * (1 - lr * weight_decay)
             torch.testing.assert_close(param.detach(), before[name] * (1 - 1e-3 * 0.1), rtol=0, atol=1e-7)

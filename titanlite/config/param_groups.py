@@ -23,8 +23,10 @@ from titanlite.errors import TitanliteError
 
 FIELD = "optimizer.param_groups"
 # No weight decay on embeddings (as OLMo 2), norms and biases (as GPT-3, Megatron-LM); the output
-# head decays like every other matrix (OLMo 2 exempts only the input embedding).
-DEFAULT_GROUPS = ("tok_embeddings.* *norm.weight *.bias: weight_decay=0.0",)
+# head decays like every other matrix (OLMo 2 exempts only the input embedding). The patterns
+# name every registered family's embeddings and norms: tok_embeddings and *norm (the shared
+# decoder), embeddings.wte/wpe and ln_* (GPT-2).
+DEFAULT_GROUPS = ("*embeddings.* *norm.weight *ln_*.weight *.bias: weight_decay=0.0",)
 _KEYS = ("lr_scale", "weight_decay")
 
 

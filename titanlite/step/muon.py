@@ -18,7 +18,6 @@ is laid out like its parameter, so checkpoints reshard it as they do the weights
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,14 +27,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
-# Matrices that still take AdamW: the input embedding and the output head (Moonlight, Keller Jordan).
-ADAMW_MATRICES = ("tok_embeddings.*", "output.*")
 NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+BLOCKS = "layers."  # every model's transformer blocks (parallel/units.py, the pipeline split)
 
 
 def takes_muon(name: str, param: torch.Tensor) -> bool:
-    """Muon updates 2-D weights and stacked [E, out, in] expert weights, except the embedding and head."""
-    return param.ndim in (2, 3) and not any(fnmatch.fnmatchcase(name, pattern) for pattern in ADAMW_MATRICES)
+    """Muon updates the hidden matrices: the 2-D weights and stacked [E, out, in] expert weights
+    inside the transformer blocks. What sits outside them (embeddings, the final norm, the
+    output head: a model's first and last layers) and every 1-D parameter take AdamW, as the
+    Muon papers do."""
+    return param.ndim in (2, 3) and name.startswith(BLOCKS)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
