@@ -5,6 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from titanlite.config import load_config
+from titanlite.errors import TitanliteError
 from titanlite.step.optim import build_lr_scheduler, build_optimizer, lr_factor
 
 
@@ -69,3 +71,14 @@ def test_optimizer_implementations_agree(implementation):
     # First AdamW step: decoupled decay, then lr * m_hat / (sqrt(v_hat) + eps) = lr * g / (|g| + eps).
     expected = initial * (1 - 1e-2 * 0.1) - 1e-2 * torch.ones(16) / (1 + 1e-8)
     assert torch.allclose(param.detach(), expected, atol=1e-6)
+
+
+def test_torchtitans_early_step_in_backward_is_a_note_when_off_and_refused_when_on():
+    notices: list[str] = []
+    load_config(["--config", "debug_model", "--optimizer.early_step_in_backward", "false"], notices)
+    assert notices == [
+        "optimizer.early_step_in_backward = false on the command line: torchtitan's option, off; titanlite steps "
+        "the optimizer once after backward, never per parameter inside it"
+    ]
+    with pytest.raises(TitanliteError, match="^optimizer.early_step_in_backward: not supported"):
+        load_config(["--optimizer.early_step_in_backward", "true"])
