@@ -26,7 +26,7 @@ def matrices(seed: int = 0) -> dict[str, torch.Tensor]:
 
 OPTIONS = [
     {},
-    {"muon_nesterov": False, "muon_momentum": 0.8, "muon_ns_steps": 3},
+    {"muon_nesterov": False, "muon_momentum": 0.8, "muon_newton_schulz_steps": 3},
     {"muon_adjust_lr": "match_rms_adamw", "muon_lr": 0.05, "weight_decay": 0.3},
 ]
 
@@ -46,7 +46,7 @@ def test_the_matrices_update_as_torch_muon_updates_them(options):
         weight_decay=cfg.weight_decay,
         momentum=cfg.muon_momentum,
         nesterov=cfg.muon_nesterov,
-        ns_steps=cfg.muon_ns_steps,
+        ns_steps=cfg.muon_newton_schulz_steps,
         adjust_lr_fn=cfg.muon_adjust_lr,
     )
     for step in range(3):
@@ -132,7 +132,7 @@ def test_gpt2s_embeddings_and_head_take_adamw():
     [
         ("name", "SGD", "optimizer.name"),
         ("muon_momentum", "1.0", "optimizer.muon_momentum"),
-        ("muon_ns_steps", "0", "optimizer.muon_ns_steps"),
+        ("muon_newton_schulz_steps", "0", "optimizer.muon_newton_schulz_steps"),
         ("muon_adjust_lr", "spectral", "optimizer.muon_adjust_lr"),
         ("muon_lr", "0", "optimizer.muon_lr"),
         ("muon_nesterov", "maybe", "optimizer.muon_nesterov"),

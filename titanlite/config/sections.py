@@ -87,7 +87,7 @@ class Optimizer:
     )
     muon_momentum: float = _opt(0.95, "Muon's momentum", ge=0, lt=1)
     muon_nesterov: bool = _opt(True, "Muon: Nesterov momentum")
-    muon_ns_steps: int = _opt(5, "Muon: Newton-Schulz iterations per step", ge=1, lt=100)
+    muon_newton_schulz_steps: int = _opt(5, "Muon: Newton-Schulz iterations per step", ge=1, lt=100)
     muon_adjust_lr: str = _opt(
         "original",
         "Muon's per-matrix lr scale: original (sqrt(max(1, rows/cols)), Keller Jordan) or match_rms_adamw "

@@ -35,7 +35,7 @@ def build_optimizer(named_params: NamedParams, optimizer_cfg) -> torch.optim.Opt
             weight_decay=optimizer_cfg.weight_decay,
             momentum=optimizer_cfg.muon_momentum,
             nesterov=optimizer_cfg.muon_nesterov,
-            ns_steps=optimizer_cfg.muon_ns_steps,
+            ns_steps=optimizer_cfg.muon_newton_schulz_steps,
             adjust_lr_fn=optimizer_cfg.muon_adjust_lr,
             names={id(param): name for name, param in named_params},
         )
