@@ -48,7 +48,6 @@ from titanlite.parallel.distributed import (
     world_from_env,
 )
 from titanlite.parallel.grad_norm import clip_gradients_
-from titanlite.parallel.optim_state import clean_name
 from titanlite.runtime.dump_folder import claim_dump_folder
 from titanlite.runtime.gc_schedule import ScheduledGC
 from titanlite.runtime.preemption import die_with_launcher, received
@@ -56,7 +55,7 @@ from titanlite.runtime.stuck import watch_main_thread
 from titanlite.step.agreement import StepAgreement, agree_on_step
 from titanlite.step.builder import StepBuilder
 from titanlite.step.nonfinite import NonFiniteSteps
-from titanlite.step.optim import build_lr_scheduler, build_optimizer, current_factor
+from titanlite.step.optim import build_lr_scheduler, build_optimizer, current_factor, trained_parameters
 from titanlite.step.precision import resolve_compute_dtype
 from titanlite.step.validate import build_validator
 
@@ -107,7 +106,7 @@ class Trainer:
         self.model_parts, self.model, self.size = built.parts, built.model, built.size
         self.forward_backward = self.steps.forward_backward(self.model, self.model_parts, built.experts)
         self.expert_balance = self.steps.expert_balance(self.model, built.experts)  # None without MoE layers
-        named_params = [(clean_name(name), p) for name, p in self.model.named_parameters() if p.requires_grad]
+        named_params = trained_parameters(self.model)
         self.params = [p for _, p in named_params]
         self.optimizer = build_optimizer(named_params, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)

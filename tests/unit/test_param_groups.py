@@ -9,7 +9,7 @@ from titanlite.config.param_groups import DEFAULT_GROUPS, parse_groups
 from titanlite.config.sections import Optimizer
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
-from titanlite.step.optim import build_optimizer
+from titanlite.step.optim import build_optimizer, trained_parameters
 
 
 def named_model(name: str = "qwen3", flavor: str = "debugmodel_moe") -> list[tuple[str, torch.nn.Parameter]]:
@@ -44,9 +44,9 @@ def test_the_default_exempts_embeddings_norms_and_biases_and_decays_the_rest(mod
 
 
 def test_a_step_on_zero_gradients_shrinks_only_the_decayed_weights():
-    named = named_model()
+    named = named_model("llama3", "debugmodel")
     before = {n: p.detach().clone() for n, p in named}
-    optimizer = build_optimizer(named, Optimizer(lr=1e-3, implementation="for-loop"))
+    optimizer = build_optimizer(named, Optimizer(lr=1e-3))
     for _, param in named:
         param.grad = torch.zeros_like(param)
     optimizer.step()
@@ -118,3 +118,20 @@ def test_an_entry_that_is_not_a_list_of_strings_is_one_line(tmp_path):
     path.write_text('[optimizer]\nparam_groups = [{pattern = "x"}]\n')
     with pytest.raises(TitanliteError, match="optimizer.param_groups"):
         load_config(["--config", str(path)])
+
+
+def test_wrapped_blocks_keep_the_models_names():
+    """Activation checkpointing and torch.compile wrap the blocks; the groups see the model's names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        model = spec.model_class(spec.args_for("debugmodel", vocab_size=64))
+    plain = [name for name, _ in model.named_parameters()]
+    model.layers["0"] = checkpoint_wrapper(model.layers["0"])
+    model.layers["1"] = torch.compile(model.layers["1"])
+    named = trained_parameters(model)
+    assert [name for name, _ in named] == plain
+    optimizer = build_optimizer(named, Optimizer())
+    exempt = next(g for g in optimizer.param_groups if g["weight_decay"] == 0.0)
+    assert {id(p) for p in exempt["params"]} == {id(p) for n, p in named if "norm" in n or "embeddings" in n}

@@ -16,9 +16,16 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.config.param_groups import GroupSpec, group_of, parse_groups
+from titanlite.parallel.optim_state import clean_name
 from titanlite.step.muon import Muon, takes_muon
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+def trained_parameters(model: torch.nn.Module) -> NamedParams:
+    """(name, parameter) for every parameter that trains, named as the model names it: without
+    the prefixes activation checkpointing, torch.compile and FSDP1 wrappers add."""
+    return [(clean_name(name), param) for name, param in model.named_parameters() if param.requires_grad]
 
 
 def build_optimizer(named_params: NamedParams, optimizer_cfg) -> torch.optim.Optimizer:
