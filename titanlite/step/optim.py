@@ -3,7 +3,7 @@ warmup-stable-decay schedule.
 
 Groups come from `optimizer.param_groups` (`config/param_groups.py`): each parameter, by its
 name as the model names it, takes the first matching entry's lr scale and weight decay. Every
-torch param group carries `group`, the rule it came from with its effective settings, so a
+torch param group carries `group` (GROUP_KEY), the rule it came from with its effective settings, so a
 checkpoint records which rule each parameter trained under (`parallel/optim_state.py` refuses
 a resume under other rules).
 """
@@ -16,7 +16,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.config.param_groups import GroupSpec, group_of, parse_groups
-from titanlite.parallel.optim_state import clean_name
+from titanlite.parallel.optim_state import GROUP_KEY, clean_name
 from titanlite.step.muon import Muon, takes_muon
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
@@ -82,10 +82,10 @@ def _group(params: list, spec: GroupSpec | None, cfg, on_muon: bool, muon: bool)
     base_lr = (cfg.muon_lr or cfg.lr) if on_muon else cfg.lr
     rule = "others" if spec is None else " ".join(spec.patterns)
     name = f"{rule}: lr_scale={lr_scale:g} weight_decay={weight_decay:g}"
-    group = {"params": params, "lr": base_lr * lr_scale, "weight_decay": weight_decay, "group": name}
+    group = {"params": params, "lr": base_lr * lr_scale, "weight_decay": weight_decay, GROUP_KEY: name}
     if muon:
         group["algorithm"] = "muon" if on_muon else "adamw"
-        group["group"] = f"{name} ({group['algorithm']})"
+        group[GROUP_KEY] = f"{name} ({group['algorithm']})"
     return group
 
 
