@@ -56,7 +56,7 @@ from titanlite.runtime.stuck import watch_main_thread
 from titanlite.step.agreement import StepAgreement, agree_on_step
 from titanlite.step.builder import StepBuilder
 from titanlite.step.nonfinite import NonFiniteSteps
-from titanlite.step.optim import build_lr_scheduler, build_optimizer
+from titanlite.step.optim import build_lr_scheduler, build_optimizer, current_factor, trained_parameters
 from titanlite.step.precision import resolve_compute_dtype
 from titanlite.step.validate import build_validator
 
@@ -109,8 +109,9 @@ class Trainer:
         self.model_parts, self.model, self.size = built.parts, built.model, built.size
         self.forward_backward = self.steps.forward_backward(self.model, self.model_parts, built.experts)
         self.expert_balance = self.steps.expert_balance(self.model, built.experts)  # None without MoE layers
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optimizer)
+        named_params = trained_parameters(self.model)
+        self.params = [p for _, p in named_params]
+        self.optimizer = build_optimizer(named_params, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step_lr = 0.0  # the lr of the step just taken (the schedule has moved on when it is logged)
         self.state = TrainState()
@@ -193,7 +194,8 @@ class Trainer:
             self.metrics.log_skipped_steps(self.state.step, self.nonfinite.skipped)
         if self.expert_balance is not None:
             self.expert_balance.after_step(updated)
-        self.step_lr = self.optimizer.param_groups[0]["lr"]  # what this step trained with, before the schedule moves on
+        # what this step trained with (optimizer.lr; groups scale it), before the schedule moves on
+        self.step_lr = self.cfg.optimizer.lr * current_factor(self.lr_scheduler)
         self.lr_scheduler.step()
         return loss, grad_norm, agreement
 

@@ -28,10 +28,10 @@ class FaultTolerance:
     quorum_timeout_ms: int = _opt(
         60000, "how long a step waits for a quorum (a group below min_replica_size waits this long) (ms)", gt=0
     )
-    semi_sync_method: str | None = _opt(
-        None,
-        "None: average gradients every step; diloco or local_sgd: train each group alone and sync every sync_steps",
-        choices=(None, "diloco", "local_sgd"),
+    semi_sync_method: str = _opt(
+        "none",
+        "none: average gradients every step; diloco or local_sgd: train each group alone and sync every sync_steps",
+        choices=("none", "diloco", "local_sgd"),
     )
     sync_steps: int = _opt(5, "with semi_sync_method: inner steps between two syncs", gt=0)
     outer_lr: float = _opt(0.7, "DiLoCo's outer SGD learning rate (Nesterov momentum, as in the DiLoCo paper)", gt=0)

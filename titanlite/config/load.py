@@ -28,6 +28,7 @@ from titanlite.config.engine import (
 )
 from titanlite.config.output import help_lines, to_toml
 from titanlite.config.fault_tolerance import check_fault_tolerance
+from titanlite.config.param_groups import parse_groups
 from titanlite.config.sections import JobConfig
 from titanlite.config.torchtitan import TorchtitanKeys
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
@@ -116,6 +117,7 @@ def validate(cfg: JobConfig) -> None:
     """
     check_values(cfg)
     check_fault_tolerance(cfg.fault_tolerance)
+    parse_groups(cfg.optimizer.param_groups)
     training, parallelism = cfg.training, cfg.parallelism
     if training.global_batch_size != -1 and training.global_batch_size % training.local_batch_size:
         raise TitanliteError(

@@ -189,7 +189,7 @@ class ReplicaGroup:
         failed during it): the quorum, waiting while it has fewer than min_replica_size groups
         (up to quorum_timeout_ms); a joining group heals here, taking a live group's step, data
         position and RNG. One line when the quorum changed."""
-        if self.ft.semi_sync_method is not None:
+        if self.ft.semi_sync_method != "none":
             self._enter_semi_sync()
             return
         if redo:
@@ -276,7 +276,7 @@ class ReplicaGroup:
     def average_gradients(self, params: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
         """Average this rank's gradient shards and loss over the groups in the quorum (one
         all-reduce of one flat buffer); returns the averaged loss. Under semi-sync: nothing."""
-        if self.ft.semi_sync_method is not None:
+        if self.ft.semi_sync_method != "none":
             return loss
         grads = [_local(p.grad) if p.grad is not None else None for p in params]
         flat = torch.cat(
@@ -298,7 +298,7 @@ class ReplicaGroup:
     def commit(self) -> bool:
         """Whether every group of the quorum may take this step (torchft's should_commit;
         False when a peer failed during it or fewer than min_replica_size groups joined)."""
-        if self.ft.semi_sync_method is not None:
+        if self.ft.semi_sync_method != "none":
             return True
         return self.manager.should_commit()
 
