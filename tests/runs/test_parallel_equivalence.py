@@ -28,6 +28,7 @@ QWEN3 = ["--model.name", "qwen3"]
 QWEN3_MOE = [*QWEN3, "--model.flavor", "debugmodel_moe"]
 QWEN3_MOE_AUX = [*QWEN3, "--model.flavor", "debugmodel_moe_aux"]
 EP = ["--parallelism.expert_parallel_degree", "2"]
+REPLICATE = ["--parallelism.data_parallel_replicate_degree", "2"]
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
@@ -57,6 +58,8 @@ REFERENCES = {
 LAYOUTS = {
     "fsdp2": (2, batch(4), "causal"),
     "tp2": (2, [*batch(8), *TP], "causal"),
+    # Replicate-only data parallelism: whole weights, gradients all-reduced (no FSDP of degree 1).
+    "replicate2": (2, [*batch(4), *REPLICATE, "--parallelism.data_parallel_shard_degree", "1"], "causal"),
     "fsdp2_accum2": (2, [*batch(2), "--training.global_batch_size", "8"], "causal"),
     "fsdp2_offload": (2, [*batch(4), "--training.enable_cpu_offload", "true"], "causal"),
     # Every FSDP option, three to a run (each run one process start less): nested shard units
@@ -127,6 +130,7 @@ LAYOUTS = {
     # Sequence parallelism is the GPU default (off on CPU), so FSDP 2 x TP 2 is checked with it
     # here; without it (the CPU default) in test_tied_embeddings.py, test_gpt2.py, test_compile.py.
     "fsdp2_tp2_sp": (4, [*batch(4), *TP, "--parallelism.sequence_parallel", "on"], "causal"),
+    "replicate2_tp2": (4, [*batch(4), *REPLICATE, "--parallelism.data_parallel_shard_degree", "1", *TP], "causal"),
     "hsdp2x2": (4, [*batch(2), "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
     "fsdp4_reshard_to_2": (4, [*batch(2), "--parallelism.fsdp_reshard_after_forward", "2"], "causal"),
     "pp2_fsdp2": (4, [*batch(4), *PP], "causal"),
@@ -454,3 +458,15 @@ def test_activation_checkpointing_recomputes_what_its_mode_says(fsdp_options, mo
     each block, per-op AC keeps attention's output and reruns the cheap SwiGLU activation,
     every-2nd-block AC reruns half the blocks."""
     assert fsdp_options["trainer"]["ac"][mode] == {"silu": silu, "attention": attention}
+
+
+def test_replicate_only_keeps_whole_weights_and_all_reduces_gradients(sessions):
+    """dp_replicate 2 with dp_shard 1 is composable `replicate`, not FSDP of degree 1: every
+    parameter is a Replicate DTensor on dp_replicate (FSDP would show Shard(0)), each rank
+    holds all of it, and the two ranks, which trained on different halves of each batch,
+    end with equal weights (their gradients were all-reduced)."""
+    ranks = sessions["replicate2"]["ranks"]
+    for rank in ranks:
+        assert rank["param_layouts"] == ["dp_replicate=R"]
+        assert rank["param_bytes"] == rank["grad_bytes"] == rank["full_param_bytes"] > 0
+    assert ranks[0]["local_param_sum"] == ranks[1]["local_param_sum"]

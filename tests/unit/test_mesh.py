@@ -30,7 +30,6 @@ def test_shard_degree_fills_the_world():
     [
         (parallelism(tp=3), 4, "world size 4 is not divisible"),
         (parallelism(shard=2, tp=1), 4, "= 2, but the world size is 4"),
-        (parallelism(replicate=2, shard=1), 2, "data_parallel_replicate_degree"),
         (
             parallelism(tp=2, ep=3),
             8,
@@ -82,6 +81,24 @@ def test_meshes_of_hsdp_x_tp_on_a_fake_world():
         assert meshes.dp.size() == 4 and meshes.dp.get_local_rank() == 2  # rank 5 = (1, 0, 1)
         assert meshes.fsdp.mesh_dim_names == ("dp_replicate", "dp_shard")
         assert meshes.tp.size() == 2 and meshes.tp.get_local_rank() == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replicate_only_gets_a_replicate_mesh_and_no_fsdp_one_on_a_fake_world():
+    """dp_replicate 2 with dp_shard 1 (x tp 2): the weights stay whole (composable replicate
+    over dp_replicate), so there is no FSDP mesh; HSDP keeps its 2-D FSDP mesh and no replicate one."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        dims = ParallelDims.from_config(parallelism(replicate=2, shard=1, tp=2), 4)
+        assert dims.replicate_only and dims.shards == 2  # tp only: each rank holds half the model
+        meshes = dims.build_mesh("cpu")
+        assert meshes.fsdp is None and meshes.replicate.mesh.tolist() == [1, 3]
+        assert meshes.dp.mesh.tolist() == [1, 3] and meshes.loss.mesh.tolist() == [1, 3]
+        assert not ParallelDims.from_config(parallelism(replicate=2), 4).replicate_only
     finally:
         dist.destroy_process_group()
 

@@ -1,9 +1,11 @@
-"""FSDP2: `fully_shard` each unit (the blocks by default), then the root, on the data-parallel mesh."""
+"""FSDP2: `fully_shard` each unit (the blocks by default), then the root, on the data-parallel
+mesh; or, with nothing to shard, FSDP2's `replicate` (whole weights, gradients all-reduced)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -122,6 +124,27 @@ def _shard_experts(
         module.set_gradient_divide_factor(float(shards))
         if mesh.size() > 1:  # one rank: torch 2.13 divides once, and twice if this is set
             module.set_force_sum_reduction_for_comms(True)  # a sum, then a division: gloo has no PREMUL_SUM
+
+
+def replicate_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    units: list[nn.Module],
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    cpu_offload: bool = False,
+) -> None:
+    """Replicate-only data parallelism: PyTorch's composable `replicate` (FSDP2's machinery
+    with nothing sharded, as torchtitan applies it) on each unit, then the root. Every rank
+    keeps whole weights (Replicate DTensors on `mesh`) and each unit's gradients are
+    all-reduced (averaged) as backward leaves it, so the reduction overlaps the rest of
+    backward as DDP's buckets do; there is no all-gather."""
+    config = {"mesh": mesh, "mp_policy": mp_policy}
+    if cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for unit in units:
+        replicate(unit, **config)
+    replicate(model, **config)
 
 
 def set_explicit_prefetch(units: list[nn.Module], depth: int) -> None:

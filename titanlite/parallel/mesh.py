@@ -55,11 +55,6 @@ class ParallelDims:
             if world_size % (replicate * model_ranks):
                 raise TitanliteError(f"parallelism: world size {world_size} is not divisible by {others}")
             shard = world_size // (replicate * model_ranks)
-        if replicate > 1 and shard * cp == 1:
-            raise TitanliteError(
-                "parallelism.data_parallel_replicate_degree: replication needs data_parallel_shard_degree > 1 "
-                "(HSDP); for plain data parallelism set data_parallel_shard_degree instead"
-            )
         if replicate * shard * model_ranks != world_size:
             raise TitanliteError(
                 f"parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} "
@@ -107,6 +102,12 @@ class ParallelDims:
         """FSDP shards over dp_shard x cp (and replicates over dp_replicate): it is what reduces
         the gradients of context-parallel ranks too."""
         return self.dp > 1 or self.cp > 1
+
+    @property
+    def replicate_only(self) -> bool:
+        """dp_replicate > 1 with nothing sharded (dp_shard x cp = 1): whole weights on every
+        rank and an all-reduce of gradients (composable `replicate`), not FSDP of degree 1."""
+        return self.dp_replicate > 1 and self.dp_shard * self.cp == 1
 
     @property
     def ep_enabled(self) -> bool:
@@ -189,6 +190,7 @@ class ParallelDims:
         shard, shard_name = view(("dp_shard", "cp"), "dp_shard_cp")
         loss, _ = view(("dp_replicate", "dp_shard", "cp"), "dp_cp")
         fsdp = world[("dp_replicate", shard_name)] if "dp_replicate" in names and shard is not None else shard
+        replicate = world["dp_replicate"] if self.replicate_only else None
         ep = expert_fsdp = None
         if self.ep_enabled:  # ep ranks neighbours within dp_shard x cp; efsdp: the rest of them
             split = shard._unflatten(0, (shard.size() // self.ep, self.ep), ("efsdp", "ep"))
@@ -205,6 +207,7 @@ class ParallelDims:
             loss=loss,
             ep=ep,
             expert_fsdp=expert_fsdp,
+            replicate=replicate,
         )
 
 
@@ -223,6 +226,8 @@ class Meshes:
           experts and exchanges tokens by all-to-all).
     expert_fsdp: what `fully_shard` of the experts gets: the outer (dp_shard x cp) / ep
           ranks, which hold the same experts ("efsdp").
+    replicate: replicate-only data parallelism (dp_replicate with dp_shard x cp = 1), where
+          `fsdp` is None: the weights stay whole and gradients are all-reduced over it.
     context_parallel: this rank's place on cp (None without it), built once per mesh: the
           model's attention (`parallelize`) and the step that cuts its batches to this rank's
           tokens (`step/builder.py`) share it.
@@ -237,6 +242,7 @@ class Meshes:
     loss: DeviceMesh | None = None
     ep: DeviceMesh | None = None
     expert_fsdp: DeviceMesh | None = None
+    replicate: DeviceMesh | None = None
 
     @functools.cached_property
     def context_parallel(self) -> ContextParallel | None:
