@@ -158,6 +158,8 @@ LAYOUTS = {
     "qwen3_moe_aux_ep2": (2, [*batch(4), *EP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
     "qwen3_moe_aux_ep2_cp2": (2, [*batch(8), *EP, *CP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
     "qwen3_moe_ep2_fsdp4": (4, [*batch(2), *EP, *QWEN3_MOE], "qwen3_moe"),
+    # ep inside HSDP (ep borrows dp_shard, the experts replicated over dp_replicate like the rest)
+    "qwen3_moe_ep2_hsdp2x2": (4, [*batch(2), *EP, *REPLICATE, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_moe_aux_ep2_tp2": (4, [*batch(4), *EP, *TP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
     "qwen3_moe_ep2_pp2": (4, [*batch(4), *EP, *PP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_fsdp2_tp2": (4, [*batch(4), *TP, *QWEN3], "qwen3"),

@@ -11,7 +11,8 @@ step 3 (and 6); each resume starts from a copy of step 3 and must log steps 4-6
 The same for Qwen3-MoE's debug flavor, whose expert biases are buffers every step moves:
 pp 2 resumed at pp 2 (==) and a one-process checkpoint resumed at pp 2 (1e-6); and with its
 experts split by expert parallelism (each rank's experts a shard of the stacked tensor):
-ep 2 resumed at ep 2 (==), ep 2 -> 1 process, FSDP 2 and ep 4, and 1 process -> ep 2 (1e-6).
+ep 2 resumed at ep 2 (==), ep 2 -> 1 process, FSDP 2 and ep 4, and 1 process -> ep 2 (1e-6);
+ep 2 inside HSDP 2 x 2 (the experts replicated over dp_replicate) -> FSDP 2, and back.
 And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
 one-process run from the same seed does (1e-5), and not as from its own init.
 Runs of one world size are cases of one training session (tests/helpers/sessions.py).
@@ -51,6 +52,10 @@ LAYOUTS = {
     "moe_ep2": (2, ["--training.local_batch_size", "4", EP, "2", *QWEN3_MOE]),
     "moe_fsdp2": (2, ["--training.local_batch_size", "4", *QWEN3_MOE]),
     "moe_ep4": (4, ["--training.local_batch_size", "2", EP, "4", *QWEN3_MOE]),
+    "moe_ep2_hsdp2x2": (
+        4,
+        ["--training.local_batch_size", "2", EP, "2", "--parallelism.data_parallel_replicate_degree", "2", *QWEN3_MOE],
+    ),
 }
 # resume case: (layout it runs at, layout whose step-3 checkpoint it starts from)
 RESUMES = {
@@ -68,6 +73,8 @@ RESUMES = {
     "moe_fsdp2_from_moe_ep2": ("moe_fsdp2", "moe_ep2"),
     "moe_ep4_from_moe_ep2": ("moe_ep4", "moe_ep2"),
     "moe_ep2_from_moe_single": ("moe_ep2", "moe_single"),
+    "moe_fsdp2_from_moe_ep2_hsdp2x2": ("moe_fsdp2", "moe_ep2_hsdp2x2"),
+    "moe_ep2_hsdp2x2_from_moe_fsdp2": ("moe_ep2_hsdp2x2", "moe_fsdp2"),
 }
 
 
@@ -99,7 +106,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
     plan = [
         (1, [uninterrupted("single"), seed, uninterrupted("moe_single")]),
-        (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4")]),
+        (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4"), uninterrupted("moe_ep2_hsdp2x2")]),
         (
             2,
             [

@@ -35,7 +35,6 @@ def test_shard_degree_fills_the_world():
             8,
             "expert_parallel_degree: 3 does not divide data_parallel_shard_degree 4 x context_parallel_degree 1 = 4",
         ),
-        (parallelism(replicate=2, ep=2), 8, "expert_parallel_degree: 2 with data_parallel_replicate_degree 2"),
     ],
 )
 def test_degree_errors_name_the_numbers(config, world, message):
@@ -116,6 +115,25 @@ def test_ep_borrows_neighbouring_dp_shard_ranks_on_a_fake_world():
         assert meshes.ep.mesh.tolist() == [5, 7] and meshes.ep.get_local_rank() == 0
         assert meshes.expert_fsdp.mesh.tolist() == [1, 5] and meshes.expert_fsdp.get_local_rank() == 1
         assert meshes.fsdp.mesh.tolist() == [1, 3, 5, 7]  # everything else: all of dp_shard
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep_inside_hsdp_replicates_the_experts_over_dp_replicate_on_a_fake_world():
+    """Rank 5 of a (dp_replicate 2, dp_shard 4) world at ep 2: it is dp_shard rank 1 of
+    replica 1 (world ranks 4-7); ep pairs it with its neighbour (world rank 4), efsdp with the
+    other rank of its replica at the same ep index (7), and the experts' FSDP mesh is 2-D,
+    (dp_replicate, efsdp), which is HSDP: replica 0 holds the same experts on ranks 1 and 3."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        meshes = ParallelDims.from_config(parallelism(replicate=2, ep=2), 8).build_mesh("cpu")
+        assert meshes.ep.mesh.tolist() == [4, 5] and meshes.ep.get_local_rank() == 1
+        assert meshes.expert_fsdp.mesh_dim_names == ("dp_replicate", "efsdp")
+        assert meshes.expert_fsdp.mesh.tolist() == [[1, 3], [5, 7]]
+        assert meshes.fsdp.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     finally:
         dist.destroy_process_group()
 

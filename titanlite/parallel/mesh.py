@@ -61,11 +61,11 @@ class ParallelDims:
                 f"x tensor_parallel_degree {tp}{with_pp} = {replicate * shard * model_ranks}, but the world size is "
                 f"{world_size}"
             )
-        cls._check_ep(ep, replicate, shard, cp)
+        cls._check_ep(ep, shard, cp)
         return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep)
 
     @staticmethod
-    def _check_ep(ep: int, replicate: int, shard: int, cp: int) -> None:
+    def _check_ep(ep: int, shard: int, cp: int) -> None:
         """ep ranks are data-parallel ranks (dp_shard x cp) that split the experts between them."""
         if ep == 1:
             return
@@ -73,11 +73,6 @@ class ParallelDims:
             raise TitanliteError(
                 f"parallelism.expert_parallel_degree: {ep} does not divide data_parallel_shard_degree {shard} "
                 f"x context_parallel_degree {cp} = {shard * cp} (the ranks expert parallelism borrows)"
-            )
-        if replicate > 1:
-            raise TitanliteError(
-                f"parallelism.expert_parallel_degree: {ep} with data_parallel_replicate_degree {replicate} "
-                "(HSDP) is not supported; shard the data-parallel ranks instead"
             )
 
     def check_experts(self, n_experts: list[int], model: str) -> None:
@@ -193,10 +188,18 @@ class ParallelDims:
         replicate = world["dp_replicate"] if self.replicate_only else None
         ep = expert_fsdp = None
         if self.ep_enabled:  # ep ranks neighbours within dp_shard x cp; efsdp: the rest of them
-            split = shard._unflatten(0, (shard.size() // self.ep, self.ep), ("efsdp", "ep"))
-            ep, expert_fsdp = split["ep"], split["efsdp"]
-        flat = [mesh.get_group() for mesh in (dp, shard, loss, ep, expert_fsdp) if mesh is not None]
-        adopt_groups([*world.get_all_groups(), *flat])  # the run's timeouts
+            shape, split_names = (shard.size() // self.ep, self.ep), ("efsdp", "ep")
+            if self.dp_replicate > 1:  # the experts' HSDP: replicated over dp_replicate, sharded over efsdp
+                split = fsdp._unflatten(1, shape, split_names)
+                expert_fsdp = split[("dp_replicate", "efsdp")]
+            else:
+                split = shard._unflatten(0, shape, split_names)
+                expert_fsdp = split["efsdp"]
+            ep = split["ep"]
+        views = (world, dp, shard, loss, ep, expert_fsdp)
+        adopt_groups(
+            [group for mesh in views if mesh is not None for group in mesh.get_all_groups()]
+        )  # the run's timeouts
         return Meshes(
             world=world,
             dp=dp,
@@ -225,7 +228,8 @@ class Meshes:
     ep:   expert parallelism: the inner ep ranks of dp_shard x cp (one group splits the
           experts and exchanges tokens by all-to-all).
     expert_fsdp: what `fully_shard` of the experts gets: the outer (dp_shard x cp) / ep
-          ranks, which hold the same experts ("efsdp").
+          ranks, which hold the same experts ("efsdp"); with dp_replicate before it a 2-D
+          mesh (the experts' HSDP), like `fsdp`.
     replicate: replicate-only data parallelism (dp_replicate with dp_shard x cp = 1), where
           `fsdp` is None: the weights stay whole and gradients are all-reduced over it.
     context_parallel: this rank's place on cp (None without it), built once per mesh: the
