@@ -197,7 +197,11 @@ class Validation:
 class Parallelism:
     """Mesh degrees and FSDP2 / tensor-parallel / pipeline-parallel options."""
 
-    data_parallel_replicate_degree: int = _opt(1, "replicas of the model (HSDP's replicate dim; DDP-like)", ge=1)
+    data_parallel_replicate_degree: int = _opt(
+        1,
+        "replicas of the model: HSDP's replicate dim, or with data_parallel_shard_degree 1 replicate-only (DDP-like)",
+        ge=1,
+    )
     data_parallel_shard_degree: int = _opt(
         -1, "ways FSDP2 shards the model; -1 = the remaining ranks", ge=1, special=-1
     )
