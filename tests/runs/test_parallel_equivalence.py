@@ -38,8 +38,13 @@ def batch(n: int) -> list[str]:
     return ["--training.local_batch_size", str(n)]
 
 
-def schedule(name: str) -> list[str]:
-    return [*PP, "--parallelism.pipeline_parallel_schedule", name]
+def schedule(name: str, degree: int = 2) -> list[str]:
+    return ["--parallelism.pipeline_parallel_degree", str(degree), "--parallelism.pipeline_parallel_schedule", name]
+
+
+def at_degree(flag: list[str], n: int) -> list[str]:
+    """A parallelism flag (PP, CP, TP, EP) at degree `n`."""
+    return [flag[0], str(n)]
 
 
 # The single-process references, by the model options they share with their layouts.
@@ -164,6 +169,18 @@ LAYOUTS = {
     "qwen3_moe_ep2_pp2": (4, [*batch(4), *EP, *PP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_fsdp2_tp2": (4, [*batch(4), *TP, *QWEN3], "qwen3"),
     "qwen3_moe_fsdp2_tp2_sp": (4, [*batch(4), *TP, "--parallelism.sequence_parallel", "on", *QWEN3_MOE], "qwen3_moe"),
+    # Degrees above 2: pp 4 with each schedule kind (one stage per rank, 8 stages looped, two
+    # V shapes; the debug model's 6 blocks plus the embedding and head make 8 one-block stages),
+    # cp 4 with both masks, tp 4, ep 4 (2 experts a rank) and ep 8 (one expert a rank) x FSDP 8.
+    "pp4_1f1b": (4, [*batch(8), *schedule("1F1B", 4)], "causal"),
+    "pp4_interleaved_1f1b_8_stages": (4, [*batch(8), *schedule("Interleaved1F1B", 4)], "causal"),
+    "pp4_zbv": (4, [*batch(8), *schedule("ZBVZeroBubble", 4)], "causal"),
+    "pp4_dualpipev": (4, [*batch(8), *schedule("DualPipeV", 4)], "causal"),
+    "cp4": (4, [*batch(8), *at_degree(CP, 4)], "causal"),
+    "cp4_block_causal": (4, [*batch(8), *at_degree(CP, 4), *BLOCK], "block_causal"),
+    "tp4": (4, [*batch(8), *at_degree(TP, 4)], "causal"),
+    "qwen3_moe_ep4": (4, [*batch(2), *at_degree(EP, 4), *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_moe_ep8_fsdp8": (8, [*batch(1), *at_degree(EP, 8), *QWEN3_MOE], "qwen3_moe"),
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
 }
@@ -172,11 +189,12 @@ TIMEOUT_S = {1: 240, 2: 420, 4: 600, 8: 600}
 ALL_DIMENSIONS_TIMEOUT_S = 900
 # Every dimension at once, 16 processes, one session of its own (slow: about 330 s of wall
 # on a busy 2-core host): the dense model at pp 2 x dp_shard 2 x cp 2 x tp 2, and Qwen3-MoE
-# with ep 2 borrowed inside pp 2 x dp_shard 4 x tp 2.
+# with ep 2 borrowed inside pp 2 x HSDP (dp_replicate 2 x dp_shard 2) x tp 2, its per-rank
+# expert bytes asserted (an ep the layout ignored would compute with every expert).
 ALL_DIMENSIONS_WORLD = 16
 ALL_DIMENSIONS = {
     "pp2_dp2_cp2_tp2": ([*batch(4), *PP, *CP, *TP], "causal"),
-    "qwen3_moe_ep2_pp2_dp4_tp2": ([*batch(2), *EP, *PP, *TP, *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_moe_ep2_pp2_hsdp2x2_tp2": ([*batch(2), *EP, *PP, *REPLICATE, *TP, *QWEN3_MOE], "qwen3_moe"),
 }
 
 
