@@ -239,8 +239,12 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     lines = preset_lines()
     assert len(lines) >= 14 and sum("--parallelism.pipeline_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
     qwen3 = [argv for preset, argv, verdict, _ in lines if preset.startswith("qwen3") and verdict == "fits"]
-    assert len(qwen3) == 6 and all(int(argv[argv.index("--world-size") + 1]) >= 512 for argv in qwen3)
-    assert sum("--parallelism.expert_parallel_degree" in argv for argv in qwen3) == 2
+    assert len(qwen3) == 8 and all(int(argv[argv.index("--world-size") + 1]) >= 512 for argv in qwen3)
+    assert sum("--parallelism.expert_parallel_degree" in argv for argv in qwen3) == 4
+    ep_hsdp = [
+        argv for argv in qwen3 if {"--parallelism.expert_parallel_degree", LAYOUT_KEYS["dp_replicate"]} <= {*argv}
+    ]
+    assert len(ep_hsdp) == 2  # ep x HSDP of each MoE preset
     assert sum("--parallelism.context_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
     doc = (REPO / "docs" / "planning.md").read_text()
     sample_command = re.search(r"```bash\npython -m titanlite.plan (.*)\n```\n\n```\n(.*?)```", doc, re.S)
@@ -270,8 +274,22 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
         (4, []),
         (2, ["--parallelism.pipeline_parallel_degree", "2"]),
         (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"]),
+        (
+            4,
+            [
+                *(
+                    "--model.name",
+                    "qwen3",
+                    "--model.flavor",
+                    "debugmodel_moe",
+                    "--parallelism.expert_parallel_degree",
+                    "2",
+                ),
+                *("--parallelism.data_parallel_replicate_degree", "2"),
+            ],
+        ),
     ],
-    ids=["1", "2", "4", "pp2", "moe_ep2"],
+    ids=["1", "2", "4", "pp2", "moe_ep2", "moe_ep2_hsdp2x2"],
 )
 def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypatch):
     """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds (each
