@@ -242,7 +242,9 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     assert len(qwen3) == 8 and all(int(argv[argv.index("--world-size") + 1]) >= 512 for argv in qwen3)
     assert sum("--parallelism.expert_parallel_degree" in argv for argv in qwen3) == 4
     ep_hsdp = [
-        argv for argv in qwen3 if {"--parallelism.expert_parallel_degree", LAYOUT_KEYS["dp_replicate"]} <= {*argv}
+        argv
+        for argv in qwen3
+        if {"--parallelism.expert_parallel_degree", "--parallelism.data_parallel_replicate_degree"} <= {*argv}
     ]
     assert len(ep_hsdp) == 2  # ep x HSDP of each MoE preset
     assert sum("--parallelism.context_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
