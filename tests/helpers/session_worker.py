@@ -70,8 +70,8 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
         # a sum of this rank's local values: ranks that train on different batches hold equal
         # whole weights only when their gradients were all-reduced.
         "param_layouts": sorted({layout(p) for p in params}),
-        "local_param_sum": float(
-            sum(p.to_local().double().sum() if isinstance(p, DTensor) else p.double().sum() for p in params)
+        "local_param_sum": sum(
+            float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum()) for p in params
         ),
     }
 

@@ -29,6 +29,7 @@ QWEN3_MOE = [*QWEN3, "--model.flavor", "debugmodel_moe"]
 QWEN3_MOE_AUX = [*QWEN3, "--model.flavor", "debugmodel_moe_aux"]
 EP = ["--parallelism.expert_parallel_degree", "2"]
 REPLICATE = ["--parallelism.data_parallel_replicate_degree", "2"]
+ETP = ["--parallelism.expert_tensor_parallel_degree", "2"]
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
@@ -166,6 +167,9 @@ LAYOUTS = {
     # ep inside HSDP (ep borrows dp_shard, the experts replicated over dp_replicate like the rest)
     "qwen3_moe_ep2_hsdp2x2": (4, [*batch(2), *EP, *REPLICATE, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_moe_aux_ep2_tp2": (4, [*batch(4), *EP, *TP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
+    # Expert tensor parallelism: each routed expert's weights split over tp (alone, and with ep).
+    "qwen3_moe_aux_etp2_tp2": (2, [*batch(8), *TP, *ETP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
+    "qwen3_moe_etp2_ep2_tp2": (4, [*batch(4), *EP, *TP, *ETP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_moe_ep2_pp2": (4, [*batch(4), *EP, *PP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_fsdp2_tp2": (4, [*batch(4), *TP, *QWEN3], "qwen3"),
     "qwen3_moe_fsdp2_tp2_sp": (4, [*batch(4), *TP, "--parallelism.sequence_parallel", "on", *QWEN3_MOE], "qwen3_moe"),
@@ -219,14 +223,15 @@ PER_RANK_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "data_
 
 def assert_expert_shares(ranks: list[dict], reference: dict, overrides: list[str], nproc: int) -> None:
     """Under ep each rank computes with 1/ep of its stage's routed experts (as FSDP's
-    all-gather hands them to forward) and holds 1/(ep x efsdp) = 1/(dp_shard x cp) of them.
-    An ep that the layout ignores computes with every expert, so it fails here, though its
-    curve is the reference's (every rank then computes all experts for its own tokens)."""
+    all-gather hands them to forward) and holds 1/(ep x efsdp) = 1/(dp_shard x cp) of them;
+    expert tensor parallelism splits each expert over tp on top (1/etp of both). An ep or etp
+    that the layout ignores computes with every expert (or whole experts), so it fails here,
+    though its curve is the reference's."""
     value = dict(zip(overrides[::2], overrides[1::2]))
     whole = reference["expert_compute_bytes"]  # one process: every expert of every layer
     pp, tp, replicate = (int(value.get(f"--parallelism.{key}", 1)) for key in PER_RANK_DEGREES)
-    ep = int(value[EP[0]])
-    here = whole / pp  # a pipeline stage holds its share of the MoE layers
+    ep, etp = int(value.get(EP[0], 1)), int(value.get(ETP[0], 1))
+    here = whole / pp / etp  # a pipeline stage holds its share of the MoE layers, a tp rank its slice of each expert
     assert whole > 0
     assert [r["expert_compute_bytes"] for r in ranks] == pytest.approx([here / ep] * nproc, rel=0.05)
     dp_shard_cp = nproc // (pp * tp * replicate)
@@ -256,13 +261,15 @@ def test_layout_matches_single_process(layout, sessions):
     if reference["validation_loss"] is not None:  # validation through the same layout's forward
         assert sessions[layout]["validation_loss"] == pytest.approx(reference["validation_loss"], rel=1e-5)
 
-    if EP[0] in overrides:
+    if EP[0] in overrides or ETP[0] in overrides:
         assert_expert_shares(sessions[layout]["ranks"], reference["ranks"][0], overrides, nproc)
     if any(flag in overrides for flag in (PP[0], CP[0])):
         return  # stages and sequence shards hold other shares; the planner tests check those
     dp_shard, tp = degrees(overrides, nproc)
+    split_experts = reference["ranks"][0]["expert_param_bytes"] if ETP[0] in overrides else 0  # split over tp
     for sizes in sessions[layout]["ranks"]:
-        whole_on_tp = sizes["norm_param_bytes"] + sizes["moe_param_bytes"]  # replicated over tp, sharded by FSDP
+        # replicated over tp, sharded by FSDP
+        whole_on_tp = sizes["norm_param_bytes"] + sizes["moe_param_bytes"] - split_experts
         expected = (sizes["full_param_bytes"] - whole_on_tp) / (dp_shard * tp) + whole_on_tp / dp_shard
         for kind, factor in (("param_bytes", 1), ("grad_bytes", 1), ("optim_bytes", 2)):  # AdamW: exp_avg, exp_avg_sq
             assert sizes[kind] == pytest.approx(factor * expected, rel=0.05), f"{kind} on a rank of {layout}"

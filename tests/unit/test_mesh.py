@@ -9,8 +9,9 @@ from titanlite.models.llama import llama3_spec
 from titanlite.parallel.mesh import ParallelDims
 
 
-def parallelism(replicate=1, shard=-1, tp=1, ep=1):
+def parallelism(replicate=1, shard=-1, tp=1, ep=1, etp=1):
     return SimpleNamespace(
+        expert_tensor_parallel_degree=etp,
         data_parallel_replicate_degree=replicate,
         data_parallel_shard_degree=shard,
         tensor_parallel_degree=tp,
@@ -34,6 +35,11 @@ def test_shard_degree_fills_the_world():
             parallelism(tp=2, ep=3),
             8,
             "expert_parallel_degree: 3 does not divide data_parallel_shard_degree 4 x context_parallel_degree 1 = 4",
+        ),
+        (
+            parallelism(tp=2, etp=4),
+            4,
+            "expert_tensor_parallel_degree: 4 must be 1 .* or tensor_parallel_degree 2",
         ),
     ],
 )
@@ -146,4 +152,14 @@ def test_ep_needs_moe_layers_whose_experts_it_divides():
         dims.check_experts([], "model x")
     with pytest.raises(TitanliteError, match="expert_parallel_degree: 2 does not divide model x's 3 experts per layer"):
         dims.check_experts([8, 3], "model x")
+    dims.check_experts([8, 8], "model x")
+
+
+def test_etp_needs_moe_layers():
+    dims = ParallelDims.from_config(parallelism(tp=2, etp=2), 2)
+    assert dims.etp_enabled and not dims.ep_enabled
+    with pytest.raises(
+        TitanliteError, match="expert_tensor_parallel_degree: 2 needs a model with MoE layers; model x has none"
+    ):
+        dims.check_experts([], "model x")
     dims.check_experts([8, 8], "model x")

@@ -239,6 +239,12 @@ class Parallelism:
         "all-to-all); it must divide both and the experts per layer",
         ge=1,
     )
+    expert_tensor_parallel_degree: int = _opt(
+        1,
+        "1: an MoE layer's routed experts run whole on each tp rank; tensor_parallel_degree: "
+        "each expert's weights split over the tp ranks (column-wise in, row-wise out)",
+        ge=1,
+    )
     pipeline_parallel_degree: int = _opt(
         1,
         "pipeline stages' ranks: the model split into consecutive stages, each on "

@@ -47,10 +47,6 @@ ALIASES = {
 # (section, key): (the value that leaves it off, what titanlite does instead)
 OFF_ONLY = {
     ("parallelism", "enable_async_tensor_parallel"): (False, "titanlite has no async tensor parallelism"),
-    ("parallelism", "expert_tensor_parallel_degree"): (
-        1,
-        "titanlite has no expert tensor parallelism: the experts are split by expert_parallel_degree, never by tp",
-    ),
 }
 NO_EFFECT = {
     ("metrics", "disable_color_printing"): "titanlite prints no colors",

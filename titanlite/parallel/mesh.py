@@ -36,6 +36,7 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 1
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
@@ -46,6 +47,7 @@ class ParallelDims:
         pp = parallelism.pipeline_parallel_degree
         cp = parallelism.context_parallel_degree
         ep = parallelism.expert_parallel_degree
+        etp = getattr(parallelism, "expert_tensor_parallel_degree", 1)
         with_pp = (f" x context_parallel_degree {cp}" if cp > 1 else "") + (
             f" x pipeline_parallel_degree {pp}" if pp > 1 else ""
         )
@@ -62,7 +64,12 @@ class ParallelDims:
                 f"{world_size}"
             )
         cls._check_ep(ep, shard, cp)
-        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep)
+        if etp not in (1, tp):
+            raise TitanliteError(
+                f"parallelism.expert_tensor_parallel_degree: {etp} must be 1 (experts whole on each tp rank) or "
+                f"tensor_parallel_degree {tp} (experts split over the tp ranks)"
+            )
+        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep, etp=etp)
 
     @staticmethod
     def _check_ep(ep: int, shard: int, cp: int) -> None:
@@ -76,7 +83,12 @@ class ParallelDims:
             )
 
     def check_experts(self, n_experts: list[int], model: str) -> None:
-        """ep > 1 needs MoE layers (`n_experts`: each one's routed experts) whose experts it divides."""
+        """ep > 1 needs MoE layers (`n_experts`: each one's routed experts) whose experts it
+        divides; etp > 1 needs MoE layers."""
+        if self.etp > 1 and not n_experts:
+            raise TitanliteError(
+                f"parallelism.expert_tensor_parallel_degree: {self.etp} needs a model with MoE layers; {model} has none"
+            )
         if self.ep == 1:
             return
         if not n_experts:
@@ -103,6 +115,11 @@ class ParallelDims:
         """dp_replicate > 1 with nothing sharded (dp_shard x cp = 1): whole weights on every
         rank and an all-reduce of gradients (composable `replicate`), not FSDP of degree 1."""
         return self.dp_replicate > 1 and self.dp_shard * self.cp == 1
+
+    @property
+    def etp_enabled(self) -> bool:
+        """Each routed expert's weights split over tp (parallel/expert_tensor_parallel.py)."""
+        return self.etp > 1
 
     @property
     def ep_enabled(self) -> bool:

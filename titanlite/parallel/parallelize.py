@@ -23,6 +23,7 @@ from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context_parallel import ContextParallelModel
 from titanlite.parallel.expert_parallel import apply_ep
+from titanlite.parallel.expert_tensor_parallel import apply_etp
 from titanlite.parallel.fsdp import replicate_model, shard_model
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.units import Selector, innermost_first, outermost_named, select
@@ -52,6 +53,7 @@ def parallelize(
     ac: str | int = "none",
     compile: bool = False,
     pipelined: bool = False,
+    expert_tensor_parallel: bool = False,
 ) -> nn.Module:
     """Parallelize `model` in place over `mesh` (from `build_mesh`) and return it.
 
@@ -68,10 +70,15 @@ def parallelize(
     compile: `torch.compile` each block.
     pipelined: the model is one pipeline stage: "default" resharding keeps every unit's
         weights gathered to backward, and a stage without MoE layers is allowed on an ep mesh.
+    expert_tensor_parallel: split each routed expert's weights over tp (needs a tp mesh).
     """
     meshes = as_meshes(mesh)
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
-    experts = apply_ep(model, meshes.ep, meshes.tp) if meshes.ep is not None else []
+    if expert_tensor_parallel and meshes.tp is None:
+        raise TitanliteError("parallelize: expert_tensor_parallel needs a mesh with a tp dimension")
+    experts = apply_ep(model, meshes.ep, meshes.tp, expert_tensor_parallel) if meshes.ep is not None else []
+    if expert_tensor_parallel and meshes.ep is None:
+        apply_etp(model, meshes.tp)
     if meshes.ep is not None and not experts and not pipelined:  # a pipeline stage may hold dense blocks only
         raise TitanliteError(
             "parallelize: the mesh has an ep dimension but the model has no layer with enable_expert_parallel"
