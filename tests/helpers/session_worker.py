@@ -77,7 +77,7 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
 
 
 def layout(param: torch.Tensor) -> str:
-    """`dim=Placement,...` of a DTensor parameter (e.g. `dp_replicate=Replicate()`), `plain` otherwise."""
+    """`dim=placement,...` of a DTensor parameter (e.g. `dp_replicate=R`, `tp=S(0)`), `plain` otherwise."""
     if not isinstance(param, DTensor):
         return "plain"
     names = param.device_mesh.mesh_dim_names or ()

@@ -1,8 +1,10 @@
-"""Every parallel layout trains exactly like one process: FSDP, HSDP, TP, accumulation,
-activation checkpointing, CPU offload, pipeline parallelism with each schedule, context
-parallelism, expert parallelism, and their combinations (every dimension at once in one
-16-process session), with causal and block-causal (document) attention; and every FSDP
-strategy and option shows its effect (the last section).
+"""Every parallel layout trains exactly like one process: FSDP, HSDP, replicate-only data
+parallelism, TP, accumulation, activation checkpointing, CPU offload, pipeline parallelism
+with each schedule, context parallelism, expert parallelism (inside HSDP too) and expert
+tensor parallelism, at degree 2 and above (pp, cp and tp 4, ep 4 and 8), and their
+combinations (every dimension at once in one 16-process session), with causal and
+block-causal (document) attention; and every FSDP strategy and option shows its effect (the
+last section).
 
 Real gloo runs of the trainer on the debug model, fp32, fixed seed, the same global batch of
 8 windows: losses and gradient norms of each step match the single-process reference within
