@@ -7,7 +7,8 @@ in every layer), FSDP shards across them, and pipeline stages, which only pass a
 to the next stage, are farthest apart. Data loading uses "dp", the flattened (dp_replicate,
 dp_shard) submesh (every pipeline stage and cp rank of one dp rank reads the same batches);
 FSDP shards over dp_shard x cp (cp ranks hold different tokens of the same model, like dp
-ranks; with nothing to shard, dp_replicate alone is replicate-only data parallelism); the loss is averaged over dp x cp; gradient norms are reduced over the whole mesh.
+ranks; with nothing to shard, dp_replicate alone is replicate-only data parallelism); the
+loss is averaged over dp x cp; gradient norms are reduced over the whole mesh.
 Expert parallelism adds no dim: its ep ranks are borrowed from dp_shard x cp, whose view is
 unflattened into ("efsdp", "ep"), ep innermost (docs/parallelism.md).
 """
