@@ -88,7 +88,7 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
         args = dataclasses.replace(args, attn_mask_type=cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
-    if dims.ep_enabled:
+    if dims.ep_enabled or dims.etp_enabled:
         dims.check_experts(_experts_per_layer(spec, args), f"model {spec.name} flavor {cfg.model.flavor}")
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if reshard.isdigit() and (not dims.fsdp_enabled or (dims.dp_shard * dims.cp) % int(reshard)):
@@ -179,6 +179,7 @@ def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
         ac=ac_setting(cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option),
         compile=cfg.compile.enable,
         pipelined=dims.pp_enabled,
+        expert_tensor_parallel=dims.etp_enabled,
     )
 
 

@@ -66,7 +66,22 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
             for n, p in trainer.model.named_parameters()
             if ".router." in n or ".experts." in n
         ),
+        # How the parameters are laid out (mesh dim names and placements, each layout once) and
+        # a sum of this rank's local values: ranks that train on different batches hold equal
+        # whole weights only when their gradients were all-reduced.
+        "param_layouts": sorted({layout(p) for p in params}),
+        "local_param_sum": sum(
+            float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum()) for p in params
+        ),
     }
+
+
+def layout(param: torch.Tensor) -> str:
+    """`dim=placement,...` of a DTensor parameter (e.g. `dp_replicate=R`, `tp=S(0)`), `plain` otherwise."""
+    if not isinstance(param, DTensor):
+        return "plain"
+    names = param.device_mesh.mesh_dim_names or ()
+    return ",".join(f"{name}={placement}" for name, placement in zip(names, param.placements))
 
 
 def watch_expert_compute(trainer: Trainer) -> dict[str, int]:

@@ -360,11 +360,6 @@ CASES: dict[str, Case] = {
     "ep_on_a_dense_model": Case(
         [EP, "2 needs a model with MoE layers", "model llama3 flavor debugmodel has none"], {EP: "2"}, world_size=2
     ),
-    "ep_with_hsdp": Case(
-        [EP, "data_parallel_replicate_degree 2 (HSDP) is not supported"],
-        {**MOE, EP: "2", "parallelism.data_parallel_replicate_degree": "2"},
-        world_size=4,
-    ),
     # what a registered model does not declare (ModelSpec.capabilities), refused when the run is planned
     "cp_model_without_context_parallel_attention": Case(
         [CP, "model gpt2 has no context-parallel attention"], {CP: "2", "model.name": "gpt2"}, world_size=2

@@ -1,8 +1,10 @@
-"""Every parallel layout trains exactly like one process: FSDP, HSDP, TP, accumulation,
-activation checkpointing, CPU offload, pipeline parallelism with each schedule, context
-parallelism, expert parallelism, and their combinations (every dimension at once in one
-16-process session), with causal and block-causal (document) attention; and every FSDP
-strategy and option shows its effect (the last section).
+"""Every parallel layout trains exactly like one process: FSDP, HSDP, replicate-only data
+parallelism, TP, accumulation, activation checkpointing, CPU offload, pipeline parallelism
+with each schedule, context parallelism, expert parallelism (inside HSDP too) and expert
+tensor parallelism, at degree 2 and above (pp, cp and tp 4, ep 4 and 8), and their
+combinations (every dimension at once in one 16-process session), with causal and
+block-causal (document) attention; and every FSDP strategy and option shows its effect (the
+last section).
 
 Real gloo runs of the trainer on the debug model, fp32, fixed seed, the same global batch of
 8 windows: losses and gradient norms of each step match the single-process reference within
@@ -34,6 +36,8 @@ EP = ["--parallelism.expert_parallel_degree", "2"]
 MUON = ["--optimizer.name", "Muon"]
 # Moonlight's lr scale on the MoE model: its update RMS matches AdamW's at the same lr.
 MUON_RMS = [*MUON, "--optimizer.muon_adjust_lr", "match_rms_adamw"]
+REPLICATE = ["--parallelism.data_parallel_replicate_degree", "2"]
+ETP = ["--parallelism.expert_tensor_parallel_degree", "2"]
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
@@ -43,8 +47,13 @@ def batch(n: int) -> list[str]:
     return ["--training.local_batch_size", str(n)]
 
 
-def schedule(name: str) -> list[str]:
-    return [*PP, "--parallelism.pipeline_parallel_schedule", name]
+def schedule(name: str, degree: int = 2) -> list[str]:
+    return ["--parallelism.pipeline_parallel_degree", str(degree), "--parallelism.pipeline_parallel_schedule", name]
+
+
+def at_degree(flag: list[str], n: int) -> list[str]:
+    """A parallelism flag (PP, CP, TP, EP) at degree `n`."""
+    return [flag[0], str(n)]
 
 
 # One routed token in the MoE load (busiest expert's tokens over the mean): global batch 8 x 64 tokens,
@@ -71,6 +80,8 @@ REFERENCES = {
 LAYOUTS = {
     "fsdp2": (2, batch(4), "causal"),
     "tp2": (2, [*batch(8), *TP], "causal"),
+    # Replicate-only data parallelism: whole weights, gradients all-reduced (no FSDP of degree 1).
+    "replicate2": (2, [*batch(4), *REPLICATE, "--parallelism.data_parallel_shard_degree", "1"], "causal"),
     "fsdp2_accum2": (2, [*batch(2), "--training.global_batch_size", "8"], "causal"),
     "fsdp2_offload": (2, [*batch(4), "--training.enable_cpu_offload", "true"], "causal"),
     # Every FSDP option, three to a run (each run one process start less): nested shard units
@@ -141,6 +152,7 @@ LAYOUTS = {
     # Sequence parallelism is the GPU default (off on CPU), so FSDP 2 x TP 2 is checked with it
     # here; without it (the CPU default) in test_tied_embeddings.py, test_gpt2.py, test_compile.py.
     "fsdp2_tp2_sp": (4, [*batch(4), *TP, "--parallelism.sequence_parallel", "on"], "causal"),
+    "replicate2_tp2": (4, [*batch(4), *REPLICATE, "--parallelism.data_parallel_shard_degree", "1", *TP], "causal"),
     "hsdp2x2": (4, [*batch(2), "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
     "fsdp4_reshard_to_2": (4, [*batch(2), "--parallelism.fsdp_reshard_after_forward", "2"], "causal"),
     "pp2_fsdp2": (4, [*batch(4), *PP], "causal"),
@@ -168,7 +180,12 @@ LAYOUTS = {
     "qwen3_moe_aux_ep2": (2, [*batch(4), *EP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
     "qwen3_moe_aux_ep2_cp2": (2, [*batch(8), *EP, *CP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
     "qwen3_moe_ep2_fsdp4": (4, [*batch(2), *EP, *QWEN3_MOE], "qwen3_moe"),
+    # ep inside HSDP (ep borrows dp_shard, the experts replicated over dp_replicate like the rest)
+    "qwen3_moe_ep2_hsdp2x2": (4, [*batch(2), *EP, *REPLICATE, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_moe_aux_ep2_tp2": (4, [*batch(4), *EP, *TP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
+    # Expert tensor parallelism: each routed expert's weights split over tp (alone, and with ep).
+    "qwen3_moe_aux_etp2_tp2": (2, [*batch(8), *TP, *ETP, *QWEN3_MOE_AUX], "qwen3_moe_aux"),
+    "qwen3_moe_etp2_ep2_tp2": (4, [*batch(4), *EP, *TP, *ETP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_moe_ep2_pp2": (4, [*batch(4), *EP, *PP, *QWEN3_MOE], "qwen3_moe"),
     "qwen3_fsdp2_tp2": (4, [*batch(4), *TP, *QWEN3], "qwen3"),
     "qwen3_moe_fsdp2_tp2_sp": (4, [*batch(4), *TP, "--parallelism.sequence_parallel", "on", *QWEN3_MOE], "qwen3_moe"),
@@ -179,6 +196,18 @@ LAYOUTS = {
     "muon_pp2": (2, [*batch(8), *PP, *MUON], "muon"),
     "muon_qwen3_moe_ep2": (2, [*batch(4), *EP, *QWEN3_MOE, *MUON_RMS], "qwen3_moe_muon"),
     "muon_fsdp2_tp2": (4, [*batch(4), *TP, *MUON], "muon"),
+    # Degrees above 2: pp 4 with each schedule kind (one stage per rank, 8 stages looped, two
+    # V shapes; the debug model's 6 blocks plus the embedding and head make 8 one-block stages),
+    # cp 4 with both masks, tp 4, ep 4 (2 experts a rank) and ep 8 (one expert a rank) x FSDP 8.
+    "pp4_1f1b": (4, [*batch(8), *schedule("1F1B", 4)], "causal"),
+    "pp4_interleaved_1f1b_8_stages": (4, [*batch(8), *schedule("Interleaved1F1B", 4)], "causal"),
+    "pp4_zbv": (4, [*batch(8), *schedule("ZBVZeroBubble", 4)], "causal"),
+    "pp4_dualpipev": (4, [*batch(8), *schedule("DualPipeV", 4)], "causal"),
+    "cp4": (4, [*batch(8), *at_degree(CP, 4)], "causal"),
+    "cp4_block_causal": (4, [*batch(8), *at_degree(CP, 4), *BLOCK], "block_causal"),
+    "tp4": (4, [*batch(8), *at_degree(TP, 4)], "causal"),
+    "qwen3_moe_ep4": (4, [*batch(2), *at_degree(EP, 4), *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_moe_ep8_fsdp8": (8, [*batch(1), *at_degree(EP, 8), *QWEN3_MOE], "qwen3_moe"),
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
 }
@@ -187,11 +216,12 @@ TIMEOUT_S = {1: 240, 2: 420, 4: 600, 8: 600}
 ALL_DIMENSIONS_TIMEOUT_S = 900
 # Every dimension at once, 16 processes, one session of its own (slow: about 330 s of wall
 # on a busy 2-core host): the dense model at pp 2 x dp_shard 2 x cp 2 x tp 2, and Qwen3-MoE
-# with ep 2 borrowed inside pp 2 x dp_shard 4 x tp 2.
+# with ep 2 borrowed inside pp 2 x HSDP (dp_replicate 2 x dp_shard 2) x tp 2, its per-rank
+# expert bytes asserted (an ep the layout ignored would compute with every expert).
 ALL_DIMENSIONS_WORLD = 16
 ALL_DIMENSIONS = {
     "pp2_dp2_cp2_tp2": ([*batch(4), *PP, *CP, *TP], "causal"),
-    "qwen3_moe_ep2_pp2_dp4_tp2": ([*batch(2), *EP, *PP, *TP, *QWEN3_MOE], "qwen3_moe"),
+    "qwen3_moe_ep2_pp2_hsdp2x2_tp2": ([*batch(2), *EP, *PP, *REPLICATE, *TP, *QWEN3_MOE], "qwen3_moe"),
 }
 
 
@@ -220,14 +250,15 @@ PER_RANK_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "data_
 
 def assert_expert_shares(ranks: list[dict], reference: dict, overrides: list[str], nproc: int) -> None:
     """Under ep each rank computes with 1/ep of its stage's routed experts (as FSDP's
-    all-gather hands them to forward) and holds 1/(ep x efsdp) = 1/(dp_shard x cp) of them.
-    An ep that the layout ignores computes with every expert, so it fails here, though its
-    curve is the reference's (every rank then computes all experts for its own tokens)."""
+    all-gather hands them to forward) and holds 1/(ep x efsdp) = 1/(dp_shard x cp) of them;
+    expert tensor parallelism splits each expert over tp on top (1/etp of both). An ep or etp
+    that the layout ignores computes with every expert (or whole experts), so it fails here,
+    though its curve is the reference's."""
     value = dict(zip(overrides[::2], overrides[1::2]))
     whole = reference["expert_compute_bytes"]  # one process: every expert of every layer
     pp, tp, replicate = (int(value.get(f"--parallelism.{key}", 1)) for key in PER_RANK_DEGREES)
-    ep = int(value[EP[0]])
-    here = whole / pp  # a pipeline stage holds its share of the MoE layers
+    ep, etp = int(value.get(EP[0], 1)), int(value.get(ETP[0], 1))
+    here = whole / pp / etp  # a pipeline stage holds its share of the MoE layers, a tp rank its slice of each expert
     assert whole > 0
     assert [r["expert_compute_bytes"] for r in ranks] == pytest.approx([here / ep] * nproc, rel=0.05)
     dp_shard_cp = nproc // (pp * tp * replicate)
@@ -262,13 +293,15 @@ def test_layout_matches_single_process(layout, sessions):
     if reference["validation_loss"] is not None:  # validation through the same layout's forward
         assert sessions[layout]["validation_loss"] == pytest.approx(reference["validation_loss"], rel=1e-5)
 
-    if EP[0] in overrides:
+    if EP[0] in overrides or ETP[0] in overrides:
         assert_expert_shares(sessions[layout]["ranks"], reference["ranks"][0], overrides, nproc)
     if any(flag in overrides for flag in (PP[0], CP[0])):
         return  # stages and sequence shards hold other shares; the planner tests check those
     dp_shard, tp = degrees(overrides, nproc)
+    split_experts = reference["ranks"][0]["expert_param_bytes"] if ETP[0] in overrides else 0  # split over tp
     for sizes in sessions[layout]["ranks"]:
-        whole_on_tp = sizes["norm_param_bytes"] + sizes["moe_param_bytes"]  # replicated over tp, sharded by FSDP
+        # replicated over tp, sharded by FSDP
+        whole_on_tp = sizes["norm_param_bytes"] + sizes["moe_param_bytes"] - split_experts
         expected = (sizes["full_param_bytes"] - whole_on_tp) / (dp_shard * tp) + whole_on_tp / dp_shard
         for kind, factor in (("param_bytes", 1), ("grad_bytes", 1), ("optim_bytes", 2)):  # AdamW: exp_avg, exp_avg_sq
             if kind == "optim_bytes" and MUON[1] in overrides:
@@ -521,3 +554,15 @@ def test_activation_checkpointing_recomputes_what_its_mode_says(fsdp_options, mo
     each block, per-op AC keeps attention's output and reruns the cheap SwiGLU activation,
     every-2nd-block AC reruns half the blocks."""
     assert fsdp_options["trainer"]["ac"][mode] == {"silu": silu, "attention": attention}
+
+
+def test_replicate_only_keeps_whole_weights_and_all_reduces_gradients(sessions):
+    """dp_replicate 2 with dp_shard 1 is composable `replicate`, not FSDP of degree 1: every
+    parameter is a Replicate DTensor on dp_replicate (FSDP would show Shard(0)), each rank
+    holds all of it, and the two ranks, which trained on different halves of each batch,
+    end with equal weights (their gradients were all-reduced)."""
+    ranks = sessions["replicate2"]["ranks"]
+    for rank in ranks:
+        assert rank["param_layouts"] == ["dp_replicate=R"]
+        assert rank["param_bytes"] == rank["grad_bytes"] == rank["full_param_bytes"] > 0
+    assert ranks[0]["local_param_sum"] == ranks[1]["local_param_sum"]

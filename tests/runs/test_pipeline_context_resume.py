@@ -11,7 +11,9 @@ step 3 (and 6); each resume starts from a copy of step 3 and must log steps 4-6
 The same for Qwen3-MoE's debug flavor, whose expert biases are buffers every step moves:
 pp 2 resumed at pp 2 (==) and a one-process checkpoint resumed at pp 2 (1e-6); and with its
 experts split by expert parallelism (each rank's experts a shard of the stacked tensor):
-ep 2 resumed at ep 2 (==), ep 2 -> 1 process, FSDP 2 and ep 4, and 1 process -> ep 2 (1e-6).
+ep 2 resumed at ep 2 (==), ep 2 -> 1 process, FSDP 2 and ep 4, and 1 process -> ep 2 (1e-6);
+ep 2 inside HSDP 2 x 2 (the experts replicated over dp_replicate) -> FSDP 2, and back; each
+expert split over tp 2 (expert tensor parallelism) -> 1 process, and back.
 And with Muon (its momentum buffers laid out like the weights): FSDP 2 resumed at FSDP 2 (==)
 and at 1 process (1e-6).
 And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
@@ -56,6 +58,17 @@ LAYOUTS = {
     "moe_ep4": (4, ["--training.local_batch_size", "2", EP, "4", *QWEN3_MOE]),
     "muon_single": (1, ["--training.local_batch_size", "8", *MUON]),
     "muon_fsdp2": (2, ["--training.local_batch_size", "4", *MUON]),
+    "moe_etp2_tp2": (
+        2,
+        [
+            *("--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"),
+            *("--parallelism.expert_tensor_parallel_degree", "2", *QWEN3_MOE),
+        ],
+    ),
+    "moe_ep2_hsdp2x2": (
+        4,
+        ["--training.local_batch_size", "2", EP, "2", "--parallelism.data_parallel_replicate_degree", "2", *QWEN3_MOE],
+    ),
 }
 # resume case: (layout it runs at, layout whose step-3 checkpoint it starts from)
 RESUMES = {
@@ -75,6 +88,10 @@ RESUMES = {
     "moe_ep2_from_moe_single": ("moe_ep2", "moe_single"),
     "muon_fsdp2_from_muon_fsdp2": ("muon_fsdp2", "muon_fsdp2"),
     "muon_single_from_muon_fsdp2": ("muon_single", "muon_fsdp2"),
+    "moe_fsdp2_from_moe_ep2_hsdp2x2": ("moe_fsdp2", "moe_ep2_hsdp2x2"),
+    "moe_ep2_hsdp2x2_from_moe_fsdp2": ("moe_ep2_hsdp2x2", "moe_fsdp2"),
+    "moe_single_from_moe_etp2_tp2": ("moe_single", "moe_etp2_tp2"),
+    "moe_etp2_tp2_from_moe_single": ("moe_etp2_tp2", "moe_single"),
 }
 
 
@@ -106,7 +123,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
     plan = [
         (1, [uninterrupted("single"), seed, uninterrupted("moe_single"), uninterrupted("muon_single")]),
-        (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4")]),
+        (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4"), uninterrupted("moe_ep2_hsdp2x2")]),
         (
             2,
             [
@@ -116,6 +133,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
                 uninterrupted("moe_ep2"),
                 uninterrupted("moe_fsdp2"),
                 uninterrupted("muon_fsdp2"),
+                uninterrupted("moe_etp2_tp2"),
                 from_seed("pp2"),
                 *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 2],
             ],

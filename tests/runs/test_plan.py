@@ -202,6 +202,7 @@ LAYOUT_KEYS = {
     "tp": "parallelism.tensor_parallel_degree",
     "cp": "parallelism.context_parallel_degree",
     "ep": "parallelism.expert_parallel_degree",
+    "etp": "parallelism.expert_tensor_parallel_degree",
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "local_batch_size": "training.local_batch_size",
     "seq_len": "training.seq_len",
@@ -227,7 +228,7 @@ def preset_lines() -> list[tuple[str, list[str], str, str]]:
     for preset, vocab in PRESET_VOCAB.items():
         for world, layout, verdict, gib in PRESET_LINE.findall((REPO / "train_configs" / f"{preset}.toml").read_text()):
             argv = ["--config", preset, "--world-size", world, "--vocab-size", vocab]
-            for key, value in re.findall(r"\b(pp|tp|cp|ep|dp_replicate|local_batch_size|seq_len) (\d+)", layout):
+            for key, value in re.findall(r"\b(pp|tp|cp|ep|etp|dp_replicate|local_batch_size|seq_len) (\d+)", layout):
                 argv += [f"--{LAYOUT_KEYS[key]}", value]
             found.append((preset, argv, verdict, gib))
     return found
@@ -239,8 +240,15 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     lines = preset_lines()
     assert len(lines) >= 14 and sum("--parallelism.pipeline_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
     qwen3 = [argv for preset, argv, verdict, _ in lines if preset.startswith("qwen3") and verdict == "fits"]
-    assert len(qwen3) == 6 and all(int(argv[argv.index("--world-size") + 1]) >= 512 for argv in qwen3)
-    assert sum("--parallelism.expert_parallel_degree" in argv for argv in qwen3) == 2
+    assert len(qwen3) == 11 and all(int(argv[argv.index("--world-size") + 1]) >= 512 for argv in qwen3)
+    assert sum("--parallelism.expert_parallel_degree" in argv for argv in qwen3) == 7
+    assert sum("--parallelism.expert_tensor_parallel_degree" in argv for argv in qwen3) == 2  # etp of each MoE preset
+    ep_hsdp = [
+        argv
+        for argv in qwen3
+        if {"--parallelism.expert_parallel_degree", "--parallelism.data_parallel_replicate_degree"} <= {*argv}
+    ]
+    assert len(ep_hsdp) == 2  # ep x HSDP of each MoE preset
     assert sum("--parallelism.context_parallel_degree" in argv for _, argv, _, _ in lines) >= 3
     doc = (REPO / "docs" / "planning.md").read_text()
     sample_command = re.search(r"```bash\npython -m titanlite.plan (.*)\n```\n\n```\n(.*?)```", doc, re.S)
@@ -254,10 +262,8 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
             "qwen3_30b_a3b",
             "qwen3_235b_a22b",
         ):  # 128 experts over 512 ranks: an equal block each (fsdp.shard_dim, with ep fsdp.expert_shard_dim)
-            least, most = (
-                int(n.replace(",", ""))
-                for n in re.search(r"ranks hold ([\d,]+) \(rank \d+\) to ([\d,]+)", result.stdout).groups()
-            )
+            held = re.search(r"ranks hold ([\d,]+) \(rank \d+\) to ([\d,]+)|every rank holds ([\d,]+)", result.stdout)
+            least, most = (int(n.replace(",", "")) for n in (held.groups()[:2] if held[1] else held.groups()[2:] * 2))
             assert most < 1.02 * least, f"{preset}: ranks hold {least:,} to {most:,} parameters"
     assert results[-1].stdout == sample_command.group(2), "docs/planning.md's sample is not the planner's output"
 
@@ -270,8 +276,36 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
         (4, []),
         (2, ["--parallelism.pipeline_parallel_degree", "2"]),
         (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"]),
+        (
+            4,
+            [
+                *(
+                    "--model.name",
+                    "qwen3",
+                    "--model.flavor",
+                    "debugmodel_moe",
+                    "--parallelism.expert_parallel_degree",
+                    "2",
+                ),
+                *("--parallelism.data_parallel_replicate_degree", "2"),
+            ],
+        ),
+        (
+            2,
+            [
+                *(
+                    "--model.name",
+                    "qwen3",
+                    "--model.flavor",
+                    "debugmodel_moe",
+                    "--parallelism.tensor_parallel_degree",
+                    "2",
+                ),
+                *("--parallelism.expert_tensor_parallel_degree", "2"),
+            ],
+        ),
     ],
-    ids=["1", "2", "4", "pp2", "moe_ep2"],
+    ids=["1", "2", "4", "pp2", "moe_ep2", "moe_ep2_hsdp2x2", "moe_etp2_tp2"],
 )
 def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypatch):
     """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds (each

@@ -9,8 +9,9 @@ from titanlite.models.llama import llama3_spec
 from titanlite.parallel.mesh import ParallelDims
 
 
-def parallelism(replicate=1, shard=-1, tp=1, ep=1):
+def parallelism(replicate=1, shard=-1, tp=1, ep=1, etp=1):
     return SimpleNamespace(
+        expert_tensor_parallel_degree=etp,
         data_parallel_replicate_degree=replicate,
         data_parallel_shard_degree=shard,
         tensor_parallel_degree=tp,
@@ -30,13 +31,16 @@ def test_shard_degree_fills_the_world():
     [
         (parallelism(tp=3), 4, "world size 4 is not divisible"),
         (parallelism(shard=2, tp=1), 4, "= 2, but the world size is 4"),
-        (parallelism(replicate=2, shard=1), 2, "data_parallel_replicate_degree"),
         (
             parallelism(tp=2, ep=3),
             8,
             "expert_parallel_degree: 3 does not divide data_parallel_shard_degree 4 x context_parallel_degree 1 = 4",
         ),
-        (parallelism(replicate=2, ep=2), 8, "expert_parallel_degree: 2 with data_parallel_replicate_degree 2"),
+        (
+            parallelism(tp=2, etp=4),
+            4,
+            "expert_tensor_parallel_degree: 4 must be 1 .* or tensor_parallel_degree 2",
+        ),
     ],
 )
 def test_degree_errors_name_the_numbers(config, world, message):
@@ -86,6 +90,24 @@ def test_meshes_of_hsdp_x_tp_on_a_fake_world():
         dist.destroy_process_group()
 
 
+def test_replicate_only_gets_a_replicate_mesh_and_no_fsdp_one_on_a_fake_world():
+    """dp_replicate 2 with dp_shard 1 (x tp 2): the weights stay whole (composable replicate
+    over dp_replicate), so there is no FSDP mesh; HSDP keeps its 2-D FSDP mesh and no replicate one."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        dims = ParallelDims.from_config(parallelism(replicate=2, shard=1, tp=2), 4)
+        assert dims.replicate_only and dims.shards == 2  # tp only: each rank holds half the model
+        meshes = dims.build_mesh("cpu")
+        assert meshes.fsdp is None and meshes.replicate.mesh.tolist() == [1, 3]
+        assert meshes.dp.mesh.tolist() == [1, 3] and meshes.loss.mesh.tolist() == [1, 3]
+        assert not ParallelDims.from_config(parallelism(replicate=2), 4).replicate_only
+    finally:
+        dist.destroy_process_group()
+
+
 def test_ep_borrows_neighbouring_dp_shard_ranks_on_a_fake_world():
     """Rank 5 of a (dp_shard 4, tp 2) world at ep 2: its dp_shard rank 2 is ep rank 0 of
     dp_shard ranks {2, 3} (world ranks 5 and 7, its tp index), and holds the same experts as
@@ -103,6 +125,25 @@ def test_ep_borrows_neighbouring_dp_shard_ranks_on_a_fake_world():
         dist.destroy_process_group()
 
 
+def test_ep_inside_hsdp_replicates_the_experts_over_dp_replicate_on_a_fake_world():
+    """Rank 5 of a (dp_replicate 2, dp_shard 4) world at ep 2: it is dp_shard rank 1 of
+    replica 1 (world ranks 4-7); ep pairs it with its neighbour (world rank 4), efsdp with the
+    other rank of its replica at the same ep index (7), and the experts' FSDP mesh is 2-D,
+    (dp_replicate, efsdp), which is HSDP: replica 0 holds the same experts on ranks 1 and 3."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        meshes = ParallelDims.from_config(parallelism(replicate=2, ep=2), 8).build_mesh("cpu")
+        assert meshes.ep.mesh.tolist() == [4, 5] and meshes.ep.get_local_rank() == 1
+        assert meshes.expert_fsdp.mesh_dim_names == ("dp_replicate", "efsdp")
+        assert meshes.expert_fsdp.mesh.tolist() == [[1, 3], [5, 7]]
+        assert meshes.fsdp.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_ep_needs_moe_layers_whose_experts_it_divides():
     dims = ParallelDims.from_config(parallelism(ep=2), 4)
     with pytest.raises(
@@ -111,4 +152,14 @@ def test_ep_needs_moe_layers_whose_experts_it_divides():
         dims.check_experts([], "model x")
     with pytest.raises(TitanliteError, match="expert_parallel_degree: 2 does not divide model x's 3 experts per layer"):
         dims.check_experts([8, 3], "model x")
+    dims.check_experts([8, 8], "model x")
+
+
+def test_etp_needs_moe_layers():
+    dims = ParallelDims.from_config(parallelism(tp=2, etp=2), 2)
+    assert dims.etp_enabled and not dims.ep_enabled
+    with pytest.raises(
+        TitanliteError, match="expert_tensor_parallel_degree: 2 needs a model with MoE layers; model x has none"
+    ):
+        dims.check_experts([], "model x")
     dims.check_experts([8, 8], "model x")

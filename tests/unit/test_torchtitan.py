@@ -132,35 +132,22 @@ def test_an_empty_choice_is_shown_as_empty_quotes():
         loaded("--validation.dataset", "web")
 
 
-def test_expert_tensor_parallel_degree_is_a_note_when_1_and_refused_otherwise(tmp_path):
-    """torchtitan's MoE files set it to 1; the closest titanlite key (tensor_parallel_degree) is not it."""
-    _, notices = loaded("--parallelism.expert_tensor_parallel_degree", "1")
-    assert notices == [
-        "parallelism.expert_tensor_parallel_degree = 1 on the command line: torchtitan's option, off; titanlite has "
-        "no expert tensor parallelism: the experts are split by expert_parallel_degree, never by tp"
-    ]
-    path = tmp_path / "etp.toml"
-    for value in ("2", "true", "1.5"):
-        path.write_text(f"[parallelism]\nexpert_tensor_parallel_degree = {value}\n")
-        with pytest.raises(
-            TitanliteError, match="^parallelism.expert_tensor_parallel_degree: not supported .* set it to 1"
-        ):
-            load_config(["--config", str(path)])
-    path.write_text("[parallelism]\nexpert_tensor_parallel_degree = 1\n")
-    notices = []
-    load_config(["--config", str(path)], notices)
-    assert notices[0].startswith(f"parallelism.expert_tensor_parallel_degree = 1 in {path}: torchtitan's option, off")
+def test_expert_tensor_parallel_degree_is_titanlites_own_key():
+    """torchtitan's MoE files set it to 1; titanlite reads it as its own key (1, or
+    tensor_parallel_degree: parallel/expert_tensor_parallel.py), with no notice."""
+    cfg, notices = loaded("--parallelism.expert_tensor_parallel_degree", "1")
+    assert notices == [] and cfg.parallelism.expert_tensor_parallel_degree == 1
 
 
 def test_a_torchtitan_model_family_titanlite_lacks_is_named_before_the_keys_of_its_file(tmp_path):
     path = tmp_path / "deepseek.toml"
-    path.write_text('[parallelism]\nexpert_tensor_parallel_degree = 8\n[model]\nname = "deepseek_v3"\n')
+    path.write_text('[parallelism]\nenable_async_tensor_parallel = true\n[model]\nname = "deepseek_v3"\n')
     with pytest.raises(TitanliteError, match=rf"^model.name: 'deepseek_v3' in {path} is a torchtitan model family"):
         load_config(["--config", str(path)])
     with pytest.raises(TitanliteError, match="^model.name: 'llama4' on the command line is a torchtitan model family"):
         load_config(["--config", "debug_model", "--model.name", "llama4"])
     # the command line's model wins; then the file's keys are read
-    with pytest.raises(TitanliteError, match="^parallelism.expert_tensor_parallel_degree: not supported"):
+    with pytest.raises(TitanliteError, match="^parallelism.enable_async_tensor_parallel: not supported"):
         load_config(["--config", str(path), "--model.name", "llama3"])
 
 

@@ -222,7 +222,11 @@ class Validation:
 class Parallelism:
     """Mesh degrees and FSDP2 / tensor-parallel / pipeline-parallel options."""
 
-    data_parallel_replicate_degree: int = _opt(1, "replicas of the model (HSDP's replicate dim; DDP-like)", ge=1)
+    data_parallel_replicate_degree: int = _opt(
+        1,
+        "replicas of the model: HSDP's replicate dim, or with data_parallel_shard_degree 1 replicate-only (DDP-like)",
+        ge=1,
+    )
     data_parallel_shard_degree: int = _opt(
         -1, "ways FSDP2 shards the model; -1 = the remaining ranks", ge=1, special=-1
     )
@@ -258,6 +262,12 @@ class Parallelism:
         "ways an MoE model's routed experts are split, over ranks borrowed from "
         "data_parallel_shard_degree x context_parallel_degree (tokens exchanged by "
         "all-to-all); it must divide both and the experts per layer",
+        ge=1,
+    )
+    expert_tensor_parallel_degree: int = _opt(
+        1,
+        "1: an MoE layer's routed experts run whole on each tp rank; tensor_parallel_degree: "
+        "each expert's weights split over the tp ranks (column-wise in, row-wise out)",
         ge=1,
     )
     pipeline_parallel_degree: int = _opt(

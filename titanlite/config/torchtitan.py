@@ -53,10 +53,6 @@ OFF_ONLY = {
         "titanlite steps the optimizer once after backward, never per parameter inside it",
     ),
     ("parallelism", "enable_async_tensor_parallel"): (False, "titanlite has no async tensor parallelism"),
-    ("parallelism", "expert_tensor_parallel_degree"): (
-        1,
-        "titanlite has no expert tensor parallelism: the experts are split by expert_parallel_degree, never by tp",
-    ),
 }
 NO_EFFECT = {
     ("metrics", "disable_color_printing"): "titanlite prints no colors",

@@ -85,6 +85,10 @@ def run_experts_loop(
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: rows of x sorted by expert [n, dim], counts [E] -> [n, dim]."""
 
+    # The hidden dim of each weight, which expert tensor parallelism splits over tp
+    # (parallel/expert_tensor_parallel.py): w1 and w3 column-wise, w2 row-wise.
+    tensor_parallel_dims = {"w1": 1, "w2": 2, "w3": 1}
+
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))

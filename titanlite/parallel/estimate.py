@@ -94,6 +94,7 @@ class StepShape:
     ac_option: str  # selective: "k" (every k-th block) or "op"
     cp: int = 1
     ep: int = 1
+    etp: int = 1  # routed experts split over tp: each rank keeps 1/etp of their hidden tensors
 
     @classmethod
     def from_config(cls, cfg: Any, tp: int) -> StepShape:
@@ -112,6 +113,7 @@ class StepShape:
             cfg.activation_checkpoint.selective_ac_option,
             cfg.parallelism.context_parallel_degree,
             cfg.parallelism.expert_parallel_degree,
+            cfg.parallelism.expert_tensor_parallel_degree,
         )
 
 
@@ -173,7 +175,7 @@ def estimate_activations(
         + ((q + k) / t * p if args.qk_norm else 0)
         + widths.latent * p
     )
-    block = n * (2 * d / r * p + 2 * d * p + attention + feed_forward_per_token(args, t, p))
+    block = n * (2 * d / r * p + 2 * d * p + attention + feed_forward_per_token(args, t, p, shape.etp))
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
     n_blocks = args.n_layers if n_blocks is None else n_blocks
     n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_option)
@@ -204,18 +206,19 @@ def all_to_all_bytes(args: DecoderArgs, n: float, p: int) -> float:
     return 2 * n * args.moe.top_k * args.dim * p if args.moe is not None and args.n_moe_layers else 0.0
 
 
-def feed_forward_per_token(args: DecoderArgs, t: int, p: int) -> float:
+def feed_forward_per_token(args: DecoderArgs, t: int, p: int, etp: int = 1) -> float:
     """Bytes a block's feed-forward keeps per token, averaged over the blocks: SwiGLU's four
     hidden-size tensors (4 f/t p), or in a mixture-of-experts block (`args.moe`, in
     `args.n_moe_layers` of the blocks, not split by tp) the router's float32 logits and
     scores (2 E 4) and, for each of the top_k copies of the token, its gathered input, the
     expert's four hidden tensors, its output and that output in float32 for the weighting
-    (K (2 d p + 4 h p + 4 d))."""
+    (K (2 d p + 4 h p + 4 d)), the hidden ones split over tp under expert tensor parallelism
+    (`etp`: 4 h p / etp)."""
     dense = 4 * args.ffn_hidden_dim / t * p
     moe, n_moe = args.moe, args.n_moe_layers
     if moe is None or not n_moe:
         return dense
-    sparse = 2 * moe.n_experts * 4 + moe.top_k * (2 * args.dim * p + 4 * moe.hidden_dim * p + 4 * args.dim)
+    sparse = 2 * moe.n_experts * 4 + moe.top_k * (2 * args.dim * p + 4 * moe.hidden_dim / etp * p + 4 * args.dim)
     return (n_moe * sparse + (args.n_layers - n_moe) * dense) / args.n_layers
 
 

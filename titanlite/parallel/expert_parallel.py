@@ -33,7 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from titanlite.parallel.expert_tensor_parallel import exchange_over_tp, tp_placement
 
 
 class ExpertParallel:
@@ -71,24 +73,30 @@ class ExpertParallelModule(Protocol):
         ...
 
 
-def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
+def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, split_over_tp: bool) -> None:
     """Each parameter of `experts` (stacked, dim 0 = expert) a DTensor Shard(0) over
-    `ep_mesh`, with Replicate over the further dims of a 2-D (ep, tp) mesh."""
-    placements = [Shard(0)] + [Replicate()] * (ep_mesh.ndim - 1)
+    `ep_mesh`, and over `tp_mesh` when given Replicate, or with expert tensor parallelism
+    (`split_over_tp`) Shard(its hidden dim) (parallel/expert_tensor_parallel.py)."""
+    mesh = ep_mesh if tp_mesh is None else DeviceMesh._concatenate([ep_mesh, tp_mesh])
     for name, param in list(experts.named_parameters(recurse=False)):
-        sharded = distribute_tensor(param.data, ep_mesh, placements, src_data_rank=None)
+        placements = [Shard(0)] + ([tp_placement(experts, name, split_over_tp)] if tp_mesh is not None else [])
+        sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    if split_over_tp:
+        exchange_over_tp(experts, tp_mesh)
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> list[nn.Module]:
+def apply_ep(
+    model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, split_over_tp: bool = False
+) -> list[nn.Module]:
     """Split every expert-parallel layer's experts over `ep_mesh` (replicated over `tp_mesh`
-    when given); returns the experts modules, which FSDP shards on their own mesh."""
-    weights_mesh = ep_mesh if tp_mesh is None else DeviceMesh._concatenate([ep_mesh, tp_mesh])
+    when given, or split over it with expert tensor parallelism); returns the experts
+    modules, which FSDP shards on their own mesh."""
     expert_parallel = ExpertParallel(ep_mesh)
     units = []
     for module in list(model.modules()):
         if isinstance(module, ExpertParallelModule):
             experts = module.enable_expert_parallel(expert_parallel)
-            shard_experts(experts, weights_mesh)
+            shard_experts(experts, ep_mesh, tp_mesh, split_over_tp)
             units.append(experts)
     return units

@@ -1,9 +1,11 @@
-"""FSDP2: `fully_shard` each unit (the blocks by default), then the root, on the data-parallel mesh."""
+"""FSDP2: `fully_shard` each unit (the blocks by default), then the root, on the data-parallel
+mesh; or, with nothing to shard, FSDP2's `replicate` (whole weights, gradients all-reduced)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -88,7 +90,7 @@ def shard_model(
         # Pinned host memory speeds host<->GPU copies; there is nothing to pin for without one.
         config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if experts:
-        _shard_experts(experts, expert_mesh, mesh.size(mesh.ndim - 1), config, reshard_after_forward, pipelined)
+        _shard_experts(experts, expert_mesh, mesh.size(), config, reshard_after_forward, pipelined)
     for index, unit in enumerate(units):
         fully_shard(
             unit,
@@ -105,23 +107,47 @@ def shard_model(
 def _shard_experts(
     experts: list[nn.Module],
     mesh: DeviceMesh,
-    shards: int,
+    ranks: int,
     config: dict,
     reshard_after_forward: str | bool | int,
     pipelined: bool,
 ) -> None:
-    """`fully_shard` each experts module over the efsdp ranks. Each rank's experts gradient
-    already sums its ep group's tokens, so the reduction divides by every dp_shard x cp rank
-    (`shards`), not only efsdp's. FSDP2 divides by such a factor inside the collective
-    (NCCL's PREMUL_SUM) unless told to sum and divide apart, which is what gloo can do."""
-    ep = shards // mesh.size()
-    options = {**config, "mesh": mesh, "shard_placement_fn": expert_shard_dim(ep, mesh.size())}
+    """`fully_shard` each experts module over the efsdp ranks (2-D with dp_replicate: the
+    experts' HSDP). Each rank's experts gradient already sums its ep group's tokens, so the
+    reduction divides by every data-parallel rank (`ranks`: dp_replicate x dp_shard x cp),
+    not only the expert mesh's. FSDP2 divides by such a factor inside the collective (NCCL's
+    PREMUL_SUM) unless told to sum and divide apart, which is what gloo can do."""
+    ep, shards = ranks // mesh.size(), mesh.size(mesh.ndim - 1)
+    options = {**config, "mesh": mesh, "shard_placement_fn": expert_shard_dim(ep, shards)}
     policy = reshard_policy(reshard_after_forward, False, pipelined)
     for module in experts:  # a reshard to k ranks (k dividing dp_shard x cp) is a full reshard here
         fully_shard(module, reshard_after_forward=policy if isinstance(policy, bool) else True, **options)
-        module.set_gradient_divide_factor(float(shards))
-        if mesh.size() > 1:  # one rank: torch 2.13 divides once, and twice if this is set
+        module.set_gradient_divide_factor(float(ranks))
+        # One efsdp rank: torch 2.13 divides the local copy by the factor (then sums over
+        # dp_replicate), and would divide twice if this were set.
+        if shards > 1:
             module.set_force_sum_reduction_for_comms(True)  # a sum, then a division: gloo has no PREMUL_SUM
+
+
+def replicate_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    units: list[nn.Module],
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    cpu_offload: bool = False,
+) -> None:
+    """Replicate-only data parallelism: PyTorch's composable `replicate` (FSDP2's machinery
+    with nothing sharded, as torchtitan applies it) on each unit, then the root. Every rank
+    keeps whole weights (Replicate DTensors on `mesh`) and each unit's gradients are
+    all-reduced (averaged) as backward leaves it, so the reduction overlaps the rest of
+    backward as DDP's buckets do; there is no all-gather."""
+    config = {"mesh": mesh, "mp_policy": mp_policy}
+    if cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for unit in units:
+        replicate(unit, **config)
+    replicate(model, **config)
 
 
 def set_explicit_prefetch(units: list[nn.Module], depth: int) -> None:

@@ -7,7 +7,8 @@ in every layer), FSDP shards across them, and pipeline stages, which only pass a
 to the next stage, are farthest apart. Data loading uses "dp", the flattened (dp_replicate,
 dp_shard) submesh (every pipeline stage and cp rank of one dp rank reads the same batches);
 FSDP shards over dp_shard x cp (cp ranks hold different tokens of the same model, like dp
-ranks); the loss is averaged over dp x cp; gradient norms are reduced over the whole mesh.
+ranks; with nothing to shard, dp_replicate alone is replicate-only data parallelism); the
+loss is averaged over dp x cp; gradient norms are reduced over the whole mesh.
 Expert parallelism adds no dim: its ep ranks are borrowed from dp_shard x cp, whose view is
 unflattened into ("efsdp", "ep"), ep innermost (docs/parallelism.md).
 """
@@ -36,6 +37,7 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 1
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
@@ -46,6 +48,7 @@ class ParallelDims:
         pp = parallelism.pipeline_parallel_degree
         cp = parallelism.context_parallel_degree
         ep = parallelism.expert_parallel_degree
+        etp = getattr(parallelism, "expert_tensor_parallel_degree", 1)
         with_pp = (f" x context_parallel_degree {cp}" if cp > 1 else "") + (
             f" x pipeline_parallel_degree {pp}" if pp > 1 else ""
         )
@@ -55,22 +58,22 @@ class ParallelDims:
             if world_size % (replicate * model_ranks):
                 raise TitanliteError(f"parallelism: world size {world_size} is not divisible by {others}")
             shard = world_size // (replicate * model_ranks)
-        if replicate > 1 and shard * cp == 1:
-            raise TitanliteError(
-                "parallelism.data_parallel_replicate_degree: replication needs data_parallel_shard_degree > 1 "
-                "(HSDP); for plain data parallelism set data_parallel_shard_degree instead"
-            )
         if replicate * shard * model_ranks != world_size:
             raise TitanliteError(
                 f"parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} "
                 f"x tensor_parallel_degree {tp}{with_pp} = {replicate * shard * model_ranks}, but the world size is "
                 f"{world_size}"
             )
-        cls._check_ep(ep, replicate, shard, cp)
-        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep)
+        cls._check_ep(ep, shard, cp)
+        if etp not in (1, tp):
+            raise TitanliteError(
+                f"parallelism.expert_tensor_parallel_degree: {etp} must be 1 (experts whole on each tp rank) or "
+                f"tensor_parallel_degree {tp} (experts split over the tp ranks)"
+            )
+        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep, etp=etp)
 
     @staticmethod
-    def _check_ep(ep: int, replicate: int, shard: int, cp: int) -> None:
+    def _check_ep(ep: int, shard: int, cp: int) -> None:
         """ep ranks are data-parallel ranks (dp_shard x cp) that split the experts between them."""
         if ep == 1:
             return
@@ -79,14 +82,14 @@ class ParallelDims:
                 f"parallelism.expert_parallel_degree: {ep} does not divide data_parallel_shard_degree {shard} "
                 f"x context_parallel_degree {cp} = {shard * cp} (the ranks expert parallelism borrows)"
             )
-        if replicate > 1:
-            raise TitanliteError(
-                f"parallelism.expert_parallel_degree: {ep} with data_parallel_replicate_degree {replicate} "
-                "(HSDP) is not supported; shard the data-parallel ranks instead"
-            )
 
     def check_experts(self, n_experts: list[int], model: str) -> None:
-        """ep > 1 needs MoE layers (`n_experts`: each one's routed experts) whose experts it divides."""
+        """ep > 1 needs MoE layers (`n_experts`: each one's routed experts) whose experts it
+        divides; etp > 1 needs MoE layers."""
+        if self.etp > 1 and not n_experts:
+            raise TitanliteError(
+                f"parallelism.expert_tensor_parallel_degree: {self.etp} needs a model with MoE layers; {model} has none"
+            )
         if self.ep == 1:
             return
         if not n_experts:
@@ -107,6 +110,17 @@ class ParallelDims:
         """FSDP shards over dp_shard x cp (and replicates over dp_replicate): it is what reduces
         the gradients of context-parallel ranks too."""
         return self.dp > 1 or self.cp > 1
+
+    @property
+    def replicate_only(self) -> bool:
+        """dp_replicate > 1 with nothing sharded (dp_shard x cp = 1): whole weights on every
+        rank and an all-reduce of gradients (composable `replicate`), not FSDP of degree 1."""
+        return self.dp_replicate > 1 and self.dp_shard * self.cp == 1
+
+    @property
+    def etp_enabled(self) -> bool:
+        """Each routed expert's weights split over tp (parallel/expert_tensor_parallel.py)."""
+        return self.etp > 1
 
     @property
     def ep_enabled(self) -> bool:
@@ -189,12 +203,21 @@ class ParallelDims:
         shard, shard_name = view(("dp_shard", "cp"), "dp_shard_cp")
         loss, _ = view(("dp_replicate", "dp_shard", "cp"), "dp_cp")
         fsdp = world[("dp_replicate", shard_name)] if "dp_replicate" in names and shard is not None else shard
+        replicate = world["dp_replicate"] if self.replicate_only else None
         ep = expert_fsdp = None
         if self.ep_enabled:  # ep ranks neighbours within dp_shard x cp; efsdp: the rest of them
-            split = shard._unflatten(0, (shard.size() // self.ep, self.ep), ("efsdp", "ep"))
-            ep, expert_fsdp = split["ep"], split["efsdp"]
-        flat = [mesh.get_group() for mesh in (dp, shard, loss, ep, expert_fsdp) if mesh is not None]
-        adopt_groups([*world.get_all_groups(), *flat])  # the run's timeouts
+            shape, split_names = (shard.size() // self.ep, self.ep), ("efsdp", "ep")
+            if self.dp_replicate > 1:  # the experts' HSDP: replicated over dp_replicate, sharded over efsdp
+                split = fsdp._unflatten(1, shape, split_names)
+                expert_fsdp = split[("dp_replicate", "efsdp")]
+            else:
+                split = shard._unflatten(0, shape, split_names)
+                expert_fsdp = split["efsdp"]
+            ep = split["ep"]
+        views = (world, dp, shard, loss, ep, expert_fsdp)
+        adopt_groups(
+            [group for mesh in views if mesh is not None for group in mesh.get_all_groups()]
+        )  # the run's timeouts
         return Meshes(
             world=world,
             dp=dp,
@@ -205,6 +228,7 @@ class ParallelDims:
             loss=loss,
             ep=ep,
             expert_fsdp=expert_fsdp,
+            replicate=replicate,
         )
 
 
@@ -222,7 +246,10 @@ class Meshes:
     ep:   expert parallelism: the inner ep ranks of dp_shard x cp (one group splits the
           experts and exchanges tokens by all-to-all).
     expert_fsdp: what `fully_shard` of the experts gets: the outer (dp_shard x cp) / ep
-          ranks, which hold the same experts ("efsdp").
+          ranks, which hold the same experts ("efsdp"); with dp_replicate before it a 2-D
+          mesh (the experts' HSDP), like `fsdp`.
+    replicate: replicate-only data parallelism (dp_replicate with dp_shard x cp = 1), where
+          `fsdp` is None: the weights stay whole and gradients are all-reduced over it.
     context_parallel: this rank's place on cp (None without it), built once per mesh: the
           model's attention (`parallelize`) and the step that cuts its batches to this rank's
           tokens (`step/builder.py`) share it.
@@ -237,6 +264,7 @@ class Meshes:
     loss: DeviceMesh | None = None
     ep: DeviceMesh | None = None
     expert_fsdp: DeviceMesh | None = None
+    replicate: DeviceMesh | None = None
 
     @functools.cached_property
     def context_parallel(self) -> ContextParallel | None:

@@ -23,7 +23,8 @@ from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context_parallel import ContextParallelModel
 from titanlite.parallel.expert_parallel import apply_ep
-from titanlite.parallel.fsdp import shard_model
+from titanlite.parallel.expert_tensor_parallel import apply_etp
+from titanlite.parallel.fsdp import replicate_model, shard_model
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.units import Selector, innermost_first, outermost_named, select
 
@@ -52,6 +53,7 @@ def parallelize(
     ac: str | int = "none",
     compile: bool = False,
     pipelined: bool = False,
+    expert_tensor_parallel: bool = False,
 ) -> nn.Module:
     """Parallelize `model` in place over `mesh` (from `build_mesh`) and return it.
 
@@ -68,10 +70,15 @@ def parallelize(
     compile: `torch.compile` each block.
     pipelined: the model is one pipeline stage: "default" resharding keeps every unit's
         weights gathered to backward, and a stage without MoE layers is allowed on an ep mesh.
+    expert_tensor_parallel: split each routed expert's weights over tp (needs a tp mesh).
     """
     meshes = as_meshes(mesh)
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
-    experts = apply_ep(model, meshes.ep, meshes.tp) if meshes.ep is not None else []
+    if expert_tensor_parallel and meshes.tp is None:
+        raise TitanliteError("parallelize: expert_tensor_parallel needs a mesh with a tp dimension")
+    experts = apply_ep(model, meshes.ep, meshes.tp, expert_tensor_parallel) if meshes.ep is not None else []
+    if expert_tensor_parallel and meshes.ep is None:
+        apply_etp(model, meshes.tp)
     if meshes.ep is not None and not experts and not pipelined:  # a pipeline stage may hold dense blocks only
         raise TitanliteError(
             "parallelize: the mesh has an ep dimension but the model has no layer with enable_expert_parallel"
@@ -90,16 +97,16 @@ def parallelize(
     apply_ac(model, ac, [(name, model.get_submodule(name)) for name in names])
     if compile:
         apply_compile(model, [(name, model.get_submodule(name)) for name in names])
-    if meshes.fsdp is not None:
-        if fsdp_modules is None:
-            units = [model.get_submodule(name) for name in names]
-        else:
-            units = innermost_first(select(model, fsdp_modules, "parallelize: fsdp_modules"))
+    precision = mixed_precision or MixedPrecisionPolicy()
+    if meshes.replicate is not None:
+        units = _units(model, names, fsdp_modules)
+        replicate_model(model, meshes.replicate, units, mp_policy=precision, cpu_offload=cpu_offload)
+    elif meshes.fsdp is not None:
         shard_model(
             model,
             meshes.fsdp,
-            units,
-            mp_policy=mixed_precision or MixedPrecisionPolicy(),
+            _units(model, names, fsdp_modules),
+            mp_policy=precision,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
             prefetch_depth=prefetch,
@@ -108,6 +115,13 @@ def parallelize(
             expert_mesh=meshes.expert_fsdp,
         )
     return model
+
+
+def _units(model: nn.Module, blocks: list[str], fsdp_modules: Selector) -> list[nn.Module]:
+    """What FSDP (or replicate) wraps one by one: the blocks, or the selected modules innermost first."""
+    if fsdp_modules is None:
+        return [model.get_submodule(name) for name in blocks]
+    return innermost_first(select(model, fsdp_modules, "parallelize: fsdp_modules"))
 
 
 def _check(meshes: Meshes, tp_plan: TPPlan, ac: str | int, prefetch: int, reshard: bool | int | str) -> None:
