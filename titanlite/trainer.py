@@ -47,6 +47,7 @@ from titanlite.parallel.distributed import (
     shutdown,
     world_from_env,
 )
+from titanlite.parallel.float8 import precompute_scales
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.runtime.dump_folder import claim_dump_folder
 from titanlite.runtime.gc_schedule import ScheduledGC
@@ -177,6 +178,8 @@ class Trainer:
         (`step/agreement.agree_on_step`), step unless it is skipped. Returns (this rank's
         loss, grad norm, agreement)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.plan.precomputes_float8_scales:
+            precompute_scales(self.model_parts)  # this step's float8 all-gather scales: one all-reduce
         loss = self.forward_backward.train(microbatches, self.state.step)
         grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
         agreement = agree_on_step(self.signals.stop_signal, loss, grad_norm)

@@ -53,6 +53,12 @@ class Model:
         "(only earlier tokens of the same document, as Llama 3 pretrained)",
         choices=("causal", "block_causal"),
     )
+    converters: list[str] = _opt(
+        [],
+        "model conversions applied before parallelism: float8 (torchao's float8 training of the linear "
+        "layers, set in [float8]; emulated on devices without float8 matmuls); torchtitan's spelling "
+        "quantize.linear.float8 is the same",
+    )
 
 
 @dataclass
@@ -387,6 +393,32 @@ class Profiling:
 
 
 @dataclass
+class Float8:
+    """float8 training (torchao) of the linear layers, with model.converters = ["float8"]. torchtitan's
+    [float8] keys; its [quantize.linear.float8] section is read as this one."""
+
+    recipe_name: str = _opt(
+        "tensorwise",
+        "scaling: tensorwise (one scale per tensor; float8 all-gather possible) or rowwise (one per row, "
+        "scales rounded to powers of 2, e4m3 gradients: more accurate, no float8 all-gather)",
+        choices=("tensorwise", "rowwise"),
+    )
+    enable_fsdp_float8_all_gather: bool = _opt(
+        False, "tensorwise: FSDP gathers the weights cast to float8 (half the bytes of bfloat16) where it shards"
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = _opt(
+        False,
+        "with enable_fsdp_float8_all_gather: compute every weight's float8 scale in one all-reduce after each "
+        "optimizer step instead of one per weight at each gather",
+    )
+    filter_fqns: list[str] = _opt(
+        ["output"],
+        "linears whose FQN contains one of these stay in high precision (besides those with a dim not a "
+        "multiple of 16); auto_filter_small_kn adds torchao's size rule (too small to gain on an H100)",
+    )
+
+
+@dataclass
 class Comm:
     """Process-group timeouts."""
 
@@ -414,4 +446,5 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)

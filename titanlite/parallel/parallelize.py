@@ -1,17 +1,21 @@
 """`parallelize`: titanlite's parallelisms applied to any model in their fixed order, the one
 path the trainer (`build.parallelize`) and a library user's own loop share.
 
-The order is torchtitan's: expert parallelism and the TP plan first (they turn parameters
-into DTensors on the ep and tp meshes, which FSDP then shards further; the experts first, so
-the TP plan finds them laid out and leaves them), the model's context-parallel attention, activation
-checkpointing and `torch.compile` per block (so FSDP's hooks sit outside the wrappers and
-the compiled graphs), and last `fully_shard` per unit, innermost first, then the root.
+The order is torchtitan's: the float8 conversion of the linears (`float8.py`) before anything
+else (every later step then shards and wraps Float8Linear modules), then expert parallelism
+and the TP plan (they turn parameters into DTensors on the ep and tp meshes, which FSDP then
+shards further; the experts first, so the TP plan finds them laid out and leaves them), the
+model's context-parallel attention, activation checkpointing and `torch.compile` per block
+(so FSDP's hooks sit outside the wrappers and the compiled graphs), and last `fully_shard`
+per unit, innermost first, then the root.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Union
+from typing import Any, Union
+
+import torch
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,6 +27,7 @@ from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context_parallel import ContextParallelModel
 from titanlite.parallel.expert_parallel import apply_ep
+from titanlite.parallel.float8 import convert_to_float8
 from titanlite.parallel.fsdp import shard_model
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.units import Selector, innermost_first, outermost_named, select
@@ -52,6 +57,7 @@ def parallelize(
     ac: str | int = "none",
     compile: bool = False,
     pipelined: bool = False,
+    float8: Any = None,
 ) -> nn.Module:
     """Parallelize `model` in place over `mesh` (from `build_mesh`) and return it.
 
@@ -68,9 +74,14 @@ def parallelize(
     compile: `torch.compile` each block.
     pipelined: the model is one pipeline stage: "default" resharding keeps every unit's
         weights gathered to backward, and a stage without MoE layers is allowed on an ep mesh.
+    float8: train the linears in float8 through torchao: the `[float8]` section (`Float8`
+        from `titanlite.config`: recipe_name, enable_fsdp_float8_all_gather, filter_fqns).
     """
     meshes = as_meshes(mesh)
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
+    if float8 is not None:
+        device_type = meshes.world.device_type if meshes.world is not None else _default_device_type()
+        convert_to_float8(model, float8, device_type=device_type, fsdp=meshes.fsdp is not None, compile=compile)
     experts = apply_ep(model, meshes.ep, meshes.tp) if meshes.ep is not None else []
     if meshes.ep is not None and not experts and not pipelined:  # a pipeline stage may hold dense blocks only
         raise TitanliteError(
@@ -108,6 +119,11 @@ def parallelize(
             expert_mesh=meshes.expert_fsdp,
         )
     return model
+
+
+def _default_device_type() -> str:
+    """One process's device: the trainer's choice (a GPU where there is one)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check(meshes: Meshes, tp_plan: TPPlan, ac: str | int, prefetch: int, reshard: bool | int | str) -> None:

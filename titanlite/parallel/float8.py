@@ -1,0 +1,133 @@
+"""float8 training through torchao (`model.converters = ["float8"]`, the `[float8]` section):
+the model's linear layers swapped for torchao's `Float8Linear` before EP, TP and FSDP, as
+torchtitan's float8 converter does.
+
+- The same code on every device, selected by it: a GPU with float8 matmuls (SM >= 8.9) runs
+  torchao's `torch._scaled_mm` kernels, anything else (this CPU, older GPUs) torchao's
+  emulation, which casts to float8 and back and multiplies in the high precision: the
+  numerics of the real kernels, without their speed. torchtitan refuses emulation under
+  `torch.compile`; with torchao 0.18 and torch 2.13 it compiles on this CPU (a two-layer
+  model gave the eager output exactly), so titanlite allows it.
+- Which linears: every `nn.Linear` whose both dims are multiples of 16 (the float8 matmul's
+  alignment) and whose FQN contains none of `filter_fqns` (torchtitan's default filters the
+  output head); `auto_filter_small_kn` in the list adds torchao's size heuristic (H100
+  timings: linears too small to gain are left alone).
+- `enable_fsdp_float8_all_gather` (tensorwise only): FSDP2 gathers each weight cast to
+  float8 (one byte an element plus a scale) instead of the high-precision shards; only where
+  FSDP shards, as in torchtitan. `precompute_float8_dynamic_scale_for_fsdp`: after each
+  optimizer step one all-reduce computes every weight's scale for the next gathers, instead
+  of one per weight (`precompute_scales`, called by the trainer).
+- Tensor parallelism: under the tensorwise recipe the TP plan's colwise / rowwise styles
+  become torchao's float8 ones (`tp_style`: the input cast to float8 before its all-gather);
+  the rowwise recipes keep the plain styles (torchtitan's rule).
+
+torchao is imported only here and only when float8 is on (`torchao_float8`): its import logs
+two warnings about CUDA kernels it cannot load on a CPU build, which are silenced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from titanlite.errors import TitanliteError
+from titanlite.logging import logger
+
+FLOAT8_MATMUL_CAPABILITY = (8, 9)  # Ada / Hopper and later: torch._scaled_mm
+AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's flag in filter_fqns
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")  # loggers torchao's import warns on (CUDA .so files, an Enum)
+
+
+def torchao_float8() -> Any:
+    """`torchao.float8`, imported quietly; a missing torchao is one line."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as module
+    except ImportError:
+        raise TitanliteError(
+            'model.converters: float8 needs torchao (pip install "titanlite[float8]", torchao 0.18)'
+        ) from None
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+    return module
+
+
+def has_float8_matmuls(device_type: str) -> bool:
+    """Whether `device_type` runs float8 matmuls in hardware (a CUDA GPU of SM >= 8.9)."""
+    return (
+        device_type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= FLOAT8_MATMUL_CAPABILITY
+    )
+
+
+def module_filter(recipe_name: str, filter_fqns: Iterable[str]) -> Callable[[nn.Module, str], bool]:
+    """Which modules become Float8Linear: linears with both dims multiples of 16 whose FQN
+    contains no entry of `filter_fqns` (with AUTO_FILTER, torchao's size heuristic as well)."""
+    names = [name for name in filter_fqns if name != AUTO_FILTER]
+    if AUTO_FILTER in filter_fqns:
+        return torchao_float8()._auto_filter_for_recipe(recipe_name, filter_fqns=names)
+
+    def convertible(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        out_features, in_features = module.weight.shape
+        return out_features % 16 == 0 and in_features % 16 == 0 and not any(name in fqn for name in names)
+
+    return convertible
+
+
+def float8_config(settings: Any, *, fsdp: bool, emulate: bool) -> Any:
+    """torchao's `Float8LinearConfig` for the `[float8]` section (`settings`): the recipe's,
+    emulated off float8 hardware, gathering float8 only where FSDP shards."""
+    float8 = torchao_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(settings.recipe_name)
+    return dataclasses.replace(
+        config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp and settings.enable_fsdp_float8_all_gather
+    )
+
+
+def convert_to_float8(model: nn.Module, settings: Any, *, device_type: str, fsdp: bool, compile: bool) -> list[str]:
+    """Swap `model`'s convertible linears for Float8Linear in place (before any other
+    parallelism) and return their FQNs. `settings`: the `[float8]` section (recipe_name,
+    enable_fsdp_float8_all_gather, filter_fqns)."""
+    emulate = not has_float8_matmuls(device_type)
+    if compile and settings.recipe_name == "rowwise":  # torchtitan's fix for pytorch#150859, as it applies it
+        import torch._inductor.config
+
+        torch._inductor.config.emulate_precision_casts = True
+    convertible = module_filter(settings.recipe_name, settings.filter_fqns)
+    converted = [fqn for fqn, module in model.named_modules() if convertible(module, fqn)]
+    config = float8_config(settings, fsdp=fsdp, emulate=emulate)
+    torchao_float8().convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+    how = "emulated (no float8 matmuls on this device)" if emulate else "torch._scaled_mm"
+    gathered = "float8" if config.enable_fsdp_float8_all_gather else "high precision"
+    logger.info(
+        f"float8: {len(converted)} linears ({settings.recipe_name}, {how}); FSDP gathers their weights in {gathered}"
+    )
+    return converted
+
+
+def precompute_scales(parts: Iterable[nn.Module]) -> None:
+    """After an optimizer step: every float8-gathered weight's scale for the next FSDP
+    all-gathers, in one all-reduce (torchao's `precompute_float8_dynamic_scale_for_fsdp`)."""
+    precompute = torchao_float8().precompute_float8_dynamic_scale_for_fsdp
+    for part in parts:
+        precompute(part)
+
+
+def is_tensorwise_float8(module: nn.Module) -> bool:
+    """A Float8Linear of the tensorwise recipe, whose TP takes torchao's float8 styles."""
+    if type(module).__name__ != "Float8Linear":  # torchao is not imported unless float8 is on
+        return False
+    tensorwise = torchao_float8().ScalingGranularity.TENSORWISE
+    return module.config.cast_config_input.scaling_granularity is tensorwise
