@@ -17,9 +17,10 @@ torchtitan's float8 converter does.
   FSDP shards, as in torchtitan. `precompute_float8_dynamic_scale_for_fsdp`: after each
   optimizer step one all-reduce computes every weight's scale for the next gathers, instead
   of one per weight (`precompute_scales`, called by the trainer).
-- Tensor parallelism: under the tensorwise recipe the TP plan's colwise / rowwise styles
-  become torchao's float8 ones (`tp_style`: the input cast to float8 before its all-gather);
-  the rowwise recipes keep the plain styles (torchtitan's rule).
+- Tensor parallelism: under the tensorwise recipe the TP plan's colwise / rowwise styles and
+  block entries become torchao's float8 ones (`float8_tp_style`, which the styles of
+  `tensor_parallel.py` consult: the input cast to float8 before its all-gather); the rowwise
+  recipes keep the plain styles (torchtitan's rule).
 
 torchao is imported only here and only when float8 is on (`torchao_float8`): its import logs
 two warnings about CUDA kernels it cannot load on a CPU build, which are silenced.
@@ -34,6 +35,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
@@ -117,6 +121,26 @@ def convert_to_float8(model: nn.Module, settings: Any, *, device_type: str, fsdp
     return converted
 
 
+def refuse_float8_only_units(model: nn.Module, units: list[nn.Module]) -> None:
+    """On gloo (CPU), which has no float8 all-gather ("Invalid scalar type"): every FSDP unit
+    (`units` innermost first, then the root) must gather some parameter that is not a float8
+    weight, so that FSDP packs its all-gather into bytes; a unit of float8 linears alone is
+    refused in one line."""
+    names = {id(module): name for name, module in model.named_modules()}
+    claimed: set[int] = set()
+    for unit in [*units, model]:
+        own = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        if own and all(
+            type(getattr(p, "_local_tensor", p)).__name__ == "WeightWithDynamicFloat8CastTensor" for p in own
+        ):
+            raise TitanliteError(
+                f"float8.enable_fsdp_float8_all_gather: FSDP unit {names[id(unit)] or '(root)'} holds float8 "
+                "linears only, which gloo (CPU) cannot all-gather; shard it with a norm or bias beside them "
+                "(parallelism.fsdp_shard_modules) or turn float8 all-gather off"
+            )
+
+
 def precompute_scales(parts: Iterable[nn.Module]) -> None:
     """After an optimizer step: every float8-gathered weight's scale for the next FSDP
     all-gathers, in one all-reduce (torchao's `precompute_float8_dynamic_scale_for_fsdp`)."""
@@ -125,9 +149,51 @@ def precompute_scales(parts: Iterable[nn.Module]) -> None:
         precompute(part)
 
 
-def is_tensorwise_float8(module: nn.Module) -> bool:
-    """A Float8Linear of the tensorwise recipe, whose TP takes torchao's float8 styles."""
+def _is_tensorwise_float8(module: nn.Module) -> bool:
     if type(module).__name__ != "Float8Linear":  # torchao is not imported unless float8 is on
         return False
     tensorwise = torchao_float8().ScalingGranularity.TENSORWISE
     return module.config.cast_config_input.scaling_granularity is tensorwise
+
+
+def _moves_activations(style: ParallelStyle) -> bool:
+    """Whether a style redistributes activations (sequence parallelism): a block entry that
+    gathers sequence shards, a rowwise exit that scatters onto them, a colwise entry from them."""
+    if isinstance(style, PrepareModuleInput):
+        return tuple(style.input_layouts) != tuple(style.desired_input_layouts)
+    layouts = style.output_layouts if isinstance(style, RowwiseParallel) else style.input_layouts
+    return any(isinstance(placement, Shard) for placement in layouts)
+
+
+def float8_tp_style(style: ParallelStyle, module: nn.Module, device_mesh: DeviceMesh) -> ParallelStyle | None:
+    """torchao's float8 form of a TP plan's `style` for `module`, or None to keep the style.
+
+    torchtitan's tensorwise TP: a colwise or rowwise linear that is a tensorwise Float8Linear
+    takes Float8ColwiseParallel / Float8RowwiseParallel, and a block entry (PrepareModuleInput)
+    whose linears all are takes PrepareFloat8ModuleInput: the input is cast to float8 once,
+    before its all-gather under sequence parallelism. The rowwise recipes keep the plain styles.
+    gloo has no float8 collectives ("Invalid scalar type"), so on a CPU mesh a style that would
+    move float8 tensors (sequence parallelism) stays plain: it gathers the high-precision
+    activations and casts after, with the same scale (the amax of the whole tensor).
+    """
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    if not linears or not all(_is_tensorwise_float8(m) for m in linears):
+        return None
+    if device_mesh.device_type == "cpu" and _moves_activations(style):
+        return None
+    from torchao.float8 import float8_tensor_parallel as styles
+
+    if isinstance(style, PrepareModuleInput):
+        return styles.PrepareFloat8ModuleInput(
+            input_layouts=style.input_layouts,
+            desired_input_layouts=style.desired_input_layouts,
+            input_kwarg_layouts=style.input_kwarg_layouts or None,
+            desired_input_kwarg_layouts=style.desired_input_kwarg_layouts or None,
+            use_local_output=style.use_local_output,
+        )
+    if linears != [module]:
+        return None
+    kind = styles.Float8ColwiseParallel if isinstance(style, ColwiseParallel) else styles.Float8RowwiseParallel
+    converted = kind.__new__(kind)
+    converted.__dict__.update(style.__dict__)  # the same layouts: the styles differ only in their casts
+    return converted

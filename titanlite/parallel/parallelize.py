@@ -27,7 +27,7 @@ from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context_parallel import ContextParallelModel
 from titanlite.parallel.expert_parallel import apply_ep
-from titanlite.parallel.float8 import convert_to_float8
+from titanlite.parallel.float8 import convert_to_float8, refuse_float8_only_units
 from titanlite.parallel.fsdp import shard_model
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.units import Selector, innermost_first, outermost_named, select
@@ -106,6 +106,8 @@ def parallelize(
             units = [model.get_submodule(name) for name in names]
         else:
             units = innermost_first(select(model, fsdp_modules, "parallelize: fsdp_modules"))
+        if float8 is not None and float8.enable_fsdp_float8_all_gather and meshes.fsdp.device_type == "cpu":
+            refuse_float8_only_units(model, units)
         shard_model(
             model,
             meshes.fsdp,
