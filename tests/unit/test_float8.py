@@ -5,12 +5,14 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from titanlite.config import Float8, load_config
 from titanlite.errors import TitanliteError
 from titanlite.models.llama import Llama, llama3_flavors
-from titanlite.parallel.float8 import convert_to_float8, float8_config, torchao_float8
+from titanlite.parallel.float8 import convert_to_float8, float8_config, plain_tensors, torchao_float8
 from titanlite.parallel.parallelize import parallelize
 
 
@@ -172,3 +174,30 @@ def test_bad_tables_are_one_line(tmp_path, toml, message):
     with pytest.raises(TitanliteError) as error:
         load_config(["--config", str(path)])
     assert str(error.value).startswith(message), str(error.value)
+
+
+@pytest.fixture
+def one_rank_world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_on_gloo_a_unit_of_float8_weights_alone_is_refused_and_checkpoints_hold_plain_tensors(one_rank_world):
+    """gloo cannot all-gather float8: a unit must hold another parameter (a bias here), so FSDP
+    packs its gather into bytes. The state dict a checkpoint saves holds plain tensors sharing
+    the weights' storage, not torchao's subclass (which torch.load refuses without torchao)."""
+    gathered = Float8(filter_fqns=[], enable_fsdp_float8_all_gather=True)
+    mesh = init_device_mesh("cpu", (1,))
+    alone = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False))
+    with pytest.raises(
+        TitanliteError, match=r"^float8.enable_fsdp_float8_all_gather: FSDP unit 0 holds float8 linears"
+    ):
+        parallelize(alone, mesh, fsdp_modules=[nn.Linear], float8=gathered)
+    model = parallelize(
+        nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), mesh, fsdp_modules=[nn.Linear], float8=gathered
+    )
+    assert type(model[0].weight._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor"
+    state = plain_tensors(model.state_dict())
+    assert {type(t._local_tensor) for t in state.values()} == {torch.Tensor}
+    assert state["0.weight"]._local_tensor.data_ptr() == model[0].weight._local_tensor._tensor.data_ptr()

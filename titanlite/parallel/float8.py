@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from titanlite.errors import TitanliteError
@@ -44,6 +44,7 @@ from titanlite.logging import logger
 
 FLOAT8_MATMUL_CAPABILITY = (8, 9)  # Ada / Hopper and later: torch._scaled_mm
 AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's flag in filter_fqns
+_GATHERED_WEIGHT = "WeightWithDynamicFloat8CastTensor"  # torchao's weight that FSDP gathers in float8
 _IMPORT_NOISE = ("torchao", "torch.utils._pytree")  # loggers torchao's import warns on (CUDA .so files, an Enum)
 
 
@@ -139,6 +140,23 @@ def refuse_float8_only_units(model: nn.Module, units: list[nn.Module]) -> None:
                 "linears only, which gloo (CPU) cannot all-gather; shard it with a norm or bias beside them "
                 "(parallelism.fsdp_shard_modules) or turn float8 all-gather off"
             )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, DTensor) and type(value._local_tensor).__name__ == _GATHERED_WEIGHT:
+        local = value._local_tensor._tensor
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    return value._tensor if type(value).__name__ == _GATHERED_WEIGHT else value
+
+
+def plain_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """A (nested) state dict with torchao's float8-gathered weights and their optimizer state
+    (WeightWithDynamicFloat8CastTensor, inside DTensors) as the plain tensors they wrap, sharing
+    their storage: a checkpoint then holds plain tensors, which a run without float8 loads too
+    (torch.load's weights_only refuses the subclass where torchao is not imported)."""
+    return torch.utils._pytree.tree_map(_plain, state)
 
 
 def precompute_scales(parts: Iterable[nn.Module]) -> None:
