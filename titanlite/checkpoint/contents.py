@@ -64,7 +64,7 @@ class Contents:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIMIZER)
         return {
             "model": plain_tensors(model_state),
-            "optimizer": plain_tensors(optimizer_state),
+            "optimizer": optimizer_state,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "dataloader": self.dataloader.state_dict(),
             "train_state": self.train_state.state_dict(),

@@ -117,7 +117,8 @@ def convert_to_float8(model: nn.Module, settings: Any, *, device_type: str, fsdp
     how = "emulated (no float8 matmuls on this device)" if emulate else "torch._scaled_mm"
     gathered = "float8" if config.enable_fsdp_float8_all_gather else "high precision"
     logger.info(
-        f"float8: {len(converted)} linears ({settings.recipe_name}, {how}); FSDP gathers their weights in {gathered}"
+        f"float8: {len(converted)} linears ({settings.recipe_name}, {how})"
+        + (f"; FSDP gathers their weights in {gathered}" if fsdp else "")
     )
     return converted
 
@@ -152,10 +153,10 @@ def _plain(value: Any) -> Any:
 
 
 def plain_tensors(state: dict[str, Any]) -> dict[str, Any]:
-    """A (nested) state dict with torchao's float8-gathered weights and their optimizer state
-    (WeightWithDynamicFloat8CastTensor, inside DTensors) as the plain tensors they wrap, sharing
-    their storage: a checkpoint then holds plain tensors, which a run without float8 loads too
-    (torch.load's weights_only refuses the subclass where torchao is not imported)."""
+    """A (nested) state dict with torchao's float8-gathered weights (WeightWithDynamicFloat8CastTensor,
+    inside DTensors) as the plain tensors they wrap, sharing their storage: a checkpoint then
+    holds plain tensors, which a run without float8 loads too (torch.load's weights_only refuses
+    the subclass where torchao is not imported). Their AdamW state is plain already."""
     return torch.utils._pytree.tree_map(_plain, state)
 
 
