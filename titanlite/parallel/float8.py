@@ -14,9 +14,11 @@ torchtitan's float8 converter does.
   timings: linears too small to gain are left alone).
 - `enable_fsdp_float8_all_gather` (tensorwise only): FSDP2 gathers each weight cast to
   float8 (one byte an element plus a scale) instead of the high-precision shards; only where
-  FSDP shards, as in torchtitan. `precompute_float8_dynamic_scale_for_fsdp`: after each
-  optimizer step one all-reduce computes every weight's scale for the next gathers, instead
-  of one per weight (`precompute_scales`, called by the trainer).
+  FSDP shards, as in torchtitan. `precompute_float8_dynamic_scale_for_fsdp`: one all-reduce
+  computes every weight's scale for the step's gathers, instead of one per weight
+  (`precompute_scales`, which the trainer calls before each step's forward: torchtitan calls
+  it after the optimizer step, the same weights, but this covers the first step and a resume).
+- Checkpoints hold plain tensors (`plain_tensors`), loadable with or without float8.
 - Tensor parallelism: under the tensorwise recipe the TP plan's colwise / rowwise styles and
   block entries become torchao's float8 ones (`float8_tp_style`, which the styles of
   `tensor_parallel.py` consult: the input cast to float8 before its all-gather); the rowwise
@@ -133,9 +135,7 @@ def refuse_float8_only_units(model: nn.Module, units: list[nn.Module]) -> None:
     for unit in [*units, model]:
         own = [p for p in unit.parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in own)
-        if own and all(
-            type(getattr(p, "_local_tensor", p)).__name__ == "WeightWithDynamicFloat8CastTensor" for p in own
-        ):
+        if own and all(type(getattr(p, "_local_tensor", p)).__name__ == _GATHERED_WEIGHT for p in own):
             raise TitanliteError(
                 f"float8.enable_fsdp_float8_all_gather: FSDP unit {names[id(unit)] or '(root)'} holds float8 "
                 "linears only, which gloo (CPU) cannot all-gather; shard it with a norm or bias beside them "
@@ -161,8 +161,8 @@ def plain_tensors(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def precompute_scales(parts: Iterable[nn.Module]) -> None:
-    """After an optimizer step: every float8-gathered weight's scale for the next FSDP
-    all-gathers, in one all-reduce (torchao's `precompute_float8_dynamic_scale_for_fsdp`)."""
+    """Every float8-gathered weight's scale for the next FSDP all-gathers, from the weights as
+    they are now, in one all-reduce (torchao's `precompute_float8_dynamic_scale_for_fsdp`)."""
     precompute = torchao_float8().precompute_float8_dynamic_scale_for_fsdp
     for part in parts:
         precompute(part)
