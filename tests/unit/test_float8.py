@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -201,3 +202,11 @@ def test_on_gloo_a_unit_of_float8_weights_alone_is_refused_and_checkpoints_hold_
     state = plain_tensors(model.state_dict())
     assert {type(t._local_tensor) for t in state.values()} == {torch.Tensor}
     assert state["0.weight"]._local_tensor.data_ptr() == model[0].weight._local_tensor._tensor.data_ptr()
+
+
+def test_a_missing_torchao_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # what `import` meets where torchao is not installed
+    with pytest.raises(
+        TitanliteError, match=r'^model.converters: float8 needs torchao \(pip install "titanlite\[float8\]"'
+    ):
+        parallelize(debug_model(), None, float8=Float8())
