@@ -184,11 +184,9 @@ def test_an_option_titanlite_lacks_is_refused_when_on(workdir):
     )
     line = error_line(run(workdir, "titanlite.config", "--config", "async_tp.toml"))
     assert line.startswith("titanlite: error: parallelism.enable_async_tensor_parallel: not supported")
-    (workdir / "float8.toml").write_text(
-        text.replace("enable_fsdp_float8_all_gather = false", "enable_fsdp_float8_all_gather = true")
-    )
-    line = error_line(run(workdir, "titanlite.config", "--config", "float8.toml"))
-    assert "linear.float8.enable_fsdp_float8_all_gather is not supported" in line
+    (workdir / "mx.toml").write_text(text.replace('# converters = ["float8"]', 'converters = ["quantize.linear.mx"]'))
+    line = error_line(run(workdir, "titanlite.config", "--config", "mx.toml"))
+    assert line.startswith("titanlite: error: model.converters: quantize.linear.mx is not supported: MXFP8 needs"), line
     text = local((CONFIGS / "qwen3_moe_debug.toml").read_text())
     (workdir / "etp.toml").write_text(
         text.replace("expert_tensor_parallel_degree = 1", "expert_tensor_parallel_degree = 2")
