@@ -50,13 +50,14 @@ from titanlite.parallel.distributed import (
 from titanlite.parallel.float8 import precompute_scales
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.runtime.dump_folder import claim_dump_folder
+from titanlite.runtime.fault_tolerance import build_replica_group, data_share, prepare_replica_group
 from titanlite.runtime.gc_schedule import ScheduledGC
 from titanlite.runtime.preemption import die_with_launcher, received
 from titanlite.runtime.stuck import watch_main_thread
 from titanlite.step.agreement import StepAgreement, agree_on_step
 from titanlite.step.builder import StepBuilder
 from titanlite.step.nonfinite import NonFiniteSteps
-from titanlite.step.optim import build_lr_scheduler, build_optimizer
+from titanlite.step.optim import build_lr_scheduler, build_optimizer, current_factor, trained_parameters
 from titanlite.step.precision import resolve_compute_dtype
 from titanlite.step.validate import build_validator
 
@@ -64,6 +65,7 @@ from titanlite.step.validate import build_validator
 class Trainer:
     def __init__(self, plan: RunPlan):
         require_wandb(plan.cfg.metrics)  # a missing optional package: one line before any device is used
+        prepare_replica_group(plan.cfg)
         self.signals = received.install()  # a stop request during start-up is kept
         self.dist = init_distributed(
             plan.cfg.comm.init_timeout_seconds, cpu_offload=plan.cfg.training.enable_cpu_offload
@@ -84,10 +86,11 @@ class Trainer:
             cfg, dims=plan.dims, pipeline=plan.pipeline, meshes=self.meshes, device=self.device, rank=self.dist.rank
         )
         dp_rank = self.meshes.dp.get_local_rank() if self.meshes.dp is not None else 0
+        dp_rank, dp_degree = data_share(cfg.fault_tolerance, dp_rank, plan.dims.dp)  # this replica group's share
         corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
         documents = self.steps.documents
         self.data = build_dataloader(
-            corpus.train, cfg.training.local_batch_size, dp_rank, plan.dims.dp, self.device, documents=documents
+            corpus.train, cfg.training.local_batch_size, dp_rank, dp_degree, self.device, documents=documents
         )
         validation_data = (
             None
@@ -96,7 +99,7 @@ class Trainer:
                 corpus.validation,
                 cfg.training.local_batch_size,
                 dp_rank,
-                plan.dims.dp,
+                dp_degree,
                 self.device,
                 prefetch=False,
                 documents=documents,
@@ -107,12 +110,15 @@ class Trainer:
         self.model_parts, self.model, self.size = built.parts, built.model, built.size
         self.forward_backward = self.steps.forward_backward(self.model, self.model_parts, built.experts)
         self.expert_balance = self.steps.expert_balance(self.model, built.experts)  # None without MoE layers
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optimizer)
+        named_params = trained_parameters(self.model)
+        self.params = [p for _, p in named_params]
+        self.optimizer = build_optimizer(named_params, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.step_lr = 0.0  # the lr of the step just taken (the schedule has moved on when it is logged)
         self.state = TrainState()
         self.checkpoint = self._build_checkpoint()
+        states = {"lr_scheduler": self.lr_scheduler, "dataloader": self.data, "train_state": self.state}
+        self.ft = build_replica_group(cfg.fault_tolerance, self.model, self.optimizer, states, self.dist)
 
         peak = peak_flops(self.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
         self.metrics = MetricsLogger(
@@ -174,15 +180,14 @@ class Trainer:
     def train_step(
         self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
-        """Forward/backward over the microbatches, clip, agree with every rank on the step
-        (`step/agreement.agree_on_step`), step unless it is skipped. Returns (this rank's
-        loss, grad norm, agreement)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.plan.precomputes_float8_scales:
-            precompute_scales(self.model_parts)  # this step's float8 all-gather scales: one all-reduce
-        loss = self.forward_backward.train(microbatches, self.state.step)
-        grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
-        agreement = agree_on_step(self.signals.stop_signal, loss, grad_norm)
+        """Gradients of the microbatches (`_gradients`), then the optimizer step unless it is
+        skipped. Returns (this rank's loss, grad norm, agreement). Under fault tolerance a step
+        that a peer group failed during is not committed by any group: it is redone on the same
+        batches by the new quorum (runtime/fault_tolerance.py)."""
+        loss, grad_norm, agreement = self._gradients(microbatches)
+        while self.ft is not None and not self.ft.commit():
+            self.ft.begin_step(self.state.step - 1, redo=True)
+            loss, grad_norm, agreement = self._gradients(microbatches)
         updated = self.nonfinite.allows_update(self.state.step, agreement, grad_norm)
         if updated:
             self.optimizer.step()
@@ -190,9 +195,24 @@ class Trainer:
             self.metrics.log_skipped_steps(self.state.step, self.nonfinite.skipped)
         if self.expert_balance is not None:
             self.expert_balance.after_step(updated)
-        self.step_lr = self.optimizer.param_groups[0]["lr"]  # what this step trained with, before the schedule moves on
+        # what this step trained with (optimizer.lr; groups scale it), before the schedule moves on
+        self.step_lr = self.cfg.optimizer.lr * current_factor(self.lr_scheduler)
         self.lr_scheduler.step()
         return loss, grad_norm, agreement
+
+    def _gradients(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, StepAgreement]:
+        """Forward/backward over the microbatches, (with fault tolerance) the replica groups'
+        average, clip, and agree with every rank on the step (`step/agreement.agree_on_step`)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.plan.precomputes_float8_scales:
+            precompute_scales(self.model_parts)  # this step's float8 all-gather scales: one all-reduce
+        loss = self.forward_backward.train(microbatches, self.state.step)
+        if self.ft is not None:
+            loss = self.ft.average_gradients(self.params, loss)
+        grad_norm = clip_gradients_(self.params, self.cfg.training.max_norm, world=self.dist.world_size > 1)
+        return loss, grad_norm, agree_on_step(self.signals.stop_signal, loss, grad_norm)
 
     def log(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, float]:
         expert_load = self.expert_balance.load() if self.expert_balance is not None else None
@@ -203,6 +223,7 @@ class Trainer:
             self.step_lr,
             self.state.tokens_seen,
             expert_load=expert_load,
+            quorum=self.ft.quorum if self.ft is not None else None,
         )
 
     def train(self) -> list[dict[str, float]]:
@@ -213,6 +234,8 @@ class Trainer:
             self.checkpoint.load()
             if self.state.step:
                 logger.info(f"resumed at step {self.state.step}")
+            if self.ft is not None:
+                self.ft.resume_from(self.state.step)
         first_step, tokens_before, started = self.state.step + 1, self.state.tokens_seen, time.perf_counter()
         batches = iter(self.data)  # after load(): the loader resumes from its restored position
         history = []
@@ -222,20 +245,22 @@ class Trainer:
             ScheduledGC(cfg.training.gc_freq) as collector,
         ):
             while self.state.step < cfg.training.steps:
+                if self.ft is not None:  # the quorum; a joining group heals here (step, data position included)
+                    self.ft.begin_step(self.state.step)
                 self.state.step += 1
                 step = self.state.step
                 microbatches = [next(batches) for _ in range(self.plan.grad_accum_steps)]
                 loss, grad_norm, agreement = self.train_step(microbatches)
                 if step == first_step:  # start-up is over: compile, first all-gathers, load
                     set_collective_timeout(cfg.comm.train_timeout_seconds)
-                self.state.tokens_seen += tokens_per_microbatch * len(microbatches) * self.plan.dims.dp
+                self.state.tokens_seen += tokens_per_microbatch * len(microbatches) * self.data.dp_degree
                 self.metrics.add_tokens(tokens_per_microbatch * len(microbatches))
                 last = step == cfg.training.steps
                 if step == 1 or step % cfg.metrics.log_freq == 0 or last:
                     history.append({"step": step, **self.log(step, loss, grad_norm)})
                 if self.validator is not None:
                     self.validator.maybe_run(step, last)
-                if self.checkpoint is not None:
+                if self.checkpoint is not None and (self.ft is None or self.ft.saves_checkpoints()):
                     self.checkpoint.save(step, last=last)
                 profiler.step()
                 collector.after_step(step)
@@ -267,6 +292,8 @@ class Trainer:
             say(f"titanlite: stopped by {signal_name} after step {step}; {outcome}")
 
     def close(self) -> None:
+        if self.ft is not None:
+            self.ft.close()
         self.data.close()
         if self.checkpoint is not None:
             self.checkpoint.close()

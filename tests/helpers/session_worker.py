@@ -84,6 +84,20 @@ def watch_expert_compute(trainer: Trainer) -> dict[str, int]:
     return seen
 
 
+def optimizer_groups(trainer: Trainer) -> list[dict]:
+    """Each param group's rule, starting lr, weight decay and parameter names, as built."""
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    return [
+        {
+            "group": g["group"],
+            "initial_lr": g["initial_lr"],
+            "weight_decay": g["weight_decay"],
+            "params": [names[id(p)] for p in g["params"]],
+        }
+        for g in trainer.optimizer.param_groups
+    ]
+
+
 def copy_checkpoint(source: str, step: int, cfg) -> None:
     target = Path(cfg.job.dump_folder) / cfg.checkpoint.folder / f"step-{step}"
     shutil.rmtree(target.parent, ignore_errors=True)
@@ -113,7 +127,20 @@ def run_case(case: dict) -> dict:
     expert_compute = watch_expert_compute(trainer)
     try:
         history = trainer.train()
-        sizes = {**held_bytes(trainer), "expert_compute_bytes": sum(expert_compute.values())}
+        sizes = {
+            **held_bytes(trainer),
+            "expert_compute_bytes": sum(expert_compute.values()),
+            "optimizer_groups": optimizer_groups(trainer),
+            # Muon's last step on this rank: matrices it orthogonalized, bytes of other ranks' blocks it received.
+            "muon_owned": getattr(trainer.optimizer, "last_owned", None),
+            "muon_gathered_bytes": getattr(trainer.optimizer, "last_gathered_bytes", None),
+            "muon_matrix_bytes": sum(
+                p.numel() * p.element_size()
+                for g in trainer.optimizer.param_groups
+                if g.get("algorithm") == "muon"
+                for p in g["params"]
+            ),
+        }
         validation = trainer.validator.evaluate() if trainer.validator is not None else None
     finally:
         trainer.close()

@@ -299,8 +299,9 @@ def run_cases(cases: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
 @pytest.mark.timeout(300)
 def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
     source = ckpt(runs["fsdp2_tp2"]["resumed"], 5)
-    dumps = {name: tmp_path / name for name in ("missing", "nostep", "corrupt", "truncated", "flavor", "initial")}
-    for name in ("nostep", "corrupt", "truncated", "flavor"):
+    names = ("missing", "nostep", "corrupt", "truncated", "flavor", "initial", "groups", "optimizer")
+    dumps = {name: tmp_path / name for name in names}
+    for name in ("nostep", "corrupt", "truncated", "flavor", "groups", "optimizer"):
         copy_checkpoint(source, dumps[name])
     shard = sorted(ckpt(dumps["corrupt"], 5).glob("*.distcp"))[1]
     shard.write_bytes(os.urandom(shard.stat().st_size))
@@ -317,6 +318,8 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         "truncated": [],
         "flavor": [],
         "initial": ["--checkpoint.initial_load_path", str(tmp_path / "no-such-dir")],
+        "groups": ["--optimizer.param_groups", '["*norm.weight: weight_decay=0"]'],
+        "optimizer": ["--optimizer.name", "Muon"],
     }
     expected = {
         "missing": "checkpoint.load_step: 3 was asked for, but the checkpoint folder "
@@ -326,6 +329,10 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         "truncated": f"{truncated}: shard is truncated",
         "flavor": f"{ckpt(dumps['flavor'], 5)}: checkpoint is of model llama3 flavor 8B",
         "initial": f"checkpoint.initial_load_path: {tmp_path / 'no-such-dir'} does not exist",
+        "groups": f"{ckpt(dumps['groups'], 5)}: parameter layers.0.attention_norm.weight was saved in optimizer group "
+        "'*embeddings.* *norm.weight *ln_*.weight *.bias: lr_scale=1 weight_decay=0', this run puts it in "
+        "'*norm.weight: lr_scale=1 weight_decay=0'",
+        "optimizer": f"{ckpt(dumps['optimizer'], 5)}: the checkpoint has no optimizer.param_groups.",
     }
     results = run_cases(
         {name: [*argv, "--training.steps", "6", "--job.dump_folder", str(dumps[name])] for name, argv in cases.items()}

@@ -178,3 +178,26 @@ def test_slurm_script_forwards_arguments_with_their_quoting(tmp_path):
         *given,
     ]
     assert calls[-1]["env"] == {"NNODES": "2", "RDZV_ENDPOINT": "10.1.2.3:29500", "MAX_RESTARTS": "2"}
+
+    # REPLICA_GROUPS=2: a lighthouse on the first node, each node its own fault-tolerant group.
+    record.unlink()
+    result = subprocess.run(
+        ["bash", str(script), *given], env={**env, "REPLICA_GROUPS": "2"}, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    (lighthouse,) = [c["argv"] for c in calls if "torchft_lighthouse" in c["argv"]]
+    assert lighthouse[:5] == ["--overlap", "--nodes=1", "--ntasks=1", "-w", "node-a"]
+    groups = sorted((c for c in calls if "./run_train.sh" in c["argv"]), key=lambda c: c["argv"][-1])
+    for g, call in enumerate(groups):
+        assert call["argv"][call["argv"].index("-w") + 1] == f"node-{'ab'[g]}"
+        assert call["argv"][-8:] == [
+            *given[-2:],
+            "--fault_tolerance.enable",
+            "true",
+            "--fault_tolerance.group_size",
+            "2",
+            "--fault_tolerance.replica_id",
+            str(g),
+        ]
+        assert call["env"] == {"NNODES": "1", "RDZV_ENDPOINT": "10.1.2.3:29500", "MAX_RESTARTS": "0"}

@@ -12,6 +12,8 @@ The same for Qwen3-MoE's debug flavor, whose expert biases are buffers every ste
 pp 2 resumed at pp 2 (==) and a one-process checkpoint resumed at pp 2 (1e-6); and with its
 experts split by expert parallelism (each rank's experts a shard of the stacked tensor):
 ep 2 resumed at ep 2 (==), ep 2 -> 1 process, FSDP 2 and ep 4, and 1 process -> ep 2 (1e-6).
+And with Muon (its momentum buffers laid out like the weights): FSDP 2 resumed at FSDP 2 (==)
+and at 1 process (1e-6).
 And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
 one-process run from the same seed does (1e-5), and not as from its own init. float8 (FSDP 2
 gathering float8): resumed at its layout (==), its checkpoint resumed by a 1-process run without
@@ -43,6 +45,7 @@ ARGS = [
 ]
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 EP = "--parallelism.expert_parallel_degree"
+MUON = ["--optimizer.name", "Muon"]
 FLOAT8 = [
     "--model.converters",
     "float8",
@@ -61,6 +64,8 @@ LAYOUTS = {
     "moe_ep2": (2, ["--training.local_batch_size", "4", EP, "2", *QWEN3_MOE]),
     "moe_fsdp2": (2, ["--training.local_batch_size", "4", *QWEN3_MOE]),
     "moe_ep4": (4, ["--training.local_batch_size", "2", EP, "4", *QWEN3_MOE]),
+    "muon_single": (1, ["--training.local_batch_size", "8", *MUON]),
+    "muon_fsdp2": (2, ["--training.local_batch_size", "4", *MUON]),
     "float8_fsdp2": (2, ["--training.local_batch_size", "4", *FLOAT8]),
 }
 # resume case: (layout it runs at, layout whose step-3 checkpoint it starts from)
@@ -79,6 +84,8 @@ RESUMES = {
     "moe_fsdp2_from_moe_ep2": ("moe_fsdp2", "moe_ep2"),
     "moe_ep4_from_moe_ep2": ("moe_ep4", "moe_ep2"),
     "moe_ep2_from_moe_single": ("moe_ep2", "moe_single"),
+    "muon_fsdp2_from_muon_fsdp2": ("muon_fsdp2", "muon_fsdp2"),
+    "muon_single_from_muon_fsdp2": ("muon_single", "muon_fsdp2"),
     "float8_fsdp2_from_float8_fsdp2": ("float8_fsdp2", "float8_fsdp2"),
 }
 # A float8 checkpoint holds the high-precision weights under their usual names: it resumes a
@@ -116,7 +123,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
         )
 
     plan = [
-        (1, [uninterrupted("single"), seed, uninterrupted("moe_single")]),
+        (1, [uninterrupted("single"), seed, uninterrupted("moe_single"), uninterrupted("muon_single")]),
         (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4")]),
         (
             2,
@@ -126,6 +133,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
                 uninterrupted("moe_pp2"),
                 uninterrupted("moe_ep2"),
                 uninterrupted("moe_fsdp2"),
+                uninterrupted("muon_fsdp2"),
                 uninterrupted("float8_fsdp2"),
                 from_seed("pp2"),
                 *[resume(n) for n, (at, _) in {**RESUMES, **FLOAT8_RESUMES}.items() if LAYOUTS[at][0] == 2],

@@ -5,6 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from titanlite.config import load_config
+from titanlite.errors import TitanliteError
 from titanlite.step.optim import build_lr_scheduler, build_optimizer, lr_factor
 
 
@@ -26,8 +28,17 @@ def test_cosine_decay_and_stable_phase():
 
 def test_scheduler_sets_the_lr_each_step():
     param = torch.nn.Parameter(torch.zeros(2))
-    cfg = SimpleNamespace(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, implementation="for-loop")
-    optimizer = build_optimizer([param], cfg)
+    cfg = SimpleNamespace(
+        name="AdamW",
+        param_groups=[],
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        implementation="for-loop",
+    )
+    optimizer = build_optimizer([("w", param)], cfg)
     schedule = build_lr_scheduler(
         optimizer, SimpleNamespace(warmup_steps=4, decay_ratio=None, decay_type="linear", lr_min=0.0), 8
     )
@@ -44,10 +55,30 @@ def test_scheduler_sets_the_lr_each_step():
 def test_optimizer_implementations_agree(implementation):
     initial = torch.randn(16, generator=torch.Generator().manual_seed(0))
     param = torch.nn.Parameter(initial.clone())
-    cfg = SimpleNamespace(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, implementation=implementation)
-    optimizer = build_optimizer([param], cfg)
+    cfg = SimpleNamespace(
+        name="AdamW",
+        param_groups=[],
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        implementation=implementation,
+    )
+    optimizer = build_optimizer([("w", param)], cfg)
     param.grad = torch.ones(16)
     optimizer.step()
     # First AdamW step: decoupled decay, then lr * m_hat / (sqrt(v_hat) + eps) = lr * g / (|g| + eps).
     expected = initial * (1 - 1e-2 * 0.1) - 1e-2 * torch.ones(16) / (1 + 1e-8)
     assert torch.allclose(param.detach(), expected, atol=1e-6)
+
+
+def test_torchtitans_early_step_in_backward_is_a_note_when_off_and_refused_when_on():
+    notices: list[str] = []
+    load_config(["--config", "debug_model", "--optimizer.early_step_in_backward", "false"], notices)
+    assert notices == [
+        "optimizer.early_step_in_backward = false on the command line: torchtitan's option, off; titanlite steps "
+        "the optimizer once after backward, never per parameter inside it"
+    ]
+    with pytest.raises(TitanliteError, match="^optimizer.early_step_in_backward: not supported"):
+        load_config(["--optimizer.early_step_in_backward", "true"])

@@ -37,7 +37,8 @@ from titanlite.checkpoint.load_progress import ProgressReader
 from titanlite.checkpoint.train_state import RNG_PREFIX
 from titanlite.errors import TitanliteError, user_errors
 from titanlite.logging import logger
-from titanlite.parallel.collectives import any_rank, on_rank0
+from titanlite.parallel.collectives import any_rank, on_rank0, raise_first
+from titanlite.parallel.optim_state import group_entries, regrouped, unsaved_group_setting
 
 if TYPE_CHECKING:
     from titanlite.config import Checkpoint
@@ -107,7 +108,11 @@ class Restorer:
             return
         state = self.contents.training_state()
         missing_rng = self._drop_missing_rng(state, metadata)
+        keys = metadata.state_dict_metadata
+        raise_first(self.group, unsaved_group_setting(path, state["optimizer"], keys, prefix="optimizer."))
+        groups = group_entries(state["optimizer"])
         dcp_load(state, path, self.group)
+        raise_first(self.group, regrouped(path, groups, state["optimizer"]))
         self.contents.apply_training_state(state)
         layout = f"world size {record.world_size}{_mesh_text(record.mesh)}"
         now = f"world size {self.world_size}{_mesh_text(self.contents.mesh())}"

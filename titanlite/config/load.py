@@ -27,8 +27,11 @@ from titanlite.config.engine import (
     refuse_repeats,
 )
 from titanlite.config.output import help_lines, to_toml
+from titanlite.config.fault_tolerance import check_fault_tolerance
+from titanlite.config.float8 import check_float8
+from titanlite.config.param_groups import parse_groups
 from titanlite.config.sections import JobConfig
-from titanlite.config.torchtitan import REFUSED_CONVERTERS, TorchtitanKeys
+from titanlite.config.torchtitan import TorchtitanKeys
 from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
@@ -114,6 +117,8 @@ def validate(cfg: JobConfig) -> None:
     world size are ParallelDims' job, model/flavor names the registry's.
     """
     check_values(cfg)
+    check_fault_tolerance(cfg.fault_tolerance)
+    parse_groups(cfg.optimizer.param_groups)
     training, parallelism = cfg.training, cfg.parallelism
     if training.global_batch_size != -1 and training.global_batch_size % training.local_batch_size:
         raise TitanliteError(
@@ -156,40 +161,12 @@ def validate(cfg: JobConfig) -> None:
         raise TitanliteError(
             f"activation_checkpoint.selective_ac_option: must be a whole number >= 1 or op (got {option!r})"
         )
-    _validate_float8(cfg)
+    check_float8(cfg.model.converters, cfg.float8)
     for name in parallelism.fsdp_shard_modules:
         if not name.isidentifier():
             raise TitanliteError(
                 f"parallelism.fsdp_shard_modules: {name!r} is not a class name (got {parallelism.fsdp_shard_modules!r})"
             )
-
-
-def _validate_float8(cfg: JobConfig) -> None:
-    """The converters named, and the [float8] keys that only work together."""
-    converters, float8 = cfg.model.converters, cfg.float8
-    for name in converters:
-        if name in REFUSED_CONVERTERS:
-            raise TitanliteError(f"model.converters: {name} is not supported: {REFUSED_CONVERTERS[name]}")
-        if name != "float8":
-            raise TitanliteError(
-                f"model.converters: unknown converter {name!r} (titanlite has float8; got {converters})"
-            )
-    if len(set(converters)) < len(converters):
-        raise TitanliteError(f"model.converters: a converter named twice (got {converters})")
-    if float8.enable_fsdp_float8_all_gather and float8.recipe_name != "tensorwise":
-        raise TitanliteError(
-            f"float8.enable_fsdp_float8_all_gather: only the tensorwise recipe gathers float8 "
-            f"(got recipe_name {float8.recipe_name!r})"
-        )
-    if float8.precompute_float8_dynamic_scale_for_fsdp and not float8.enable_fsdp_float8_all_gather:
-        raise TitanliteError(
-            "float8.precompute_float8_dynamic_scale_for_fsdp: precomputes the scales of float8 all-gathers, "
-            "so it needs float8.enable_fsdp_float8_all_gather = true"
-        )
-    if any(not name.strip() for name in float8.filter_fqns):
-        raise TitanliteError(
-            f"float8.filter_fqns: an empty name would filter every linear (got {float8.filter_fqns!r})"
-        )
 
 
 def _validate_data(dataset: str, path: str, section: str) -> None:

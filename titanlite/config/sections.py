@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titanlite.config.engine import option as _opt
+from titanlite.config.fault_tolerance import FaultTolerance
+from titanlite.config.float8 import Float8
+from titanlite.config.param_groups import DEFAULT_GROUPS
 
 # training.steps' bound: a run of more steps cannot finish (see its help), so a number past it
 # (10**20, a typo, a stand-in for "forever") is refused instead of training until killed.
@@ -55,26 +58,48 @@ class Model:
     )
     converters: list[str] = _opt(
         [],
-        "model conversions applied before parallelism: float8 (torchao's float8 training of the linear "
-        "layers, set in [float8]; emulated on devices without float8 matmuls); torchtitan's spelling "
-        "quantize.linear.float8 is the same",
+        "conversions before parallelism: float8 (torchao's float8 linears, set in [float8]; emulated on devices "
+        "without float8 matmuls; torchtitan's quantize.linear.float8 is the same)",
     )
 
 
 @dataclass
 class Optimizer:
-    """AdamW hyperparameters."""
+    """AdamW, or Muon for the hidden matrices with AdamW for the rest, in parameter groups."""
 
-    name: str = _opt("AdamW", "optimizer; only AdamW is supported", choices=("AdamW",))
-    lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup)", gt=0)
+    name: str = _opt(
+        "AdamW",
+        "optimizer: AdamW for every parameter, or Muon for the hidden matrices (attention, MLP, each routed "
+        "expert) with AdamW for embeddings, output head, norms and biases",
+        choices=("AdamW", "Muon"),
+    )
+    lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup); AdamW's under Muon", gt=0)
     beta1: float = _opt(0.9, "AdamW first-moment decay", ge=0, lt=1)
     beta2: float = _opt(0.95, "AdamW second-moment decay", ge=0, lt=1)
     eps: float = _opt(1e-8, "AdamW denominator epsilon", gt=0)
-    weight_decay: float = _opt(0.1, "decoupled weight decay", ge=0)
+    weight_decay: float = _opt(0.1, "decoupled weight decay of the parameters no param_groups entry matches", ge=0)
     implementation: str = _opt(
         "fused",
         "AdamW kernels: one fused kernel (CPU and GPU), multi-tensor foreach, or a per-parameter loop",
         choices=("fused", "foreach", "for-loop"),
+    )
+    param_groups: list[str] = _opt(
+        list(DEFAULT_GROUPS),
+        "parameter groups, first match wins: 'PATTERN [PATTERN ...]: lr_scale=X weight_decay=Y' with shell-style "
+        "patterns on the parameter names (layers.0.attention.wq.weight); unmatched parameters train with lr and "
+        "weight_decay; the default exempts embeddings, norms and biases from weight decay",
+    )
+    muon_lr: float | None = _opt(
+        None, "Muon's peak learning rate for the hidden matrices; none = optimizer.lr", gt=0, special=None
+    )
+    muon_momentum: float = _opt(0.95, "Muon's momentum", ge=0, lt=1)
+    muon_nesterov: bool = _opt(True, "Muon: Nesterov momentum")
+    muon_newton_schulz_steps: int = _opt(5, "Muon: Newton-Schulz iterations per step", ge=1, lt=100)
+    muon_adjust_lr: str = _opt(
+        "original",
+        "Muon's per-matrix lr scale: original (sqrt(max(1, rows/cols)), Keller Jordan) or match_rms_adamw "
+        "(0.2 * sqrt(max(rows, cols)), Moonlight: the update's RMS matches AdamW's, so AdamW's lr carries over)",
+        choices=("original", "match_rms_adamw"),
     )
 
 
@@ -393,32 +418,6 @@ class Profiling:
 
 
 @dataclass
-class Float8:
-    """float8 training (torchao) of the linear layers, with model.converters = ["float8"]. torchtitan's
-    [float8] keys; its [quantize.linear.float8] section is read as this one."""
-
-    recipe_name: str = _opt(
-        "tensorwise",
-        "scaling: tensorwise (one scale per tensor; float8 all-gather possible) or rowwise (one per row, "
-        "scales rounded to powers of 2, e4m3 gradients: more accurate, no float8 all-gather)",
-        choices=("tensorwise", "rowwise"),
-    )
-    enable_fsdp_float8_all_gather: bool = _opt(
-        False, "tensorwise: FSDP gathers the weights cast to float8 (half the bytes of bfloat16) where it shards"
-    )
-    precompute_float8_dynamic_scale_for_fsdp: bool = _opt(
-        False,
-        "with enable_fsdp_float8_all_gather: compute every weight's float8 scale in one all-reduce after each "
-        "optimizer step instead of one per weight at each gather",
-    )
-    filter_fqns: list[str] = _opt(
-        ["output"],
-        "linears whose FQN contains one of these stay in high precision (besides those with a dim not a "
-        "multiple of 16); auto_filter_small_kn adds torchao's size rule (too small to gain on an H100)",
-    )
-
-
-@dataclass
 class Comm:
     """Process-group timeouts."""
 
@@ -448,3 +447,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

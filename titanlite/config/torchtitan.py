@@ -7,9 +7,10 @@ options titanlite does not have.
   `activation_checkpoint.selective_ac_option` are options of their own, in sections.py.)
 - Options titanlite does not have are accepted with one notice when set to what they are off
   (or to no effect), and refused in one line when they would change the run:
-  `parallelism.enable_async_tensor_parallel`; `metrics.disable_color_printing` and
-  `compile.components` have no effect to have (titanlite prints no colors; `compile.enable`
-  compiles every block).
+  `parallelism.enable_async_tensor_parallel`, `optimizer.early_step_in_backward` (torchtitan's
+  other optimizer keys are titanlite's; it has no parameter groups);
+  `metrics.disable_color_printing` and `compile.components` have no effect to have (titanlite
+  prints no colors; `compile.enable` compiles every block).
 - `[quantize.linear.float8]` (file) and `--quantize.linear.float8.KEY` are the `[float8]`
   section; its `emulate` is a notice (titanlite emulates exactly where the device has no float8
   matmuls). The other `[quantize.*]` tables (mx, grouped_mm) hold settings of conversions that
@@ -48,6 +49,10 @@ ALIASES = {
 }
 # (section, key): (the value that leaves it off, what titanlite does instead)
 OFF_ONLY = {
+    ("optimizer", "early_step_in_backward"): (
+        False,
+        "titanlite steps the optimizer once after backward, never per parameter inside it",
+    ),
     ("parallelism", "enable_async_tensor_parallel"): (False, "titanlite has no async tensor parallelism"),
     ("parallelism", "expert_tensor_parallel_degree"): (
         1,

@@ -102,6 +102,7 @@ class MetricsLogger:
         lr: float,
         tokens_seen: int,
         expert_load: tuple[float, float] | None = None,
+        quorum: tuple[int, int] | None = None,
     ) -> dict[str, float]:
         """Emit one line and the scalars for the window since the last call; returns them.
         `tokens_seen` counts every rank's tokens since the run's first step (resumes included).
@@ -126,6 +127,9 @@ class MetricsLogger:
         if expert_load is not None:
             scalars["moe_load_mean"], scalars["moe_load_max"] = expert_load
             moe_text = f"  moe_load {expert_load[0]:.2f}/{expert_load[1]:.2f}"
+        if quorum is not None:  # fault tolerance: replica groups in this step's quorum / configured
+            scalars["quorum"] = quorum[0]
+            moe_text += f"  quorum {quorum[0]}/{quorum[1]}"
         logger.info(
             f"step {step:>5}  loss {loss:7.4f}  grad_norm {grad_norm:6.3f}  lr {lr:.1e}  "
             f"tps {tps:,.0f}  mfu {mfu_text}  mem {scalars['memory_gib']:.2f} GiB{moe_text}"

@@ -168,3 +168,41 @@ def _broadcast_layout(
 
 def _shaped_like(value: Any, param: torch.Tensor) -> bool:
     return torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.shape
+
+
+# --- Parameter groups in a checkpoint (step/optim.py names each group under this key) --------
+
+GROUP_KEY = "group"
+_GROUPS = "param_groups."
+
+
+def group_entries(flat_state: dict[str, Any]) -> dict[str, Any]:
+    """`param_groups.<name>.group` -> the rule a parameter trains under, from an optimizer
+    state dict flattened as checkpoints keep it (DCP's flatten_optimizer_state_dict)."""
+    return {k: v for k, v in flat_state.items() if k.startswith(_GROUPS) and k.endswith(f".{GROUP_KEY}")}
+
+
+def unsaved_group_setting(path: Any, flat_state: dict[str, Any], saved_keys: Any, prefix: str) -> str | None:
+    """The line refusing a checkpoint that lacks a group setting this run's optimizer has (saved
+    by another optimizer, or before parameter groups), or None. `saved_keys`: the checkpoint's
+    keys, whose optimizer entries start with `prefix`."""
+    missing = sorted(k for k in flat_state if k.startswith(_GROUPS) and f"{prefix}{k}" not in saved_keys)
+    if not missing:
+        return None
+    return (
+        f"{path}: the checkpoint has no {prefix}{missing[0]}: it was saved by another optimizer (optimizer.name) "
+        "or without parameter groups; resume with the optimizer it was saved with"
+    )
+
+
+def regrouped(path: Any, live: dict[str, Any], loaded: dict[str, Any]) -> str | None:
+    """The line refusing a resume that puts a parameter under another group rule than the
+    saved run did (its lr scale, weight decay or algorithm would change silently), or None."""
+    for key in sorted(live):
+        if loaded.get(key) != live[key]:
+            name = key[len(_GROUPS) : -len(GROUP_KEY) - 1]
+            return (
+                f"{path}: parameter {name} was saved in optimizer group {loaded.get(key)!r}, this run puts it in "
+                f"{live[key]!r}: optimizer.param_groups and optimizer.weight_decay must be the saved run's"
+            )
+    return None

@@ -1,4 +1,12 @@
-"""AdamW over the (possibly sharded DTensor) parameters and the warmup-stable-decay schedule."""
+"""The optimizer over the (possibly sharded DTensor) parameters, in parameter groups, and the
+warmup-stable-decay schedule.
+
+Groups come from `optimizer.param_groups` (`config/param_groups.py`): each parameter, by its
+name as the model names it, takes the first matching entry's lr scale and weight decay. Every
+torch param group carries `group` (GROUP_KEY), the rule it came from with its effective settings, so a
+checkpoint records which rule each parameter trained under (`parallel/optim_state.py` refuses
+a resume under other rules).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,40 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from titanlite.config.param_groups import GroupSpec, group_of, parse_groups
+from titanlite.parallel.optim_state import GROUP_KEY, clean_name
+from titanlite.step.muon import Muon, takes_muon
 
-def build_optimizer(params: list[torch.nn.Parameter], optimizer_cfg) -> torch.optim.AdamW:
-    """AdamW with torchtitan's knobs; `implementation` picks fused, foreach or for-loop kernels."""
+NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+def trained_parameters(model: torch.nn.Module) -> NamedParams:
+    """(name, parameter) for every parameter that trains, named as the model names it: without
+    the prefixes activation checkpointing, torch.compile and FSDP1 wrappers add."""
+    return [(clean_name(name), param) for name, param in model.named_parameters() if param.requires_grad]
+
+
+def build_optimizer(named_params: NamedParams, optimizer_cfg) -> torch.optim.Optimizer:
+    """AdamW with torchtitan's knobs (`implementation` picks fused, foreach or for-loop kernels),
+    or Muon (`step/muon.py`) for the hidden matrices with AdamW for the rest. `named_params`:
+    (name as the model names it, parameter) for every trained parameter."""
+    groups = param_groups(named_params, optimizer_cfg)
+    if optimizer_cfg.name == "Muon":
+        return Muon(
+            groups,
+            lr=optimizer_cfg.lr,
+            betas=(optimizer_cfg.beta1, optimizer_cfg.beta2),
+            eps=optimizer_cfg.eps,
+            weight_decay=optimizer_cfg.weight_decay,
+            momentum=optimizer_cfg.muon_momentum,
+            nesterov=optimizer_cfg.muon_nesterov,
+            ns_steps=optimizer_cfg.muon_newton_schulz_steps,
+            adjust_lr_fn=optimizer_cfg.muon_adjust_lr,
+            names={id(param): name for name, param in named_params},
+        )
     impl = optimizer_cfg.implementation
     return torch.optim.AdamW(
-        params,
+        groups,
         lr=optimizer_cfg.lr,
         betas=(optimizer_cfg.beta1, optimizer_cfg.beta2),
         eps=optimizer_cfg.eps,
@@ -20,6 +56,37 @@ def build_optimizer(params: list[torch.nn.Parameter], optimizer_cfg) -> torch.op
         fused=impl == "fused",
         foreach=impl == "foreach",
     )
+
+
+def param_groups(named_params: NamedParams, optimizer_cfg) -> list[dict]:
+    """torch param groups, one per (rule, update) pair that has parameters, in the order of
+    the rules (the unmatched parameters last). Under Muon each rule splits into the matrices
+    Muon updates and the rest, which AdamW updates."""
+    specs = parse_groups(optimizer_cfg.param_groups)
+    muon = optimizer_cfg.name == "Muon"
+    buckets: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
+    for name, param in named_params:
+        spec = group_of(name, specs)
+        index = len(specs) if spec is None else specs.index(spec)
+        buckets.setdefault((index, muon and takes_muon(name, param)), []).append(param)
+    groups = []
+    for (index, on_muon), params in sorted(buckets.items()):
+        spec = specs[index] if index < len(specs) else None
+        groups.append(_group(params, spec, optimizer_cfg, on_muon, muon))
+    return groups
+
+
+def _group(params: list, spec: GroupSpec | None, cfg, on_muon: bool, muon: bool) -> dict:
+    lr_scale = 1.0 if spec is None or spec.lr_scale is None else spec.lr_scale
+    weight_decay = cfg.weight_decay if spec is None or spec.weight_decay is None else spec.weight_decay
+    base_lr = (cfg.muon_lr or cfg.lr) if on_muon else cfg.lr
+    rule = "others" if spec is None else " ".join(spec.patterns)
+    name = f"{rule}: lr_scale={lr_scale:g} weight_decay={weight_decay:g}"
+    group = {"params": params, "lr": base_lr * lr_scale, "weight_decay": weight_decay, GROUP_KEY: name}
+    if muon:
+        group["algorithm"] = "muon" if on_muon else "adamw"
+        group[GROUP_KEY] = f"{name} ({group['algorithm']})"
+    return group
 
 
 def lr_factor(
@@ -44,7 +111,8 @@ def lr_factor(
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, lr_cfg, total_steps: int) -> LambdaLR:
-    """LambdaLR whose counter is the number of steps taken; step n trains with lr_factor(n)."""
+    """LambdaLR whose counter is the number of steps taken; step n trains with lr_factor(n),
+    every group's lr times the same factor."""
 
     def factor(steps_taken: int) -> float:
         return lr_factor(
@@ -52,3 +120,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, lr_cfg, total_steps: in
         )
 
     return LambdaLR(optimizer, factor)
+
+
+def current_factor(lr_scheduler: LambdaLR) -> float:
+    """The schedule's factor for the step about to be taken (optimizer.lr times it is the lr logged)."""
+    return lr_scheduler.lr_lambdas[0](lr_scheduler.last_epoch)

@@ -1,0 +1,290 @@
+"""Fault tolerance without a restart (issue 38), real processes on gloo: a torchft lighthouse and
+replica groups of the real trainer on the debug model (fp32, fixed seed), each group its own
+world (tests/helpers/replica_groups.py).
+
+- Two groups of FSDP 2 equal a plain HSDP 2 x 2 run of the same global batch (every logged loss
+  and grad norm within 1e-5), and end with bit-equal states; a whole-job restart resumes from the
+  one checkpoint the first group of the quorum saved (the other group heals from it).
+- kill -9 of one group at step k: the other goes on (steps continue, the shrink logged, nothing
+  resumed from a checkpoint); the killed group started again heals from the live one, the two
+  train together again and end with bit-equal weights and optimizer state.
+- DiLoCo and local SGD (torchft's) over two groups equal a DiLoCo written in plain torch over
+  the trainer.
+- Below min_replica_size training waits, and goes on when the group is back; a group that stays
+  away, and an unreachable lighthouse, end in one line.
+- scripts/run_ft_local.sh starts a lighthouse and the groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.distributed import (
+    EQUIVALENCE_ARGS,
+    REPO,
+    assert_same_curve,
+    free_port,
+    run_env,
+    run_mains,
+    run_trainer_worker,
+    timeout_scale,
+    with_overrides,
+)
+from tests.helpers.replica_groups import REFERENCE, Group, lighthouse, run_python
+
+pytest.importorskip("torchft")
+
+GROUPS = ["--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2"]
+# Global batch 8: 2 groups x FSDP 2 x local_batch_size 2, as HSDP 2 x 2 x 2.
+FT_ARGS = with_overrides(EQUIVALENCE_ARGS, ["--training.local_batch_size", "2"], GROUPS)
+
+
+def step_numbers(history: list[dict]) -> list[int]:
+    return [h["step"] for h in history]
+
+
+RESUMED_STEPS = 8
+# Constant lr after warmup: a run told to stop at step 5 follows the schedule of one told to run 8.
+CONSTANT_LR = ["--lr_scheduler.decay_ratio", "0"]
+CHECKPOINTS = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "5"]
+
+
+@pytest.mark.slow
+def test_two_groups_equal_hsdp_and_resume_after_a_whole_job_restart(tmp_path):
+    """Two FSDP 2 groups, 5 steps, equal HSDP 2 x 2 and end bit-equal; the first group of the
+    quorum saved the step-5 checkpoint. The whole job started again to step 8: group 0 resumes
+    from it, group 1 (which saved none) heals from group 0, and steps 6-8 are HSDP's too."""
+    args = [*FT_ARGS, *CONSTANT_LR, *CHECKPOINTS, "--job.dump_folder", str(tmp_path / "ft")]
+    with lighthouse(min_replicas=2) as address:  # both groups in the first quorum
+        results = [group.wait(180) for group in [Group(g, 2, args, tmp_path, address) for g in (0, 1)]]
+        longer = with_overrides(args, ["--training.steps", str(RESUMED_STEPS)])
+        restarted = [Group(g, 2, longer, tmp_path, address, "_b") for g in (0, 1)]
+        resumed = [group.wait(180) for group in restarted]
+    hsdp = run_trainer_worker(
+        4,
+        [
+            *with_overrides(EQUIVALENCE_ARGS, ["--training.local_batch_size", "2"], CONSTANT_LR),
+            "--training.steps",
+            str(RESUMED_STEPS),
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path / "hsdp"),
+        ],
+        tmp_path / "hsdp.json",
+    )
+    for g, result in enumerate(results):
+        assert_same_curve(result["history"], hsdp["history"][:5], f"replica group {g}")
+        assert [h["quorum"] for h in result["history"]] == [2] * len(result["history"])
+        assert [h["tokens_seen"] for h in result["history"]] == [h["tokens_seen"] for h in hsdp["history"][:5]]
+    assert results[0]["checksums"] == results[1]["checksums"]
+    assert (tmp_path / "ft" / "replica_0" / "checkpoint" / "step-5").is_dir()
+    assert not (tmp_path / "ft" / "replica_1" / "checkpoint").exists() or not any(
+        (tmp_path / "ft" / "replica_1" / "checkpoint").iterdir()
+    )
+    assert "resumed at step 5" in restarted[0].text()
+    assert "step 6: replica group 1 healed from a live group" in restarted[1].text()
+    for g, result in enumerate(resumed):
+        assert step_numbers(result["history"]) == [6, 7, 8]
+        for ours, ref in zip(result["history"], hsdp["history"][5:]):
+            for key in ("loss", "grad_norm"):
+                assert ours[key] == pytest.approx(ref[key], rel=1e-5), f"resumed group {g} step {ref['step']} {key}"
+    assert resumed[0]["checksums"] == resumed[1]["checksums"]
+
+
+KILL_STEPS, KILL_AT = 45, 5
+
+
+@pytest.mark.slow
+def test_kill_rejoin_heal(tmp_path):
+    args = with_overrides(FT_ARGS, ["--training.steps", str(KILL_STEPS), "--job.dump_folder", str(tmp_path / "ft")])
+    with lighthouse(min_replicas=1) as address:
+        groups = [Group(g, 2, args, tmp_path, address) for g in (0, 1)]
+        try:
+            for group in groups:
+                group.wait_for(rf"^\S+ step +{KILL_AT} ", 120)
+            # The group that started second healed from the first at its first step: kill that one,
+            # so the survivor's history runs from step 1.
+            victim = next((g for g in groups if "healed from a live group" in g.text()), groups[1])
+            survivor = groups[1 - victim.replica]
+            victim.kill()
+            rejoined = Group(victim.replica, 2, args, tmp_path, address, tag="_restarted")
+            lived, back = survivor.wait(300), rejoined.wait(300)
+        finally:
+            for group in groups:
+                group.stop()
+    out = survivor.text()
+    assert step_numbers(lived["history"]) == list(range(1, KILL_STEPS + 1))  # no step lost, none repeated
+    assert "resumed at step" not in out
+    shrink = re.search(r"step (\d+): quorum shrank to 1/2", out)
+    assert shrink and int(shrink[1]) > KILL_AT, out[-3000:]
+    grew = re.search(r"step (\d+): quorum grew to 2/2", out[shrink.end() :])
+    assert grew, f"the restarted group did not rejoin before the survivor finished:\n{out[-3000:]}"
+    healed = re.search(rf"step (\d+): replica group {victim.replica} healed from a live group", rejoined.text())
+    assert healed and healed[1] == grew[1], rejoined.text()[-3000:]
+    first = int(healed[1])
+    assert step_numbers(back["history"]) == list(range(first, KILL_STEPS + 1))
+    together = {h["step"]: h for h in lived["history"] if h["step"] >= first}
+    for h in back["history"]:
+        assert h["loss"] == pytest.approx(together[h["step"]]["loss"], rel=1e-6), h["step"]
+        assert h["quorum"] == together[h["step"]]["quorum"] == 2
+    assert back["checksums"] == lived["checksums"]
+
+
+DILOCO_STEPS, SYNC_STEPS, OUTER_LR, OUTER_MOMENTUM = 6, 2, 0.7, 0.9
+
+
+@pytest.mark.slow
+def test_diloco_and_local_sgd_equal_plain_torch(tmp_path):
+    """Pairs of one-process groups under torchft's DiLoCo and LocalSGD: weights equal right after
+    each sync and different between syncs; every loss and grad norm, and the final weights, as a
+    DiLoCo written in plain torch over the same trainer (tests/helpers/diloco_reference.py;
+    local SGD is its outer lr 1 without momentum: the groups' average)."""
+    base = with_overrides(EQUIVALENCE_ARGS, ["--training.steps", str(DILOCO_STEPS), "--training.local_batch_size", "4"])
+    outer_args = ["--fault_tolerance.outer_lr", str(OUTER_LR), "--fault_tolerance.outer_momentum", str(OUTER_MOMENTUM)]
+    methods = {"diloco": outer_args, "local_sgd": []}
+    outers = [[OUTER_LR, OUTER_MOMENTUM], [1.0, 0.0]]
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for method, outer in methods.items():
+            address = stack.enter_context(lighthouse(min_replicas=2))
+            args = [
+                *base,
+                *GROUPS,
+                "--fault_tolerance.semi_sync_method",
+                method,
+                "--fault_tolerance.sync_steps",
+                str(SYNC_STEPS),
+                *outer,
+                "--job.dump_folder",
+                str(tmp_path / method),
+            ]
+            runs[method] = [Group(g, 1, args, tmp_path, address, tag=method) for g in (0, 1)]
+        reference_argv = [str(REFERENCE), str(tmp_path / "reference.json"), str(SYNC_STEPS), str(tmp_path / "ref")]
+        references = run_python([*reference_argv, json.dumps(outers), *base], timeout=240)
+        results = {method: [group.wait(180) for group in groups] for method, groups in runs.items()}
+    for method, reference in zip(methods, references):
+        ours = results[method]
+        for step, (a, b) in enumerate(zip(ours[0]["weights"], ours[1]["weights"]), start=1):
+            assert (a == b) == (step % SYNC_STEPS == 0), f"{method} step {step}: groups' weights equal: {a == b}"
+        for g, result in enumerate(ours):
+            assert step_numbers(result["history"]) == list(range(1, DILOCO_STEPS + 1))
+            for got, ref in zip(result["history"], reference["histories"][g]):
+                for key in ("loss", "grad_norm"):
+                    assert got[key] == pytest.approx(ref[key], rel=1e-5), f"{method} {g} step {ref['step']} {key}"
+            assert result["sums"] == pytest.approx(reference["sums"][g], rel=1e-5, abs=1e-6), method
+
+
+@pytest.mark.slow
+def test_unreachable_lighthouse_is_one_line(tmp_path):
+    """No lighthouse at TORCHFT_LIGHTHOUSE: one line naming it, exit code 2, after
+    process_group_timeout_ms (the Manager's connect timeout), no traceback."""
+    env = {**run_env(), "TORCHFT_LIGHTHOUSE": f"http://localhost:{free_port()}"}
+    argv = [*FT_ARGS, "--fault_tolerance.process_group_timeout_ms", "2000", "--job.dump_folder", str(tmp_path)]
+    (run,) = run_mains("titanlite.train", [argv], timeout=120, env=env)
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "titanlite: error:" in line]
+    assert run.returncode == 2 and len(lines) == 1, run.stderr[-3000:]
+    assert "the lighthouse TORCHFT_LIGHTHOUSE=http://localhost:" in lines[0] and "is unreachable" in lines[0]
+    assert "Traceback" not in run.stderr
+
+
+WAIT_STEPS, WAIT_KILL_AT = 12, 3
+
+
+@pytest.mark.slow
+def test_below_min_replica_size_training_waits_and_a_failure_at_the_heal(tmp_path):
+    """min_replica_size 2 of 2 one-process groups: when one is killed the other commits no step
+    alone and says it waits; the group started again is killed once more as the quorum that
+    heals it forms (a second failure during the heal): the other waits again; started a third
+    time it heals, the two go on together and end bit-equal."""
+    args = [
+        *with_overrides(FT_ARGS, ["--training.steps", str(WAIT_STEPS)]),
+        "--fault_tolerance.min_replica_size",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path / "ft"),
+    ]
+    with lighthouse(min_replicas=1) as address:
+        groups = [Group(g, 1, args, tmp_path, address) for g in (0, 1)]
+        started = list(groups)
+        try:
+            for group in groups:
+                group.wait_for(rf"^\S+ step +{WAIT_KILL_AT} ", 120)
+            victim = next((g for g in groups if "healed from a live group" in g.text()), groups[1])
+            survivor = groups[1 - victim.replica]
+            waiting, going_on = r"fewer than min_replica_size 2: waiting for more", r"2/2 groups; training goes on"
+            waits = survivor.count(waiting)
+            victim.kill()
+            survivor.wait_for(waiting, 120, seen=waits)
+            goes_on, waits = survivor.count(going_on), survivor.count(waiting)
+            second = Group(victim.replica, 1, args, tmp_path, address, tag="_second")
+            started.append(second)
+            survivor.wait_for(going_on, 120, seen=goes_on)
+            second.kill()
+            survivor.wait_for(waiting, 120, seen=waits)
+            rejoined = Group(victim.replica, 1, args, tmp_path, address, tag="_restarted")
+            started.append(rejoined)
+            lived, back = survivor.wait(300), rejoined.wait(300)
+        finally:
+            for group in started:
+                group.stop()
+    out = survivor.text()
+    assert step_numbers(lived["history"]) == list(range(1, WAIT_STEPS + 1))
+    assert re.search(r"step \d+: 2/2 groups; training goes on", out), out[-3000:]
+    assert all(h["quorum"] == 2 for h in lived["history"] if h["step"] > 1)  # never a step alone
+    healed = re.search(rf"step (\d+): replica group {victim.replica} healed from a live group", rejoined.text())
+    assert healed, rejoined.text()[-3000:]
+    # The heal came while the survivor waited inside a step it redoes: the joiner starts at that
+    # very step, from the state before it drew its batches.
+    assert step_numbers(back["history"]) == list(range(int(healed[1]), WAIT_STEPS + 1))
+    together = {h["step"]: h for h in lived["history"]}
+    for h in back["history"]:
+        assert h["loss"] == pytest.approx(together[h["step"]]["loss"], rel=1e-6), h["step"]
+    assert back["checksums"] == lived["checksums"]
+
+
+@pytest.mark.slow
+def test_a_group_that_stays_away_ends_in_one_line(tmp_path):
+    """Below min_replica_size for longer than quorum_timeout_ms: one line naming it, exit code 2."""
+    argv = [
+        *FT_ARGS,
+        "--fault_tolerance.min_replica_size",
+        "2",
+        "--fault_tolerance.quorum_timeout_ms",
+        "3000",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
+    with lighthouse(min_replicas=1) as address:
+        (run,) = run_mains("titanlite.train", [argv], timeout=120, env={**run_env(), "TORCHFT_LIGHTHOUSE": address})
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "titanlite: error:" in line]
+    assert run.returncode == 2 and len(lines) == 1, run.stderr[-3000:]
+    assert "no quorum of min_replica_size 2 replica groups at step 1 within quorum_timeout_ms 3000" in lines[0]
+    assert "fewer than min_replica_size 2: waiting for more" in run.stderr + run.stdout
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+def test_run_ft_local_script(tmp_path):
+    """The documented start on one host: scripts/run_ft_local.sh GROUPS PROCS [args] starts a
+    lighthouse and the groups under titanlite.launch; both train every step in one quorum. A
+    bad count is one usage line and exit code 2."""
+    script = str(REPO / "scripts" / "run_ft_local.sh")
+    env = {**run_env(), "LOG_DIR": str(tmp_path / "logs"), "PYTHON": sys.executable, "MIN_REPLICAS": "2"}
+    env["LIGHTHOUSE_PORT"] = str(free_port())
+    bad = subprocess.run(["bash", script, "two", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "usage:" in bad.stderr
+    args = [*with_overrides(EQUIVALENCE_ARGS, ["--training.steps", "3"]), "--job.dump_folder", str(tmp_path / "out")]
+    run = subprocess.run(
+        ["bash", script, "2", "1", *args], env=env, capture_output=True, text=True, timeout=300 * timeout_scale()
+    )
+    logs = [(tmp_path / "logs" / f"replica_{g}.log").read_text() for g in (0, 1)]
+    assert run.returncode == 0, run.stderr + "".join(logs)[-4000:]
+    for log in logs:
+        assert [int(s) for s in re.findall(r"step +(\d+) .*quorum 2/2", log)] == [1, 2, 3], log[-3000:]

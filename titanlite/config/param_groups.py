@@ -1,0 +1,81 @@
+"""`optimizer.param_groups`: which parameters train with which lr scale and weight decay.
+
+Each entry is one string, `"PATTERN [PATTERN ...]: key=value [key=value]"`: shell-style
+patterns (`fnmatch.fnmatchcase`, where `*` also crosses dots) matched against the whole
+parameter name as the model names it (`layers.0.attention.wq.weight`; wrappers' prefixes
+never appear), then the group's settings, `lr_scale` (times the optimizer's lr) and
+`weight_decay`; a key left out keeps the optimizer's value. A parameter joins the first
+entry with a matching pattern; a parameter no entry matches trains with `optimizer.lr` and
+`optimizer.weight_decay`.
+
+A string per entry keeps the option a plain list, the same in a TOML file and on the command
+line (`--optimizer.param_groups '["output.*: lr_scale=0.5"]'`). No torch here: the config is
+checked before torch is imported.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+from titanlite.errors import TitanliteError
+
+FIELD = "optimizer.param_groups"
+# No weight decay on embeddings (as OLMo 2), norms and biases (as GPT-3, Megatron-LM); the output
+# head decays like every other matrix (OLMo 2 exempts only the input embedding). The patterns
+# name every registered family's embeddings and norms: tok_embeddings and *norm (the shared
+# decoder), embeddings.wte/wpe and ln_* (GPT-2).
+DEFAULT_GROUPS = ("*embeddings.* *norm.weight *ln_*.weight *.bias: weight_decay=0.0",)
+_KEYS = ("lr_scale", "weight_decay")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One parameter group's rule: the name patterns it takes and its settings (None: the
+    optimizer's own). `text` is the entry as written, the group's name in checkpoints."""
+
+    patterns: tuple[str, ...]
+    lr_scale: float | None
+    weight_decay: float | None
+    text: str
+
+    def matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.patterns)
+
+
+def parse_groups(entries: list[str]) -> list[GroupSpec]:
+    """Every entry parsed; TitanliteError naming the field, the entry and what is wrong."""
+    return [_parse(entry) for entry in entries]
+
+
+def _parse(entry: str) -> GroupSpec:
+    def bad(why: str) -> TitanliteError:
+        return TitanliteError(f"{FIELD}: entry {entry!r} {why} (expected 'PATTERN [PATTERN ...]: key=value ...')")
+
+    head, colon, tail = entry.partition(":")
+    patterns = tuple(head.split())
+    if not colon:
+        raise bad("has no ':' between its patterns and its settings")
+    if not patterns:
+        raise bad("names no pattern")
+    settings: dict[str, float] = {}
+    for item in tail.split():
+        key, equals, text = item.partition("=")
+        if not equals or key not in _KEYS:
+            raise bad(f"has {item!r}: settings are {' and '.join(f'{k}=NUMBER' for k in _KEYS)}")
+        try:
+            value = float(text)
+        except ValueError:
+            raise bad(f"has {key}={text!r}, not a number") from None
+        if not math.isfinite(value) or value < 0:
+            raise bad(f"has {key}={text}: must be a finite number >= 0")
+        settings[key] = value
+    if not settings:
+        raise bad("sets neither lr_scale nor weight_decay")
+    return GroupSpec(patterns, settings.get("lr_scale"), settings.get("weight_decay"), entry.strip())
+
+
+def group_of(name: str, groups: list[GroupSpec]) -> GroupSpec | None:
+    """The first group whose patterns match `name`, or None (the optimizer's own settings)."""
+    return next((group for group in groups if group.matches(name)), None)

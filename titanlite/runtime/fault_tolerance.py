@@ -1,0 +1,334 @@
+"""Fault tolerance without a restart: this job is one replica group of several, on torchft.
+
+Each replica group is its own torchrun job with any layout inside; the groups together are
+the data-parallel replicate dimension, and torchft's `Manager` runs it: the quorum (which
+groups take part in a step, from its lighthouse), the average of the gradients across the
+groups, the commit decision of each step (`should_commit`) and the healing of a group that
+joins late (model, optimizer, lr schedule, data position, step and RNG sent from a live group
+by torchft's checkpoint transport). Nothing here is a quorum, heartbeat or transfer of our own.
+
+The trainer touches it through `ReplicaGroup` only: `begin_step` before a step draws its
+batches (a joining group is healed there, so it draws from the live group's data position),
+`average_gradients` between backward and clipping, `commit` before the optimizer step,
+`quorum` for the step line. With `semi_sync_method` (DiLoCo, local SGD) the groups train
+alone and torchft's own classes synchronize them every `sync_steps` optimizer steps from hooks
+on the optimizer; the per-step calls then do nothing.
+
+Each group reads its own share of every global batch (`data_share`): group g's dp ranks are
+dp ranks g*dp .. g*dp+dp-1 of a data-parallel degree of group_size * dp, the same windows a
+plain HSDP run with data_parallel_replicate_degree = group_size reads. While a group is down,
+its share of those steps is not trained.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titanlite.config.fault_tolerance import FaultTolerance
+from titanlite.config.sections import JobConfig
+from titanlite.errors import TitanliteError
+from titanlite.logging import logger
+from titanlite.parallel.distributed import DistInfo
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+
+def prepare_replica_group(cfg: JobConfig) -> None:
+    """Before any device is used: one line when torchft (the `ft` extra) or the lighthouse's
+    address is missing; and each group writes under its own `job.dump_folder/replica_<id>`
+    (its run lock, metrics and the checkpoints it saves are its own)."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
+    logging.getLogger("torchft").setLevel(logging.ERROR)  # its warnings are NCCL's on a CPU run
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")  # a heal's received tensors
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise TitanliteError(
+            "fault_tolerance.enable: needs torchft, which is not installed (pip install 'titanlite[ft]')"
+        ) from None
+    if not os.environ.get(LIGHTHOUSE_ENV):
+        raise TitanliteError(
+            f"fault_tolerance.enable: {LIGHTHOUSE_ENV} is not set; start torchft_lighthouse and set it to its "
+            "address, e.g. http://localhost:29510 (scripts/run_ft_local.sh does both)"
+        )
+    cfg.job.dump_folder = str(Path(cfg.job.dump_folder) / f"replica_{ft.replica_id}")
+
+
+def data_share(ft: FaultTolerance, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """(dp rank, dp degree) of this rank's share of every global batch: the group's own dp
+    ranks within all groups' (without fault tolerance: unchanged)."""
+    if not ft.enable:
+        return dp_rank, dp_degree
+    return ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like_param(value: Any, param: torch.Tensor) -> Any:
+    """A received optimizer-state tensor back on its parameter's mesh (a local shard
+    arrives); scalars (the step count) stay plain, each its own copy."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(param, DTensor) and value.dim() > 0:
+        return DTensor.from_local(
+            value.clone(), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
+    return value.clone()
+
+
+class ReplicaGroup:
+    """This group's torchft Manager and what a training step asks of it.
+
+    `states`: the Stateful pieces a healing group receives from a live one besides the model
+    and the optimizer (lr schedule, data loader, train state with its RNG); they are sent as
+    their `state_dict()` with DTensors as their local shards, so the groups must share a layout.
+    """
+
+    def __init__(
+        self,
+        ft: FaultTolerance,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        states: dict[str, Any],
+        rank: int,
+        world_size: int,
+    ) -> None:
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.ft, self.model, self.optimizer, self.states = ft, model, optimizer, states
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
+        process_group = (ProcessGroupGloo if ft.process_group == "gloo" else ProcessGroupNCCL)(timeout=timeout)
+        try:
+            self.manager = self._start_manager(process_group, timeout, rank, world_size)
+        except RuntimeError as error:  # torchft's Rust client: the lighthouse refused or timed out
+            raise TitanliteError(
+                f"fault_tolerance: the lighthouse {LIGHTHOUSE_ENV}={os.environ.get(LIGHTHOUSE_ENV)} is unreachable: "
+                f"{str(error).split(';')[0]}"
+            ) from None
+        self.participants = 0  # groups in the last quorum
+        self.waiting = False  # the last quorum had fewer than min_replica_size groups
+        self.healed_at: int | None = None  # the step a heal brought this group to, until it is said
+        self.semi_sync: Any = None  # torchft's DiLoCo / LocalSGD, entered at the first step
+        self.step_start: dict[str, Any] = {}  # `states` as the current step found them
+
+    def _start_manager(self, process_group: Any, timeout: timedelta, rank: int, world_size: int) -> Any:
+        """torchft's Manager for this group: rank 0 also starts its server, which joins the lighthouse."""
+        from torchft import Manager
+
+        ft = self.ft
+        return Manager(
+            pg=process_group,
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=ft.min_replica_size,
+            use_async_quorum=False,  # heal before the step draws its batches; DiLoCo needs it too
+            timeout=timeout,
+            quorum_timeout=timedelta(milliseconds=ft.quorum_timeout_ms),
+            connect_timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+            replica_id=f"replica_{ft.replica_id}",
+            init_sync=False,  # every group initializes the same weights from training.seed
+        )
+
+    # -- healing: what a live group sends, what a joining group applies -----------------
+
+    def _state(self) -> dict[str, Any]:
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {
+            index: {key: _local(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+            for index, state in optimizer["state"].items()
+        }
+        return {
+            "model": {name: _local(p.detach()) for name, p in self.model.named_parameters()},
+            "optimizer": optimizer,
+            # per-step mode: the state before this step drew its batches (also while it is redone);
+            # DiLoCo / local SGD heal at a sync, inside the optimizer step: the state as it is
+            **(self.step_start or {name: piece.state_dict() for name, piece in self.states.items()}),
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                _local(p.detach()).copy_(state["model"][name])
+        optimizer = state["optimizer"]
+        optimizer["state"] = {
+            index: {key: _like_param(value, self.params[int(index)]) for key, value in values.items()}
+            for index, values in optimizer["state"].items()
+        }
+        self.optimizer.load_state_dict(optimizer)
+        for name, piece in self.states.items():
+            piece.load_state_dict(state[name])
+        self.healed_at = int(state["train_state"]["step"]) if "train_state" in state else -1
+
+    def resume_from(self, step: int) -> None:
+        """After a checkpoint load: the manager's step count is the checkpoint's, so a group
+        restarted alone (from an older checkpoint) heals from the live ones instead."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.ft.group_size})
+
+    # -- the step -------------------------------------------------------------------------
+
+    def begin_step(self, step: int, redo: bool = False) -> None:
+        """Before step `step + 1` draws its batches (or, `redo`, draws them again after a peer
+        failed during it): the quorum, waiting while it has fewer than min_replica_size groups
+        (up to quorum_timeout_ms); a joining group heals here, taking a live group's step, data
+        position and RNG. One line when the quorum changed."""
+        if self.ft.semi_sync_method != "none":
+            self._enter_semi_sync()
+            return
+        if redo:
+            logger.info(f"fault_tolerance: step {step + 1}: a peer group failed during it; redone by the new quorum")
+        else:  # what a heal sends: the state before this step drew its batches, also while it is redone
+            self.step_start = {name: piece.state_dict() for name, piece in self.states.items()}
+        deadline = time.monotonic() + self.ft.quorum_timeout_ms / 1000
+        self._quorum()
+        while self.manager.errored() is not None:  # a heal or a reconfiguration failed: a peer died meanwhile
+            logger.info(f"fault_tolerance: step {step + 1}: the quorum failed ({self._first_line()}); asking again")
+            if time.monotonic() > deadline:
+                raise TitanliteError(self._timeout_line(step))
+            self._quorum()
+        while self.manager.num_participants() < self.ft.min_replica_size:
+            if not self.waiting:
+                logger.info(
+                    f"fault_tolerance: step {step + 1}: {self.manager.num_participants()}/{self.ft.group_size} groups, "
+                    f"fewer than min_replica_size {self.ft.min_replica_size}: waiting for more"
+                )
+                self.waiting = True
+            if time.monotonic() > deadline:
+                raise TitanliteError(self._timeout_line(step))
+            time.sleep(0.5)
+            self._quorum()
+        self._say_quorum(step)
+
+    def _first_line(self) -> str:
+        error = self.manager.errored()
+        return str(getattr(error, "original_exception", error)).splitlines()[0][:200]
+
+    def _quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # the lighthouse's deadline (a Rust error) or a lost lighthouse
+            raise TitanliteError(f"{self._timeout_line(None)} ({str(error).splitlines()[0][:200]})") from None
+
+    def _timeout_line(self, step: int | None) -> str:
+        at = f" at step {step + 1}" if step is not None else ""
+        return (
+            f"fault_tolerance: no quorum of min_replica_size {self.ft.min_replica_size} replica groups{at} within "
+            f"quorum_timeout_ms {self.ft.quorum_timeout_ms} (lighthouse {os.environ.get(LIGHTHOUSE_ENV)})"
+        )
+
+    def _say_quorum(self, step: int) -> None:
+        participants = self.manager.num_participants()
+        if self.healed_at is not None:
+            logger.info(
+                f"fault_tolerance: step {self.healed_at + 1}: replica group {self.ft.replica_id} healed from a live "
+                f"group (model, optimizer, data position, step {self.healed_at}); {participants}/"
+                f"{self.ft.group_size} groups"
+            )
+            self.healed_at = None
+        elif self.waiting:
+            logger.info(
+                f"fault_tolerance: step {step + 1}: {participants}/{self.ft.group_size} groups; training goes on"
+            )
+        elif self.participants and participants < self.participants:
+            logger.info(
+                f"fault_tolerance: step {step + 1}: quorum shrank to {participants}/{self.ft.group_size} replica "
+                "groups; this group goes on"
+            )
+        elif self.participants and participants > self.participants:
+            logger.info(
+                f"fault_tolerance: step {step + 1}: quorum grew to {participants}/{self.ft.group_size} replica "
+                "groups (a group rejoined)"
+            )
+        self.participants, self.waiting = participants, False
+
+    def _enter_semi_sync(self) -> None:
+        if self.semi_sync is not None:
+            return
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        ft = self.ft
+        if ft.semi_sync_method == "local_sgd":
+            self.semi_sync = LocalSGD(self.manager, self.model, self.optimizer, sync_every=ft.sync_steps)
+        else:
+            outer = torch.optim.SGD(self.model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum, nesterov=True)
+            self.semi_sync = DiLoCo(
+                self.manager, [self.model], self.optimizer, outer, sync_every=ft.sync_steps, pin_memory=False
+            )
+        self.semi_sync.__enter__()
+
+    def average_gradients(self, params: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        """Average this rank's gradient shards and loss over the groups in the quorum (one
+        all-reduce of one flat buffer); returns the averaged loss. Under semi-sync: nothing."""
+        if self.ft.semi_sync_method != "none":
+            return loss
+        grads = [_local(p.grad) if p.grad is not None else None for p in params]
+        flat = torch.cat(
+            [
+                (g if g is not None else _local(p.detach()).new_zeros(_local(p).numel())).reshape(-1).float()
+                for g, p in zip(grads, params)
+            ]
+            + [(loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().reshape(1).float()]  # loss parallel
+        )
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g, p in zip(grads, params):
+            n = _local(p).numel()
+            if g is not None:
+                g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
+        return flat[-1].to(loss.dtype)
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum may take this step (torchft's should_commit;
+        False when a peer failed during it or fewer than min_replica_size groups joined)."""
+        if self.ft.semi_sync_method != "none":
+            return True
+        return self.manager.should_commit()
+
+    def saves_checkpoints(self) -> bool:
+        """One group writes the job's checkpoints: the first of the quorum (replica 0 before any
+        quorum). A whole-job restart resumes from them; a group restarted alone heals instead."""
+        rank = self.manager.participating_rank()
+        return rank == 0 if rank is not None else self.ft.replica_id == 0
+
+    @property
+    def quorum(self) -> tuple[int, int]:
+        """(groups in the last quorum, configured groups), for the step line."""
+        return self.manager.num_participants(), self.ft.group_size
+
+    def close(self) -> None:
+        if self.semi_sync is not None:
+            self.semi_sync.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+
+
+def build_replica_group(
+    ft: FaultTolerance,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    states: dict[str, Any],
+    dist_info: DistInfo,
+) -> ReplicaGroup | None:
+    """The run's ReplicaGroup when `fault_tolerance.enable`, else None (see ReplicaGroup)."""
+    if not ft.enable:
+        return None
+    return ReplicaGroup(
+        ft, model=model, optimizer=optimizer, states=states, rank=dist_info.rank, world_size=dist_info.world_size
+    )

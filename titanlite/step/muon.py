@@ -1,0 +1,314 @@
+"""Muon for the hidden matrices, AdamW for the rest, over plain or DTensor parameters of any
+placement on any mesh.
+
+Muon (Keller Jordan; Moonlight, arXiv 2502.16982) replaces a matrix's momentum by its nearest
+semi-orthogonal matrix (Newton-Schulz iterations, torch's own `torch.optim._muon` code, so one
+process gives `torch.optim.Muon`'s numbers). That needs the WHOLE matrix, which FSDP, TP and
+EP shard. Each matrix (each routed expert of a stacked [E, out, in] weight on its own) gets
+one owner among the ranks that hold a piece of it, the owners balanced by matrix size; one
+all-to-all brings every owner the pieces of its matrices, the owner orthogonalizes them, and a
+second all-to-all sends each rank the block of the result its shard holds. No rank gathers a
+matrix it does not own. Which rank holds which block comes from each DTensor's chunk (its
+global offsets and sizes, as DCP records them), exchanged once.
+
+Embeddings, the output head, norms and biases take AdamW (decoupled weight decay), as the
+Muon papers do: a group's `algorithm` says which. All state (momentum buffers, AdamW moments)
+is laid out like its parameter, so checkpoints reshard it as they do the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
+
+NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+BLOCKS = "layers."  # every model's transformer blocks (parallel/units.py, the pipeline split)
+
+
+def takes_muon(name: str, param: torch.Tensor) -> bool:
+    """Muon updates the hidden matrices: the 2-D weights and stacked [E, out, in] expert weights
+    inside the transformer blocks. What sits outside them (embeddings, the final norm, the
+    output head: a model's first and last layers) and every 1-D parameter take AdamW, as the
+    Muon papers do."""
+    return param.ndim in (2, 3) and name.startswith(BLOCKS)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+MatrixKey = tuple[str, int | None]  # (parameter key, expert index of a stacked weight or None)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (groups with `algorithm` "muon": 2-D or stacked 3-D parameters) and AdamW (the
+    other groups). `names` maps id(parameter) to a name every rank gives the same parameter
+    (its FQN); without it, parameters are numbered in order, which is right when every rank
+    holds the same parameters (not under pipeline parallelism)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        adjust_lr_fn: str = "original",
+        names: Mapping[int, str] | None = None,
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            algorithm="muon",
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["algorithm"] == "muon" and any(p.ndim not in (2, 3) for p in group["params"]):
+                raise ValueError("Muon: a muon group holds a parameter that is not 2-D or stacked 3-D")
+        ordered = [p for group in self.param_groups for p in group["params"]]
+        self._keys = {id(p): names[id(p)] if names else f"param{i}" for i, p in enumerate(ordered)}
+        self._plan: _Plan | None = None
+        self.last_owned = 0  # matrices this rank orthogonalized in the last step
+        self.last_gathered_bytes = 0  # bytes of other ranks' pieces it received for them
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon_params = []
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                self._adamw(group)
+            else:
+                muon_params += [(group, p) for p in group["params"]]
+        self._muon(muon_params)
+        return loss
+
+    def _adamw(self, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(param)
+                state["exp_avg_sq"] = torch.zeros_like(param)
+            state["step"] += 1
+            step = state["step"].item()
+            grad = _local(_like_param(param.grad, param))
+            exp_avg, exp_avg_sq, value = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(param)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            value.mul_(1 - lr * weight_decay)
+            denominator = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+            value.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1**step))
+
+    def _muon(self, params: list[tuple[dict, torch.Tensor]]) -> None:
+        """Momentum per shard, Newton-Schulz per whole matrix on its owner, the update per shard."""
+        updates: dict[int, torch.Tensor] = {}
+        for group, param in params:
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            grad = _local(_like_param(grad, param))
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(param)
+            buffer = _local(state["momentum_buffer"])
+            if param.grad is not None:
+                buffer.lerp_(grad, 1 - group["momentum"])
+            updates[id(param)] = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+        orthogonal = self._orthogonalize(params, updates)
+        for group, param in params:
+            if param.grad is None:
+                continue
+            lr = group["lr"]
+            value = _local(param)
+            value.mul_(1 - lr * group["weight_decay"])
+            value.add_(orthogonal[id(param)], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:]))
+
+    def _orthogonalize(
+        self, params: list[tuple[dict, torch.Tensor]], updates: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Each parameter's local block of its orthogonalized update: plain tensors here, DTensors'
+        matrices on their owners through the exchange."""
+        result, distributed = {}, []
+        for group, param in params:
+            if isinstance(param, DTensor):
+                distributed.append((group, param))
+            else:
+                result[id(param)] = _orthogonal(updates[id(param)], group["ns_steps"])
+        self.last_owned, self.last_gathered_bytes = sum(u.shape[0] if u.ndim == 3 else 1 for u in result.values()), 0
+        if dist.is_initialized():  # every rank takes part in the exchange, holding DTensors or not
+            result.update(self._exchange(distributed, updates))
+        return result
+
+    def _exchange(
+        self, params: list[tuple[dict, DTensor]], updates: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        if self._plan is None:
+            self._plan = _Plan.build([(self._keys[id(p)], p) for _, p in params])
+        plan = self._plan
+        blocks = {}  # this rank's block of each matrix it holds
+        for _, param in params:
+            key, update = self._keys[id(param)], updates[id(param)]
+            first = plan.first_expert.get(key)
+            for index in [None] if first is None else range(first, first + update.shape[0]):
+                blocks[(key, index)] = update if index is None else update[index - first]
+        ns_steps = {self._keys[id(p)]: group["ns_steps"] for group, p in params}
+        # Gather: every rank sends each owner the distinct blocks it holds of the owner's matrices.
+        outgoing = [[blocks[key] for key, _ in sends] for sends in plan.gather_out]
+        gathered, self.last_gathered_bytes = _all_to_all(outgoing, plan.gather_in)
+        results = {key: torch.empty(plan.matrices[key].shape) for key in plan.owned}
+        for key, (_, row, col, rows, cols), piece in gathered:
+            results[key][row : row + rows, col : col + cols] = piece.view(rows, cols)
+        for key, whole in results.items():
+            results[key] = _orthogonal(whole, ns_steps[key[0]])
+        self.last_owned += len(plan.owned)
+        # Scatter: each owner sends every holder the block of the result its shard holds.
+        outgoing = [
+            [results[key][row : row + rows, col : col + cols] for key, (_, row, col, rows, cols) in sends]
+            for sends in plan.scatter_out
+        ]
+        scattered = {key: piece for key, _, piece in _all_to_all(outgoing, plan.scatter_in)[0]}
+        out = {}
+        for _, param in params:
+            key, update = self._keys[id(param)], updates[id(param)]
+            first = plan.first_expert.get(key)
+            if update.numel() == 0:
+                out[id(param)] = update.clone()
+            elif first is None:
+                out[id(param)] = scattered[(key, None)].view_as(update)
+            else:
+                experts = range(first, first + update.shape[0])
+                out[id(param)] = torch.stack([scattered[(key, e)].view_as(update[0]) for e in experts])
+        return out
+
+
+def _like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The gradient laid out as its parameter (a TP embedding's gradient can arrive Replicate)."""
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def _orthogonal(update: torch.Tensor, ns_steps: int) -> torch.Tensor:
+    """torch's Newton-Schulz (bfloat16, as torch.optim.Muon) of a matrix or of each matrix of a stack."""
+    if update.ndim == 3:
+        return torch.stack([_orthogonal(matrix, ns_steps) for matrix in update])
+    return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, ns_steps, EPS).to(update.dtype)
+
+
+Block = tuple[int, int, int, int, int]  # (rank, first row, first column, rows, columns) of a matrix
+Route = list[list[tuple[MatrixKey, Block]]]  # per rank: the (matrix, block) pairs sent to it or from it, in order
+
+
+@dataclass
+class _Matrix:
+    """One whole matrix of the exchange: its shape, its owner, and the blocks ranks hold of it
+    (`holders`: every rank's, `senders`: one rank per distinct block)."""
+
+    shape: tuple[int, int]
+    holders: list[Block] = field(default_factory=list)
+    senders: list[Block] = field(default_factory=list)
+    owner: int = -1
+
+
+class _Plan:
+    """Who holds which block of every matrix and who owns it, the same on every rank, built once
+    from each rank's DTensor chunks (one all_gather_object over the world); and what this rank
+    sends to and receives from each rank in the two all-to-alls of a step, in one fixed order."""
+
+    def __init__(self, matrices: dict[MatrixKey, _Matrix], rank: int, world: int, first_expert: dict[str, int]):
+        self.matrices = matrices
+        self.first_expert = first_expert  # this rank's first expert of each stacked weight it holds
+        self.owned = [key for key, matrix in matrices.items() if matrix.owner == rank]
+        self.gather_out: Route = [[] for _ in range(world)]
+        self.gather_in: Route = [[] for _ in range(world)]
+        self.scatter_out: Route = [[] for _ in range(world)]
+        self.scatter_in: Route = [[] for _ in range(world)]
+        for key, matrix in matrices.items():
+            for block in matrix.senders:
+                if block[0] == rank:
+                    self.gather_out[matrix.owner].append((key, block))
+                if matrix.owner == rank:
+                    self.gather_in[block[0]].append((key, block))
+            for block in matrix.holders:
+                if matrix.owner == rank:
+                    self.scatter_out[block[0]].append((key, block))
+                if block[0] == rank:
+                    self.scatter_in[matrix.owner].append((key, block))
+
+    @classmethod
+    def build(cls, params: list[tuple[str, DTensor]]) -> _Plan:
+        mine = []
+        for key, param in params:
+            chunk = param.__create_chunk_list__()[0]
+            mine.append((key, tuple(param.shape), tuple(chunk.offsets), tuple(chunk.sizes)))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        matrices: dict[MatrixKey, _Matrix] = {}
+        for holder, chunks in enumerate(everyone):
+            for key, shape, offsets, sizes in chunks:
+                if 0 in sizes:
+                    continue
+                experts = [None] if len(shape) == 2 else range(offsets[0], offsets[0] + sizes[0])
+                for index in experts:
+                    matrix = matrices.setdefault((key, index), _Matrix(tuple(shape[-2:])))
+                    block = (holder, offsets[-2], offsets[-1], sizes[-2], sizes[-1])
+                    matrix.holders.append(block)
+                    if all(other[1:] != block[1:] for other in matrix.senders):  # a replica sends once
+                        matrix.senders.append(block)
+        _assign_owners(matrices)
+        first = {key: offsets[0] for key, shape, offsets, _ in everyone[rank] if len(shape) == 3}
+        ordered = dict(
+            sorted(matrices.items(), key=lambda item: (item[0][0], -1 if item[0][1] is None else item[0][1]))
+        )
+        return cls(ordered, rank, world, first)
+
+
+def _all_to_all(
+    outgoing: list[list[torch.Tensor]], incoming: list[list[tuple[MatrixKey, Block]]]
+) -> tuple[list[tuple[MatrixKey, Block, torch.Tensor]], int]:
+    """One all_to_all_single over the world: `outgoing[r]`, flattened in order, to rank r; from
+    each rank r the blocks `incoming[r]` lists. Returns (matrix, block, flat piece) for each
+    received block, and the bytes received from other ranks."""
+    rank = dist.get_rank()
+    sent = [sum(piece.numel() for piece in pieces) for pieces in outgoing]
+    sizes = [sum(block[3] * block[4] for _, block in expected) for expected in incoming]
+    flat = [piece.reshape(-1).float() for pieces in outgoing for piece in pieces]
+    buffer = torch.empty(sum(sizes))
+    dist.all_to_all_single(buffer, torch.cat(flat) if flat else torch.empty(0), sizes, sent)
+    received = []
+    for expected, part in zip(incoming, buffer.split(sizes)):
+        pieces = part.split([block[3] * block[4] for _, block in expected])
+        received += [(key, block, piece) for (key, block), piece in zip(expected, pieces)]
+    return received, 4 * (sum(sizes) - sizes[rank])
+
+
+def _assign_owners(matrices: dict[MatrixKey, _Matrix]) -> None:
+    """Largest matrices first, each to the rank holding a block of it that owns the least work so far."""
+    load: dict[int, float] = {}
+    for key in sorted(matrices, key=lambda k: (-math.prod(matrices[k].shape), k[0], k[1] or 0)):
+        matrix = matrices[key]
+        ranks = sorted({block[0] for block in matrix.holders})
+        matrix.owner = min(ranks, key=lambda r: (load.get(r, 0.0), r))
+        load[matrix.owner] = load.get(matrix.owner, 0.0) + math.prod(matrix.shape) * min(matrix.shape)
