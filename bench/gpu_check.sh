@@ -6,7 +6,10 @@
 #   1. the debug model on one GPU;
 #   2. Llama 3.2 1B's shapes (flavor 1B; the bundled 4,096-token vocabulary, not 128,256) on one GPU;
 #   3. the same 1B model with FSDP on every GPU;
-#   4. the same 1B model with TP on every GPU.
+#   4. the same 1B model with TP on every GPU;
+#   5. the 1B model in float8 (model.converters = ["float8"], torchao: torch._scaled_mm on SM >= 8.9,
+#      emulation below) on one GPU, tensorwise then rowwise; with FSDP on every GPU, gathering float8
+#      with precomputed scales. Skipped, with a line, where torchao is not installed.
 # Each run's own log lines are printed (rank 0): the start-up lines (dtype, model, mesh, peak)
 # and its step lines with tps, mfu and peak memory (mem); the last step's line is the figure.
 # Never a test dependency. Put its output in docs/performance.md.
@@ -57,7 +60,7 @@ run() {
     fi
     "$PYTHON" -m titanlite.launch --standalone --nproc-per-node "$nproc" --local-ranks-filter 0 --role rank --tee 3 \
         -m titanlite.train "${COMMON[@]}" --job.dump_folder "$OUT/$name" "$@" 2>&1 \
-        | grep -E "compute dtype|model |step +[0-9]+ " || { echo "=== $name failed: see $OUT/$name" >&2; return 1; }
+        | grep -E "compute dtype|float8: |model |step +[0-9]+ " || { echo "=== $name failed: see $OUT/$name" >&2; return 1; }
 }
 
 run debug_1gpu 1 --training.seq_len 2048 --training.local_batch_size 8
@@ -65,5 +68,15 @@ run llama32_1b_1gpu 1 "${ONE_B[@]}"
 if [ "$NGPU" -gt 1 ]; then
     run llama32_1b_fsdp "$NGPU" "${ONE_B[@]}"
     run llama32_1b_tp "$NGPU" "${ONE_B[@]}" --parallelism.tensor_parallel_degree "$NGPU"
+fi
+if [ "$DRY_RUN" = 1 ] || "$PYTHON" -c "import torchao.float8" 2>/dev/null; then
+    run llama32_1b_float8_1gpu 1 "${ONE_B[@]}" --model.converters float8
+    run llama32_1b_float8_rowwise_1gpu 1 "${ONE_B[@]}" --model.converters float8 --float8.recipe_name rowwise
+    if [ "$NGPU" -gt 1 ]; then
+        run llama32_1b_float8_fsdp "$NGPU" "${ONE_B[@]}" --model.converters float8 \
+            --float8.enable_fsdp_float8_all_gather true --float8.precompute_float8_dynamic_scale_for_fsdp true
+    fi
+else
+    echo "=== float8 runs skipped: torchao is not installed (pip install \"titanlite[float8]\")"
 fi
 echo "dump folders: $OUT"

@@ -52,6 +52,23 @@ class RunPlan:
     grad_accum_steps: int
     pipeline: PipelineLayout | None = None  # the stages when pipeline_parallel_degree > 1
 
+    @property
+    def float8(self) -> Any:
+        """The `[float8]` section when `model.converters` names float8, else None."""
+        return self.cfg.float8 if "float8" in self.cfg.model.converters else None
+
+    @property
+    def precomputes_float8_scales(self) -> bool:
+        """Whether each step starts by computing the float8 all-gathers' weight scales in one
+        all-reduce (precompute_float8_dynamic_scale_for_fsdp, where FSDP gathers float8)."""
+        float8 = self.float8
+        return (
+            float8 is not None
+            and self.dims.fsdp_enabled
+            and float8.enable_fsdp_float8_all_gather
+            and float8.precompute_float8_dynamic_scale_for_fsdp
+        )
+
     def with_compute_dtype(self, name: str) -> RunPlan:
         """This plan with `training.mixed_precision_param` made concrete: "auto" is decided
         per device (`step/precision.py`, by the trainer; the planner takes bfloat16, a GPU's)
@@ -180,6 +197,7 @@ def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
         compile=cfg.compile.enable,
         pipelined=dims.pp_enabled,
         expert_tensor_parallel=dims.etp_enabled,
+        float8=plan.float8,
     )
 
 

@@ -47,6 +47,7 @@ from titanlite.parallel.distributed import (
     shutdown,
     world_from_env,
 )
+from titanlite.parallel.float8 import precompute_scales
 from titanlite.parallel.grad_norm import clip_gradients_
 from titanlite.runtime.dump_folder import claim_dump_folder
 from titanlite.runtime.fault_tolerance import build_replica_group, data_share, prepare_replica_group
@@ -205,6 +206,8 @@ class Trainer:
         """Forward/backward over the microbatches, (with fault tolerance) the replica groups'
         average, clip, and agree with every rank on the step (`step/agreement.agree_on_step`)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.plan.precomputes_float8_scales:
+            precompute_scales(self.model_parts)  # this step's float8 all-gather scales: one all-reduce
         loss = self.forward_backward.train(microbatches, self.state.step)
         if self.ft is not None:
             loss = self.ft.average_gradients(self.params, loss)

@@ -169,7 +169,7 @@ CASES: dict[str, Case] = {
     "broken_list": Case(["parallelism.fsdp_shard_modules"], {"parallelism.fsdp_shard_modules": '["Block",'}),
     "pasted_text_for_int": Case(["training.steps", "(2,002 characters)"], {"training.steps": "x" * 2000}),
     "torchtitan_list_option_as_one_name": Case(
-        ["model.converters: float8 is not supported"], extra=["--model.converters", "float8"]
+        ["model.converters: mx is not supported: MXFP8 needs an SM100 GPU"], extra=["--model.converters", "mx"]
     ),
     # zero, negative and out-of-range values
     "steps_zero": Case(["training.steps", "0"], {"training.steps": "0"}),

@@ -38,6 +38,15 @@ MUON = ["--optimizer.name", "Muon"]
 MUON_RMS = [*MUON, "--optimizer.muon_adjust_lr", "match_rms_adamw"]
 REPLICATE = ["--parallelism.data_parallel_replicate_degree", "2"]
 ETP = ["--parallelism.expert_tensor_parallel_degree", "2"]
+FLOAT8 = [
+    "--model.converters",
+    "float8",
+    "--float8.enable_fsdp_float8_all_gather",
+    "true",
+    "--float8.precompute_float8_dynamic_scale_for_fsdp",
+    "true",
+]
+FLOAT8_ROWWISE = ["--model.converters", "float8", "--float8.recipe_name", "rowwise"]
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
@@ -73,6 +82,10 @@ REFERENCES = {
     "qwen3_moe_aux": QWEN3_MOE_AUX,
     "muon": MUON,
     "qwen3_moe_muon": [*QWEN3_MOE, *MUON_RMS],
+    # float8 scales each activation by its amax over the microbatch: the references run the
+    # layouts' microbatches of 4 (accumulating 2), so every cast sees what a layout's rank sees.
+    "float8": [*batch(4), "--training.global_batch_size", "8", *FLOAT8],
+    "float8_rowwise": [*batch(4), "--training.global_batch_size", "8", *FLOAT8_ROWWISE],
 }
 
 # name: (processes, overrides, reference). Global batch 8 = local_batch_size x dp x accumulation;
@@ -211,6 +224,14 @@ LAYOUTS = {
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
 }
+# float8 (tests/unit/test_float8.py has the rest), checked by test_float8_layout_matches_one_float8_process:
+# FSDP gathering float8 with precomputed scales, and under TP too (torchao's float8 TP styles
+# on this CPU, without sequence parallelism); the rowwise recipe under TP (the plain styles).
+FLOAT8_LAYOUTS = {
+    "float8_fsdp2": (2, [*batch(4), *FLOAT8], "float8"),
+    "float8_rowwise_tp2": (2, [*batch(4), "--training.global_batch_size", "8", *TP, *FLOAT8_ROWWISE], "float8_rowwise"),
+    "float8_fsdp2_tp2": (4, [*batch(4), *TP, *FLOAT8], "float8"),
+}
 # Hang guards per session, which run_ranks scales by the host's load (the marks below too).
 TIMEOUT_S = {1: 240, 2: 420, 4: 600, 8: 600}
 ALL_DIMENSIONS_TIMEOUT_S = 900
@@ -236,10 +257,11 @@ def sessions(tmp_path_factory) -> SessionCases:
     toml.write_text(text.replace("[optimizer]\n", "[optimizer]\nparam_groups = " + json.dumps(TWO_GROUPS) + "\n", 1))
     groups = Case("param_groups_toml", ["--config", str(toml), *EQUIVALENCE_ARGS[2:], *batch(8)])
     by_world = {1: [*references, groups]}
-    for name, (nproc, overrides, _) in LAYOUTS.items():
+    for name, (nproc, overrides, _) in {**LAYOUTS, **FLOAT8_LAYOUTS}.items():
         by_world.setdefault(nproc, []).append(Case(name, [*EQUIVALENCE_ARGS, *overrides]))
     by_world[4].append(Case("fsdp_options", [], call="tests.helpers.fsdp_options_checks:run_checks"))
     by_world[2].append(Case("expert_parallel_layer", [], call="tests.helpers.expert_parallel_checks:run_checks"))
+    by_world[2].append(Case("float8_fsdp", [], call="tests.helpers.float8_checks:run_checks"))
     for nproc, cases in by_world.items():
         results.add(run_session(nproc, cases, tmp_path_factory.mktemp(f"world{nproc}"), TIMEOUT_S[nproc]))
     return results
@@ -307,6 +329,69 @@ def test_layout_matches_single_process(layout, sessions):
             if kind == "optim_bytes" and MUON[1] in overrides:
                 continue  # Muon keeps one buffer per matrix, AdamW two per other parameter
             assert sizes[kind] == pytest.approx(factor * expected, rel=0.05), f"{kind} on a rank of {layout}"
+
+
+# float8's casts round at the 4th bit (e4m3) and the 3rd (e5m2 gradients): a layout's sums in
+# another order (TP's partial products, FSDP's reduce-scatter) move a few values across a
+# rounding boundary, a step in the 4th bit each. On the first step (the same weights) that
+# leaves the loss within 1e-6 and the grad norm within 2e-5 (measured 0 and 7.5e-6); each AdamW
+# step then carries the flips into the weights (first steps move every weight by about lr, whatever
+# the size of its gradient): measured up to 2e-5 on the loss and 1.5e-4 on the grad norm by step 5.
+FLOAT8_FIRST_STEP_REL = {"loss": 1e-6, "grad_norm": 2e-5}
+FLOAT8_REL = {"loss": 1e-4, "grad_norm": 1e-3}
+
+
+@pytest.mark.timeout(sum(TIMEOUT_S.values()) * timeout_scale())
+@pytest.mark.parametrize("layout", FLOAT8_LAYOUTS)
+def test_float8_layout_matches_one_float8_process(layout, sessions):
+    """The scales are the one process's (a tensorwise weight's amax over every shard: FSDP's
+    float8 all-gather reduces it over the FSDP ranks, precomputed over FSDP x TP; torchao's TP
+    styles over the tp ranks), so only rounding flips remain (the tolerances above). A layout
+    that scaled by its own shards (FSDP x TP gathering float8 without precomputed scales)
+    missed the first step's loss by 1.2e-5."""
+    _, _, reference_name = FLOAT8_LAYOUTS[layout]
+    history, reference = sessions[layout]["history"], sessions[f"reference_{reference_name}"]["history"]
+    assert [h["step"] for h in history] == [h["step"] for h in reference]
+    for step, (ours, ref) in enumerate(zip(history, reference), start=1):
+        for key in ("loss", "grad_norm"):
+            rel = (FLOAT8_FIRST_STEP_REL if step == 1 else FLOAT8_REL)[key]
+            assert ours[key] == pytest.approx(ref[key], rel=rel), (
+                f"{layout} step {step} {key}: {ours[key]} vs {ref[key]}"
+            )
+
+
+def test_float8_training_tracks_float32(sessions):
+    """The debug model under FSDP 2 in float8 (emulated on this CPU) against the float32 run of
+    the same batches: e4m3 keeps 3 mantissa bits (2**-4 relative per element at most), errors
+    that largely average out over a dot product of 256 terms and over the loss's 32k tokens;
+    e5m2 gradients keep 2. Measured: the loss within 6e-4 and the grad norm within 2.8e-3 over
+    the 5 steps: 1e-3 and 1e-2 here. float8 is on: the curves differ."""
+    float8, float32 = sessions["float8_fsdp2"]["history"], sessions["reference_causal"]["history"]
+    assert float8[-1]["loss"] < float8[0]["loss"]
+    for ours, ref in zip(float8, float32):
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-3), (ours, ref)
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), (ours, ref)
+    assert max(abs(ours["loss"] / ref["loss"] - 1) for ours, ref in zip(float8, float32)) > 1e-5
+
+
+def test_float8_all_gather_gathers_float8_and_precomputed_scales_are_the_whole_weights(sessions):
+    """tests/helpers/float8_checks.py on 2 ranks: with enable_fsdp_float8_all_gather FSDP gathers
+    each weight as float8 (1 byte an element, a quarter of float32's) and the outputs do not
+    change (the scale is the whole weight's); precompute_float8_dynamic_scale_for_fsdp leaves
+    each weight the scale of the whole updated weight for its next gather, which gives the
+    output the gather's own scale gives."""
+    checks = sessions["float8_fsdp"]["checks"]
+    elements = 64 * 64  # one whole weight
+    assert checks["all_gather_False"] == [{"type": "Parameter", "dtype": "torch.float32", "bytes": 4 * elements}] * 2
+    assert (
+        checks["all_gather_True"]
+        == [{"type": "Float8TrainingTensor", "dtype": "torch.float8_e4m3fn", "bytes": elements}] * 2
+    )
+    assert checks["out_difference"] == 0.0
+    precompute = checks["precompute"]
+    assert precompute["before"] == [None, None]
+    assert max(precompute["scale_errors"]) < 1e-6
+    assert precompute["out_vs_dynamic"] == 0.0
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,9 @@ expert split over tp 2 (expert tensor parallelism) -> 1 process, and back.
 And with Muon (its momentum buffers laid out like the weights): FSDP 2 resumed at FSDP 2 (==)
 and at 1 process (1e-6).
 And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
-one-process run from the same seed does (1e-5), and not as from its own init.
+one-process run from the same seed does (1e-5), and not as from its own init. float8 (FSDP 2
+gathering float8): resumed at its layout (==), its checkpoint resumed by a 1-process run without
+float8 and a 1-process checkpoint resumed in float8 (within float8's distance from float32).
 Runs of one world size are cases of one training session (tests/helpers/sessions.py).
 """
 
@@ -46,6 +48,14 @@ ARGS = [
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 EP = "--parallelism.expert_parallel_degree"
 MUON = ["--optimizer.name", "Muon"]
+FLOAT8 = [
+    "--model.converters",
+    "float8",
+    "--float8.enable_fsdp_float8_all_gather",
+    "true",
+    "--float8.precompute_float8_dynamic_scale_for_fsdp",
+    "true",
+]
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
@@ -69,6 +79,7 @@ LAYOUTS = {
         4,
         ["--training.local_batch_size", "2", EP, "2", "--parallelism.data_parallel_replicate_degree", "2", *QWEN3_MOE],
     ),
+    "float8_fsdp2": (2, ["--training.local_batch_size", "4", *FLOAT8]),
 }
 # resume case: (layout it runs at, layout whose step-3 checkpoint it starts from)
 RESUMES = {
@@ -92,6 +103,13 @@ RESUMES = {
     "moe_ep2_hsdp2x2_from_moe_fsdp2": ("moe_ep2_hsdp2x2", "moe_fsdp2"),
     "moe_single_from_moe_etp2_tp2": ("moe_single", "moe_etp2_tp2"),
     "moe_etp2_tp2_from_moe_single": ("moe_etp2_tp2", "moe_single"),
+    "float8_fsdp2_from_float8_fsdp2": ("float8_fsdp2", "float8_fsdp2"),
+}
+# A float8 checkpoint holds the high-precision weights under their usual names: it resumes a
+# run without float8, and a float8 run resumes from a checkpoint without it.
+FLOAT8_RESUMES = {
+    "single_from_float8_fsdp2": ("single", "float8_fsdp2"),
+    "float8_fsdp2_from_single": ("float8_fsdp2", "single"),
 }
 
 
@@ -107,7 +125,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
         return Case(layout, [*ARGS, *LAYOUTS[layout][1]])
 
     def resume(name: str) -> Case:
-        layout, source = RESUMES[name]
+        layout, source = {**RESUMES, **FLOAT8_RESUMES}[name]
         return Case(
             name, [*ARGS, *LAYOUTS[layout][1]], copy_checkpoint=(str(root / f"world{LAYOUTS[source][0]}" / source), 3)
         )
@@ -134,11 +152,18 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
                 uninterrupted("moe_fsdp2"),
                 uninterrupted("muon_fsdp2"),
                 uninterrupted("moe_etp2_tp2"),
+                uninterrupted("float8_fsdp2"),
                 from_seed("pp2"),
-                *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 2],
+                *[resume(n) for n, (at, _) in {**RESUMES, **FLOAT8_RESUMES}.items() if LAYOUTS[at][0] == 2],
             ],
         ),
-        (1, [from_seed("single"), *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 1]]),
+        (
+            1,
+            [
+                from_seed("single"),
+                *[resume(n) for n, (at, _) in {**RESUMES, **FLOAT8_RESUMES}.items() if LAYOUTS[at][0] == 1],
+            ],
+        ),
         (4, [resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 4]),
     ]
     for nproc, cases in plan:
@@ -159,6 +184,20 @@ def test_resume_continues_the_uninterrupted_run(runs, name):
         else:
             assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-6), (name, ours, ref)
             assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), (name, ours, ref)
+
+
+@pytest.mark.parametrize("name", FLOAT8_RESUMES)
+def test_a_float8_checkpoint_resumes_without_float8_and_back(runs, name):
+    """Steps 4-6 continue from the step-3 weights: within float8's distance from float32
+    (tests/runs/test_parallel_equivalence.py: 1e-3 on the loss) of both uninterrupted runs,
+    the one the checkpoint came from and the one the resume trains like; a run that had
+    started afresh would log the first step's loss (about 8.9 against 8.0 here)."""
+    layout, source = FLOAT8_RESUMES[name]
+    resumed = runs[name]
+    assert [h["step"] for h in resumed] == [4, 5, 6]
+    for uninterrupted in (runs[layout], runs[source]):
+        for ours, ref in zip(resumed, uninterrupted[3:]):
+            assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-3), (name, ours, ref)
 
 
 def test_a_pipeline_starts_from_a_one_process_seed_checkpoint(runs):

@@ -33,12 +33,10 @@ PLANNED = {
 }
 TRAINED = ("llama3_debug_model", "qwen3_moe_debug")
 ABSENT = ("deepseek_v3_debug_model", "llama4_debug_model", "gpt_oss_debug_model")
-# What the 405B file turns on that titanlite does not have, and the value that turns it off.
+# What the 405B file turns on that titanlite does not have, and the value that turns it off
+# (its float8 training, with float8 all-gather and precomputed scales, is planned as it is).
 LLAMA3_405B_ON = {
-    'converters = ["float8"]': "converters = []",
     "enable_async_tensor_parallel = true": "enable_async_tensor_parallel = false",
-    "enable_fsdp_float8_all_gather = true": "enable_fsdp_float8_all_gather = false",
-    "precompute_float8_dynamic_scale_for_fsdp = true": "precompute_float8_dynamic_scale_for_fsdp = false",
 }
 
 
@@ -92,7 +90,7 @@ def test_torchtitans_files_stop_only_at_their_download(workdir):
     for name in (*PLANNED, *TRAINED):
         text = (CONFIGS / f"{name}.toml").read_text()
         dataset = next(dataset for dataset, line in DOWNLOADS.items() if line in text)
-        if name == "llama3_405b":  # float8 comes first: titanlite has none (below)
+        if name == "llama3_405b":  # async TP comes first: titanlite has none (below)
             (workdir / f"{name}.toml").write_text(_replace_all(text, LLAMA3_405B_ON))
         line = error_line(run(workdir, "titanlite.config", "--config", f"{name}.toml"))
         assert line.startswith(f"titanlite: error: training.dataset: '{dataset}' is a dataset torchtitan downloads"), (
@@ -110,12 +108,12 @@ def test_the_llama3_debug_file_trains_torchtitans_debugmodel_and_says_what_it_le
     # torchtitan's debugmodel: 16 heads, no GQA (titanlite's own has 8 heads and 4 kv heads)
     assert "model llama3 torchtitan:debugmodel:" in result.stdout, result.stdout[-2000:]
     said = notes(result)
-    assert len(said) == 6, said  # metrics.enable_wandb = false is titanlite's own option: no note
+    # metrics.enable_wandb = false is titanlite's own option, [quantize.linear.float8] its [float8]: no note
+    assert len(said) == 5, said
     for key in (
         "metrics.disable_color_printing",
         "parallelism.enable_async_tensor_parallel = false",
         "compile.components",
-        "[quantize]",
         "validation.dataset = 'c4_validation'",
         "model.flavor = 'debugmodel' in llama3_debug_model_local.toml: the file is torchtitan's, so torchtitan's",
     ):
@@ -154,7 +152,7 @@ def test_the_big_files_plan_on_torchtitans_flavors(workdir, name):
     world, memory, vocab = PLANNED[name]
     if name == "llama3_405b":
         line = error_line(run(workdir, "titanlite.config", "--config", f"{name}_local.toml"))
-        assert line.startswith("titanlite: error: model.converters: float8 is not supported"), line
+        assert line.startswith("titanlite: error: parallelism.enable_async_tensor_parallel: not supported"), line
         (workdir / f"{name}_local.toml").write_text(
             _replace_all((workdir / f"{name}_local.toml").read_text(), LLAMA3_405B_ON)
         )
@@ -186,11 +184,9 @@ def test_an_option_titanlite_lacks_is_refused_when_on(workdir):
     )
     line = error_line(run(workdir, "titanlite.config", "--config", "async_tp.toml"))
     assert line.startswith("titanlite: error: parallelism.enable_async_tensor_parallel: not supported")
-    (workdir / "float8.toml").write_text(
-        text.replace("enable_fsdp_float8_all_gather = false", "enable_fsdp_float8_all_gather = true")
-    )
-    line = error_line(run(workdir, "titanlite.config", "--config", "float8.toml"))
-    assert "linear.float8.enable_fsdp_float8_all_gather is not supported" in line
+    (workdir / "mx.toml").write_text(text.replace('# converters = ["float8"]', 'converters = ["quantize.linear.mx"]'))
+    line = error_line(run(workdir, "titanlite.config", "--config", "mx.toml"))
+    assert line.startswith("titanlite: error: model.converters: quantize.linear.mx is not supported: MXFP8 needs"), line
     text = local((CONFIGS / "qwen3_moe_debug.toml").read_text())
     (workdir / "etp.toml").write_text(
         text.replace("expert_tensor_parallel_degree = 1", "expert_tensor_parallel_degree = 2")

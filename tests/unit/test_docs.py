@@ -59,6 +59,7 @@ def test_every_module_is_named_in_the_architecture_page():
 
 # What each step of the parallelize order calls, in `parallel/parallelize.parallelize`.
 ORDER_CALLS = {
+    "float8": "convert_to_float8(",
     "EP": "apply_ep(",
     "TP": "parallelize_module(",
     "CP": "enable_context_parallel(",

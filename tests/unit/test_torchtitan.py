@@ -73,18 +73,14 @@ def test_a_command_line_dataset_wins_over_a_files_download(tmp_path):
     assert notices[1:] == [f"training.dataset = 'c4' in {path}: torchtitan's download, replaced by the command line's"]
 
 
-def test_model_converters_say_float8_is_not_supported(tmp_path):
-    """torchtitan's 405B file converts the model to float8."""
+def test_model_converters_take_float8_and_refuse_mx_naming_its_hardware(tmp_path):
+    """torchtitan's 405B file converts the model to float8 (tests/unit/test_float8.py: the rest)."""
     path = tmp_path / "torchtitan.toml"
     path.write_text('[model]\nconverters = ["float8"]\n')
-    with pytest.raises(
-        TitanliteError, match=r"^model.converters: float8 is not supported \(titanlite has no float8 or mx"
-    ):
+    assert load_config(["--config", str(path)]).model.converters == ["float8"]
+    path.write_text('[model]\nconverters = ["mx"]\n')
+    with pytest.raises(TitanliteError, match=r"^model.converters: mx is not supported: MXFP8 needs an SM100 GPU"):
         load_config(["--config", str(path)])
-    path.write_text("[model]\nconverters = []\n")
-    notices: list[str] = []
-    load_config(["--config", str(path)], notices)
-    assert notices[0] == f"model.converters = [] in {path}: torchtitan's option, no conversion; titanlite has none"
 
 
 def test_selective_ac_option_is_a_number_or_op():

@@ -40,6 +40,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from titanlite.checkpoint.export import cast_floating
 from titanlite.config.dtypes import torch_dtype
+from titanlite.parallel.float8 import plain_tensors
 
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -62,7 +63,7 @@ class Contents:
         stall of an async save."""
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIMIZER)
         return {
-            "model": model_state,
+            "model": plain_tensors(model_state),
             "optimizer": optimizer_state,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "dataloader": self.dataloader.state_dict(),
@@ -79,8 +80,13 @@ class Contents:
 
     def weights_state(self, dtype: str | None) -> dict[str, Any]:
         """Model weights only, cast to `dtype` (a config dtype name) when given."""
-        model_sd = get_model_state_dict(self.model)
+        model_sd = self.model_state()
         return {"model": cast_floating(model_sd, torch_dtype(dtype)) if dtype is not None else model_sd}
+
+    def model_state(self) -> dict[str, Any]:
+        """The model's state dict of plain tensors (float8-gathered weights unwrapped, sharing
+        their storage), to save from or to load into in place."""
+        return plain_tensors(get_model_state_dict(self.model))
 
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every model tensor's global shape, by our parameter names."""

@@ -102,13 +102,11 @@ class CheckpointManager:
         """`last_save_in_hf`: the model as a Hugging Face folder `<root>/step-N-hf` (not a
         checkpoint to resume from: `commit.scan` lists only `step-N`), every rank writing
         its own shards (`hf_io.save_hf_weights`). Blocking and collective."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         out = self.root / f"step-{step}-hf"
         extra = hf_io.tokenizer_files(self.tokenizer_path) if self.tokenizer_path is not None else []
         spec, args = self.restorer.spec, self.restorer.model_args
         hf_io.save_hf_weights(
-            get_model_state_dict(self.contents.model),
+            self.contents.model_state(),
             out,
             spec.hf_adapter,
             args,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from titanlite.checkpoint import hf_io, integrity, policy
 from titanlite.checkpoint.commit import CommitRecord, args_dict, fingerprint, read_dcp_index
@@ -167,7 +167,7 @@ class Restorer:
     def _load_model_dcp(self, path: Path, prefix: str) -> None:
         """Model weights only; `prefix` "" reads checkpoints that keep weights at top level
         (torchtitan's seed and weights-only exports do)."""
-        model_sd = get_model_state_dict(self.contents.model)
+        model_sd = self.contents.model_state()
         state = {"model": model_sd} if prefix else model_sd
         dcp_load(state, path, self.group)
         set_model_state_dict(self.contents.model, model_sd)
@@ -187,7 +187,7 @@ class Restorer:
             ),
         )
         started = time.perf_counter()
-        model_sd = get_model_state_dict(self.contents.model)
+        model_sd = self.contents.model_state()
         hf_io.load_hf_weights(model_sd, folder, adapter, self.model_args, self.group)
         set_model_state_dict(self.contents.model, model_sd)
         logger.info(

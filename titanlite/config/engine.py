@@ -222,10 +222,11 @@ def _lookup(root: type, section: str, key: str, where: str) -> tuple[Any, datacl
 
 class Translate(Protocol):
     """Maps a key before it is looked up: (section, key, value, where) -> the (section, key,
-    value) to set, or None when it handled the key itself (key None: a whole section the
-    config does not have, which `handles_section` claims)."""
+    value) to set, or None when it handled the key itself. Key None: a whole section the
+    config does not have, which `handles_section` claims; then the (section, key, value)
+    triples to set in the config's own sections (or None)."""
 
-    def __call__(self, section: str, key: str | None, value: Any, where: str) -> tuple[str, str, Any] | None: ...
+    def __call__(self, section: str, key: str | None, value: Any, where: str) -> Any: ...
 
     def handles_section(self, section: str) -> bool: ...
 
@@ -267,7 +268,8 @@ def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate 
             )
         if section not in by_name:
             if translate is not None and translate.handles_section(section):
-                translate(section, None, table, where)
+                for own_section, key, value in translate(section, None, table, where) or ():
+                    _set(cfg, own_section, key, value, where)
                 continue
             close = _closest(section, list(by_name))
             raise TitanliteError(f"unknown section [{section}] {where}{_hint(f'[{close}]' if close else None)}")
@@ -277,14 +279,17 @@ def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate 
                 if translate is not None
                 else (section, given_key, given_value)
             )
-            if mapped is None:
-                continue
-            _, key, value = mapped
-            tp, _ = _lookup(root, section, key, where)
-            try:
-                setattr(getattr(cfg, section), key, _coerce(value, tp))
-            except ValueError:
-                raise TitanliteError(f"{section}.{key}: expected {expected(tp)}, got {quoted(value)} {where}") from None
+            if mapped is not None:
+                _set(cfg, section, mapped[1], mapped[2], where)
+
+
+def _set(cfg: Any, section: str, key: str, value: Any, where: str) -> None:
+    """One TOML value set on `cfg`, its name and type checked."""
+    tp, _ = _lookup(type(cfg), section, key, where)
+    try:
+        setattr(getattr(cfg, section), key, _coerce(value, tp))
+    except ValueError:
+        raise TitanliteError(f"{section}.{key}: expected {expected(tp)}, got {quoted(value)} {where}") from None
 
 
 def cli_pairs(argv: Sequence[str], usage: str) -> Iterator[tuple[str, str | None]]:

@@ -28,6 +28,7 @@ from titanlite.config.engine import (
 )
 from titanlite.config.output import help_lines, to_toml
 from titanlite.config.fault_tolerance import check_fault_tolerance
+from titanlite.config.float8 import check_float8
 from titanlite.config.param_groups import parse_groups
 from titanlite.config.sections import JobConfig
 from titanlite.config.torchtitan import TorchtitanKeys
@@ -160,6 +161,7 @@ def validate(cfg: JobConfig) -> None:
         raise TitanliteError(
             f"activation_checkpoint.selective_ac_option: must be a whole number >= 1 or op (got {option!r})"
         )
+    check_float8(cfg.model.converters, cfg.float8)
     for name in parallelism.fsdp_shard_modules:
         if not name.isidentifier():
             raise TitanliteError(

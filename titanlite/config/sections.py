@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from titanlite.config.engine import option as _opt
 from titanlite.config.fault_tolerance import FaultTolerance
-from titanlite.config.param_groups import DEFAULT_GROUPS
+from titanlite.config.float8 import Float8
+from titanlite.config.optimizer import Optimizer
 
 # training.steps' bound: a run of more steps cannot finish (see its help), so a number past it
 # (10**20, a typo, a stand-in for "forever") is refused instead of training until killed.
@@ -55,45 +56,10 @@ class Model:
         "(only earlier tokens of the same document, as Llama 3 pretrained)",
         choices=("causal", "block_causal"),
     )
-
-
-@dataclass
-class Optimizer:
-    """AdamW, or Muon for the hidden matrices with AdamW for the rest, in parameter groups."""
-
-    name: str = _opt(
-        "AdamW",
-        "optimizer: AdamW for every parameter, or Muon for the hidden matrices (attention, MLP, each routed "
-        "expert) with AdamW for embeddings, output head, norms and biases",
-        choices=("AdamW", "Muon"),
-    )
-    lr: float = _opt(8e-4, "peak learning rate (reached at the end of warmup); AdamW's under Muon", gt=0)
-    beta1: float = _opt(0.9, "AdamW first-moment decay", ge=0, lt=1)
-    beta2: float = _opt(0.95, "AdamW second-moment decay", ge=0, lt=1)
-    eps: float = _opt(1e-8, "AdamW denominator epsilon", gt=0)
-    weight_decay: float = _opt(0.1, "decoupled weight decay of the parameters no param_groups entry matches", ge=0)
-    implementation: str = _opt(
-        "fused",
-        "AdamW kernels: one fused kernel (CPU and GPU), multi-tensor foreach, or a per-parameter loop",
-        choices=("fused", "foreach", "for-loop"),
-    )
-    param_groups: list[str] = _opt(
-        list(DEFAULT_GROUPS),
-        "parameter groups, first match wins: 'PATTERN [PATTERN ...]: lr_scale=X weight_decay=Y' with shell-style "
-        "patterns on the parameter names (layers.0.attention.wq.weight); unmatched parameters train with lr and "
-        "weight_decay; the default exempts embeddings, norms and biases from weight decay",
-    )
-    muon_lr: float | None = _opt(
-        None, "Muon's peak learning rate for the hidden matrices; none = optimizer.lr", gt=0, special=None
-    )
-    muon_momentum: float = _opt(0.95, "Muon's momentum", ge=0, lt=1)
-    muon_nesterov: bool = _opt(True, "Muon: Nesterov momentum")
-    muon_newton_schulz_steps: int = _opt(5, "Muon: Newton-Schulz iterations per step", ge=1, lt=100)
-    muon_adjust_lr: str = _opt(
-        "original",
-        "Muon's per-matrix lr scale: original (sqrt(max(1, rows/cols)), Keller Jordan) or match_rms_adamw "
-        "(0.2 * sqrt(max(rows, cols)), Moonlight: the update's RMS matches AdamW's, so AdamW's lr carries over)",
-        choices=("original", "match_rms_adamw"),
+    converters: list[str] = _opt(
+        [],
+        "conversions before parallelism: float8 (torchao's float8 linears, set in [float8]; emulated on devices "
+        "without float8 matmuls; torchtitan's quantize.linear.float8 is the same)",
     )
 
 
@@ -449,5 +415,6 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

@@ -8,16 +8,18 @@ options titanlite does not have.
 - Options titanlite does not have are accepted with one notice when set to what they are off
   (or to no effect), and refused in one line when they would change the run:
   `parallelism.enable_async_tensor_parallel`, `optimizer.early_step_in_backward` (torchtitan's
-  other optimizer keys are titanlite's; it has no parameter groups), a `[quantize]` section that
-  enables nothing;
+  other optimizer keys are titanlite's; it has no parameter groups);
   `metrics.disable_color_printing` and `compile.components` have no effect to have (titanlite
   prints no colors; `compile.enable` compiles every block).
+- `[quantize.linear.float8]` (file) and `--quantize.linear.float8.KEY` are the `[float8]`
+  section; its `emulate` is a notice (titanlite emulates exactly where the device has no float8
+  matmuls). The other `[quantize.*]` tables (mx, grouped_mm) hold settings of conversions that
+  `model.converters` refuses by name (`REFUSED_CONVERTERS`): a notice. In `model.converters`,
+  torchtitan's `quantize.linear.float8` is `float8`.
 - Datasets torchtitan downloads (`c4`, `c4_test`, `c4_validation`) are refused with the line
   that says how to prepare one locally, unless a command-line override names another
   dataset (overrides win, as everywhere); a validation dataset of that kind is only a
   notice while validation is off.
-- `model.converters` (torchtitan's float8 / mx model conversions) is refused in one line
-  when it names one; an empty list is a notice.
 - A file that names any of the keys above is torchtitan's, and its flavor names are torchtitan's:
   for the model families titanlite has (llama3, qwen3) `model.flavor = "debugmodel"` becomes
   `torchtitan:debugmodel`, torchtitan v0.2.2's shape (models/<family>/__init__.py), with a
@@ -34,7 +36,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from titanlite.config.engine import parse_list
 from titanlite.errors import TitanliteError
 
 if TYPE_CHECKING:
@@ -59,6 +60,18 @@ NO_EFFECT = {
     ("compile", "components"): "compile.enable compiles each transformer block; the loss runs eager",
 }
 DOWNLOADED_DATASETS = ("c4", "c4_test", "c4_validation")
+FLOAT8_SECTION = ("quantize", "linear", "float8")  # torchtitan v0.2's home of the [float8] keys
+# torchtitan's model converters titanlite does not have: what each needs
+_MXFP8 = "MXFP8 needs an SM100 GPU (Blackwell) and titanlite has no MXFP8 path; float8 is the conversion it has"
+REFUSED_CONVERTERS = {
+    "mx": _MXFP8,
+    "quantize.linear.mx": _MXFP8,
+    "quantize.grouped_mm.mx": _MXFP8,
+    "quantize.grouped_mm.float8": (
+        "float8 grouped GEMM for MoE experts needs an SM90 GPU (torch._scaled_grouped_mm) and titanlite has "
+        "no path for it; float8 converts the linear layers and leaves the routed experts in high precision"
+    ),
+}
 # torchtitan v0.2.2's model families (torchtitan/models/__init__.py): those titanlite has, whose
 # torchtitan flavors are registered as FLAVOR_PREFIX + name, and those it does not have.
 SHARED_MODELS = ("llama3", "qwen3")
@@ -79,15 +92,6 @@ def _is_on(value: Any) -> bool:
     return bool(value) and value is not False
 
 
-def _listed(text: str) -> list[str]:
-    """A list option's text (`float8`, `float8,mx`, `["float8"]`) as its names; text that
-    does not parse as a list is one name."""
-    try:
-        return parse_list(text)
-    except ValueError:
-        return [text]
-
-
 def _is_off(value: Any, off: bool | int) -> bool:
     """Whether a TOML value, or an override's text, is an option's off value (a boolean or a number)."""
     if isinstance(off, bool):
@@ -100,22 +104,8 @@ def _torchtitans(section: str, key: str | None, value: Any) -> bool:
     return (
         key is None
         or any((section, key) in table for table in (ALIASES, OFF_ONLY, NO_EFFECT))
-        or (section, key) == ("model", "converters")
         or (key == "dataset" and value in DOWNLOADED_DATASETS)
     )
-
-
-def _enables(table: Any) -> list[str]:
-    """The enable* keys set on anywhere in a (nested) table."""
-    if not isinstance(table, dict):
-        return []
-    found = []
-    for key, value in table.items():
-        if isinstance(value, dict):
-            found += [f"{key}.{inner}" for inner in _enables(value)]
-        elif key.startswith("enable") and _is_on(value):
-            found.append(key)
-    return found
 
 
 class TorchtitanKeys:
@@ -160,30 +150,41 @@ class TorchtitanKeys:
                 )
             self._downloaded[section] = (value, where)
             return None
-        if (section, key) == ("model", "converters"):
-            value = value if isinstance(value, list) else _listed(str(value))  # the command line's text
-            if value:
-                raise TitanliteError(
-                    f"model.converters: {', '.join(map(str, value))} is not supported (titanlite has no "
-                    "float8 or mx conversion); remove it or leave the list empty"
-                )
-            self.notices.append(
-                f"model.converters = [] {where}: torchtitan's option, no conversion; titanlite has none"
-            )
-            return None
+        if section == ".".join(FLOAT8_SECTION):  # the command line's --quantize.linear.float8.KEY
+            return self._float8_key(key, value, where)
         return section, key, value
 
-    def _section(self, section: str, table: Any, where: str) -> None:
-        enabled = _enables(table)
-        if enabled:
-            raise TitanliteError(
-                f"[quantize] {where}: {', '.join(enabled)} is not supported (titanlite has no float8 or "
-                "mx quantization); remove the section"
+    def _float8_key(self, key: str, value: Any, where: str) -> tuple[str, str, Any] | None:
+        if key == "emulate":
+            self.notices.append(
+                f"quantize.linear.float8.emulate {where}: torchtitan's option, no effect here: titanlite "
+                "emulates float8 exactly where the device has no float8 matmuls (an SM >= 8.9 GPU)"
             )
-        self.notices.append(
-            f"[quantize] {where}: torchtitan's quantization section, nothing enabled; titanlite has none"
-        )
-        return None
+            return None
+        return "float8", key, value
+
+    def _section(self, section: str, table: Any, where: str) -> list[tuple[str, str, Any]]:
+        """torchtitan's nested [quantize.<kind>.<format>] tables: float8 linears' keys for the
+        [float8] section; the others (mx, grouped_mm) a notice each."""
+        found = []
+        for kind, formats in table.items():
+            for name, keys in formats.items() if isinstance(formats, dict) else [(None, formats)]:
+                shown = ".".join(part for part in (section, kind, name) if part)
+                if not isinstance(keys, dict):
+                    raise TitanliteError(f"[{shown}] {where}: expected a table of keys, got {keys!r}")
+                if (section, kind, name) == FLOAT8_SECTION:
+                    found += [mapped for k, v in keys.items() if (mapped := self._float8_key(k, v, where))]
+                elif shown in REFUSED_CONVERTERS:
+                    self.notices.append(
+                        f"[{shown}] {where}: torchtitan's settings of a conversion titanlite does not have "
+                        "(model.converters refuses it), not used"
+                    )
+                else:
+                    raise TitanliteError(
+                        f"unknown section [{shown}] {where}: the quantize tables are quantize.linear.float8, "
+                        "quantize.linear.mx, quantize.grouped_mm.float8 and quantize.grouped_mm.mx"
+                    )
+        return found
 
     def refuse_absent_model(self, data: dict[str, Any], shown: str, overrides: Sequence[Override]) -> None:
         """Before a file's keys are read: its model, or the command line's, is not a torchtitan
@@ -203,7 +204,9 @@ class TorchtitanKeys:
     def finish(self, cfg: JobConfig, overridden: set[tuple[str, str]]) -> None:
         """Checks that need the whole config: a file's downloaded dataset is refused unless a
         command-line override replaced it, and for validation only when validation is on; a
-        torchtitan file's flavor is torchtitan's."""
+        torchtitan file's flavor is torchtitan's; its converter names are ours."""
+        converters = cfg.model.converters
+        cfg.model.converters = ["float8" if name == ".".join(FLOAT8_SECTION) else name for name in converters]
         self._torchtitan_flavor(cfg, _COMMAND_LINE if ("model", "flavor") in overridden else self._file)
         for section, (dataset, where) in self._downloaded.items():
             if (section, "dataset") in overridden and where != _COMMAND_LINE:

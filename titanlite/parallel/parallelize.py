@@ -1,17 +1,21 @@
 """`parallelize`: titanlite's parallelisms applied to any model in their fixed order, the one
 path the trainer (`build.parallelize`) and a library user's own loop share.
 
-The order is torchtitan's: expert parallelism and the TP plan first (they turn parameters
-into DTensors on the ep and tp meshes, which FSDP then shards further; the experts first, so
-the TP plan finds them laid out and leaves them), the model's context-parallel attention, activation
-checkpointing and `torch.compile` per block (so FSDP's hooks sit outside the wrappers and
-the compiled graphs), and last `fully_shard` per unit, innermost first, then the root.
+The order is torchtitan's: the float8 conversion of the linears (`float8.py`) before anything
+else (every later step then shards and wraps Float8Linear modules), then expert parallelism
+and the TP plan (they turn parameters into DTensors on the ep and tp meshes, which FSDP then
+shards further; the experts first, so the TP plan finds them laid out and leaves them), the
+model's context-parallel attention, activation checkpointing and `torch.compile` per block
+(so FSDP's hooks sit outside the wrappers and the compiled graphs), and last `fully_shard`
+per unit, innermost first, then the root.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Union
+from typing import Any, Union
+
+import torch
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,6 +28,7 @@ from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context_parallel import ContextParallelModel
 from titanlite.parallel.expert_parallel import apply_ep
 from titanlite.parallel.expert_tensor_parallel import apply_etp
+from titanlite.parallel.float8 import convert_to_float8, refuse_float8_only_units
 from titanlite.parallel.fsdp import replicate_model, shard_model
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.units import Selector, innermost_first, outermost_named, select
@@ -54,6 +59,7 @@ def parallelize(
     compile: bool = False,
     pipelined: bool = False,
     expert_tensor_parallel: bool = False,
+    float8: Any = None,
 ) -> nn.Module:
     """Parallelize `model` in place over `mesh` (from `build_mesh`) and return it.
 
@@ -71,11 +77,16 @@ def parallelize(
     pipelined: the model is one pipeline stage: "default" resharding keeps every unit's
         weights gathered to backward, and a stage without MoE layers is allowed on an ep mesh.
     expert_tensor_parallel: split each routed expert's weights over tp (needs a tp mesh).
+    float8: train the linears in float8 through torchao: the `[float8]` section (`Float8`
+        from `titanlite.config`: recipe_name, enable_fsdp_float8_all_gather, filter_fqns).
     """
     meshes = as_meshes(mesh)
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
     if expert_tensor_parallel and meshes.tp is None:
         raise TitanliteError("parallelize: expert_tensor_parallel needs a mesh with a tp dimension")
+    if float8 is not None:
+        device_type = meshes.world.device_type if meshes.world is not None else _default_device_type()
+        convert_to_float8(model, float8, device_type=device_type, fsdp=meshes.fsdp is not None, compile=compile)
     experts = apply_ep(model, meshes.ep, meshes.tp, expert_tensor_parallel) if meshes.ep is not None else []
     if expert_tensor_parallel and meshes.ep is None:
         apply_etp(model, meshes.tp)
@@ -98,14 +109,16 @@ def parallelize(
     if compile:
         apply_compile(model, [(name, model.get_submodule(name)) for name in names])
     precision = mixed_precision or MixedPrecisionPolicy()
+    units = _units(model, names, fsdp_modules) if meshes.replicate is not None or meshes.fsdp is not None else []
     if meshes.replicate is not None:
-        units = _units(model, names, fsdp_modules)
         replicate_model(model, meshes.replicate, units, mp_policy=precision, cpu_offload=cpu_offload)
     elif meshes.fsdp is not None:
+        if float8 is not None and float8.enable_fsdp_float8_all_gather and meshes.fsdp.device_type == "cpu":
+            refuse_float8_only_units(model, units)
         shard_model(
             model,
             meshes.fsdp,
-            _units(model, names, fsdp_modules),
+            units,
             mp_policy=precision,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
@@ -122,6 +135,11 @@ def _units(model: nn.Module, blocks: list[str], fsdp_modules: Selector) -> list[
     if fsdp_modules is None:
         return [model.get_submodule(name) for name in blocks]
     return innermost_first(select(model, fsdp_modules, "parallelize: fsdp_modules"))
+
+
+def _default_device_type() -> str:
+    """One process's device: the trainer's choice (a GPU where there is one)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check(meshes: Meshes, tp_plan: TPPlan, ac: str | int, prefetch: int, reshard: bool | int | str) -> None:
