@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from titanlite.config.param_groups import DEFAULT_GROUPS
 from titanlite.config import load_config, torchtitan
 from titanlite.data.tokenizers import tokenizer_file
 from titanlite.errors import TitanliteError
@@ -70,7 +71,21 @@ def test_a_command_line_dataset_wins_over_a_files_download(tmp_path):
     notices: list[str] = []
     cfg = load_config(["--config", str(path), "--training.dataset", "builtin"], notices)
     assert cfg.training.dataset == "builtin" and cfg.model.flavor == "torchtitan:debugmodel"  # torchtitan's file
-    assert notices[1:] == [f"training.dataset = 'c4' in {path}: torchtitan's download, replaced by the command line's"]
+    assert notices[2:] == [f"training.dataset = 'c4' in {path}: torchtitan's download, replaced by the command line's"]
+
+
+def test_a_torchtitan_file_decays_every_parameter_unless_it_names_groups(tmp_path):
+    """torchtitan has no parameter groups: its file trains with one weight decay for all, with a
+    notice; titanlite's own files keep the default groups, and named groups win in either."""
+    path = tmp_path / "torchtitan.toml"
+    path.write_text('[training]\ndataset = "c4"\n')
+    notices: list[str] = []
+    cfg = load_config(["--config", str(path), "--training.dataset", "builtin"], notices)
+    assert cfg.optimizer.param_groups == [] and notices[0].startswith("optimizer.param_groups = [] for the file ")
+    assert load_config(["--config", "debug_model"]).optimizer.param_groups == list(DEFAULT_GROUPS)
+    group = "*.bias: weight_decay=0"
+    named = load_config(["--config", str(path), "--training.dataset", "builtin", "--optimizer.param_groups", group])
+    assert named.optimizer.param_groups == [group]
 
 
 def test_model_converters_take_float8_and_refuse_mx_naming_its_hardware(tmp_path):

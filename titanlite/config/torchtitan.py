@@ -8,7 +8,8 @@ options titanlite does not have.
 - Options titanlite does not have are accepted with one notice when set to what they are off
   (or to no effect), and refused in one line when they would change the run:
   `parallelism.enable_async_tensor_parallel`, `optimizer.early_step_in_backward` (torchtitan's
-  other optimizer keys are titanlite's; it has no parameter groups);
+  other optimizer keys are titanlite's; it has no parameter groups, so its files train with
+  `optimizer.param_groups = []`, every parameter decayed alike, with a notice);
   `metrics.disable_color_printing` and `compile.components` have no effect to have (titanlite
   prints no colors; `compile.enable` compiles every block).
 - `[quantize.linear.float8]` (file) and `--quantize.linear.float8.KEY` are the `[float8]`
@@ -115,11 +116,14 @@ class TorchtitanKeys:
         self.notices: list[str] = []
         self._downloaded: dict[str, tuple[str, str]] = {}  # section -> (dataset, where) from a file, decided in finish
         self._file: str | None = None  # the `where` of a file read as torchtitan's
+        self._groups_given = False  # optimizer.param_groups set by the file or the command line
 
     def __call__(self, section: str, key: str | None, value: Any, where: str) -> tuple[str, str, Any] | None:
         """The (section, key, value) to set, or None when this key is handled here."""
         if where != _COMMAND_LINE and _torchtitans(section, key, value):
             self._file = where
+        if (section, key) == ("optimizer", "param_groups"):
+            self._groups_given = True
         if key is None:  # a whole section titanlite does not have
             return self._section(section, value, where)
         if (section, key) in ALIASES:
@@ -207,6 +211,7 @@ class TorchtitanKeys:
         torchtitan file's flavor is torchtitan's; its converter names are ours."""
         converters = cfg.model.converters
         cfg.model.converters = ["float8" if name == ".".join(FLOAT8_SECTION) else name for name in converters]
+        self._torchtitan_groups(cfg)
         self._torchtitan_flavor(cfg, _COMMAND_LINE if ("model", "flavor") in overridden else self._file)
         for section, (dataset, where) in self._downloaded.items():
             if (section, "dataset") in overridden and where != _COMMAND_LINE:
@@ -221,6 +226,18 @@ class TorchtitanKeys:
                 self.notices.append(
                     f"validation.dataset = {dataset!r}: torchtitan's download, not used while validation is off"
                 )
+
+    def _torchtitan_groups(self, cfg: JobConfig) -> None:
+        """A torchtitan file trains as torchtitan does: one weight decay for every parameter
+        (torchtitan has no parameter groups), not titanlite's default that exempts embeddings,
+        norms and biases, unless the file or the command line names groups."""
+        if self._file is None or self._groups_given:
+            return
+        cfg.optimizer.param_groups = []
+        self.notices.append(
+            f"optimizer.param_groups = [] for the file {self._file}: torchtitan decays every parameter alike "
+            "(titanlite's default exempts embeddings, norms and biases; set optimizer.param_groups to use it)"
+        )
 
     def _torchtitan_flavor(self, cfg: JobConfig, where: str | None) -> None:
         """A torchtitan file names torchtitan's flavors (a command-line flavor speaks the file's
