@@ -218,6 +218,8 @@ PRESET_VOCAB = {
     "qwen3_32b": "151936",
     "qwen3_30b_a3b": "151936",
     "qwen3_235b_a22b": "151936",
+    "deepseek_v3_16b": "102400",
+    "deepseek_v3_671b": "129280",
 }
 
 
