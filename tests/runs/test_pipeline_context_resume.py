@@ -12,6 +12,8 @@ The same for Qwen3-MoE's debug flavor, whose expert biases are buffers every ste
 pp 2 resumed at pp 2 (==) and a one-process checkpoint resumed at pp 2 (1e-6); and with its
 experts split by expert parallelism (each rank's experts a shard of the stacked tensor):
 ep 2 resumed at ep 2 (==), ep 2 -> 1 process, FSDP 2 and ep 4, and 1 process -> ep 2 (1e-6).
+DeepSeek-V3's debug flavor (MLA, expert bias, group-limited routing): ep 2 resumed at ep 2 (==),
+and its ep 2 checkpoint resumed at pp 2 x tp 2 (1e-6).
 And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
 one-process run from the same seed does (1e-5), and not as from its own init.
 Runs of one world size are cases of one training session (tests/helpers/sessions.py).
@@ -41,6 +43,7 @@ ARGS = [
 ]
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 EP = "--parallelism.expert_parallel_degree"
+DSV3 = ["--model.name", "deepseek_v3"]
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
@@ -51,6 +54,19 @@ LAYOUTS = {
     "moe_ep2": (2, ["--training.local_batch_size", "4", EP, "2", *QWEN3_MOE]),
     "moe_fsdp2": (2, ["--training.local_batch_size", "4", *QWEN3_MOE]),
     "moe_ep4": (4, ["--training.local_batch_size", "2", EP, "4", *QWEN3_MOE]),
+    "dsv3_ep2": (2, ["--training.local_batch_size", "4", EP, "2", *DSV3]),
+    "dsv3_pp2_tp2": (
+        4,
+        [
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            *DSV3,
+        ],
+    ),
 }
 # resume case: (layout it runs at, layout whose step-3 checkpoint it starts from)
 RESUMES = {
@@ -68,6 +84,8 @@ RESUMES = {
     "moe_fsdp2_from_moe_ep2": ("moe_fsdp2", "moe_ep2"),
     "moe_ep4_from_moe_ep2": ("moe_ep4", "moe_ep2"),
     "moe_ep2_from_moe_single": ("moe_ep2", "moe_single"),
+    "dsv3_ep2_from_dsv3_ep2": ("dsv3_ep2", "dsv3_ep2"),
+    "dsv3_pp2_tp2_from_dsv3_ep2": ("dsv3_pp2_tp2", "dsv3_ep2"),
 }
 
 
@@ -99,7 +117,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
     plan = [
         (1, [uninterrupted("single"), seed, uninterrupted("moe_single")]),
-        (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4")]),
+        (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4"), uninterrupted("dsv3_pp2_tp2")]),
         (
             2,
             [
@@ -108,6 +126,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
                 uninterrupted("moe_pp2"),
                 uninterrupted("moe_ep2"),
                 uninterrupted("moe_fsdp2"),
+                uninterrupted("dsv3_ep2"),
                 from_seed("pp2"),
                 *[resume(n) for n, (at, _) in RESUMES.items() if LAYOUTS[at][0] == 2],
             ],
