@@ -142,6 +142,55 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+MODELS = "titanlite.models"
+FAMILIES = sorted(f"{MODELS}.{p.name}" for p in (PACKAGE / "models").iterdir() if (p / "__init__.py").is_file())
+
+
+def models_unit(module: str) -> str:
+    """A module of titanlite.models as one unit of its package graph: the family package it is
+    in, "registry" (models/__init__.py, which names every family), or "shared" (the modules
+    directly in models/: the decoder, attention, MoE, ... every family builds on)."""
+    if module == MODELS:
+        return "registry"
+    family = ".".join(module.split(".")[:3])
+    return family if family in FAMILIES else "shared"
+
+
+def models_graph() -> dict[str, set[str]]:
+    """Which units of titanlite.models import which (imports inside functions too)."""
+    graph = {unit: set() for unit in ("registry", "shared", *FAMILIES)}
+    for module, path in MODULES.items():
+        if module == MODELS or module.startswith(MODELS + "."):
+            unit = models_unit(module)
+            targets = {models_unit(t) for t in imports_of(path) if t == MODELS or t.startswith(MODELS + ".")}
+            graph[unit] |= targets - {unit}
+    return graph
+
+
+def test_the_model_families_are_found():
+    assert {f"{MODELS}.{name}" for name in ("llama", "qwen3", "gpt2")} <= set(FAMILIES)
+
+
+def test_no_family_imports_another_family_or_the_registry():
+    """A family builds on the shared modules only (docs/architecture.md), whatever families exist."""
+    offenders = [
+        f"{family} imports {target}"
+        for family, targets in models_graph().items()
+        if family in FAMILIES
+        for target in targets
+        if target != "shared"
+    ]
+    assert not offenders, offenders
+
+
+def test_models_package_graph_has_no_cycle():
+    """The registry over the families over the shared modules: no shared module imports a family
+    (as moe.py once imported Llama's FeedForward), so no cycle between models/ and models/<family>/."""
+    graph = models_graph()
+    assert not graph["shared"] & set(FAMILIES), graph["shared"]
+    assert not _cycles(graph), _cycles(graph)
+
+
 @pytest.mark.parametrize(
     "module, allowed",
     [

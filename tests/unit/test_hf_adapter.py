@@ -22,7 +22,8 @@ from tests.helpers.stand_ins import TINY, tiny_model
 from titanlite.checkpoint import hf_io
 from titanlite.errors import TitanliteError
 from titanlite.models.llama import hf_adapter
-from titanlite.models.llama.model import Llama, LlamaArgs, apply_rope, rope_cos_sin
+from titanlite.models.llama.model import Llama, LlamaArgs
+from titanlite.models.rope import apply_rope, rope_cos_sin
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

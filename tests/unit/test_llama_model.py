@@ -8,7 +8,8 @@ import torch
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
 from titanlite.models.llama import LlamaArgs, llama3_spec
-from titanlite.models.llama.model import Llama, apply_rope, rope_cos_sin, rope_frequencies
+from titanlite.models.llama.model import Llama
+from titanlite.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 # Meta's published parameter counts for Llama 3.1 and 3.2 (vocab 128256; 3.2 ties embeddings).
 PUBLISHED = {

@@ -48,8 +48,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from titanlite.models.decoder import FeedForward
 from titanlite.models.init import ShardInit, unwrapped_name
-from titanlite.models.llama.model import FeedForward
 from titanlite.models.moe_experts import GroupedExperts, local_weight
 from titanlite.parallel.collectives import sum_over
 from titanlite.parallel.context_parallel import ContextParallel

@@ -1,6 +1,6 @@
 """Building blocks for Megatron-style tensor-parallel plans, with or without sequence parallelism.
 
-A model's plan (e.g. `models/llama/parallelize.py`) is a dict for `parallelize_module`;
+A model's plan (e.g. `models/decoder_tp.py`) is a dict for `parallelize_module`;
 these helpers name the few layouts every such plan repeats, so a plan reads as "where
 activations are sharded and where they are replicated".
 

@@ -1,8 +1,9 @@
 """Llama 2/3: the model, its flavors and its tensor-parallel plan, as one registry entry."""
 
+from titanlite.models import decoder_tp
 from titanlite.models.llama import hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
-from titanlite.models.llama.parallelize import apply_tp, tp_problems
+from titanlite.models.llama.parallelize import tp_problems
 from titanlite.model_spec import Capabilities, ModelSpec, transformer_flops_per_token
 
 # Llama 3.1 long-context RoPE scaling: factor, low/high frequency factors, original context.
@@ -96,7 +97,7 @@ llama3_spec = ModelSpec(
     name="llama3",
     model_class=Llama,
     flavors={**llama3_flavors, **{f"torchtitan:{name}": args for name, args in llama3_torchtitan_flavors.items()}},
-    apply_tp=apply_tp,
+    apply_tp=decoder_tp.apply_tp,
     tp_problems=tp_problems,
     hf_adapter=hf_adapter,
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True),

@@ -1,20 +1,22 @@
-"""Qwen3 and Qwen3-MoE: Llama's decoder (models/llama/model.py) with Qwen3's block.
+"""Qwen3 and Qwen3-MoE: the shared decoder (models/decoder.py) with Qwen3's block.
 
-What differs from Llama, as transformers' Qwen3Attention and Qwen3MoeSparseMoeBlock have it:
+What differs from the shared decoder's Llama-shaped defaults, as transformers' Qwen3Attention
+and Qwen3MoeSparseMoeBlock have it:
 
 - attention: an explicit `head_dim` (128 in every published size, not dim / n_heads), and an
   RMSNorm over each head's q and k (`q_norm`, `k_norm`, one weight of head_dim shared by the
   heads) applied before RoPE;
 - RoPE in the half layout: the pairs rotated together are (x_i, x_{i + head_dim/2}), as in
-  HF's `rotate_half`, so HF weights load by name alone. The frequencies and the complex
-  cos + i*sin table are Llama's (`rope_cos_sin`), read as cos and sin here;
-- the feed-forward: Llama's SwiGLU (`intermediate_size`), or, in the blocks `moe_layer`
+  HF's `rotate_half`, so HF weights load by name alone (models/rope.py's `apply_rope_half`,
+  on the same complex cos + i*sin table);
+- the feed-forward: the shared SwiGLU (`intermediate_size`), or, in the blocks `moe_layer`
   picks (HF's `decoder_sparse_step` and `mlp_only_layers`), the shared MoE layer
   (models/moe.py) with a softmax router, top-k renormalized when `norm_topk_prob`, no
   shared experts, and the aux loss (`router_aux_loss_coef`).
 
-Module names stay Llama's (wq/wk/wv/wo, w1/w2/w3, attention_norm, ffn_norm), so Llama's
-tensor-parallel plan, FSDP units and activation checkpointing apply as they are.
+Module names stay the shared decoder's (wq/wk/wv/wo, w1/w2/w3, attention_norm, ffn_norm), so
+its tensor-parallel plan (models/decoder_tp.py), FSDP units and activation checkpointing apply
+as they are.
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from titanlite.models.decoder import Attention, Decoder, DecoderBlock, FeedForward
 from titanlite.models.init import ShardInit
-from titanlite.models.llama.model import Attention, FeedForward, Llama, TransformerBlock
 from titanlite.models.moe import MoE, MoEArgs
-from titanlite.parallel.context_parallel import ContextParallel
+from titanlite.models.rope import apply_rope_half
 
 
 @dataclass(frozen=True)
 class Qwen3Args:
     """Hyperparameters of one Qwen3 flavor (HF config.json names in brackets); `vocab_size`
-    is replaced by the tokenizer's. The fields Llama's decoder reads keep Llama's names."""
+    is replaced by the tokenizer's. The fields the shared decoder reads keep its (Llama's) names."""
 
     dim: int = 1024  # [hidden_size]
     n_layers: int = 28  # [num_hidden_layers]
@@ -54,7 +56,7 @@ class Qwen3Args:
     mlp_only_layers: tuple[int, ...] = ()
     depth_init: bool = True  # depth-scaled init of the output projections, as Llama's
     attn_mask_type: str = "causal"  # models/attention.py
-    # Llama's decoder reads these: Qwen3 has no RoPE frequency scaling.
+    # The shared decoder reads this: Qwen3 has no RoPE frequency scaling.
     rope_scaling: None = None
 
     def __post_init__(self) -> None:
@@ -87,18 +89,8 @@ class Qwen3Args:
         return sum(self.moe_layer(i) for i in range(self.n_layers))
 
 
-def apply_rope_half(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the pairs (x_i, x_{i + head_dim/2}) of x [batch, seq, heads, head_dim] by the
-    angles of `cos_sin` (Llama's complex table [seq, head_dim/2]), in float32: HF's
-    `x * cos + rotate_half(x) * sin`."""
-    first, second = x.float().unflatten(-1, (2, -1)).unbind(-2)
-    rotation = cos_sin[: x.shape[1]].unsqueeze(1)  # [seq, 1, head_dim/2] over the heads
-    cos, sin = rotation.real, rotation.imag
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).type_as(x)
-
-
 class Qwen3Attention(Attention):
-    """Llama's GQA attention with an RMSNorm per head on q and k, before RoPE in the half
+    """The shared GQA attention with an RMSNorm per head on q and k, before RoPE in the half
     layout. The norms see whatever heads this rank holds (all, or a TP shard's)."""
 
     def __init__(self, args: Qwen3Args):
@@ -115,8 +107,8 @@ class Qwen3Attention(Attention):
         init.ones(self.k_norm.weight)
 
 
-class Qwen3Block(TransformerBlock):
-    """Llama's block with Qwen3's attention, and the MoE layer where `moe_layer` says."""
+class Qwen3Block(DecoderBlock):
+    """The shared block with Qwen3's attention, and the MoE layer where `moe_layer` says."""
 
     def make_attention(self, args: Qwen3Args) -> nn.Module:
         return Qwen3Attention(args)
@@ -125,18 +117,11 @@ class Qwen3Block(TransformerBlock):
         return MoE(args.dim, args.moe) if args.moe_layer(layer_id) else FeedForward(args.dim, args.hidden_dim)
 
 
-class Qwen3(Llama):
-    """Token ids [batch, seq] -> logits [batch, seq, vocab]: Llama's embedding, RoPE table,
-    masks, KV cache, pipeline-stage forward and init around Qwen3 blocks."""
+class Qwen3(Decoder):
+    """Token ids [batch, seq] -> logits [batch, seq, vocab]: the shared decoder (embedding, RoPE
+    table, masks, KV cache, context parallelism, pipeline-stage forward, init) around Qwen3 blocks."""
 
     block_class = Qwen3Block
-
-    def enable_context_parallel(self, context_parallel: ContextParallel) -> None:
-        """As Llama's, and each MoE layer sums its aux loss's token counts over the cp ranks."""
-        super().enable_context_parallel(context_parallel)
-        for block in self.layers.values():
-            if isinstance(block.feed_forward, MoE):
-                block.feed_forward.context_parallel = context_parallel
 
 
 def qwen3_moe(n_experts: int, top_k: int, hidden_dim: int, **extra) -> MoEArgs:

@@ -1,8 +1,8 @@
-"""The Qwen3 tensor-parallel plan: Llama's (Megatron-style), plus the QK norms and the MoE
-feed-forward.
+"""The Qwen3 tensor-parallel plan: the shared decoder's (models/decoder_tp.py, Megatron-style),
+plus the QK norms and the MoE feed-forward.
 
 - q/k/v by columns (whole heads per rank), wo by rows, the dense SwiGLU w1/w3 by columns and
-  w2 by rows, embedding and head by vocab: Llama's styles, on Llama's module names.
+  w2 by rows, embedding and head by vocab: the shared decoder's styles and module names.
 - `q_norm` / `k_norm` normalize each head over head_dim with one replicated weight: each rank
   normalizes the heads it holds. They are laid out as sequence-parallel norms over the head
   dim (`tp.norm_over_heads`): the weight a Replicate DTensor, the local heads a Shard(2)
@@ -21,18 +21,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from titanlite.models.llama import parallelize as llama_plan
+from titanlite.models import decoder_tp
 from titanlite.models.moe import MoE
 from titanlite.models.qwen3.model import Qwen3Args
 from titanlite.parallel import tensor_parallel as tp
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
-    """Llama's plan for everything Llama has (tied embeddings and pipeline stages included),
-    then the QK norms of every block and, in MoE blocks, the MoE layer in place of Llama's
-    feed-forward entries (which Llama's plan leaves out for a module without w1)."""
+    """The shared decoder's plan (tied embeddings and pipeline stages included), then the QK
+    norms of every block and, in MoE blocks, the MoE layer in place of the SwiGLU entries."""
     moe_blocks = {name for name, block in model.layers.items() if isinstance(block.feed_forward, MoE)}
-    llama_plan.apply_tp(model, tp_mesh, loss_parallel, sequence_parallel, skip_feed_forward=moe_blocks)
+    decoder_tp.apply_tp(model, tp_mesh, loss_parallel, sequence_parallel, skip_feed_forward=moe_blocks)
     for name, block in model.layers.items():
         plan = {"attention.q_norm": tp.norm_over_heads(), "attention.k_norm": tp.norm_over_heads()}
         if name in moe_blocks:
