@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from titanlite.models.deepseek_v3 import hf_adapter
-from titanlite.models.deepseek_v3.model import DeepSeekV3Args, YaRN
+from titanlite.models.deepseek_v3.model import DeepSeekV3Args
 from titanlite.models.moe import MoEArgs
+from titanlite.models.rope import YaRN
 
 MOE = MoEArgs(
     n_experts=8,
@@ -78,7 +79,9 @@ def transformers_model(args: DeepSeekV3Args, seed: int = 0, std: float = 0.1, dt
     config.json), every weight and expert bias drawn (`randomize`), eval mode."""
     import transformers
 
-    config = transformers.DeepseekV3Config.from_dict({**hf_adapter.hf_config(args), "attn_implementation": "eager"})
+    # transformers' plain loop over the experts: its grouped_mm takes no float64
+    eager = {"attn_implementation": "eager", "experts_implementation": "eager"}
+    config = transformers.DeepseekV3Config.from_dict({**hf_adapter.hf_config(args), **eager})
     model = transformers.DeepseekV3ForCausalLM(config).to(dtype)
     tensors = dict(model.named_parameters())
     tensors.update({name: b for name, b in model.named_buffers() if name.endswith("e_score_correction_bias")})
@@ -104,6 +107,8 @@ def hf_logits(folder: Path, tokens: torch.Tensor, dtype: torch.dtype = torch.flo
     """transformers' logits for a saved folder."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
     with torch.no_grad():
         return model(tokens).logits

@@ -40,7 +40,9 @@ DOCS = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 9 + [1] * 3])
 
 def rope_angles(args: DeepSeekV3Args, seq: int) -> torch.Tensor:
     """[seq, qk_rope_head_dim / 2] rotation angles (any frequencies do: the table is the decoder's)."""
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.qk_rope_head_dim, 2, dtype=torch.float64) / args.qk_rope_head_dim))
+    freqs = 1.0 / (
+        args.rope_theta ** (torch.arange(0, args.qk_rope_head_dim, 2, dtype=torch.float64) / args.qk_rope_head_dim)
+    )
     return torch.outer(torch.arange(seq, dtype=torch.float64), freqs)
 
 

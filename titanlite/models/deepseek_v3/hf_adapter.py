@@ -287,8 +287,6 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, float] | Non
         raise ValueError("yarn RoPE without factor or original_max_position_embeddings")
     if scaling.get("attention_factor") is not None or scaling.get("truncate", True) is not True:
         raise ValueError("yarn attention_factor or truncate false (DeepSeek's YaRN: from mscale, truncated)")
-    if not yarn["mscale_all_dim"] and yarn["mscale"] != 1.0:
-        raise ValueError("yarn mscale without mscale_all_dim (transformers then ignores mscale)")
     return theta, {k: float(v) if k != "original_max_position_embeddings" else int(v) for k, v in yarn.items()}
 
 
@@ -307,7 +305,8 @@ def _described(config: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": config.get("vocab_size"),
         "rms_norm_eps": _value(config, "rms_norm_eps"),
         "rope_theta": theta,
-        "rope_scaling": yarn,
+        "rope_type": "default" if yarn is None else "yarn",
+        **{f"rope_parameters.{key}": None if yarn is None else yarn[key] for key in _YARN_FIELDS},
         **{key: _value(config, key) for key in ("rope_interleave", "tie_word_embeddings", "attention_bias")},
         **{key: _value(config, key) for key in ("hidden_act", "scoring_func", "topk_method", "moe_layer_freq")},
         "quantization_config": (config.get("quantization_config") or {}).get("quant_method"),
@@ -332,6 +331,8 @@ def check_hf_config(config: dict[str, Any], args: Any) -> list[str]:
         return [f"unreadable settings ({error})"]
     if args.moe is not None and args.n_moe_layers == args.n_layers:
         del expected["intermediate_size"]
+    if got["rope_type"] != expected["rope_type"]:  # the type says it; its fields would repeat it
+        expected = {key: value for key, value in expected.items() if not key.startswith("rope_parameters.")}
     return [f"{key} {got[key]} (this model: {expected[key]})" for key in expected if got[key] != expected[key]]
 
 
@@ -339,13 +340,14 @@ def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
     """DeepSeekV3Args from a Hugging Face config.json (for `convert_hf.py from-hf`), the MoE
     layer's training settings (bias step, aux loss) from `base` when given. KeyError or
     ValueError for a config this model cannot express."""
-    from titanlite.models.deepseek_v3.model import DeepSeekV3Args, YaRN
+    from titanlite.models.deepseek_v3.model import DeepSeekV3Args
+    from titanlite.models.rope import YaRN
 
     if config.get("model_type") not in HF_MODEL_TYPES:
         raise ValueError(f"model_type {config.get('model_type')!r} is not DeepSeek-V3's ('deepseek_v3')")
     described = _described(config)
     _refuse_what_this_model_lacks(described)
-    yarn = described["rope_scaling"]
+    yarn = None if described["rope_type"] == "default" else {k: described[f"rope_parameters.{k}"] for k in _YARN_FIELDS}
     values = dict(
         dim=config["hidden_size"],
         n_layers=config["num_hidden_layers"],
