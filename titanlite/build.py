@@ -23,7 +23,7 @@ from titanlite.config.dtypes import DTYPES
 from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec, moe
-from titanlite.model_spec import Capability, ModelSpec
+from titanlite.model_spec import Capability, DecoderArgs, ModelSpec
 from titanlite.parallel import parallelize as parallel
 from titanlite.parallel.activation_checkpoint import ac_setting
 from titanlite.parallel.memory import check_training_state_fits
@@ -46,7 +46,7 @@ class RunPlan:
 
     cfg: JobConfig
     spec: ModelSpec
-    model_args: Any
+    model_args: DecoderArgs
     tokenizer: Tokenizer | None  # None when planned from a given vocab_size
     dims: ParallelDims
     grad_accum_steps: int
@@ -96,11 +96,10 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
             f"parallelism.fsdp_reshard_after_forward: {reshard} ranks do not divide the FSDP shards "
             f"(data_parallel_shard_degree x context_parallel_degree = {dims.dp_shard * dims.cp})"
         )
-    max_seq_len = getattr(args, "max_seq_len", None)
-    if max_seq_len is not None and cfg.training.seq_len > max_seq_len:
+    if cfg.training.seq_len > args.max_seq_len:
         raise TitanliteError(
             f"training.seq_len: {cfg.training.seq_len} exceeds the {cfg.model.flavor} flavor's max_seq_len "
-            f"{max_seq_len}"
+            f"{args.max_seq_len}"
         )
     grad_accum_steps = dims.grad_accum_steps(cfg.training.local_batch_size, cfg.training.global_batch_size)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
@@ -125,7 +124,7 @@ def check_capabilities(spec: ModelSpec, cfg: JobConfig) -> None:
             raise TitanliteError(f"{option}: {spec.lacks(capability)}")
 
 
-def _experts_per_layer(spec: ModelSpec, args: Any) -> list[int]:
+def _experts_per_layer(spec: ModelSpec, args: DecoderArgs) -> list[int]:
     """The routed experts of each MoE layer, from a meta build of the model (no memory)."""
     with torch.device("meta"):
         model = spec.model_class(args)

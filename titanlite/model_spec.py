@@ -1,7 +1,9 @@
 """What the trainer needs to know about a model, so nothing outside `models/` names one.
 
 `ModelSpec` is the typed model contract: what every model provides (its class, flavors, TP
-plan, FLOPs) and, in `Capabilities`, what each model declares it supports beyond that. A run
+plan, FLOPs) and, in `Capabilities`, what each model declares it supports beyond that.
+`DecoderArgs` is what the rest of titanlite reads of a flavor's hyperparameters (the planner,
+the TP checks, MFU), typed, with the dense GQA decoder's answers as defaults. A run
 that needs a capability its model does not declare is refused when it is planned
 (`build.plan_run`, one line naming the option), before a device is touched, instead of failing
 inside the model's first forward. docs/adding_a_model.md explains each capability at length.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,6 +37,89 @@ NEEDS: dict[Capability, tuple[str, str]] = {
     "moe": ("mixture-of-experts layers", "routed experts (models/moe.py's MoE) in its blocks"),
     "hf_adapter": ("Hugging Face mapping", "a to_hf/from_hf module as ModelSpec.hf_adapter"),
 }
+
+
+class MoEShape(Protocol):
+    """What the planner reads of a flavor's mixture-of-experts layer (models/moe.py's MoEArgs)."""
+
+    n_experts: int  # routed experts
+    top_k: int  # routed experts per token
+    hidden_dim: int  # each routed expert's SwiGLU width
+    n_shared_experts: int  # experts every token runs
+
+
+class AttentionWidths(NamedTuple):
+    """One block's attention per token, summed over all heads before tp splits them: `q` and `k`
+    the rotated queries and keys, `v` the values, `out` the output projection's input (n_heads x
+    the value head dim); `latent`: activations every tp rank keeps whole (MLA's compressed
+    latents), 0 for GQA. The planner counts what autograd keeps from these (parallel/estimate.py)."""
+
+    q: int
+    k: int
+    v: int
+    out: int
+    latent: int = 0
+
+
+@runtime_checkable
+class DecoderArgs(Protocol):
+    """A flavor's hyperparameters as titanlite reads them outside its model: a frozen dataclass
+    that subclasses this Protocol to take the defaults below (a dense decoder with grouped-query
+    attention over `kv_heads` heads of `head_dim`), overriding what differs. A family with its own
+    attention says its widths in `attention_widths` (DeepSeek-V3's MLA: q and k n_heads x
+    (qk_nope + qk_rope), v and out n_heads x v_head_dim, its latents); one with MoE blocks has an
+    `moe` field and `moe_layer`. Every registered flavor is checked against it (`ModelSpec`)."""
+
+    vocab_size: int  # replaced by the tokenizer's (`ModelSpec.args_for`)
+    dim: int
+    n_layers: int
+    n_heads: int
+    max_seq_len: int  # a longer training.seq_len is refused when planned
+    attn_mask_type: str  # "causal" or "block_causal" (models/attention.py)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """One table for the embedding and the head (counted once in FLOPs and parameters)."""
+        return False
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The dense feed-forward's width."""
+        return 4 * self.dim
+
+    @property
+    def qk_norm(self) -> bool:
+        """q and k normalized per head (the planner counts the norms' inputs)."""
+        return False
+
+    @property
+    def attention_widths(self) -> AttentionWidths:
+        q, kv = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+        return AttentionWidths(q=q, k=kv, v=kv, out=q)
+
+    @property
+    def moe(self) -> MoEShape | None:
+        """The MoE layer of the blocks `moe_layer` picks; None: every block dense."""
+        return None
+
+    def moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` has the MoE feed-forward."""
+        return False
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.moe_layer(i) for i in range(self.n_layers))
+
+
+DECODER_ARGS_MEMBERS = sorted({*DecoderArgs.__annotations__, *(n for n in vars(DecoderArgs) if not n.startswith("_"))})
 
 
 @dataclass(frozen=True)
@@ -63,22 +148,22 @@ class Capabilities:
 class ModelSpec:
     """One registry entry.
 
-    Contract for `model_class(args)`: `args` is a frozen dataclass with a `vocab_size`
-    field; the module keeps its repeated blocks in `model.layers` (a ModuleDict), has
+    Contract for `model_class(args)`: `args` is a frozen dataclass satisfying `DecoderArgs`
+    (checked here for every flavor); the module keeps its repeated blocks in `model.layers` (a ModuleDict), has
     `init_weights(seed)` that fills parameters identically for any parallel layout, and maps
     token ids [batch, seq] to logits [batch, seq, vocab]. `capabilities` says what else it
     supports (pipeline stages, context parallelism, document masks, a KV cache, MoE).
     """
 
     name: str
-    model_class: Callable[[Any], nn.Module]
-    flavors: Mapping[str, Any]
+    model_class: Callable[[DecoderArgs], nn.Module]
+    flavors: Mapping[str, DecoderArgs]
     # (model, tp_mesh, loss_parallel, sequence_parallel) -> None: parallelize_module the model in place.
     apply_tp: Callable[[nn.Module, DeviceMesh, bool, bool], None]
     # (args, tp_degree) -> one message per size that does not split tp_degree ways.
-    tp_problems: Callable[[Any, int], list[str]]
+    tp_problems: Callable[[DecoderArgs, int], list[str]]
     # (args, n_params, seq_len) -> training FLOPs per token (forward + backward).
-    flops_per_token: Callable[[Any, int, int], float]
+    flops_per_token: Callable[[DecoderArgs, int, int], float]
     # Optional Hugging Face conversion: a module with to_hf(state_dict, args) / from_hf(...),
     # hf_config(args, dtype), check_hf_config(config, args) -> mismatches, args_from_hf_config,
     # hf_export_problems(args) -> what HF's class cannot hold (a run that would write it is
@@ -90,7 +175,13 @@ class ModelSpec:
     hf_adapter: Any = None
     capabilities: Capabilities = Capabilities()
 
-    def args_for(self, flavor: str, vocab_size: int) -> Any:
+    def __post_init__(self) -> None:
+        for flavor, args in self.flavors.items():
+            if not isinstance(args, DecoderArgs):
+                missing = [name for name in DECODER_ARGS_MEMBERS if not hasattr(args, name)]
+                raise TypeError(f"model {self.name} flavor {flavor}: its args lack DecoderArgs' {', '.join(missing)}")
+
+    def args_for(self, flavor: str, vocab_size: int) -> DecoderArgs:
         return dataclasses.replace(self.flavors[flavor], vocab_size=vocab_size)
 
     def supports(self, capability: Capability) -> bool:

@@ -1,8 +1,13 @@
-"""DeepSeek-V3's multi-head latent attention (models/deepseek_v3/attention.py) against a plain
-reference written here (keys and values materialized head by head from the latent,
-ordinary softmax attention under an explicit mask) in float64, both query paths, causal and
-block-causal; chunked (context-parallel) attention with a value head dim unlike the key's;
-KV-cache decoding against a full forward."""
+"""DeepSeek-V3 (models/deepseek_v3/): its multi-head latent attention against a plain reference
+written here (keys and values materialized head by head from the latent, ordinary softmax
+attention under an explicit mask) in float64, both query paths, causal and block-causal;
+chunked (context-parallel) attention with a value head dim unlike the key's; KV-cache decoding
+against a full forward, of the attention and of the whole model; the model's blocks, parameter
+names and shapes (the Hugging Face adapter's contract), its FLOPs per token, its TP checks, and
+the refusal of multi-token prediction.
+
+RoPE rotates in float32 (models/rope.py's apply_rope, the decoder's for every family), so float64
+results agree to about 1e-7 relative, not to float64's precision."""
 
 from __future__ import annotations
 
@@ -11,10 +16,15 @@ import dataclasses
 import pytest
 import torch
 
+from titanlite.config import load_config
+from titanlite.errors import TitanliteError
 from titanlite.models.attention import attend, build_mask
 from titanlite.models.chunked_attention import plan_chunks
 from titanlite.models.deepseek_v3.attention import LATENT_NORM_EPS, MLA
-from titanlite.models.deepseek_v3.model import DeepSeekV3Args
+from titanlite.models.decoder import FeedForward
+from titanlite.models.deepseek_v3 import deepseek_v3_flavors, deepseek_v3_spec
+from titanlite.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
+from titanlite.models.moe import MoE, MoEArgs
 from titanlite.models.kv_cache import KVCache, LayerKVCache
 from titanlite.models.rope import YaRN, yarn_get_mscale
 from titanlite.parallel.context_parallel import chunk_positions, chunk_starts
@@ -40,9 +50,8 @@ DOCS = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 9 + [1] * 3])
 
 def rope_angles(args: DeepSeekV3Args, seq: int) -> torch.Tensor:
     """[seq, qk_rope_head_dim / 2] rotation angles (any frequencies do: the table is the decoder's)."""
-    freqs = 1.0 / (
-        args.rope_theta ** (torch.arange(0, args.qk_rope_head_dim, 2, dtype=torch.float64) / args.qk_rope_head_dim)
-    )
+    exponents = torch.arange(0, args.qk_rope_head_dim, 2, dtype=torch.float64) / args.qk_rope_head_dim
+    freqs = 1.0 / args.rope_theta**exponents
     return torch.outer(torch.arange(seq, dtype=torch.float64), freqs)
 
 
@@ -176,3 +185,139 @@ def test_kv_cache_decoding_equals_the_full_forward(q_lora_rank):
         start += length
     torch.testing.assert_close(torch.cat(outputs, dim=1), full, rtol=1e-6, atol=1e-6)
     assert attention.kv_cache.keys.shape[-1] == args.qk_head_dim and attention.kv_cache.values.shape[-1] == 10
+
+
+# A whole model at MLA's small shapes: 3 blocks, the first dense, then MoE blocks with
+# group-limited sigmoid routing and a shared expert.
+MODEL_ARGS = dataclasses.replace(
+    ARGS,
+    n_layers=3,
+    q_lora_rank=7,
+    moe=MoEArgs(
+        n_experts=4,
+        top_k=2,
+        hidden_dim=16,
+        n_shared_experts=1,
+        score_func="sigmoid",
+        renormalize=True,
+        route_scale=2.5,
+        use_expert_bias=True,
+        n_group=2,
+        topk_group=1,
+    ),
+)
+
+
+def test_dense_blocks_then_moe_blocks_with_hugging_faces_names_and_shapes():
+    """What hf_adapter.py maps: block i dense below n_dense_layers, MoE above; every name and
+    shape of the contract, for both query paths."""
+    for q_lora_rank in (0, 7):
+        args = dataclasses.replace(MODEL_ARGS, q_lora_rank=q_lora_rank, n_dense_layers=1)
+        with torch.device("meta"):
+            model = DeepSeekV3(args)
+        assert [type(block.feed_forward) for block in model.layers.values()] == [FeedForward, MoE, MoE]
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        heads, qk, nope, v = args.n_heads, args.qk_head_dim, args.qk_nope_head_dim, args.v_head_dim
+        query = (
+            {"wq.weight": (heads * qk, args.dim)}
+            if q_lora_rank == 0
+            else {
+                "wq_a.weight": (q_lora_rank, args.dim),
+                "q_norm.weight": (q_lora_rank,),
+                "wq_b.weight": (heads * qk, q_lora_rank),
+            }
+        )
+        attention = {
+            **query,
+            "wkv_a.weight": (args.kv_lora_rank + args.qk_rope_head_dim, args.dim),
+            "kv_norm.weight": (args.kv_lora_rank,),
+            "wkv_b.weight": (heads * (nope + v), args.kv_lora_rank),
+            "wo.weight": (args.dim, heads * v),
+        }
+        moe, width = args.moe, args.moe.n_shared_experts * args.moe.hidden_dim
+        for i in range(args.n_layers):
+            expected = {f"attention.{name}": shape for name, shape in attention.items()}
+            expected |= {"attention_norm.weight": (args.dim,), "ffn_norm.weight": (args.dim,)}
+            if i < args.n_dense_layers:
+                hidden = args.hidden_dim
+                expected |= {
+                    "feed_forward.w1.weight": (hidden, args.dim),
+                    "feed_forward.w2.weight": (args.dim, hidden),
+                    "feed_forward.w3.weight": (hidden, args.dim),
+                }
+            else:
+                expected |= {
+                    "feed_forward.router.gate.weight": (moe.n_experts, args.dim),
+                    "feed_forward.experts.w1": (moe.n_experts, moe.hidden_dim, args.dim),
+                    "feed_forward.experts.w2": (moe.n_experts, args.dim, moe.hidden_dim),
+                    "feed_forward.experts.w3": (moe.n_experts, moe.hidden_dim, args.dim),
+                    "feed_forward.shared_experts.w1.weight": (width, args.dim),
+                    "feed_forward.shared_experts.w2.weight": (args.dim, width),
+                    "feed_forward.shared_experts.w3.weight": (width, args.dim),
+                    "feed_forward.expert_bias": (moe.n_experts,),
+                }
+            assert {k[len(f"layers.{i}.") :]: s for k, s in shapes.items() if k.startswith(f"layers.{i}.")} == expected
+        assert {k: s for k, s in shapes.items() if not k.startswith("layers.")} == {
+            "tok_embeddings.weight": (args.vocab_size, args.dim),
+            "norm.weight": (args.dim,),
+            "output.weight": (args.vocab_size, args.dim),
+        }
+        assert model.rope_cache.shape == (args.max_seq_len, args.qk_rope_head_dim // 2)
+
+
+def test_generation_with_the_kv_cache_equals_the_full_forward():
+    """The whole model (MLA, dense and MoE blocks, YaRN table) decoding token by token after a
+    prompt gives the logits of one forward over the whole sequence."""
+    torch.manual_seed(0)
+    model = DeepSeekV3(MODEL_ARGS)
+    model.init_weights(seed=3)
+    model.eval()
+    tokens = torch.randint(0, MODEL_ARGS.vocab_size, (2, SEQ))
+    with torch.no_grad():
+        full = model(tokens)
+        model.enable_kv_cache(KVCache(max_len=SEQ))
+        steps = [model(tokens[:, :4])]
+        model.kv_cache.advance(4)
+        for i in range(4, SEQ):
+            steps.append(model(tokens[:, i : i + 1]))
+            model.kv_cache.advance(1)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_flops_per_token_count_the_active_parameters_and_mlas_widths():
+    """6 per weight a token multiplies by (the routed experts it is sent to, top_k of each
+    MoE layer's; no embedding lookup) plus MLA's score (qk_head_dim) and value (v_head_dim)
+    matmuls, each 6 * heads * width * seq per layer; counted here from the built model."""
+    args = dataclasses.replace(deepseek_v3_flavors["debugmodel"], vocab_size=512)
+    with torch.device("meta"):
+        model = DeepSeekV3(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    routed = [layer.experts for layer in model.modules() if isinstance(layer, MoE)]
+    idle = sum(
+        sum(p.numel() for p in experts.parameters()) * (1 - args.moe.top_k / args.moe.n_experts) for experts in routed
+    )
+    active = n_params - model.tok_embeddings.weight.numel() - idle
+    attention = args.n_layers * 6 * args.n_heads * (args.qk_head_dim + args.v_head_dim) * 256
+    assert deepseek_v3_spec.flops_per_token(args, n_params, 256) == pytest.approx(6 * active + attention)
+
+
+def test_tp_problems_name_each_size_that_does_not_split():
+    assert (
+        deepseek_v3_spec.tp_problems(dataclasses.replace(deepseek_v3_flavors["debugmodel"], vocab_size=4000), 2) == []
+    )
+    args = dataclasses.replace(deepseek_v3_flavors["debugmodel"], vocab_size=4001)
+    assert deepseek_v3_spec.tp_problems(args, 5) == [
+        "n_heads 8 is not divisible by tensor_parallel_degree 5",
+        "vocab_size 4001 is not divisible by tensor_parallel_degree 5",
+        "ffn hidden size 768 is not divisible by tensor_parallel_degree 5",
+        "shared experts' hidden size 256 is not divisible by tensor_parallel_degree 5",
+    ]
+
+
+def test_multi_token_prediction_is_refused_in_one_line():
+    argv = ["--config", "debug_model", "--model.name", "deepseek_v3", "--model.num_nextn_predict_layers"]
+    with pytest.raises(
+        TitanliteError, match=r"^model.num_nextn_predict_layers: not supported \(titanlite has no multi"
+    ):
+        load_config([*argv, "1"])
+    assert load_config([*argv, "0"]).model.name == "deepseek_v3"

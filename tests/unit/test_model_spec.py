@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from titanlite.config import load_config
 from titanlite.errors import TitanliteError
 from titanlite.generate.load import LoadedModel
 from titanlite.generate.stages import StageForward
-from titanlite.model_spec import Capabilities, ModelSpec
+from titanlite.model_spec import AttentionWidths, Capabilities, DecoderArgs, ModelSpec
 from titanlite.models import _registry, get_model_spec
 from titanlite.models.moe import moe_layers
 from titanlite.parallel.context_parallel import ContextParallelModel
@@ -153,3 +154,32 @@ def test_each_declared_capability_holds_for_the_models_code(name):
     with torch.device("meta"):
         has_experts = any(moe_layers(spec.model_class(spec.args_for(flavor, VOCAB))) for flavor in spec.flavors)
     assert declared.moe == has_experts
+
+
+# ---------------------------------------------------------------- typed arguments
+
+
+@pytest.mark.parametrize("name", sorted(_registry()))
+def test_the_args_tell_the_planner_what_the_model_builds(name):
+    """Every flavor satisfies DecoderArgs, and a debug flavor's answers (attention widths, MoE
+    blocks) are the built model's: the planner reads them instead of assuming GQA."""
+    spec = get_model_spec(name)
+    assert all(isinstance(args, DecoderArgs) for args in spec.flavors.values())
+    for flavor in [f for f in spec.flavors if f.startswith("debugmodel")]:
+        args = spec.args_for(flavor, VOCAB)
+        with torch.device("meta"):
+            model = spec.model_class(args)
+        moe_blocks = [f"layers.{i}.feed_forward" for i in range(args.n_layers) if args.moe_layer(i)]
+        assert list(moe_layers(model)) == moe_blocks and len(moe_blocks) == args.n_moe_layers
+        attention = model.layers["0"].attention if hasattr(model.layers["0"], "attention") else None
+        if attention is not None and hasattr(attention, "wq"):  # GQA's projections (GPT-2 fuses them)
+            widths = (attention.wq.out_features, attention.wk.out_features, attention.wv.out_features)
+            assert args.attention_widths == AttentionWidths(*widths, out=attention.wo.in_features, latent=0)
+        else:
+            assert args.attention_widths == AttentionWidths(args.dim, args.dim, args.dim, args.dim)
+
+
+def test_a_flavor_without_the_typed_fields_is_refused_naming_what_it_lacks():
+    llama = get_model_spec("llama3")
+    with pytest.raises(TypeError, match=r"model odd flavor tiny: its args lack DecoderArgs' .*max_seq_len.*n_layers"):
+        dataclasses.replace(llama, name="odd", flavors={"tiny": types.SimpleNamespace(dim=8, vocab_size=8)})

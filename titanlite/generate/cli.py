@@ -120,7 +120,7 @@ def run(cfg: JobConfig, options: argparse.Namespace) -> int:
         loaded = load_model(cfg, info.world_size, info.device)
         tokenizer = loaded.plan.tokenizer
         prompts = [tokenizer.encode(text, bos=True, eos=False) for text in options.prompts]
-        max_len = getattr(loaded.plan.model_args, "max_seq_len", None)
+        max_len = loaded.plan.model_args.max_seq_len
         sampling = Sampling(options.temperature, options.top_k, options.seed)
         result = decode(
             StageForward(loaded, info.device),

@@ -4,13 +4,14 @@ shards, plus estimates of activations and FSDP's gathered working set.
 The state (parameters, gradients, AdamW's two moments, buffers) is read from the DTensor
 local shapes of the model `build.parallelize` produced, so it is exact for any layout. The
 rest is a formula (docs/planning.md explains each term), counting what autograd keeps for
-backward in the Llama block as titanlite writes it. Notation: b = training.local_batch_size,
-s = seq_len, t = tensor-parallel degree, d = dim, q = n_heads x head_dim (d for Llama),
-k = n_kv_heads x head_dim, f = ffn hidden size, V = vocab, p = bytes of the compute dtype
-(mixed_precision_param), 4 = float32.
+backward in the shared decoder's block as titanlite writes it. Notation: b =
+training.local_batch_size, s = seq_len, t = tensor-parallel degree, d = dim, q, k, v, o, l = the
+args' `attention_widths` (model_spec.AttentionWidths; GQA: q = o = n_heads x head_dim, d for
+Llama, k = v = n_kv_heads x head_dim, l = 0), f = ffn hidden size, V = vocab, p = bytes of the
+compute dtype (mixed_precision_param), 4 = float32.
 
     tokens          N = b s / c (c = context-parallel degree);  r = t under sequence parallelism, else 1
-    one block       A = N (2 d/r p + 2 d p + (q + k)/t 4 + (2 q + 2 k c)/t p + 4 f/t p)
+    one block       A = N (2 d/r p + 2 d p + (q + k)/t 4 + (q + o + (k + v) c)/t p + l p + 4 f/t p)
                     (+ (q + k)/t p for the inputs of QK norms; a mixture-of-experts block's
                     feed-forward term is `feed_forward_per_token`'s)
     checkpointed    N d/r p  (only its input)
@@ -20,7 +21,7 @@ k = n_kv_heads x head_dim, f = ffn hidden size, V = vocab, p = bytes of the comp
 The peak is the loss (every block's activations, the logits and the loss's float32
 exponentials at once), or, with activation checkpointing, the recompute of one block. Under
 context parallelism a rank keeps its own tokens' activations and, for the attention's
-backward, every rank's keys and values (the all-gathered k and v: 2 k c per local token);
+backward, every rank's keys and values (the all-gathered k and v: (k + v) c per local token);
 the mask is flex_attention's block mask on the GPUs planned for, small enough to leave out.
 
 Under pipeline parallelism N is one pipeline microbatch's tokens, the blocks are this rank's
@@ -40,13 +41,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.config.dtypes import torch_dtype
+
+if TYPE_CHECKING:  # parallel/ imports no model code: the args' type only
+    from titanlite.model_spec import DecoderArgs
 
 GIB = 1024**3
 
@@ -148,7 +152,7 @@ def checkpointed_blocks(n_layers: int, mode: str, option: str) -> int:
 
 
 def estimate_activations(
-    args: Any,
+    args: DecoderArgs,
     shape: StepShape,
     n_blocks: int | None = None,
     holds_head: bool = True,
@@ -160,11 +164,14 @@ def estimate_activations(
     `boundary_buffers` pipeline receive buffers."""
     n, t, p, c = shape.batch * shape.seq_len / shape.cp, shape.tp, shape.act_bytes, shape.cp
     d, f = args.dim, args.ffn_hidden_dim
-    k = getattr(args, "kv_heads", args.n_heads) * args.head_dim
-    q = args.n_heads * args.head_dim  # d, unless the model sets head_dim apart from dim
+    widths = args.attention_widths  # q is d unless the model sets head_dim apart from dim
+    q, k, v = widths.q, widths.k, widths.v
     r = t if shape.sequence_parallel else 1
     attention = (
-        (q + k) / t * 4 + (2 * q + 2 * k * c) / t * p + ((q + k) / t * p if getattr(args, "qk_norm", False) else 0)
+        (q + k) / t * 4
+        + (q + widths.out + (k + v) * c) / t * p
+        + ((q + k) / t * p if args.qk_norm else 0)
+        + widths.latent * p
     )
     block = n * (2 * d / r * p + 2 * d * p + attention + feed_forward_per_token(args, t, p))
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
@@ -174,7 +181,7 @@ def estimate_activations(
     if shape.ac_mode == "selective" and shape.ac_option == "op":
         # Per-op: the block's input, every other matmul output (q, v, the first feed-forward
         # projection, the last one's partial sums) and attention's output; the rest recomputed.
-        kept = n * (d / r * p + (2 * d + k + f) / t * p + d * p)
+        kept = n * (d / r * p + (2 * d + v + f) / t * p + d * p)
         block, recompute = kept, block - kept
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
     extra = max(n * vocab * p if holds_head else 0.0, recompute)
@@ -191,14 +198,13 @@ def estimate_activations(
     )
 
 
-def all_to_all_bytes(args: Any, n: float, p: int) -> float:
+def all_to_all_bytes(args: DecoderArgs, n: float, p: int) -> float:
     """Expert parallelism's buffers for one MoE layer of `n` tokens: the routed copies
     received (n top_k rows of dim, balanced) and the outputs sent back; 0 without MoE."""
-    moe = getattr(args, "moe", None)
-    return 2 * n * moe.top_k * args.dim * p if moe is not None and getattr(args, "n_moe_layers", 0) else 0.0
+    return 2 * n * args.moe.top_k * args.dim * p if args.moe is not None and args.n_moe_layers else 0.0
 
 
-def feed_forward_per_token(args: Any, t: int, p: int) -> float:
+def feed_forward_per_token(args: DecoderArgs, t: int, p: int) -> float:
     """Bytes a block's feed-forward keeps per token, averaged over the blocks: SwiGLU's four
     hidden-size tensors (4 f/t p), or in a mixture-of-experts block (`args.moe`, in
     `args.n_moe_layers` of the blocks, not split by tp) the router's float32 logits and
@@ -206,7 +212,7 @@ def feed_forward_per_token(args: Any, t: int, p: int) -> float:
     expert's four hidden tensors, its output and that output in float32 for the weighting
     (K (2 d p + 4 h p + 4 d))."""
     dense = 4 * args.ffn_hidden_dim / t * p
-    moe, n_moe = getattr(args, "moe", None), getattr(args, "n_moe_layers", 0)
+    moe, n_moe = args.moe, args.n_moe_layers
     if moe is None or not n_moe:
         return dense
     sparse = 2 * moe.n_experts * 4 + moe.top_k * (2 * args.dim * p + 4 * moe.hidden_dim * p + 4 * args.dim)

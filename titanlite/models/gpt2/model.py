@@ -23,13 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlite.model_spec import DecoderArgs
 from titanlite.models.attention import Mask, attend, build_mask
 from titanlite.models.init import ShardInit
 
 
 @dataclass(frozen=True)
-class GPT2Args:
-    """Hyperparameters of one GPT-2 flavor; `vocab_size` is replaced by the tokenizer's."""
+class GPT2Args(DecoderArgs):
+    """Hyperparameters of one GPT-2 flavor; `vocab_size` is replaced by the tokenizer's. The rest
+    the planner reads is DecoderArgs' default: head_dim dim / n_heads, no GQA, no QK norms, an
+    untied head, no MoE."""
 
     dim: int = 768
     n_layers: int = 12
@@ -41,12 +44,8 @@ class GPT2Args:
     attn_mask_type: str = "causal"
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def ffn_hidden_dim(self) -> int:
-        return 4 * self.dim
+        return 4 * self.dim  # GPT-2's MLP
 
 
 class Embeddings(nn.Module):

@@ -7,13 +7,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from titanlite.model_spec import DecoderArgs
 from titanlite.models.decoder import Decoder, DecoderBlock
 from titanlite.models.rope import Llama31Scaling
 
 
 @dataclass(frozen=True)
-class LlamaArgs:
-    """Hyperparameters of one Llama flavor; `vocab_size` is replaced by the tokenizer's."""
+class LlamaArgs(DecoderArgs):
+    """Hyperparameters of one Llama flavor; `vocab_size` is replaced by the tokenizer's. head_dim
+    is dim / n_heads (DecoderArgs' default)."""
 
     dim: int = 4096
     n_layers: int = 32
@@ -38,10 +40,6 @@ class LlamaArgs:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
     @property
     def ffn_hidden_dim(self) -> int:

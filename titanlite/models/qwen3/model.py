@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from titanlite.model_spec import DecoderArgs
 from titanlite.models.decoder import Attention, Decoder, DecoderBlock, FeedForward
 from titanlite.models.init import ShardInit
 from titanlite.models.moe import MoE, MoEArgs
@@ -33,7 +34,7 @@ from titanlite.models.rope import apply_rope_half
 
 
 @dataclass(frozen=True)
-class Qwen3Args:
+class Qwen3Args(DecoderArgs):
     """Hyperparameters of one Qwen3 flavor (HF config.json names in brackets); `vocab_size`
     is replaced by the tokenizer's. The fields the shared decoder reads keep its (Llama's) names."""
 
@@ -83,10 +84,6 @@ class Qwen3Args:
             and (layer_id + 1) % self.decoder_sparse_step == 0
             and layer_id not in self.mlp_only_layers
         )
-
-    @property
-    def n_moe_layers(self) -> int:
-        return sum(self.moe_layer(i) for i in range(self.n_layers))
 
 
 class Qwen3Attention(Attention):
