@@ -189,6 +189,69 @@ def test_every_flavors_config_round_trips():
         transformers.DeepseekV3Config.from_dict(config)  # transformers reads it
 
 
+# deepseek-ai/DeepSeek-V3's config.json as published (its auto_map and token ids left out).
+PUBLISHED_671B = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def test_the_published_config_is_the_671b_flavor_once_dequantized():
+    from titanlite.models.deepseek_v3 import deepseek_v3_spec
+
+    flavor = deepseek_v3_spec.args_for("671B", 129280)
+    assert hf_adapter.check_hf_config(PUBLISHED_671B, flavor) == ["quantization_config fp8 (this model: None)"]
+    bf16 = {key: value for key, value in PUBLISHED_671B.items() if key != "quantization_config"}
+    assert hf_adapter.check_hf_config(bf16, flavor) == []
+    assert hf_adapter.args_from_hf_config(bf16, deepseek_v3_spec.flavors["671B"]) == flavor
+
+
 def test_the_config_check_names_each_mismatch():
     args = TINY["q_lora"]
     config = hf_adapter.hf_config(args)

@@ -119,7 +119,7 @@ def hf_export_problems(args: Any) -> list[str]:
     moe = args.moe
     if moe is None:
         return []
-    problems = [
+    return [
         what
         for what, present in (
             (f"{moe.score_func} router scores (DeepSeek-V3's are a sigmoid)", moe.score_func != "sigmoid"),
@@ -128,7 +128,6 @@ def hf_export_problems(args: Any) -> list[str]:
         )
         if present
     ]
-    return problems
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
