@@ -7,11 +7,12 @@ shard is half a head, the case where the RoPE rows of one shard come from two pl
 with logits equal to transformers' to 1e-4, through the trainer's own restore path. Each
 layout then saves its model with `hf_io.save_hf_weights` (every rank its own shards, then
 consolidated), and transformers loads every one of those folders with the same logits.
-Qwen3, Qwen3-MoE and DeepSeek-V3 (both query paths, group-limited MoE with an expert bias)
-do the same at FSDP 2 in the same processes (each rank reads and writes its own experts, one
-HF tensor each), and Qwen3-MoE and DeepSeek-V3 trainer runs at FSDP 2 and at expert
-parallelism 2 (each rank holding half the experts) start from a Hugging Face folder and end
-with `last_save_in_hf` beside the Llama runs.
+Qwen3, Qwen3-MoE and DeepSeek-V3 (low-rank queries, YaRN, group-limited MoE with an expert
+bias) do the same at FSDP 2 in the same processes (each rank reads and writes its own
+experts, one HF tensor each), and Qwen3-MoE and DeepSeek-V3 (its debug flavor: plain
+queries) trainer runs at FSDP 2 and at expert parallelism 2 (each rank holding half the
+experts) start from a Hugging Face folder and end with `last_save_in_hf` beside the Llama
+runs.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """transformers' random tiny Llama of ARGS' shapes, saved in several files, with its
-    logits on fixed tokens (reference.pt); and the tiny Qwen3, Qwen3-MoE and DeepSeek-V3s alike
-    in the subfolders qwen3/, qwen3_moe/, deepseek_v3_q_lora/ and deepseek_v3_plain_q/."""
+    logits on fixed tokens (reference.pt); and the tiny Qwen3, Qwen3-MoE and DeepSeek-V3 (low-rank
+    queries) alike in the subfolders qwen3/, qwen3_moe/ and deepseek_v3/."""
     folder = tmp_path_factory.mktemp("hf-source")
     args = LlamaArgs(**ARGS)
     torch.manual_seed(0)
@@ -50,19 +51,18 @@ def source(tmp_path_factory) -> Path:
     for kind, qwen3_args in TINY.items():
         (folder / kind).mkdir()
         save_source(qwen3_args, folder / kind)
-    for kind, deepseek_args in hf_deepseek_v3.TINY.items():
-        (folder / f"deepseek_v3_{kind}").mkdir()
-        hf_deepseek_v3.save_source(deepseek_args, folder / f"deepseek_v3_{kind}")
+    (folder / "deepseek_v3").mkdir()
+    hf_deepseek_v3.save_source(hf_deepseek_v3.TINY["q_lora"], folder / "deepseek_v3")
     return folder
 
 
 def _model(kind: str):
     """(spec, args) of a source: the tiny Llama, or a tiny Qwen3 of tests/helpers/hf_qwen3.py,
-    or a tiny DeepSeek-V3 of tests/helpers/hf_deepseek_v3.py (`deepseek_v3_<kind>`)."""
+    or the tiny DeepSeek-V3 with low-rank queries of tests/helpers/hf_deepseek_v3.py."""
     from titanlite.models import get_model_spec
 
-    if kind.startswith("deepseek_v3_"):
-        return get_model_spec("deepseek_v3"), hf_deepseek_v3.TINY[kind.removeprefix("deepseek_v3_")]
+    if kind == "deepseek_v3":
+        return get_model_spec("deepseek_v3"), hf_deepseek_v3.TINY["q_lora"]
     return (None, None) if kind == "llama" else (get_model_spec("qwen3"), TINY[kind])
 
 
@@ -131,19 +131,17 @@ def test_transformers_folder_loads_at_one_process_and_saves_back(source):
 @pytest.mark.timeout(300)
 def test_fsdp2_and_tp2_load_and_save(source):
     """Llama at FSDP 2 and TP 2, Qwen3 and Qwen3-MoE at FSDP 2 (2 and 1 of its 3 experts a rank),
-    DeepSeek-V3 at FSDP 2 with each query path (4 of its 8 experts a rank, the expert bias
-    replicated)."""
-    deepseek = [f"deepseek_v3_{kind}" for kind in hf_deepseek_v3.TINY]
+    DeepSeek-V3 at FSDP 2 (4 of its 8 experts a rank, the expert bias replicated)."""
     spawn(
         load_and_save_worker,
         2,
         str(source),
-        [("llama", 2, 1), ("llama", 1, 2), ("qwen3", 2, 1), ("qwen3_moe", 2, 1), *((kind, 2, 1) for kind in deepseek)],
+        [("llama", 2, 1), ("llama", 1, 2), ("qwen3", 2, 1), ("qwen3_moe", 2, 1), ("deepseek_v3", 2, 1)],
         timeout=240,
     )
     for name in ("saved-2x1", "saved-1x2"):
         check_saved(source, name)
-    for kind in [*TINY, *deepseek]:
+    for kind in [*TINY, "deepseek_v3"]:
         check_saved(source / kind, "saved-2x1")
 
 
