@@ -66,6 +66,10 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
             for n, p in trainer.model.named_parameters()
             if ".router." in n or ".experts." in n
         ),
+        # MLA's projections into its compressed latents (DeepSeek-V3), also whole on each tp rank.
+        "latent_param_bytes": sum(
+            p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if ".wkv_a." in n or ".wq_a." in n
+        ),
     }
 
 

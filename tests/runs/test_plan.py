@@ -270,8 +270,9 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
         (4, []),
         (2, ["--parallelism.pipeline_parallel_degree", "2"]),
         (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"]),
+        (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_q_lora"]),
     ],
-    ids=["1", "2", "4", "pp2", "moe_ep2"],
+    ids=["1", "2", "4", "pp2", "moe_ep2", "deepseek_v3"],
 )
 def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypatch):
     """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds (each

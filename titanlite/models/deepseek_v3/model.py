@@ -20,12 +20,14 @@ from titanlite.models.decoder import Decoder, DecoderBlock, FeedForward
 from titanlite.models.deepseek_v3.attention import MLA
 from titanlite.models.moe import MoE, MoEArgs
 from titanlite.models.rope import YaRN, rope_cos_sin
+from titanlite.model_spec import AttentionWidths, DecoderArgs
 
 
 @dataclass(frozen=True)
-class DeepSeekV3Args:
+class DeepSeekV3Args(DecoderArgs):
     """Hyperparameters of one DeepSeek-V3 flavor (HF config.json names in brackets);
-    `vocab_size` is replaced by the tokenizer's."""
+    `vocab_size` is replaced by the tokenizer's. MLA has no one head_dim: the planner reads
+    `attention_widths`."""
 
     dim: int = 2048  # [hidden_size]
     n_layers: int = 27  # [num_hidden_layers]
@@ -69,6 +71,16 @@ class DeepSeekV3Args:
     @property
     def ffn_hidden_dim(self) -> int:
         return self.hidden_dim
+
+    @property
+    def attention_widths(self) -> AttentionWidths:
+        """Per token: queries and keys n_heads x qk_head_dim (the rope part rotated), values and
+        the output projection's input n_heads x v_head_dim; whole on every tp rank, the latents
+        autograd keeps: wkv_a's output, the normalized latent and [latent | k_pe] (gathered
+        under cp), and with the low-rank query path wq_a's output and its norm's."""
+        qk, v = self.n_heads * self.qk_head_dim, self.n_heads * self.v_head_dim
+        kv_latent = 2 * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        return AttentionWidths(q=qk, k=qk, v=v, out=v, latent=kv_latent + 2 * self.q_lora_rank)
 
     def moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has the MoE feed-forward (HF's first_k_dense_replace rule)."""
