@@ -19,6 +19,7 @@
 Multi-token prediction (DeepSeek-V3's MTP module, `num_nextn_predict_layers`) is not built.
 """
 
+from titanlite.models.deepseek_v3 import hf_adapter
 from titanlite.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
 from titanlite.models.deepseek_v3.parallelize import apply_tp, tp_problems
 from titanlite.models.moe import MoEArgs
@@ -149,7 +150,8 @@ deepseek_v3_spec = ModelSpec(
     flavors=deepseek_v3_flavors,
     apply_tp=apply_tp,
     tp_problems=tp_problems,
-    hf_adapter=None,
+    # DeepseekV3ForCausalLM, the experts one HF tensor each (hf_adapter.py).
+    hf_adapter=hf_adapter,
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True, moe=True),
     flops_per_token=flops_per_token,
 )
