@@ -1,5 +1,5 @@
-"""Training throughput of the Qwen3-MoE debug model beside a dense Qwen3 of the same active
-parameters, one process, same settings, in one run.
+"""Training throughput of the MoE debug models (Qwen3-MoE's, DeepSeek-V3's) each beside a dense
+model of its family with the same active parameters, one process, same settings, in one run.
 
     python bench/moe_throughput.py [--steps 10] [--warmup-steps 3] [--seq-len 512] [--batch 4]
                                    [--vocab 4096] [--threads N]
@@ -33,21 +33,32 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from titanlite.models import get_model_spec  # noqa: E402
 from titanlite.models.moe import aux_losses, update_expert_biases  # noqa: E402
-from titanlite.models.qwen3 import active_parameters  # noqa: E402
+from titanlite.models.deepseek_v3 import active_parameters as deepseek_v3_active  # noqa: E402
+from titanlite.models.qwen3 import active_parameters as qwen3_active  # noqa: E402
+
+ACTIVE = {"qwen3": qwen3_active, "deepseek_v3": deepseek_v3_active}
 
 
-def models(vocab: int) -> dict[str, object]:
-    """name -> the Qwen3 args to compare: the MoE debug flavor and its active-size dense peer."""
-    spec = get_model_spec("qwen3")
-    moe = spec.args_for("debugmodel_moe", vocab)
-    dense = dataclasses.replace(spec.args_for("debugmodel", vocab), hidden_dim=moe.moe.top_k * moe.moe.hidden_dim)
-    return {"moe (debugmodel_moe)": moe, f"dense (debugmodel, hidden {dense.hidden_dim})": dense}
+def models(vocab: int) -> dict[str, tuple[str, object]]:
+    """name -> (family, args), in pairs to compare: each MoE debug flavor, then its dense peer
+    of the same active parameters."""
+    qwen3 = get_model_spec("qwen3")
+    moe = qwen3.args_for("debugmodel_moe", vocab)
+    dense = dataclasses.replace(qwen3.args_for("debugmodel", vocab), hidden_dim=moe.moe.top_k * moe.moe.hidden_dim)
+    deepseek = get_model_spec("deepseek_v3").args_for("debugmodel", vocab)
+    width = (deepseek.moe.top_k + deepseek.moe.n_shared_experts) * deepseek.moe.hidden_dim
+    deepseek_dense = dataclasses.replace(deepseek, moe=None, hidden_dim=width)
+    return {
+        "qwen3 moe (debugmodel_moe)": ("qwen3", moe),
+        f"qwen3 dense (debugmodel, hidden {dense.hidden_dim})": ("qwen3", dense),
+        "deepseek_v3 moe (debugmodel)": ("deepseek_v3", deepseek),
+        f"deepseek_v3 dense (every block {width} wide)": ("deepseek_v3", deepseek_dense),
+    }
 
 
-def measure(args, batch: int, seq_len: int, steps: int, warmup: int) -> tuple[list[float], int, int]:
+def measure(family: str, args, batch: int, seq_len: int, steps: int, warmup: int) -> tuple[list[float], int, int]:
     """Seconds of each measured step, and (active, total) parameters."""
-    spec = get_model_spec("qwen3")
-    model = spec.model_class(args)
+    model = get_model_spec(family).model_class(args)
     model.init_weights(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     generator = torch.Generator().manual_seed(0)
@@ -64,7 +75,7 @@ def measure(args, batch: int, seq_len: int, steps: int, warmup: int) -> tuple[li
         if step >= warmup:
             times.append(time.perf_counter() - started)
     total = sum(p.numel() for p in model.parameters())
-    return times, active_parameters(args, total), total
+    return times, ACTIVE[family](args, total), total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,23 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = get_model_spec("qwen3")
     print(
         f"one process, float32, batch {args.batch} x seq {args.seq_len}, {torch.get_num_threads()} threads, "
         f"{args.steps} steps after {args.warmup_steps} warmup"
     )
     rates = {}
-    for name, model_args in models(args.vocab).items():
-        times, active, total = measure(model_args, args.batch, args.seq_len, args.steps, args.warmup_steps)
+    for name, (family, model_args) in models(args.vocab).items():
+        times, active, total = measure(family, model_args, args.batch, args.seq_len, args.steps, args.warmup_steps)
         tokens_per_s = args.batch * args.seq_len / statistics.median(times)
-        flops = spec.flops_per_token(model_args, total, args.seq_len) * tokens_per_s
-        rates[name] = tokens_per_s
+        flops = get_model_spec(family).flops_per_token(model_args, total, args.seq_len) * tokens_per_s
+        rates.setdefault(family, []).append(tokens_per_s)
         print(
-            f"{name:34s} active {active:>11,} of {total:>11,} parameters  {tokens_per_s:>9,.0f} tokens/s  "
+            f"{name:42s} active {active:>11,} of {total:>11,} parameters  {tokens_per_s:>9,.0f} tokens/s  "
             f"{flops / 1e9:7.1f} GFLOP/s (median step {statistics.median(times) * 1e3:.0f} ms)"
         )
-    moe, dense = rates.values()
-    print(f"ratio moe / dense tokens/s: {moe / dense:.2f}")
+    for family, (moe, dense) in rates.items():
+        print(f"ratio {family} moe / dense tokens/s: {moe / dense:.2f}")
     return 0
 
 

@@ -73,6 +73,10 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
         "local_param_sum": sum(
             float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum()) for p in params
         ),
+        # MLA's projections into its compressed latents (DeepSeek-V3), also whole on each tp rank.
+        "latent_param_bytes": sum(
+            p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if ".wkv_a." in n or ".wq_a." in n
+        ),
     }
 
 

@@ -13,7 +13,8 @@ fp32, CPU, one process), and on a Hugging Face folder transformers wrote:
 - bad input is one `titanlite: error:` line and exit code 2, and a checkpoint of another
   flavor is refused as a resume refuses it;
 - from a Hugging Face folder, the first token is the argmax of transformers' own logits
-  (Llama), and the whole greedy text is transformers' greedy text (Qwen3, Qwen3-MoE).
+  (Llama), and the whole greedy text is transformers' greedy text (Qwen3, Qwen3-MoE,
+  DeepSeek-V3).
 
 The one-process runs share one interpreter (`run_mains`), and each layout is one launch
 that decodes the whole batch, to keep the test time small.
@@ -120,13 +121,15 @@ def generate(folder: Path, *args: str, prompts: list[str] = PROMPTS, new_tokens:
 def hf_folders(tmp_path_factory, tok) -> dict[str, tuple[list[str], str]]:
     """Hugging Face folders transformers wrote, with generate's argv for each and what it
     must print: for Llama the first token (transformers' argmax), for Qwen3 and Qwen3-MoE
-    (the debug flavor with an expert bias: zero from HF, as HF routes) the greedy text of
-    every prompt, recomputed by transformers. Empty without transformers (the other runs go on)."""
+    (the debug flavor with an expert bias: zero from HF, as HF routes) and DeepSeek-V3 (its
+    debug flavor: MLA, YaRN, group-limited routing, the expert bias drawn in HF's file) the
+    greedy text of every prompt, recomputed by transformers. Empty without transformers (the other runs go on)."""
     try:
         import safetensors  # noqa: F401
         import transformers
     except ImportError:
         return {}
+    from tests.helpers import hf_deepseek_v3
     from tests.helpers.hf_qwen3 import transformers_model
     from titanlite.models import get_model_spec
     from titanlite.models.llama import hf_adapter
@@ -167,6 +170,14 @@ def hf_folders(tmp_path_factory, tok) -> dict[str, tuple[list[str], str]]:
             argv_for(folder / flavor, "--model.name", "qwen3", "--model.flavor", flavor),
             greedy(lambda x, model=model: model(x).logits, tok),
         )
+    deepseek = hf_deepseek_v3.transformers_model(
+        get_model_spec("deepseek_v3").args_for("debugmodel", tok.vocab_size), seed=2
+    )
+    deepseek.save_pretrained(folder / "deepseek_v3")
+    out["hf_deepseek_v3_debugmodel"] = (
+        argv_for(folder / "deepseek_v3", "--model.name", "deepseek_v3", "--model.flavor", "debugmodel"),
+        greedy(lambda x: deepseek(x).logits, tok),
+    )
     return out
 
 
@@ -355,7 +366,9 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, mentions):
     assert run.stdout == ""
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen3_debugmodel", "hf_qwen3_debugmodel_moe"])
+@pytest.mark.parametrize(
+    "name", ["hf_llama", "hf_qwen3_debugmodel", "hf_qwen3_debugmodel_moe", "hf_deepseek_v3_debugmodel"]
+)
 def test_hugging_face_folder_gives_transformers_tokens(one_process, hf_folders, name):
     if not hf_folders:
         pytest.skip("transformers and safetensors are not both installed")

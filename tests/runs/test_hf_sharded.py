@@ -7,10 +7,12 @@ shard is half a head, the case where the RoPE rows of one shard come from two pl
 with logits equal to transformers' to 1e-4, through the trainer's own restore path. Each
 layout then saves its model with `hf_io.save_hf_weights` (every rank its own shards, then
 consolidated), and transformers loads every one of those folders with the same logits.
-Qwen3 and Qwen3-MoE do the same at FSDP 2 in the same processes (each rank reads and writes
-its own experts, one HF tensor each), and Qwen3-MoE trainer runs at FSDP 2 and at expert
-parallelism 2 (each rank holding half the experts) start from a Hugging Face folder and end
-with `last_save_in_hf` beside the Llama runs.
+Qwen3, Qwen3-MoE and DeepSeek-V3 (low-rank queries, YaRN, group-limited MoE with an expert
+bias) do the same at FSDP 2 in the same processes (each rank reads and writes its own
+experts, one HF tensor each), and Qwen3-MoE and DeepSeek-V3 (its debug flavor: plain
+queries) trainer runs at FSDP 2 and at expert parallelism 2 (each rank holding half the
+experts) start from a Hugging Face folder and end with `last_save_in_hf` beside the Llama
+runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from tests.helpers.gloo_llama import ARGS, build, checkpoint_cfg, full_logits, init_gloo, manager_for, spawn
+from tests.helpers import hf_deepseek_v3
 from tests.helpers.hf_qwen3 import SMALL_FILES, TINY, hf_logits, save_source, transformers_model
 from titanlite.checkpoint import hf_io
 from titanlite.models.llama import hf_adapter
@@ -34,8 +37,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """transformers' random tiny Llama of ARGS' shapes, saved in several files, with its
-    logits on fixed tokens (reference.pt); and the tiny Qwen3 and Qwen3-MoE alike in the
-    subfolders qwen3/ and qwen3_moe/."""
+    logits on fixed tokens (reference.pt); and the tiny Qwen3, Qwen3-MoE and DeepSeek-V3 (low-rank
+    queries) alike in the subfolders qwen3/, qwen3_moe/ and deepseek_v3/."""
     folder = tmp_path_factory.mktemp("hf-source")
     args = LlamaArgs(**ARGS)
     torch.manual_seed(0)
@@ -48,13 +51,18 @@ def source(tmp_path_factory) -> Path:
     for kind, qwen3_args in TINY.items():
         (folder / kind).mkdir()
         save_source(qwen3_args, folder / kind)
+    (folder / "deepseek_v3").mkdir()
+    hf_deepseek_v3.save_source(hf_deepseek_v3.TINY["q_lora"], folder / "deepseek_v3")
     return folder
 
 
 def _model(kind: str):
-    """(spec, args) of a source: the tiny Llama, or a tiny Qwen3 of tests/helpers/hf_qwen3.py."""
+    """(spec, args) of a source: the tiny Llama, or a tiny Qwen3 of tests/helpers/hf_qwen3.py,
+    or the tiny DeepSeek-V3 with low-rank queries of tests/helpers/hf_deepseek_v3.py."""
     from titanlite.models import get_model_spec
 
+    if kind == "deepseek_v3":
+        return get_model_spec("deepseek_v3"), hf_deepseek_v3.TINY["q_lora"]
     return (None, None) if kind == "llama" else (get_model_spec("qwen3"), TINY[kind])
 
 
@@ -120,19 +128,20 @@ def test_transformers_folder_loads_at_one_process_and_saves_back(source):
     check_saved(source, "saved-1x1")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_fsdp2_and_tp2_load_and_save(source):
-    """Llama at FSDP 2 and TP 2, Qwen3 and Qwen3-MoE at FSDP 2 (2 and 1 of its 3 experts a rank)."""
+    """Llama at FSDP 2 and TP 2, Qwen3 and Qwen3-MoE at FSDP 2 (2 and 1 of its 3 experts a rank),
+    DeepSeek-V3 at FSDP 2 (4 of its 8 experts a rank, the expert bias replicated)."""
     spawn(
         load_and_save_worker,
         2,
         str(source),
-        [("llama", 2, 1), ("llama", 1, 2), ("qwen3", 2, 1), ("qwen3_moe", 2, 1)],
-        timeout=180,
+        [("llama", 2, 1), ("llama", 1, 2), ("qwen3", 2, 1), ("qwen3_moe", 2, 1), ("deepseek_v3", 2, 1)],
+        timeout=240,
     )
     for name in ("saved-2x1", "saved-1x2"):
         check_saved(source, name)
-    for kind in TINY:
+    for kind in [*TINY, "deepseek_v3"]:
         check_saved(source / kind, "saved-2x1")
 
 
@@ -147,30 +156,35 @@ def test_fsdp2_x_tp2_and_fsdp4_load_and_save(source):
     check_saved(source / "qwen3_moe", "saved-4x1")
 
 
-@pytest.mark.timeout(300)
+# The MoE families of the trainer session: the run's name prefix, its model flags, and the
+# helper module that builds transformers' model of a flavor's args.
+MOE_RUNS = {
+    "qwen3_moe": (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_aux"], transformers_model),
+    "deepseek_v3": (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"], hf_deepseek_v3.transformers_model),
+}
+
+
+@pytest.mark.timeout(420)
 def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     """Trainer runs of the debug model at PP 2 and at FSDP 2 start from the same Hugging
     Face folder (several files) and end with `last_save_in_hf`: each pipeline stage reads and
     writes only its own layers. Both train the same curve (1e-5), and their two HF outputs are
     the same model to transformers. In the same session, Qwen3-MoE (its debug flavor without
-    an expert bias) at FSDP 2 starts from transformers' folder and ends with one of the same
-    tensor names (each expert its own), which transformers reads as the run's last
-    checkpoint."""
+    an expert bias) and DeepSeek-V3 (its debug flavor: group-limited routing, the expert bias
+    as e_score_correction_bias) each at FSDP 2 and at ep 2 start from transformers' folder and
+    end with one of the same tensor names (each expert its own), which transformers reads as
+    the run's last checkpoint; ep 2 trains the FSDP 2 curve and writes the same model."""
     from tests.helpers.distributed import EQUIVALENCE_ARGS, EQUIVALENCE_STEPS, assert_same_curve
     from tests.helpers.sessions import Case, run_session
     from titanlite.build import plan_run
     from titanlite.checkpoint import export
     from titanlite.config.load import load_config
-    from titanlite.models.qwen3 import Qwen3
+    from titanlite.models import get_model_spec
 
     args = plan_run(load_config(EQUIVALENCE_ARGS), 1).model_args
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(hf_adapter.hf_config(args)))
     model.save_pretrained(tmp_path / "hf", max_shard_size=2 * 1024**2)
-    qwen3_moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_aux"]
-    moe_args = plan_run(load_config([*EQUIVALENCE_ARGS, *qwen3_moe]), 1).model_args
-    moe_model = transformers_model(moe_args, std=0.02)
-    moe_model.save_pretrained(tmp_path / "hf_moe", max_shard_size=2 * 1024**2)
     start = ["--checkpoint.initial_load_format", "hf", "--checkpoint.last_save_in_hf", "true"]
     cases = [
         Case(
@@ -197,40 +211,34 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
                 "4",
             ],
         ),
-        Case(
-            "qwen3_moe_fsdp2",
-            [
-                *EQUIVALENCE_ARGS,
-                *qwen3_moe,
-                *start,
-                "--checkpoint.initial_load_path",
-                str(tmp_path / "hf_moe"),
-                "--training.local_batch_size",
-                "4",
-                "--checkpoint.enable_checkpoint",
-                "true",
-                "--checkpoint.interval",
-                str(EQUIVALENCE_STEPS),
-                "--checkpoint.async_mode",
-                "disabled",
-            ],
-        ),
-        Case(
-            "qwen3_moe_ep2",
-            [
-                *EQUIVALENCE_ARGS,
-                *qwen3_moe,
-                *start,
-                "--checkpoint.initial_load_path",
-                str(tmp_path / "hf_moe"),
-                "--training.local_batch_size",
-                "4",
-                "--parallelism.expert_parallel_degree",
-                "2",
-            ],
-        ),
     ]
-    session = run_session(2, cases, tmp_path / "runs", 240)
+    moe_models = {}
+    for family, (flags, make_transformers_model) in MOE_RUNS.items():
+        moe_args = plan_run(load_config([*EQUIVALENCE_ARGS, *flags]), 1).model_args
+        moe_models[family] = (moe_args, make_transformers_model(moe_args, std=0.02))
+        moe_models[family][1].save_pretrained(tmp_path / f"hf_{family}", max_shard_size=2 * 1024**2)
+        from_hf = [*EQUIVALENCE_ARGS, *flags, *start, "--checkpoint.initial_load_path", str(tmp_path / f"hf_{family}")]
+        cases += [
+            Case(
+                f"{family}_fsdp2",
+                [
+                    *from_hf,
+                    "--training.local_batch_size",
+                    "4",
+                    "--checkpoint.enable_checkpoint",
+                    "true",
+                    "--checkpoint.interval",
+                    str(EQUIVALENCE_STEPS),
+                    "--checkpoint.async_mode",
+                    "disabled",
+                ],
+            ),
+            Case(
+                f"{family}_ep2",
+                [*from_hf, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
+            ),
+        ]
+    session = run_session(2, cases, tmp_path / "runs", 360)
     assert_same_curve(session["pp2"]["history"], session["fsdp2"]["history"], "pp2 vs fsdp2")
     steps = session["fsdp2"]["history"][-1]["step"]
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -245,20 +253,25 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     with torch.no_grad():
         assert not torch.allclose(logits["fsdp2"], model(tokens).logits, atol=1e-3)  # trained since the start
 
-    assert session["qwen3_moe_fsdp2"]["history"][-1]["step"] == steps
-    moe_run = tmp_path / "runs" / "qwen3_moe_fsdp2" / "checkpoint"
-    assert weight_map(moe_run / f"step-{steps}-hf").keys() == weight_map(tmp_path / "hf_moe").keys()
-    ours = Qwen3(moe_args)
-    ours.init_weights(seed=0)  # the RoPE table; the weights come next
-    ours.load_state_dict(export.read_dcp_model(moe_run / f"step-{steps}"))
-    theirs = hf_logits(moe_run / f"step-{steps}-hf", tokens)
-    with torch.no_grad():
-        torch.testing.assert_close(theirs, ours.eval()(tokens), rtol=1e-4, atol=1e-4)
-        assert not torch.allclose(theirs, moe_model(tokens).logits, atol=1e-3)  # trained since the start
-    # At ep 2 each rank read and wrote its own 4 experts: the same curve, the same model.
-    assert_same_curve(
-        session["qwen3_moe_ep2"]["history"], session["qwen3_moe_fsdp2"]["history"], "qwen3_moe ep2 vs fsdp2"
-    )
-    ep_folder = tmp_path / "runs" / "qwen3_moe_ep2" / "checkpoint" / f"step-{steps}-hf"
-    assert weight_map(ep_folder).keys() == weight_map(tmp_path / "hf_moe").keys()
-    torch.testing.assert_close(hf_logits(ep_folder, tokens), theirs, rtol=1e-4, atol=1e-4)
+    for family, (moe_args, moe_model) in moe_models.items():
+        assert session[f"{family}_fsdp2"]["history"][-1]["step"] == steps
+        moe_run = tmp_path / "runs" / f"{family}_fsdp2" / "checkpoint"
+        assert weight_map(moe_run / f"step-{steps}-hf").keys() == weight_map(tmp_path / f"hf_{family}").keys()
+        ours = get_model_spec(MOE_RUNS[family][0][1]).model_class(moe_args)
+        ours.init_weights(seed=0)  # the RoPE table; the weights come next
+        ours.load_state_dict(export.read_dcp_model(moe_run / f"step-{steps}"))
+        theirs = hf_logits(moe_run / f"step-{steps}-hf", tokens)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                theirs, ours.eval()(tokens), rtol=1e-4, atol=1e-4, msg=lambda m, f=family: f"{f}: {m}"
+            )
+            assert not torch.allclose(theirs, moe_model(tokens).logits, atol=1e-3)  # trained since the start
+        # At ep 2 each rank read and wrote its own 4 experts: the same curve, the same model.
+        assert_same_curve(
+            session[f"{family}_ep2"]["history"], session[f"{family}_fsdp2"]["history"], f"{family} ep2 vs fsdp2"
+        )
+        ep_folder = tmp_path / "runs" / f"{family}_ep2" / "checkpoint" / f"step-{steps}-hf"
+        assert weight_map(ep_folder).keys() == weight_map(tmp_path / f"hf_{family}").keys()
+        torch.testing.assert_close(
+            hf_logits(ep_folder, tokens), theirs, rtol=1e-4, atol=1e-4, msg=lambda m, f=family: f"{f}: {m}"
+        )

@@ -47,6 +47,9 @@ FLOAT8 = [
     "true",
 ]
 FLOAT8_ROWWISE = ["--model.converters", "float8", "--float8.recipe_name", "rowwise"]
+DSV3 = ["--model.name", "deepseek_v3"]
+DSV3_Q_LORA = [*DSV3, "--model.flavor", "debugmodel_q_lora"]
+SP = ["--parallelism.sequence_parallel", "on"]
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
@@ -86,6 +89,8 @@ REFERENCES = {
     # layouts' microbatches of 4 (accumulating 2), so every cast sees what a layout's rank sees.
     "float8": [*batch(4), "--training.global_batch_size", "8", *FLOAT8],
     "float8_rowwise": [*batch(4), "--training.global_batch_size", "8", *FLOAT8_ROWWISE],
+    "deepseek_v3": DSV3,
+    "deepseek_v3_q_lora_block_causal": [*DSV3_Q_LORA, *BLOCK],
 }
 
 # name: (processes, overrides, reference). Global batch 8 = local_batch_size x dp x accumulation;
@@ -221,6 +226,27 @@ LAYOUTS = {
     "tp4": (4, [*batch(8), *at_degree(TP, 4)], "causal"),
     "qwen3_moe_ep4": (4, [*batch(2), *at_degree(EP, 4), *QWEN3_MOE], "qwen3_moe"),
     "qwen3_moe_ep8_fsdp8": (8, [*batch(1), *at_degree(EP, 8), *QWEN3_MOE], "qwen3_moe"),
+    # DeepSeek-V3 (MLA, 1 dense block, then MoE with group-limited sigmoid routing, a shared
+    # expert and the expert bias) at each parallelism: MLA split by heads with its latents
+    # replicated (and the low-rank query path, sequence parallel and documents once), its
+    # latents gathered over cp, its experts over ep, alone and with tp or pp.
+    "deepseek_v3_fsdp2": (2, [*batch(4), *DSV3], "deepseek_v3"),
+    "deepseek_v3_tp2": (2, [*batch(8), *TP, *DSV3], "deepseek_v3"),
+    "deepseek_v3_pp2": (2, [*batch(8), *PP, *DSV3], "deepseek_v3"),
+    "deepseek_v3_cp2": (2, [*batch(8), *CP, *DSV3], "deepseek_v3"),
+    "deepseek_v3_ep2": (2, [*batch(4), *EP, *DSV3], "deepseek_v3"),
+    "deepseek_v3_q_lora_tp2_sp_block_causal": (
+        2,
+        [*batch(8), *TP, *SP, *DSV3_Q_LORA, *BLOCK],
+        "deepseek_v3_q_lora_block_causal",
+    ),
+    "deepseek_v3_q_lora_cp2_block_causal": (
+        2,
+        [*batch(8), *CP, *DSV3_Q_LORA, *BLOCK],
+        "deepseek_v3_q_lora_block_causal",
+    ),
+    "deepseek_v3_ep2_tp2": (4, [*batch(4), *EP, *TP, *DSV3], "deepseek_v3"),
+    "deepseek_v3_ep2_pp2": (4, [*batch(4), *EP, *PP, *DSV3], "deepseek_v3"),
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
 }
@@ -236,13 +262,15 @@ FLOAT8_LAYOUTS = {
 TIMEOUT_S = {1: 240, 2: 420, 4: 600, 8: 600}
 ALL_DIMENSIONS_TIMEOUT_S = 900
 # Every dimension at once, 16 processes, one session of its own (slow: about 330 s of wall
-# on a busy 2-core host): the dense model at pp 2 x dp_shard 2 x cp 2 x tp 2, and Qwen3-MoE
-# with ep 2 borrowed inside pp 2 x HSDP (dp_replicate 2 x dp_shard 2) x tp 2, its per-rank
-# expert bytes asserted (an ep the layout ignored would compute with every expert).
+# on a busy 2-core host): the dense model at pp 2 x dp_shard 2 x cp 2 x tp 2, Qwen3-MoE
+# with ep 2 borrowed inside pp 2 x HSDP (dp_replicate 2 x dp_shard 2) x tp 2, and DeepSeek-V3
+# with ep 2 borrowed from dp_shard 2 x cp 2 inside pp 2 x tp 2; their per-rank expert bytes
+# asserted (an ep the layout ignored would compute with every expert).
 ALL_DIMENSIONS_WORLD = 16
 ALL_DIMENSIONS = {
     "pp2_dp2_cp2_tp2": ([*batch(4), *PP, *CP, *TP], "causal"),
     "qwen3_moe_ep2_pp2_hsdp2x2_tp2": ([*batch(2), *EP, *PP, *REPLICATE, *TP, *QWEN3_MOE], "qwen3_moe"),
+    "deepseek_v3_ep2_pp2_dp2_cp2_tp2": ([*batch(4), *EP, *PP, *CP, *TP, *DSV3], "deepseek_v3"),
 }
 
 
@@ -322,8 +350,10 @@ def test_layout_matches_single_process(layout, sessions):
     dp_shard, tp = degrees(overrides, nproc)
     split_experts = reference["ranks"][0]["expert_param_bytes"] if ETP[0] in overrides else 0  # split over tp
     for sizes in sessions[layout]["ranks"]:
-        # replicated over tp, sharded by FSDP
-        whole_on_tp = sizes["norm_param_bytes"] + sizes["moe_param_bytes"] - split_experts
+        # replicated over tp, sharded by FSDP: norms, MoE routers and routed experts (unless etp
+        # splits them), MLA's latent projections
+        whole_on_tp = sizes["norm_param_bytes"] + sizes["moe_param_bytes"] + sizes["latent_param_bytes"]
+        whole_on_tp -= split_experts
         expected = (sizes["full_param_bytes"] - whole_on_tp) / (dp_shard * tp) + whole_on_tp / dp_shard
         for kind, factor in (("param_bytes", 1), ("grad_bytes", 1), ("optim_bytes", 2)):  # AdamW: exp_avg, exp_avg_sq
             if kind == "optim_bytes" and MUON[1] in overrides:

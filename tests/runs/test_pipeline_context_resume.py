@@ -16,6 +16,8 @@ ep 2 inside HSDP 2 x 2 (the experts replicated over dp_replicate) -> FSDP 2, and
 expert split over tp 2 (expert tensor parallelism) -> 1 process, and back.
 And with Muon (its momentum buffers laid out like the weights): FSDP 2 resumed at FSDP 2 (==)
 and at 1 process (1e-6).
+DeepSeek-V3's debug flavor (MLA, expert bias, group-limited routing): ep 2 resumed at ep 2 (==),
+and its ep 2 checkpoint resumed at pp 2 x tp 2 (1e-6).
 And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
 one-process run from the same seed does (1e-5), and not as from its own init. float8 (FSDP 2
 gathering float8): resumed at its layout (==), its checkpoint resumed by a 1-process run without
@@ -56,6 +58,7 @@ FLOAT8 = [
     "--float8.precompute_float8_dynamic_scale_for_fsdp",
     "true",
 ]
+DSV3 = ["--model.name", "deepseek_v3"]
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
@@ -80,6 +83,19 @@ LAYOUTS = {
         ["--training.local_batch_size", "2", EP, "2", "--parallelism.data_parallel_replicate_degree", "2", *QWEN3_MOE],
     ),
     "float8_fsdp2": (2, ["--training.local_batch_size", "4", *FLOAT8]),
+    "dsv3_ep2": (2, ["--training.local_batch_size", "4", EP, "2", *DSV3]),
+    "dsv3_pp2_tp2": (
+        4,
+        [
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+            *DSV3,
+        ],
+    ),
 }
 # resume case: (layout it runs at, layout whose step-3 checkpoint it starts from)
 RESUMES = {
@@ -104,6 +120,8 @@ RESUMES = {
     "moe_single_from_moe_etp2_tp2": ("moe_single", "moe_etp2_tp2"),
     "moe_etp2_tp2_from_moe_single": ("moe_etp2_tp2", "moe_single"),
     "float8_fsdp2_from_float8_fsdp2": ("float8_fsdp2", "float8_fsdp2"),
+    "dsv3_ep2_from_dsv3_ep2": ("dsv3_ep2", "dsv3_ep2"),
+    "dsv3_pp2_tp2_from_dsv3_ep2": ("dsv3_pp2_tp2", "dsv3_ep2"),
 }
 # A float8 checkpoint holds the high-precision weights under their usual names: it resumes a
 # run without float8, and a float8 run resumes from a checkpoint without it.
@@ -141,7 +159,15 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 
     plan = [
         (1, [uninterrupted("single"), seed, uninterrupted("moe_single"), uninterrupted("muon_single")]),
-        (4, [uninterrupted("fsdp2_tp2"), uninterrupted("moe_ep4"), uninterrupted("moe_ep2_hsdp2x2")]),
+        (
+            4,
+            [
+                uninterrupted("fsdp2_tp2"),
+                uninterrupted("moe_ep4"),
+                uninterrupted("moe_ep2_hsdp2x2"),
+                uninterrupted("dsv3_pp2_tp2"),
+            ],
+        ),
         (
             2,
             [
@@ -153,6 +179,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
                 uninterrupted("muon_fsdp2"),
                 uninterrupted("moe_etp2_tp2"),
                 uninterrupted("float8_fsdp2"),
+                uninterrupted("dsv3_ep2"),
                 from_seed("pp2"),
                 *[resume(n) for n, (at, _) in {**RESUMES, **FLOAT8_RESUMES}.items() if LAYOUTS[at][0] == 2],
             ],

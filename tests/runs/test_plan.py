@@ -219,6 +219,8 @@ PRESET_VOCAB = {
     "qwen3_32b": "151936",
     "qwen3_30b_a3b": "151936",
     "qwen3_235b_a22b": "151936",
+    "deepseek_v3_16b": "102400",
+    "deepseek_v3_671b": "129280",
 }
 
 
@@ -304,8 +306,9 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
                 *("--parallelism.expert_tensor_parallel_degree", "2"),
             ],
         ),
+        (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_q_lora"]),
     ],
-    ids=["1", "2", "4", "pp2", "moe_ep2", "moe_ep2_hsdp2x2", "moe_etp2_tp2"],
+    ids=["1", "2", "4", "pp2", "moe_ep2", "moe_ep2_hsdp2x2", "moe_etp2_tp2", "deepseek_v3"],
 )
 def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypatch):
     """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds (each

@@ -172,9 +172,15 @@ def test_the_args_tell_the_planner_what_the_model_builds(name):
         moe_blocks = [f"layers.{i}.feed_forward" for i in range(args.n_layers) if args.moe_layer(i)]
         assert list(moe_layers(model)) == moe_blocks and len(moe_blocks) == args.n_moe_layers
         attention = model.layers["0"].attention if hasattr(model.layers["0"], "attention") else None
-        if attention is not None and hasattr(attention, "wq"):  # GQA's projections (GPT-2 fuses them)
+        if attention is not None and hasattr(attention, "wk"):  # GQA's projections (GPT-2 fuses them)
             widths = (attention.wq.out_features, attention.wk.out_features, attention.wv.out_features)
             assert args.attention_widths == AttentionWidths(*widths, out=attention.wo.in_features, latent=0)
+        elif attention is not None and hasattr(
+            attention, "wkv_b"
+        ):  # MLA: keys as wide as queries, values as wo's input
+            q = (attention.wq if hasattr(attention, "wq") else attention.wq_b).out_features
+            widths, out = args.attention_widths, attention.wo.in_features
+            assert (widths.q, widths.k, widths.v, widths.out) == (q, q, out, out) and widths.latent > 0
         else:
             assert args.attention_widths == AttentionWidths(args.dim, args.dim, args.dim, args.dim)
 

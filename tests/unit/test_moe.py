@@ -2,13 +2,16 @@
 
 Outputs are checked against a reference computed token by token (each token's output = the
 sum over its top-k experts of weight * expert(token), + the shared experts), in float64 so
-that any difference is the layer's; the auxiliary loss against transformers' own
-`load_balancing_loss_func`; the bias balancing by measuring the load it leaves; the init of
-a sharded layer against DTensor's slicing of the whole layer's weights.
+that any difference is the layer's; group-limited routing against plain loops over groups
+and experts that list every choice a tie allows, and against transformers' DeepSeek-V3
+router; the auxiliary loss against transformers' own `load_balancing_loss_func`; the bias
+balancing by measuring the load it leaves; the init of a sharded layer against DTensor's
+slicing of the whole layer's weights.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -21,7 +24,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from tests.helpers.small_nets import one_rank_group
 from titanlite.models.init import ShardInit
-from titanlite.models.moe import MoE, MoEArgs, aux_losses, expert_load, load_ratio, update_expert_biases
+from titanlite.models.moe import MoE, MoEArgs, Router, aux_losses, expert_load, load_ratio, update_expert_biases
 from titanlite.models.moe_experts import run_experts_grouped, run_experts_loop, use_grouped_mm
 
 DIM, SEED = 16, 3
@@ -45,14 +48,46 @@ def swiglu(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, v: torch.Tensor
     return w2 @ (F.silu(w1 @ v) * (w3 @ v))
 
 
+def best(candidates: list[int], value, k: int) -> list[tuple[int, ...]]:
+    """Every k of `candidates` that a top-k by `value` may pick: none of those left out is
+    above one picked (several when values tie at the cut)."""
+    return [
+        pick
+        for pick in itertools.combinations(candidates, k)
+        if min(value(c) for c in pick) >= max((value(c) for c in candidates if c not in pick), default=-math.inf)
+    ]
+
+
+def allowed_choices(args: MoEArgs, choice: torch.Tensor) -> set[tuple[int, ...]]:
+    """One token's expert sets (sorted) that group-limited routing may pick from its float32
+    choice scores [E]: a group's score is the (float32) sum of its two best, the topk_group
+    best groups are kept, then the top_k best experts among theirs."""
+    per_group = args.n_experts // args.n_group
+    members = [list(range(g * per_group, (g + 1) * per_group)) for g in range(args.n_group)]
+    group_score = []
+    for experts in members:
+        first, second = sorted((choice[e] for e in experts), key=float, reverse=True)[:2]
+        group_score.append(float(first + second))
+    picks = set()
+    for groups in best(list(range(args.n_group)), lambda g: group_score[g], args.topk_group):
+        candidates = [e for g in groups for e in members[g]]
+        picks |= {tuple(sorted(p)) for p in best(candidates, lambda e: float(choice[e]), args.top_k)}
+    return picks
+
+
 def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """Each token on its own: scores, its top-k by score + bias, weights from the scores."""
+    """Each token on its own: scores, its top-k by score + bias (in its best groups if any),
+    weights from the scores."""
     args, rows = moe.args, []
     for v in x:
-        logits = moe.router.gate.weight @ v
+        logits = (moe.router.gate.weight @ v).float()
         scores = logits.softmax(-1) if args.score_func == "softmax" else logits.sigmoid()
-        choice = scores if moe.expert_bias is None else scores + moe.expert_bias
-        top = sorted(range(args.n_experts), key=lambda e: -float(choice[e].detach()))[: args.top_k]
+        choice = (scores if moe.expert_bias is None else scores + moe.expert_bias.float()).detach()
+        if args.n_group == 1:
+            top = sorted(range(args.n_experts), key=lambda e: -float(choice[e]))[: args.top_k]
+        else:
+            (top,) = allowed_choices(args, choice)  # no ties in these inputs
+            top = list(top)
         weights = scores[top] / (scores[top].sum() if args.renormalize else 1.0) * args.route_scale
         experts = moe.experts
         out = sum(w * swiglu(experts.w1[e], experts.w2[e], experts.w3[e], v) for w, e in zip(weights, top))
@@ -83,8 +118,20 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
             use_expert_bias=True,
             n_shared_experts=1,
         ),
+        MoEArgs(
+            n_experts=6,
+            top_k=3,
+            hidden_dim=8,
+            score_func="sigmoid",
+            renormalize=True,
+            route_scale=2.5,
+            use_expert_bias=True,
+            n_shared_experts=1,
+            n_group=3,
+            topk_group=2,
+        ),
     ],
-    ids=["softmax", "softmax_renorm_shared", "sigmoid_scaled", "sigmoid_renorm_bias_shared"],
+    ids=["softmax", "softmax_renorm_shared", "sigmoid_scaled", "sigmoid_renorm_bias_shared", "sigmoid_groups"],
 )
 def test_each_token_is_the_weighted_sum_of_its_top_k_experts(args):
     moe = make_moe(args)
@@ -265,8 +312,114 @@ def test_init_is_the_same_whole_and_as_fsdp_shards():
     assert float(w1.detach().std()) == pytest.approx(0.02, rel=0.1) and not torch.equal(w1[0], w1[1])
 
 
+GROUPS = MoEArgs(
+    n_experts=8,
+    top_k=3,
+    hidden_dim=8,
+    score_func="sigmoid",
+    renormalize=True,
+    route_scale=2.5,
+    use_expert_bias=True,
+    n_group=4,
+    topk_group=2,
+)
+
+
+def group_router(weight: torch.Tensor, bias: torch.Tensor, args: MoEArgs = GROUPS) -> Router:
+    router = Router(DIM, args)
+    router.gate.weight.data.copy_(weight)
+    return router
+
+
+def test_group_limited_routing_never_picks_outside_the_best_groups():
+    """Random float32 scores (no ties): each token's choice is the one the loops allow. Group
+    3 holds the best expert by far (6, bias +0.9) and the worst (7, bias -2): its group score
+    (< 1.9 - 1) is below every other group's (> 0.5 + 0.5), so it is never chosen, though a
+    plain top-k would often take expert 6."""
+    torch.manual_seed(SEED)
+    weight, bias = torch.randn(8, DIM), torch.tensor([0.5, 0.5, 0.5, 0.55, 0.45, 0.5, 0.9, -2.0])
+    x = tokens(64, torch.float32)
+    routing = group_router(weight, bias)(x, bias)
+    for t, v in enumerate(x):
+        choice = (weight @ v).sigmoid() + bias
+        (expected,) = allowed_choices(GROUPS, choice)
+        assert tuple(sorted(routing.experts[t].tolist())) == expected
+        scores = (weight @ v).sigmoid()[list(expected)]
+        weights = dict(zip(expected, (scores / scores.sum() * 2.5).tolist()))
+        assert routing.weights[t].tolist() == pytest.approx([weights[e] for e in routing.experts[t].tolist()], rel=1e-6)
+    counts = torch.bincount(routing.experts.flatten(), minlength=8)
+    assert counts[6] == counts[7] == 0 and bool((counts[:6] > 0).all())
+    plain = ((x @ weight.T).sigmoid() + bias).topk(3, dim=-1).indices
+    assert bool((plain == 6).any())
+
+
+def test_group_limited_ties_break_as_transformers_router():
+    """Gate rows repeated so that experts and whole groups tie exactly: the choice is one the
+    loops allow for a tie, and the same experts and weights as transformers'
+    DeepseekV3TopkRouter on the same float32 inputs (both break ties by torch.topk)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    torch.manual_seed(SEED)
+    a, b, c = torch.randn(3, DIM)
+    weight = torch.stack([a, b, a, b, c, c, b, -a])  # groups 0 and 1 tie; group 2's experts tie
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -2.0])
+    config = DeepseekV3Config(
+        hidden_size=DIM,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    hf = DeepseekV3TopkRouter(config)
+    hf.weight.data.copy_(weight)
+    hf.e_score_correction_bias.copy_(bias)
+    _, hf_weights, hf_experts = hf(tokens(64, torch.float32))
+    x = tokens(64, torch.float32)
+    routing = group_router(weight, bias)(x, bias)
+    tied = 0
+    for t, v in enumerate(x):
+        allowed = allowed_choices(GROUPS, (weight @ v).sigmoid() + bias)
+        tied += len(allowed) > 1
+        ours = dict(zip(routing.experts[t].tolist(), routing.weights[t].tolist()))
+        theirs = dict(zip(hf_experts[t].tolist(), hf_weights[t].tolist()))
+        assert tuple(sorted(ours)) in allowed and sorted(ours) == sorted(theirs)
+        assert [ours[e] for e in sorted(ours)] == pytest.approx([theirs[e] for e in sorted(ours)], rel=1e-6)
+    assert tied > 0
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_one_group_routes_as_plain_top_k(score_func):
+    """n_group 1 is the plain top-k of before groups existed, bit for bit."""
+    args = MoEArgs(n_experts=8, top_k=3, score_func=score_func, renormalize=True, route_scale=2.0)
+    torch.manual_seed(SEED)
+    weight, bias = torch.randn(8, DIM), torch.randn(8) * 0.1
+    x = tokens(32, torch.float32)
+    routing = group_router(weight, bias, args)(x, bias)
+    logits = x @ weight.T
+    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    experts = (scores + bias).topk(3, dim=-1).indices
+    weights = scores.gather(-1, experts)
+    assert torch.equal(routing.experts, experts)
+    assert torch.equal(routing.weights, weights / (weights.sum(-1, keepdim=True) + 1e-20) * 2.0)
+
+
 def test_args_are_checked():
-    for bad in ({"top_k": 9}, {"top_k": 0}, {"score_func": "relu"}, {"n_shared_experts": -1}):
+    bad_args = (
+        {"top_k": 9},
+        {"top_k": 0},
+        {"score_func": "relu"},
+        {"n_shared_experts": -1},
+        {"n_group": 3},
+        {"n_group": 0},
+        {"n_group": 8},
+        {"n_group": 4, "topk_group": 0},
+        {"n_group": 4, "topk_group": 5},
+        {"n_group": 4, "topk_group": 1, "top_k": 3},
+    )
+    for bad in bad_args:
         with pytest.raises(ValueError, match="MoEArgs"):
             MoEArgs(n_experts=8, **bad)
     assert math.isnan(load_ratio(torch.zeros(4, dtype=torch.int64)))

@@ -151,12 +151,12 @@ def test_expert_tensor_parallel_degree_is_titanlites_own_key():
 
 
 def test_a_torchtitan_model_family_titanlite_lacks_is_named_before_the_keys_of_its_file(tmp_path):
-    path = tmp_path / "deepseek.toml"
-    path.write_text('[parallelism]\nenable_async_tensor_parallel = true\n[model]\nname = "deepseek_v3"\n')
-    with pytest.raises(TitanliteError, match=rf"^model.name: 'deepseek_v3' in {path} is a torchtitan model family"):
+    path = tmp_path / "llama4.toml"
+    path.write_text('[parallelism]\nenable_async_tensor_parallel = true\n[model]\nname = "llama4"\n')
+    with pytest.raises(TitanliteError, match=rf"^model.name: 'llama4' in {path} is a torchtitan model family"):
         load_config(["--config", str(path)])
-    with pytest.raises(TitanliteError, match="^model.name: 'llama4' on the command line is a torchtitan model family"):
-        load_config(["--config", "debug_model", "--model.name", "llama4"])
+    with pytest.raises(TitanliteError, match="^model.name: 'gpt_oss' on the command line is a torchtitan model family"):
+        load_config(["--config", "debug_model", "--model.name", "gpt_oss"])
     # the command line's model wins; then the file's keys are read
     with pytest.raises(TitanliteError, match="^parallelism.enable_async_tensor_parallel: not supported"):
         load_config(["--config", str(path), "--model.name", "llama3"])

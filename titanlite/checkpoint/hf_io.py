@@ -365,7 +365,8 @@ def save_hf_weights(
         for key, name in [*names.items(), *((key, key) for key in stacked)]
     }
     heads = {name: count for key, name in names.items() if (count := adapter.rotary_heads(key, args))}
-    values = _to_hf_rows(values, heads, args.head_dim, adapter, group)
+    if heads:  # the same on every rank (the same args): all of them take part, or none
+        values = _to_hf_rows(values, heads, args.head_dim, adapter, group)
     mapping = file_indices(_global_sizes(values, stacked, group), max_file_bytes)
     distributed = group is not None and dist.get_world_size(group) > 1
     with user_errors(f"{out_dir}: cannot write Hugging Face weights"), _quiet(group):

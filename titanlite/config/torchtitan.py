@@ -25,9 +25,10 @@ options titanlite does not have.
   for the model families titanlite has (llama3, qwen3) `model.flavor = "debugmodel"` becomes
   `torchtitan:debugmodel`, torchtitan v0.2.2's shape (models/<family>/__init__.py), with a
   notice, so the file trains what it trains under torchtitan; titanlite's own, faster debug
-  flavors stay for titanlite's files. A family titanlite does not have (deepseek_v3, llama4,
-  gpt_oss, ...) is refused by name before any key of its file is read: those keys would
-  otherwise be the first error, and a misleading one.
+  flavors stay for titanlite's files (deepseek_v3's flavors are titanlite's own, no torchtitan
+  shapes). A family titanlite does not have (llama4, gpt_oss, ...) is refused by name before
+  any key of its file is read: those keys would otherwise be the first error, and a misleading one.
+- `model.num_nextn_predict_layers` (DeepSeek-V3's multi-token prediction) is refused unless 0.
 
 Notices are collected (`TorchtitanKeys.notices`); the command lines print them once, rank 0.
 """
@@ -55,6 +56,8 @@ OFF_ONLY = {
         "titanlite steps the optimizer once after backward, never per parameter inside it",
     ),
     ("parallelism", "enable_async_tensor_parallel"): (False, "titanlite has no async tensor parallelism"),
+    # DeepSeek-V3's config name for its multi-token prediction modules.
+    ("model", "num_nextn_predict_layers"): (0, "titanlite has no multi-token prediction (DeepSeek-V3's MTP)"),
 }
 NO_EFFECT = {
     ("metrics", "disable_color_printing"): "titanlite prints no colors",
@@ -76,7 +79,7 @@ REFUSED_CONVERTERS = {
 # torchtitan v0.2.2's model families (torchtitan/models/__init__.py): those titanlite has, whose
 # torchtitan flavors are registered as FLAVOR_PREFIX + name, and those it does not have.
 SHARED_MODELS = ("llama3", "qwen3")
-ABSENT_MODELS = ("deepseek_v3", "flux", "gpt_oss", "llama3_ft", "llama4")
+ABSENT_MODELS = ("flux", "gpt_oss", "llama3_ft", "llama4")
 FLAVOR_PREFIX = "torchtitan:"
 _COMMAND_LINE = "on the command line"  # the `where` of an override (config/engine.py)
 _PREPARE = (

@@ -92,16 +92,20 @@ def _block_mask(docs: torch.Tensor | None, q_positions: torch.Tensor, k_position
     )
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, grouped: bool) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, grouped: bool, scale: float | None = None
+) -> torch.Tensor:
     """Attention of q [batch, heads, queries, head_dim] over k, v [batch, kv_heads, keys,
-    head_dim] (GQA when `grouped`): SDPA causal, SDPA with a boolean mask, flex, or per chunk."""
+    head_dim] (GQA when `grouped`; v's head dim may differ, as in DeepSeek-V3's MLA), scores
+    times `scale` (None: head_dim ** -0.5): SDPA causal, SDPA with a boolean mask, flex, or
+    per chunk."""
     if isinstance(mask, ChunkPlan):
-        return chunked_attention(q, k, v, mask)
+        return chunked_attention(q, k, v, mask, scale)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped, scale=scale)
     if isinstance(mask, BlockMask):
-        return _flex(q)(q, k, v, block_mask=mask, enable_gqa=grouped)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
+        return _flex(q)(q, k, v, block_mask=mask, enable_gqa=grouped, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped, scale=scale)
 
 
 def _flex(q: torch.Tensor):

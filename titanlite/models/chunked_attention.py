@@ -114,20 +114,28 @@ class _Documents:
         return Piece(lo, stop, bias=bias[:, None])
 
 
-def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+def chunked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ChunkPlan, scale: float | None = None
+) -> torch.Tensor:
     """q [batch, heads, local queries, head_dim] over the window's k, v [batch, kv_heads, window,
-    head_dim] (GQA when kv_heads < heads) as `plan` says; the output is laid out like q's
-    [batch, queries, heads, head_dim] memory, so merging the heads afterwards is a view."""
-    return _ChunkedAttention.apply(q, k, v, plan)
+    head_dim] (GQA when kv_heads < heads; v's head dim may differ from q's and k's) as `plan`
+    says, scores times `scale` (None: q's head_dim ** -0.5); the output [batch, heads, queries,
+    v head_dim] is laid out like [batch, queries, heads, v head_dim] memory, so merging the
+    heads afterwards is a view."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _ChunkedAttention.apply(q, k, v, plan, scale)
 
 
 class _ChunkedAttention(torch.autograd.Function):
     """Forward: each piece's output and LSE, merged per query chunk. Backward: each piece's
     kernel backward with the merged output and LSE of its rows (exact, as in ring attention),
-    gradients summed over the pieces in float32."""
+    gradients summed over the pieces in float32. q, k, v are padded to one head dim for the
+    kernels (attention_lse.common_head_dim) once, outside the pieces."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ChunkPlan, scale: float) -> torch.Tensor:
+        qk_dim, v_dim = q.shape[-1], v.shape[-1]
+        q, k, v = attention_lse.common_head_dim(q, k, v)
         batch, heads, queries, head_dim = q.shape
         out = q.new_empty(batch, queries, heads, head_dim).transpose(1, 2)
         lse = q.new_empty(batch, heads, queries, dtype=torch.float32)
@@ -142,18 +150,22 @@ class _ChunkedAttention(torch.autograd.Function):
                     v[:, :, piece.start : piece.stop],
                     piece.causal,
                     piece.bias,
+                    scale,
                 )
                 saved.append(state)
                 merged_out, merged_lse = _merge(merged_out, merged_lse, part, part_lse)
             out[:, :, rows] = merged_out
             lse[:, :, rows] = merged_lse
-        ctx.plan, ctx.states = plan, saved
+        ctx.plan, ctx.states, ctx.scale, ctx.dims = plan, saved, scale, (qk_dim, v_dim)
         ctx.save_for_backward(q, k, v, out, lse)
-        return out
+        return out[..., :v_dim]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
+        qk_dim, v_dim = ctx.dims
+        if v_dim < out.shape[-1]:  # the padded output columns are zero and take no gradient
+            grad = torch.nn.functional.pad(grad, (0, out.shape[-1] - v_dim))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -172,11 +184,13 @@ class _ChunkedAttention(torch.autograd.Function):
                     rows_lse,
                     piece.causal,
                     next(states),
+                    ctx.scale,
                 )
                 dq[:, :, rows] += d_q
                 dk[:, :, keys] += d_k
                 dv[:, :, keys] += d_v
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dq, dk, dv = dq[..., :qk_dim], dk[..., :qk_dim], dv[..., :v_dim]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _merge(

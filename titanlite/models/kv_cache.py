@@ -53,7 +53,8 @@ class KVCache:
 
 
 class LayerKVCache:
-    """One attention layer's keys and values: [batch, max_len, kv_heads, head_dim] each."""
+    """One attention layer's keys and values: [batch, max_len, kv_heads, head_dim] each (the
+    values' head dim their own: DeepSeek-V3's MLA has values narrower than its keys)."""
 
     def __init__(self, cache: KVCache):
         self.cache = cache
@@ -64,9 +65,8 @@ class LayerKVCache:
         """Store the new tokens' keys and values ([batch, seq, kv_heads, head_dim], after
         RoPE) at the cache's position; return every token's so far (views, no copy)."""
         if self.keys is None:
-            shape = (k.shape[0], self.cache.max_len, *k.shape[2:])
-            self.keys = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.values = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            self.keys = k.new_zeros((k.shape[0], self.cache.max_len, *k.shape[2:]))
+            self.values = v.new_zeros((v.shape[0], self.cache.max_len, *v.shape[2:]))
         start, stop = self.cache.length, self.cache.length + k.shape[1]
         self.keys[:, start:stop] = k
         self.values[:, start:stop] = v

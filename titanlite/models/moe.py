@@ -1,6 +1,6 @@
 """A mixture-of-experts feed-forward layer any model can use in place of its MLP:
-token-choice top-k routing, dropless grouped experts (models/moe_experts.py), optional
-shared experts, and the two load-balancing methods in use, each optional:
+token-choice top-k routing (group-limited as DeepSeek-V3's when asked), dropless grouped
+experts (models/moe_experts.py), optional shared experts, and the two load-balancing methods in use, each optional:
 
 - Qwen3-MoE's (Switch Transformer's) auxiliary loss: per layer,
   `coef * E * sum_i f_i * P_i`, f_i the fraction of the tokens routed to expert i (the
@@ -80,14 +80,35 @@ class MoEArgs:
     # the per-sequence form is the same however a batch is split (data-parallel ranks,
     # gradient accumulation, pipeline microbatches), so every layout trains alike.
     aux_loss_per_sequence: bool = False
+    # DeepSeek-V3's group-limited routing: the experts in n_group equal groups, each token
+    # choosing its top_k among the topk_group groups whose two best scores sum highest
+    # (DeepSeek-V3 keeps 4 of 8 groups: a token's experts on at most 4 nodes). 1: no groups.
+    n_group: int = 1  # [n_group]
+    topk_group: int = 1  # [topk_group]
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"MoEArgs.top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}")
+        self._check_groups()
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"MoEArgs.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
         if self.hidden_dim <= 0 or self.n_shared_experts < 0 or self.aux_loss_coef < 0 or self.bias_update_rate < 0:
             raise ValueError(f"MoEArgs: sizes and rates must not be negative: {self}")
+
+    def _check_groups(self) -> None:
+        per_group = self.n_experts // self.n_group if self.n_group > 0 else 0
+        if (
+            self.n_group < 1
+            or self.n_experts % self.n_group
+            or not 1 <= self.topk_group <= self.n_group
+            or self.top_k > self.topk_group * per_group
+            or (self.n_group > 1 and per_group < 2)
+        ):
+            raise ValueError(
+                f"MoEArgs: n_group ({self.n_group}) must divide n_experts ({self.n_experts}) into groups of 2 or"
+                f" more experts, with topk_group ({self.topk_group}) in 1..n_group and top_k ({self.top_k}) at most"
+                " topk_group * experts per group"
+            )
 
 
 @dataclass
@@ -102,8 +123,13 @@ class Routing:
 
 class Router(nn.Module):
     """Token-choice top-k: scores = softmax or sigmoid of gate(x); the top-k experts by
-    score (+ the per-expert bias when given: it changes the choice, not the weights);
-    weights = the chosen scores, renormalized to sum to 1 if asked, times route_scale."""
+    score (+ the per-expert bias when given: it changes the choice, not the weights), among
+    the best `topk_group` of `n_group` groups when there are groups; weights = the chosen
+    scores, renormalized to sum to 1 if asked, times route_scale.
+
+    Ties go the way `torch.topk` breaks them (on this device): the groups are ranked and
+    masked with the same calls on the same float32 values as transformers'
+    DeepseekV3TopkRouter, so the choice is its choice, ties included."""
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -114,11 +140,22 @@ class Router(nn.Module):
         logits = F.linear(x, local_weight(self.gate.weight)).float()
         scores = logits.softmax(dim=-1) if self.args.score_func == "softmax" else logits.sigmoid()
         choice = scores if expert_bias is None else scores + expert_bias
+        if self.args.n_group > 1:
+            choice = self._in_best_groups(choice)
         experts = choice.topk(self.args.top_k, dim=-1).indices
         weights = scores.gather(-1, experts)
         if self.args.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return Routing(experts, weights * self.args.route_scale, scores)
+
+    def _in_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` [T, E] with the experts outside each token's best `topk_group` groups
+        set to -inf; a group's rank is the sum of its two best choice scores (DeepSeek-V3)."""
+        groups = choice.view(choice.shape[0], self.args.n_group, -1)
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(self.args.topk_group, dim=-1, sorted=False).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice)
 
 
 def load_balancing_loss(

@@ -1,0 +1,142 @@
+"""The DeepSeek-V3 tensor-parallel plan: the shared decoder's edges, norms and dense SwiGLU,
+MLA split by heads, and the MoE layer whole on each rank with its shared experts split.
+
+MLA (attention.py) takes the whole sequence as a plain tensor on every tp rank, and:
+
+- the per-head up-projections `wq` (or `wq_b`) and `wkv_b` are split by columns (whole heads
+  per rank), `wo` by rows (its partial sums reduced onto the residual layout);
+- the compressed latents stay whole on every rank: `wq_a`, `q_norm`, `wkv_a`, `kv_norm` have
+  Replicate parameters on the tp mesh and compute in full (`_Replicated`);
+- the rotary key k_pe, whole on every rank, meets this rank's heads in `rope_key`; each
+  rank's gradient there holds only its heads' part, so it is summed over the tp ranks
+  (`_HeadsShareIt`), as the column-split projections sum their inputs' gradients.
+
+Every gradient that reaches a replicated module is thereby the whole one, the same on every
+rank. An MoE block's routing and routed experts run whole on each rank
+(`tp.whole_on_each_rank`, as Qwen3's); its shared experts are a SwiGLU split Megatron-style
+inside it (w1/w3 by columns, w2 by rows all-reduced back to the whole sequence).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from titanlite.models import decoder_tp
+from titanlite.models.deepseek_v3.model import DeepSeekV3Args
+from titanlite.models.moe import MoE
+from titanlite.parallel import tensor_parallel as tp
+
+
+class _Replicated(ParallelStyle):
+    """A module every tp rank computes in full from the same plain input: its parameters
+    Replicate DTensors on the tp mesh (one mesh for every parameter, as the grad norm and FSDP
+    want), its output a plain tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._inputs, output_fn=self._output)
+
+    @staticmethod
+    def _inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(
+            DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if isinstance(x, torch.Tensor) else x
+            for x in inputs
+        )
+
+    @staticmethod
+    def _output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local()
+
+
+class _HeadsShareIt(ParallelStyle):
+    """A tensor whole on every tp rank, entering this rank's heads: forward unchanged, its
+    gradient summed over the tp ranks (Megatron's copy-to-tensor-parallel-region): the local
+    gradient is declared Partial, which the way back to Replicate all-reduces."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def enter(module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+            x, *rest = inputs
+            shared = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+            return (shared.to_local(grad_placements=(Partial(),)), *rest)
+
+        module.register_forward_pre_hook(enter)
+        return module
+
+
+def attention_plan(attention: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """MLA's entries (the module has wq, or wq_a / q_norm / wq_b)."""
+    whole_sequence = tp.activations_layout(sequence_parallel)
+    plan: dict[str, ParallelStyle] = {
+        # x handed over as a plain tensor, the whole sequence (cos_sin and the mask pass through)
+        "attention": PrepareModuleInput(
+            input_layouts=(whole_sequence, None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=True,
+        ),
+        "attention.wkv_a": _Replicated(),
+        "attention.kv_norm": _Replicated(),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.rope_key": _HeadsShareIt(),
+        "attention.wo": tp.rowwise_exit(sequence_parallel),
+    }
+    if hasattr(attention, "wq"):
+        plan["attention.wq"] = ColwiseParallel()
+    else:
+        plan.update(
+            {"attention.wq_a": _Replicated(), "attention.q_norm": _Replicated(), "attention.wq_b": ColwiseParallel()}
+        )
+    return plan
+
+
+def moe_plan(moe: MoE, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The MoE layer whole on each rank, its shared experts (if any) split first."""
+    plan: dict[str, ParallelStyle] = {}
+    if moe.shared_experts is not None:
+        plan = {
+            "feed_forward.shared_experts.w1": ColwiseParallel(),
+            "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
+            "feed_forward.shared_experts.w3": ColwiseParallel(),
+        }
+    plan["feed_forward"] = tp.whole_on_each_rank(sequence_parallel)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """The shared decoder's edges (embedding, final norm, head; tied and pipeline-stage cases
+    included), then every block: its norms, MLA, and the dense SwiGLU or the MoE layer."""
+    sp = sequence_parallel
+    decoder_tp.apply_edges(model, tp_mesh, loss_parallel, sp)
+    for block in model.layers.values():
+        plan = {**decoder_tp.norms_plan(sp), **attention_plan(block.attention, sp)}
+        if isinstance(block.feed_forward, MoE):
+            plan.update(moe_plan(block.feed_forward, sp))
+        else:
+            plan.update(decoder_tp.feed_forward_plan(sp))
+        parallelize_module(block, tp_mesh, plan)
+
+
+def tp_problems(args: DeepSeekV3Args, tp_degree: int) -> list[str]:
+    """Why this flavor cannot be split `tp_degree` ways (empty when it can): the heads, the
+    dense SwiGLU width where a block is dense, the shared experts' width, the vocabulary.
+    Routed experts are not split (expert parallelism splits them)."""
+    sizes = {"n_heads": args.n_heads, "vocab_size": args.vocab_size}
+    if args.n_moe_layers < args.n_layers:
+        sizes["ffn hidden size"] = args.hidden_dim
+    if args.moe is not None and args.moe.n_shared_experts:
+        sizes["shared experts' hidden size"] = args.moe.n_shared_experts * args.moe.hidden_dim
+    return [
+        f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}"
+        for name, size in sizes.items()
+        if size % tp_degree
+    ]
