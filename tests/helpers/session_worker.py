@@ -103,9 +103,10 @@ def watch_expert_compute(trainer: Trainer) -> dict[str, int]:
     return seen
 
 
-def optimizer_groups(trainer: Trainer) -> list[dict]:
-    """Each param group's rule, starting lr, weight decay and parameter names, as built."""
-    names = {id(p): n for n, p in trainer.model.named_parameters()}
+def optimizer_groups(trainer: Trainer, names: dict[int, str]) -> list[dict]:
+    """Each param group's rule, starting lr, weight decay and parameter names (`names`: id -> name
+    of the parameters the optimizer was built from, read before training: after a validation
+    forward FSDP2's root may hold its unsharded tensors as the module's parameters, not them)."""
     return [
         {
             "group": g["group"],
@@ -143,13 +144,14 @@ def run_case(case: dict) -> dict:
         create_seed_checkpoint(plan)
         return {"history": [], "ranks": [], "validation_loss": None, "error": None}
     trainer = Trainer(plan)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
     expert_compute = watch_expert_compute(trainer)
     try:
         history = trainer.train()
         sizes = {
             **held_bytes(trainer),
             "expert_compute_bytes": sum(expert_compute.values()),
-            "optimizer_groups": optimizer_groups(trainer),
+            "optimizer_groups": optimizer_groups(trainer, names),
             # Muon's last step on this rank: matrices it orthogonalized, bytes of other ranks' blocks it received.
             "muon_owned": getattr(trainer.optimizer, "last_owned", None),
             "muon_gathered_bytes": getattr(trainer.optimizer, "last_gathered_bytes", None),

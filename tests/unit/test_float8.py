@@ -123,6 +123,7 @@ def test_converters_and_the_float8_keys_in_both_spellings(tmp_path):
     assert [n.split(" ")[0] for n in notices] == [
         "quantize.linear.float8.emulate",
         "[quantize.grouped_mm.float8]",
+        "optimizer.param_groups",
         "model.flavor",
     ]
 

@@ -81,7 +81,9 @@ def test_a_torchtitan_file_decays_every_parameter_unless_it_names_groups(tmp_pat
     path.write_text('[training]\ndataset = "c4"\n')
     notices: list[str] = []
     cfg = load_config(["--config", str(path), "--training.dataset", "builtin"], notices)
-    assert cfg.optimizer.param_groups == [] and notices[0].startswith("optimizer.param_groups = [] for the file ")
+    assert cfg.optimizer.param_groups == [] and notices[0].startswith(
+        f"optimizer.param_groups = [] in {path}: torchtitan decays"
+    )
     assert load_config(["--config", "debug_model"]).optimizer.param_groups == list(DEFAULT_GROUPS)
     group = "*.bias: weight_decay=0"
     named = load_config(["--config", str(path), "--training.dataset", "builtin", "--optimizer.param_groups", group])

@@ -238,7 +238,7 @@ class TorchtitanKeys:
             return
         cfg.optimizer.param_groups = []
         self.notices.append(
-            f"optimizer.param_groups = [] for the file {self._file}: torchtitan decays every parameter alike "
+            f"optimizer.param_groups = [] {self._file}: torchtitan decays every parameter alike "
             "(titanlite's default exempts embeddings, norms and biases; set optimizer.param_groups to use it)"
         )
 
