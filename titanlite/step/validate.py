@@ -21,6 +21,7 @@ from titanlite.data.loader import TokenWindowLoader
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 from titanlite.observe.metrics import MetricsLogger
+from titanlite.step.participants import StepParticipant
 
 BatchLoss = Callable[..., torch.Tensor]
 """(inputs, labels[, document ids]) -> this rank's mean loss of the batch, without gradients."""
@@ -28,8 +29,9 @@ Reduce = Callable[[torch.Tensor], float]
 """This rank's loss -> the loss over every rank (pipeline ranks summed, dp ranks averaged)."""
 
 
-class Validator:
-    """Evaluates the first `batches` global batches of the validation stream on demand."""
+class Validator(StepParticipant):
+    """Evaluates the first `batches` global batches of the validation stream on demand; as a
+    step participant, after every `validation.freq`-th step and the last."""
 
     def __init__(
         self,
@@ -57,12 +59,10 @@ class Validator:
                 f"{available}"
             )
 
-    def maybe_run(self, step: int, last: bool) -> dict[str, float] | None:
-        """Validate at every `freq`-th step and at the last; returns the logged figures."""
-        if step % self.freq and not last:
-            return None
-        loss = self.evaluate()
-        return self.metrics.log_validation(step, loss, math.exp(loss) if loss < 700 else math.inf)
+    def after_step(self, step: int, last: bool) -> None:
+        if step % self.freq == 0 or last:
+            loss = self.evaluate()
+            self.metrics.log_validation(step, loss, math.exp(loss) if loss < 700 else math.inf)
 
     @torch.no_grad()
     def evaluate(self) -> float:
