@@ -41,7 +41,7 @@ from titanlite.step.forward_backward import Pipelined, Unpipelined
 from titanlite.step.optim import build_lr_scheduler, build_optimizer, trained_parameters
 from titanlite.step.participants import Float8Scales, Participants, StepParticipant
 from titanlite.step.precision import resolve_compute_dtype
-from titanlite.step.validate import Validator, build_validator
+from titanlite.step.validate import Validator
 
 
 class Checkpointing(StepParticipant):
@@ -50,8 +50,8 @@ class Checkpointing(StepParticipant):
     group that `saves` does), and a blocking save on a stop signal. `manager` is None when the
     run neither saves nor loads (checkpoint.enable_checkpoint false, no initial_load_path)."""
 
-    def __init__(self, manager: CheckpointManager | None, enabled: bool, saves: Callable[[], bool]) -> None:
-        self.manager, self.enabled, self.saves = manager, enabled, saves
+    def __init__(self, manager: CheckpointManager | None, saves: Callable[[], bool]) -> None:
+        self.manager, self.saves = manager, saves
 
     def load(self, state: TrainState) -> None:
         if self.manager is not None:
@@ -65,7 +65,7 @@ class Checkpointing(StepParticipant):
 
     def save_now(self, step: int) -> str:
         """A blocking save of `step` (a stop signal's), and what became of it for the last line."""
-        if self.manager is None or not self.enabled:
+        if self.manager is None or not self.manager.cfg.enable_checkpoint:
             return "nothing saved (checkpoint.enable_checkpoint is false)"
         return f"checkpoint saved to {self.manager.save_now(step)}"
 
@@ -171,16 +171,19 @@ def _join_participants(
     states = {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
     group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
     run.metrics = _metrics(run)
-    run.validator = build_validator(
-        cfg.validation,
-        validation_data,
-        run.model,
-        run.forward_backward.evaluate,
-        run.steps.reported,
-        run.device,
-        run.metrics,
+    run.validator = (
+        Validator(
+            cfg.validation,
+            validation_data,
+            run.model,
+            run.forward_backward,
+            run.steps.reported,
+            run.metrics,
+        )
+        if cfg.validation.enable
+        else None
     )
-    run.checkpoint = Checkpointing(manager, cfg.checkpoint.enable_checkpoint, group.saves_checkpoints)
+    run.checkpoint = Checkpointing(manager, group.saves_checkpoints)
     float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
     members = [run.steps.expert_balance(run.model, experts), group, float8]
     members += [*([run.validator] if run.validator else []), run.checkpoint, ScheduledGC(cfg.training.gc_freq)]

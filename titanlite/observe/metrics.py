@@ -27,25 +27,6 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is KiB on Linux
 
 
-def run_summary(
-    steps: int,
-    tokens: int,
-    seconds: float,
-    final_loss: float | None,
-    memory_gib: float,
-    checkpoint: Path | None,
-    metrics_file: Path | None,
-) -> str:
-    """`done: 100 steps, 1,638,400 tokens in 58.2 s; final loss 5.5412; peak mem 0.75 GiB;
-    checkpoint outputs/checkpoint/step-100; metrics outputs/runs/<run>/metrics.jsonl`. tokens
-    are every data-parallel rank's; "none" where nothing was saved or written."""
-    loss = "n/a" if final_loss is None else f"{final_loss:.4f}"
-    return (
-        f"done: {steps:,} steps, {tokens:,} tokens in {seconds:.1f} s; final loss {loss}; "
-        f"peak mem {memory_gib:.2f} GiB; checkpoint {checkpoint or 'none'}; metrics {metrics_file or 'none'}"
-    )
-
-
 class LineField(NamedTuple):
     """A step participant's part of a logged step: its text on the step line (`quorum 2/2`) and
     its scalars (TensorBoard, W&B, metrics.jsonl and the returned figures)."""
@@ -176,10 +157,16 @@ class MetricsLogger:
     def log_summary(
         self, steps: int, tokens: int, seconds: float, final_loss: float | None, checkpoint: Path | None
     ) -> str:
-        """The run's last line (rank 0): what this start trained and where its results are,
-        so a user need not scroll back for them. Returns the line."""
-        line = run_summary(
-            steps, tokens, seconds, final_loss, peak_memory_gib(self.device), checkpoint, self.file and self.file.path
+        """The run's last line (rank 0): what this start trained and where its results are, so a
+        user need not scroll back for them. Returns the line: `done: 100 steps, 1,638,400 tokens in
+        58.2 s; final loss 5.5412; peak mem 0.75 GiB; checkpoint outputs/checkpoint/step-100;
+        metrics outputs/runs/<run>/metrics.jsonl`. tokens are every data-parallel rank's; "none"
+        where nothing was saved or written."""
+        loss = "n/a" if final_loss is None else f"{final_loss:.4f}"
+        line = (
+            f"done: {steps:,} steps, {tokens:,} tokens in {seconds:.1f} s; final loss {loss}; peak mem "
+            f"{peak_memory_gib(self.device):.2f} GiB; checkpoint {checkpoint or 'none'}; "
+            f"metrics {(self.file and self.file.path) or 'none'}"
         )
         logger.info(line)
         return line

@@ -115,16 +115,14 @@ class ReplicaGroup(StepParticipant):
     def __init__(
         self,
         ft: FaultTolerance,
-        *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         states: dict[str, Any],
-        rank: int,
-        world_size: int,
+        dist_info: DistInfo,
     ) -> None:
         self.ft, self.model, self.optimizer, self.states = ft, model, optimizer, states
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.manager = _start_manager(ft, self._load, self._state, rank, world_size)
+        self.manager = _start_manager(ft, self._load, self._state, dist_info.rank, dist_info.world_size)
         self.per_step = ft.semi_sync_method == "none"  # else the optimizer's hooks sync the groups
         self.participants = 0  # groups in the last quorum
         self.waiting = False  # the last quorum had fewer than min_replica_size groups
@@ -219,26 +217,21 @@ class ReplicaGroup(StepParticipant):
         )
 
     def _say_quorum(self, step: int) -> None:
-        participants = self.manager.num_participants()
+        participants, groups, line = self.manager.num_participants(), self.ft.group_size, None
         if self.healed_at is not None:
-            logger.info(
-                f"fault_tolerance: step {self.healed_at + 1}: replica group {self.ft.replica_id} healed from a live "
-                f"group (model, optimizer, data position, step {self.healed_at}); {participants}/"
-                f"{self.ft.group_size} groups"
+            line = (
+                f"step {self.healed_at + 1}: replica group {self.ft.replica_id} healed from a live group (model, "
+                f"optimizer, data position, step {self.healed_at}); {participants}/{groups} groups"
             )
             self.healed_at = None
         elif self.waiting:
-            logger.info(f"fault_tolerance: step {step}: {participants}/{self.ft.group_size} groups; training goes on")
+            line = f"step {step}: {participants}/{groups} groups; training goes on"
         elif self.participants and participants < self.participants:
-            logger.info(
-                f"fault_tolerance: step {step}: quorum shrank to {participants}/{self.ft.group_size} replica "
-                "groups; this group goes on"
-            )
+            line = f"step {step}: quorum shrank to {participants}/{groups} replica groups; this group goes on"
         elif self.participants and participants > self.participants:
-            logger.info(
-                f"fault_tolerance: step {step}: quorum grew to {participants}/{self.ft.group_size} replica "
-                "groups (a group rejoined)"
-            )
+            line = f"step {step}: quorum grew to {participants}/{groups} replica groups (a group rejoined)"
+        if line is not None:
+            logger.info(f"fault_tolerance: {line}")
         self.participants, self.waiting = participants, False
 
     def after_backward(self, params: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
@@ -336,8 +329,4 @@ def build_replica_group(
     dist_info: DistInfo,
 ) -> ReplicaGroup | LoneGroup:
     """The run's ReplicaGroup when `fault_tolerance.enable`, else a LoneGroup (see ReplicaGroup)."""
-    if not ft.enable:
-        return LoneGroup()
-    return ReplicaGroup(
-        ft, model=model, optimizer=optimizer, states=states, rank=dist_info.rank, world_size=dist_info.world_size
-    )
+    return ReplicaGroup(ft, model, optimizer, states, dist_info) if ft.enable else LoneGroup()

@@ -35,7 +35,7 @@ from titanlite.parallel.collectives import mean_over, sum_over
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.parallel.pipeline import PipelineLayout
 from titanlite.step.experts import ExpertBalance, ExpertLayers
-from titanlite.step.forward_backward import Pipelined, StepLoss, Unpipelined
+from titanlite.step.forward_backward import Pipelined, Unpipelined
 from titanlite.step.participants import StepParticipant
 from titanlite.step.precision import autocast_dtype
 
@@ -106,26 +106,10 @@ class StepBuilder:
     ) -> Unpipelined | Pipelined:
         """The step's forward and backward: on the whole `model`, or through the pipeline
         schedule over this rank's stage `parts`; with `experts`, training their aux loss."""
-        nan_fault_here = self.rank == self.loss_rank
+        shared = (self.compute_context, self.device, self.rank == self.loss_rank, self.meshes.context_parallel, experts)
         if self.pipeline is None:
-            return Unpipelined(
-                model,
-                self.compute_context,
-                self.device,
-                nan_fault_here=nan_fault_here,
-                context_parallel=self.meshes.context_parallel,
-                experts=experts,
-            )
-        return Pipelined(
-            self.pipeline,
-            parts,
-            self.meshes.pp,
-            self.compute_context,
-            self.device,
-            loss=StepLoss(nan_fault_here),
-            context_parallel=self.meshes.context_parallel,
-            experts=experts,
-        )
+            return Unpipelined(*shared, model)
+        return Pipelined(*shared, self.pipeline, parts, self.meshes.pp)
 
     def expert_balance(self, model: nn.Module, experts: ExpertLayers | None) -> StepParticipant:
         """The step participant that updates the biases of `model`'s MoE layers and reports their
