@@ -183,6 +183,7 @@ def _join_participants(
         if cfg.validation.enable
         else None
     )
+    _say_start(run)
     run.checkpoint = Checkpointing(manager, group.saves_checkpoints)
     float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
     members = [run.steps.expert_balance(run.model, experts), group, float8]
@@ -237,21 +238,24 @@ def _checkpoint_manager(run: RunParts) -> CheckpointManager | None:
 
 
 def _metrics(run: RunParts) -> MetricsLogger:
-    """The step line's logger, its MFU over this device's peak; then the start-up lines (the
-    model, mesh, accumulation and peak; the pipeline's stages)."""
-    plan, cfg, size = run.plan, run.cfg, run.size
-    peak = peak_flops(run.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops)
-    metrics = MetricsLogger(
+    """The step line's logger, its MFU over this device's peak."""
+    cfg = run.cfg
+    return MetricsLogger(
         cfg.metrics,
         cfg.job.dump_folder,
         run.dist.rank,
         run.device,
-        size.flops_per_token,
-        peak,
-        plan.devices_per_replica,
+        run.size.flops_per_token,
+        peak_flops(run.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops),
+        run.plan.devices_per_replica,
         run.run_dir,
         run_config=to_dict(cfg),
     )
+
+
+def _say_start(run: RunParts) -> None:
+    """The start-up lines: the model, mesh, accumulation and peak; the pipeline's stages."""
+    plan, cfg, size, peak = run.plan, run.cfg, run.size, run.metrics.peak
     dims = plan.dims
     experts = f" (experts: ep {dims.ep} x efsdp {plan.expert_fsdp_degree})" if dims.ep > 1 else ""
     logger.info(
@@ -261,7 +265,6 @@ def _metrics(run: RunParts) -> MetricsLogger:
     )
     if plan.pipeline is not None:
         logger.info(plan.pipeline.describe())
-    return metrics
 
 
 def resolve_plan_dtype(plan: RunPlan, device: torch.device) -> RunPlan:
