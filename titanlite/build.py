@@ -69,12 +69,32 @@ class RunPlan:
             and float8.precompute_float8_dynamic_scale_for_fsdp
         )
 
+    @property
+    def devices_per_replica(self) -> int:
+        """The ranks that share one data-parallel replica's tokens, tp x cp x pp (MetricsLogger's
+        tps divides by it)."""
+        return self.dims.tp * self.dims.cp * self.dims.pp
+
+    @property
+    def expert_fsdp_degree(self) -> int:
+        """The experts' FSDP degree: dp_shard x cp over the ep ranks that split the experts."""
+        return self.dims.dp_shard * self.dims.cp // self.dims.ep
+
     def with_compute_dtype(self, name: str) -> RunPlan:
         """This plan with `training.mixed_precision_param` made concrete: "auto" is decided
         per device (`step/precision.py`, by the trainer; the planner takes bfloat16, a GPU's)
         before anything is built."""
-        training = dataclasses.replace(self.cfg.training, mixed_precision_param=name)
-        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, training=training))
+        return self._with_setting("training", mixed_precision_param=name)
+
+    def with_dump_folder(self, folder: str) -> RunPlan:
+        """This plan writing under `folder` (a fault-tolerant replica group's own): every consumer
+        (run lock, metrics, checkpoints, traces) reads the plan's config."""
+        return self._with_setting("job", dump_folder=folder)
+
+    def _with_setting(self, section: str, **values: Any) -> RunPlan:
+        """A new plan and config with `values` in `section`: no config is edited after load."""
+        changed = dataclasses.replace(getattr(self.cfg, section), **values)
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, **{section: changed}))
 
     @functools.cached_property
     def n_params(self) -> int:

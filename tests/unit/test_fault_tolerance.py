@@ -57,5 +57,5 @@ def test_missing_lighthouse_torchft_and_the_groups_folders(monkeypatch, tmp_path
         prepare_replica_group(cfg)
     monkeypatch.delitem(sys.modules, "torchft")
     monkeypatch.setenv(LIGHTHOUSE_ENV, "http://localhost:29510")
-    prepare_replica_group(cfg)
-    assert cfg.job.dump_folder == str(tmp_path / "replica_0")
+    assert prepare_replica_group(cfg) == str(tmp_path / "replica_0")
+    assert cfg.job.dump_folder == str(tmp_path)  # the group's folder goes into the plan: no config is edited

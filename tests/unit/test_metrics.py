@@ -13,6 +13,7 @@ import torch
 from titanlite.config import Metrics
 from titanlite.observe.metrics import MetricsLogger, PeakFlops
 from titanlite.observe.run_dir import METRICS_FILE, read_metrics
+from titanlite.step.experts import load_field
 
 TRAIN_FIELDS = {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "tokens_seen", "elapsed_s", "wall_time"}
 
@@ -97,12 +98,13 @@ def test_tokens_per_second_are_per_device_of_the_replica(tmp_path, monkeypatch):
 
 def test_a_model_with_moe_layers_logs_its_expert_load_and_a_dense_one_does_not(tmp_path, caplog):
     """The step line's `moe_load mean/max` field and metrics.jsonl's moe_load_mean and
-    moe_load_max (TensorBoard and W&B take the same scalars), only when the trainer passes a load."""
+    moe_load_max (TensorBoard and W&B take the same scalars), only when the trainer passes a load
+    (`step/experts.load_field`: the expert balance's field of the step line)."""
     run_dir = tmp_path / "runs" / "r"
     run_dir.mkdir(parents=True)
     metrics = logger_in(run_dir)
     with caplog.at_level("INFO", logger="titanlite"):
-        metrics.log(1, loss=8.5, grad_norm=1.0, lr=1e-4, tokens_seen=512, expert_load=(1.2345, 1.5))
+        metrics.log(1, loss=8.5, grad_norm=1.0, lr=1e-4, tokens_seen=512, fields=[load_field(1.2345, 1.5)])
         metrics.log(2, loss=8.4, grad_norm=1.0, lr=1e-4, tokens_seen=1024)
     metrics.close()
     moe, dense = read_metrics(run_dir)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import resource
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,23 +27,12 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # ru_maxrss is KiB on Linux
 
 
-def run_summary(
-    steps: int,
-    tokens: int,
-    seconds: float,
-    final_loss: float | None,
-    memory_gib: float,
-    checkpoint: Path | None,
-    metrics_file: Path | None,
-) -> str:
-    """`done: 100 steps, 1,638,400 tokens in 58.2 s; final loss 5.5412; peak mem 0.75 GiB;
-    checkpoint outputs/checkpoint/step-100; metrics outputs/runs/<run>/metrics.jsonl`. tokens
-    are every data-parallel rank's; "none" where nothing was saved or written."""
-    loss = "n/a" if final_loss is None else f"{final_loss:.4f}"
-    return (
-        f"done: {steps:,} steps, {tokens:,} tokens in {seconds:.1f} s; final loss {loss}; "
-        f"peak mem {memory_gib:.2f} GiB; checkpoint {checkpoint or 'none'}; metrics {metrics_file or 'none'}"
-    )
+class LineField(NamedTuple):
+    """A step participant's part of a logged step: its text on the step line (`quorum 2/2`) and
+    its scalars (TensorBoard, W&B, metrics.jsonl and the returned figures)."""
+
+    text: str
+    scalars: dict[str, float]
 
 
 def tensorboard_dir(metrics_cfg: Metrics, dump_folder: str, rank: int, run_name: str) -> str | None:
@@ -101,14 +91,12 @@ class MetricsLogger:
         grad_norm: float,
         lr: float,
         tokens_seen: int,
-        expert_load: tuple[float, float] | None = None,
-        quorum: tuple[int, int] | None = None,
+        fields: Sequence[LineField] = (),
     ) -> dict[str, float]:
         """Emit one line and the scalars for the window since the last call; returns them.
         `tokens_seen` counts every rank's tokens since the run's first step (resumes included).
-        `expert_load` (models with mixture-of-experts layers only): the (mean, max) over the
-        MoE layers of each layer's max / mean tokens per expert in the last step (1.0 is even
-        load), shown as `moe_load mean/max` and recorded as moe_load_mean, moe_load_max."""
+        `fields`: the step participants' own (step/participants.py), after the common ones:
+        with MoE layers the expert load, with fault tolerance the quorum."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tps = self.tokens / elapsed / self.devices_per_replica
         scalars = {
@@ -123,16 +111,12 @@ class MetricsLogger:
         if self.peak.flops:
             scalars["mfu"] = 100 * tps * self.flops_per_token / self.peak.flops
             mfu_text = f"{scalars['mfu']:.1f}%"
-        moe_text = ""
-        if expert_load is not None:
-            scalars["moe_load_mean"], scalars["moe_load_max"] = expert_load
-            moe_text = f"  moe_load {expert_load[0]:.2f}/{expert_load[1]:.2f}"
-        if quorum is not None:  # fault tolerance: replica groups in this step's quorum / configured
-            scalars["quorum"] = quorum[0]
-            moe_text += f"  quorum {quorum[0]}/{quorum[1]}"
+        for field in fields:
+            scalars.update(field.scalars)
         logger.info(
             f"step {step:>5}  loss {loss:7.4f}  grad_norm {grad_norm:6.3f}  lr {lr:.1e}  "
-            f"tps {tps:,.0f}  mfu {mfu_text}  mem {scalars['memory_gib']:.2f} GiB{moe_text}"
+            f"tps {tps:,.0f}  mfu {mfu_text}  mem {scalars['memory_gib']:.2f} GiB"
+            + "".join(f"  {field.text}" for field in fields)
         )
         self._record(step, scalars)
         self.tokens = 0
@@ -173,10 +157,16 @@ class MetricsLogger:
     def log_summary(
         self, steps: int, tokens: int, seconds: float, final_loss: float | None, checkpoint: Path | None
     ) -> str:
-        """The run's last line (rank 0): what this start trained and where its results are,
-        so a user need not scroll back for them. Returns the line."""
-        line = run_summary(
-            steps, tokens, seconds, final_loss, peak_memory_gib(self.device), checkpoint, self.file and self.file.path
+        """The run's last line (rank 0): what this start trained and where its results are, so a
+        user need not scroll back for them. Returns the line: `done: 100 steps, 1,638,400 tokens in
+        58.2 s; final loss 5.5412; peak mem 0.75 GiB; checkpoint outputs/checkpoint/step-100;
+        metrics outputs/runs/<run>/metrics.jsonl`. tokens are every data-parallel rank's; "none"
+        where nothing was saved or written."""
+        loss = "n/a" if final_loss is None else f"{final_loss:.4f}"
+        line = (
+            f"done: {steps:,} steps, {tokens:,} tokens in {seconds:.1f} s; final loss {loss}; peak mem "
+            f"{peak_memory_gib(self.device):.2f} GiB; checkpoint {checkpoint or 'none'}; "
+            f"metrics {(self.file and self.file.path) or 'none'}"
         )
         logger.info(line)
         return line

@@ -7,12 +7,15 @@ groups, the commit decision of each step (`should_commit`) and the healing of a 
 joins late (model, optimizer, lr schedule, data position, step and RNG sent from a live group
 by torchft's checkpoint transport). Nothing here is a quorum, heartbeat or transfer of our own.
 
-The trainer touches it through `ReplicaGroup` only: `begin_step` before a step draws its
-batches (a joining group is healed there, so it draws from the live group's data position),
-`average_gradients` between backward and clipping, `commit` before the optimizer step,
-`quorum` for the step line. With `semi_sync_method` (DiLoCo, local SGD) the groups train
-alone and torchft's own classes synchronize them every `sync_steps` optimizer steps from hooks
-on the optimizer; the per-step calls then do nothing.
+The trainer touches it as a step participant (step/participants.py), always there:
+`build_replica_group` gives a `ReplicaGroup`, or without fault tolerance a `LoneGroup` that
+does nothing. A `ReplicaGroup` joins a step at four points: `before_step`, before a step draws
+its batches (the quorum; a joining group is healed there, so it draws from the live group's
+data position), `after_backward` (the gradients averaged over the groups, before clipping),
+`commit` before the optimizer step, and `log_fields` (the quorum on the step line); `resume`
+takes a checkpoint's step. With `semi_sync_method` (DiLoCo, local SGD) the groups train alone
+and torchft's own classes synchronize them every `sync_steps` optimizer steps from hooks on
+the optimizer; the per-step calls then do nothing.
 
 Each group reads its own share of every global batch (`data_share`): group g's dp ranks are
 dp ranks g*dp .. g*dp+dp-1 of a data-parallel degree of group_size * dp, the same windows a
@@ -23,9 +26,11 @@ its share of those steps is not trained.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,17 +43,19 @@ from titanlite.config.sections import JobConfig
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 from titanlite.parallel.distributed import DistInfo
+from titanlite.step.participants import LineField, StepParticipant
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
-def prepare_replica_group(cfg: JobConfig) -> None:
+def prepare_replica_group(cfg: JobConfig) -> str:
     """Before any device is used: one line when torchft (the `ft` extra) or the lighthouse's
-    address is missing; and each group writes under its own `job.dump_folder/replica_<id>`
-    (its run lock, metrics and the checkpoints it saves are its own)."""
+    address is missing. Returns the folder this job writes under: `job.dump_folder`, or each
+    group its own `job.dump_folder/replica_<id>` (its run lock, metrics and the checkpoints it
+    saves are its own); the config itself is not edited."""
     ft = cfg.fault_tolerance
     if not ft.enable:
-        return
+        return cfg.job.dump_folder
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
     logging.getLogger("torchft").setLevel(logging.ERROR)  # its warnings are NCCL's on a CPU run
     warnings.filterwarnings("ignore", message="The given buffer is not writable")  # a heal's received tensors
@@ -63,7 +70,7 @@ def prepare_replica_group(cfg: JobConfig) -> None:
             f"fault_tolerance.enable: {LIGHTHOUSE_ENV} is not set; start torchft_lighthouse and set it to its "
             "address, e.g. http://localhost:29510 (scripts/run_ft_local.sh does both)"
         )
-    cfg.job.dump_folder = str(Path(cfg.job.dump_folder) / f"replica_{ft.replica_id}")
+    return str(Path(cfg.job.dump_folder) / f"replica_{ft.replica_id}")
 
 
 def data_share(ft: FaultTolerance, dp_rank: int, dp_degree: int) -> tuple[int, int]:
@@ -90,8 +97,15 @@ def _like_param(value: Any, param: torch.Tensor) -> Any:
     return value.clone()
 
 
-class ReplicaGroup:
-    """This group's torchft Manager and what a training step asks of it.
+class LoneGroup(StepParticipant):
+    """Fault tolerance off: this job is the only group; it joins no step and saves its checkpoints."""
+
+    def saves_checkpoints(self) -> bool:
+        return True
+
+
+class ReplicaGroup(StepParticipant):
+    """This group's torchft Manager and what a training step asks of it (a step participant).
 
     `states`: the Stateful pieces a healing group receives from a live one besides the model
     and the optimizer (lr schedule, data loader, train state with its RNG); they are sent as
@@ -101,51 +115,20 @@ class ReplicaGroup:
     def __init__(
         self,
         ft: FaultTolerance,
-        *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         states: dict[str, Any],
-        rank: int,
-        world_size: int,
+        dist_info: DistInfo,
     ) -> None:
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
         self.ft, self.model, self.optimizer, self.states = ft, model, optimizer, states
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
-        process_group = (ProcessGroupGloo if ft.process_group == "gloo" else ProcessGroupNCCL)(timeout=timeout)
-        try:
-            self.manager = self._start_manager(process_group, timeout, rank, world_size)
-        except RuntimeError as error:  # torchft's Rust client: the lighthouse refused or timed out
-            raise TitanliteError(
-                f"fault_tolerance: the lighthouse {LIGHTHOUSE_ENV}={os.environ.get(LIGHTHOUSE_ENV)} is unreachable: "
-                f"{str(error).split(';')[0]}"
-            ) from None
+        self.manager = _start_manager(ft, self._load, self._state, dist_info.rank, dist_info.world_size)
+        self.per_step = ft.semi_sync_method == "none"  # else the optimizer's hooks sync the groups
         self.participants = 0  # groups in the last quorum
         self.waiting = False  # the last quorum had fewer than min_replica_size groups
         self.healed_at: int | None = None  # the step a heal brought this group to, until it is said
         self.semi_sync: Any = None  # torchft's DiLoCo / LocalSGD, entered at the first step
         self.step_start: dict[str, Any] = {}  # `states` as the current step found them
-
-    def _start_manager(self, process_group: Any, timeout: timedelta, rank: int, world_size: int) -> Any:
-        """torchft's Manager for this group: rank 0 also starts its server, which joins the lighthouse."""
-        from torchft import Manager
-
-        ft = self.ft
-        return Manager(
-            pg=process_group,
-            load_state_dict=self._load,
-            state_dict=self._state,
-            min_replica_size=ft.min_replica_size,
-            use_async_quorum=False,  # heal before the step draws its batches; DiLoCo needs it too
-            timeout=timeout,
-            quorum_timeout=timedelta(milliseconds=ft.quorum_timeout_ms),
-            connect_timeout=timeout,
-            rank=rank,
-            world_size=world_size,
-            replica_id=f"replica_{ft.replica_id}",
-            init_sync=False,  # every group initializes the same weights from training.seed
-        )
 
     # -- healing: what a live group sends, what a joining group applies -----------------
 
@@ -177,106 +160,84 @@ class ReplicaGroup:
             piece.load_state_dict(state[name])
         self.healed_at = int(state["train_state"]["step"]) if "train_state" in state else -1
 
-    def resume_from(self, step: int) -> None:
+    def resume(self, step: int) -> None:
         """After a checkpoint load: the manager's step count is the checkpoint's, so a group
         restarted alone (from an older checkpoint) heals from the live ones instead."""
         self.manager.load_state_dict({"step": step, "batches_committed": step * self.ft.group_size})
 
     # -- the step -------------------------------------------------------------------------
 
-    def begin_step(self, step: int, redo: bool = False) -> None:
-        """Before step `step + 1` draws its batches (or, `redo`, draws them again after a peer
+    def before_step(self, step: int, redo: bool = False) -> None:
+        """Before step `step` draws its batches (or, `redo`, draws them again after a peer
         failed during it): the quorum, waiting while it has fewer than min_replica_size groups
         (up to quorum_timeout_ms); a joining group heals here, taking a live group's step, data
         position and RNG. One line when the quorum changed."""
-        if self.ft.semi_sync_method != "none":
-            self._enter_semi_sync()
+        if not self.per_step:
+            if self.semi_sync is None:
+                self.semi_sync = _semi_sync(self.ft, self.manager, self.model, self.optimizer)
             return
         if redo:
-            logger.info(f"fault_tolerance: step {step + 1}: a peer group failed during it; redone by the new quorum")
+            logger.info(f"fault_tolerance: step {step}: a peer group failed during it; redone by the new quorum")
         else:  # what a heal sends: the state before this step drew its batches, also while it is redone
             self.step_start = {name: piece.state_dict() for name, piece in self.states.items()}
         deadline = time.monotonic() + self.ft.quorum_timeout_ms / 1000
         self._quorum()
         while self.manager.errored() is not None:  # a heal or a reconfiguration failed: a peer died meanwhile
-            logger.info(f"fault_tolerance: step {step + 1}: the quorum failed ({self._first_line()}); asking again")
-            if time.monotonic() > deadline:
-                raise TitanliteError(self._timeout_line(step))
-            self._quorum()
+            logger.info(f"fault_tolerance: step {step}: the quorum failed ({self._first_line()}); asking again")
+            self._quorum(step, deadline)
         while self.manager.num_participants() < self.ft.min_replica_size:
             if not self.waiting:
                 logger.info(
-                    f"fault_tolerance: step {step + 1}: {self.manager.num_participants()}/{self.ft.group_size} groups, "
+                    f"fault_tolerance: step {step}: {self.manager.num_participants()}/{self.ft.group_size} groups, "
                     f"fewer than min_replica_size {self.ft.min_replica_size}: waiting for more"
                 )
                 self.waiting = True
-            if time.monotonic() > deadline:
-                raise TitanliteError(self._timeout_line(step))
             time.sleep(0.5)
-            self._quorum()
+            self._quorum(step, deadline)
         self._say_quorum(step)
 
     def _first_line(self) -> str:
         error = self.manager.errored()
         return str(getattr(error, "original_exception", error)).splitlines()[0][:200]
 
-    def _quorum(self) -> None:
+    def _quorum(self, step: int | None = None, deadline: float = math.inf) -> None:
+        """Ask for the quorum (again, `step` given: once more unless past `deadline`)."""
+        if time.monotonic() > deadline:
+            raise TitanliteError(self._timeout_line(step))
         try:
             self.manager.start_quorum()
         except Exception as error:  # the lighthouse's deadline (a Rust error) or a lost lighthouse
             raise TitanliteError(f"{self._timeout_line(None)} ({str(error).splitlines()[0][:200]})") from None
 
     def _timeout_line(self, step: int | None) -> str:
-        at = f" at step {step + 1}" if step is not None else ""
+        at = f" at step {step}" if step is not None else ""
         return (
             f"fault_tolerance: no quorum of min_replica_size {self.ft.min_replica_size} replica groups{at} within "
             f"quorum_timeout_ms {self.ft.quorum_timeout_ms} (lighthouse {os.environ.get(LIGHTHOUSE_ENV)})"
         )
 
     def _say_quorum(self, step: int) -> None:
-        participants = self.manager.num_participants()
+        participants, groups, line = self.manager.num_participants(), self.ft.group_size, None
         if self.healed_at is not None:
-            logger.info(
-                f"fault_tolerance: step {self.healed_at + 1}: replica group {self.ft.replica_id} healed from a live "
-                f"group (model, optimizer, data position, step {self.healed_at}); {participants}/"
-                f"{self.ft.group_size} groups"
+            line = (
+                f"step {self.healed_at + 1}: replica group {self.ft.replica_id} healed from a live group (model, "
+                f"optimizer, data position, step {self.healed_at}); {participants}/{groups} groups"
             )
             self.healed_at = None
         elif self.waiting:
-            logger.info(
-                f"fault_tolerance: step {step + 1}: {participants}/{self.ft.group_size} groups; training goes on"
-            )
+            line = f"step {step}: {participants}/{groups} groups; training goes on"
         elif self.participants and participants < self.participants:
-            logger.info(
-                f"fault_tolerance: step {step + 1}: quorum shrank to {participants}/{self.ft.group_size} replica "
-                "groups; this group goes on"
-            )
+            line = f"step {step}: quorum shrank to {participants}/{groups} replica groups; this group goes on"
         elif self.participants and participants > self.participants:
-            logger.info(
-                f"fault_tolerance: step {step + 1}: quorum grew to {participants}/{self.ft.group_size} replica "
-                "groups (a group rejoined)"
-            )
+            line = f"step {step}: quorum grew to {participants}/{groups} replica groups (a group rejoined)"
+        if line is not None:
+            logger.info(f"fault_tolerance: {line}")
         self.participants, self.waiting = participants, False
 
-    def _enter_semi_sync(self) -> None:
-        if self.semi_sync is not None:
-            return
-        from torchft.local_sgd import DiLoCo, LocalSGD
-
-        ft = self.ft
-        if ft.semi_sync_method == "local_sgd":
-            self.semi_sync = LocalSGD(self.manager, self.model, self.optimizer, sync_every=ft.sync_steps)
-        else:
-            outer = torch.optim.SGD(self.model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum, nesterov=True)
-            self.semi_sync = DiLoCo(
-                self.manager, [self.model], self.optimizer, outer, sync_every=ft.sync_steps, pin_memory=False
-            )
-        self.semi_sync.__enter__()
-
-    def average_gradients(self, params: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+    def after_backward(self, params: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
         """Average this rank's gradient shards and loss over the groups in the quorum (one
         all-reduce of one flat buffer); returns the averaged loss. Under semi-sync: nothing."""
-        if self.ft.semi_sync_method != "none":
+        if not self.per_step:
             return loss
         grads = [_local(p.grad) if p.grad is not None else None for p in params]
         flat = torch.cat(
@@ -295,12 +256,10 @@ class ReplicaGroup:
             offset += n
         return flat[-1].to(loss.dtype)
 
-    def commit(self) -> bool:
+    def commit(self, step: int) -> bool:
         """Whether every group of the quorum may take this step (torchft's should_commit;
         False when a peer failed during it or fewer than min_replica_size groups joined)."""
-        if self.ft.semi_sync_method != "none":
-            return True
-        return self.manager.should_commit()
+        return self.manager.should_commit() if self.per_step else True
 
     def saves_checkpoints(self) -> bool:
         """One group writes the job's checkpoints: the first of the quorum (replica 0 before any
@@ -308,15 +267,58 @@ class ReplicaGroup:
         rank = self.manager.participating_rank()
         return rank == 0 if rank is not None else self.ft.replica_id == 0
 
-    @property
-    def quorum(self) -> tuple[int, int]:
-        """(groups in the last quorum, configured groups), for the step line."""
-        return self.manager.num_participants(), self.ft.group_size
+    def log_fields(self) -> list[LineField]:
+        """`quorum 2/2`: groups in the last quorum / configured groups; the scalar `quorum`."""
+        participants = self.manager.num_participants()
+        return [LineField(f"quorum {participants}/{self.ft.group_size}", {"quorum": participants})]
 
     def close(self) -> None:
         if self.semi_sync is not None:
             self.semi_sync.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
+
+
+def _start_manager(ft: FaultTolerance, load: Callable, state: Callable, rank: int, world_size: int) -> Any:
+    """torchft's Manager for this group, which heals with `load` and `state`: rank 0 also starts
+    its server, which joins the lighthouse."""
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
+    process_group = (ProcessGroupGloo if ft.process_group == "gloo" else ProcessGroupNCCL)(timeout=timeout)
+    try:
+        return Manager(
+            pg=process_group,
+            load_state_dict=load,
+            state_dict=state,
+            min_replica_size=ft.min_replica_size,
+            use_async_quorum=False,  # heal before the step draws its batches; DiLoCo needs it too
+            timeout=timeout,
+            quorum_timeout=timedelta(milliseconds=ft.quorum_timeout_ms),
+            connect_timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+            replica_id=f"replica_{ft.replica_id}",
+            init_sync=False,  # every group initializes the same weights from training.seed
+        )
+    except RuntimeError as error:  # torchft's Rust client: the lighthouse refused or timed out
+        raise TitanliteError(
+            f"fault_tolerance: the lighthouse {LIGHTHOUSE_ENV}={os.environ.get(LIGHTHOUSE_ENV)} is unreachable: "
+            f"{str(error).split(';')[0]}"
+        ) from None
+
+
+def _semi_sync(ft: FaultTolerance, manager: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """torchft's LocalSGD or DiLoCo over `optimizer`, entered (its hooks sync every sync_steps)."""
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    if ft.semi_sync_method == "local_sgd":
+        semi_sync = LocalSGD(manager, model, optimizer, sync_every=ft.sync_steps)
+    else:
+        outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr, momentum=ft.outer_momentum, nesterov=True)
+        semi_sync = DiLoCo(manager, [model], optimizer, outer, sync_every=ft.sync_steps, pin_memory=False)
+    semi_sync.__enter__()
+    return semi_sync
 
 
 def build_replica_group(
@@ -325,10 +327,6 @@ def build_replica_group(
     optimizer: torch.optim.Optimizer,
     states: dict[str, Any],
     dist_info: DistInfo,
-) -> ReplicaGroup | None:
-    """The run's ReplicaGroup when `fault_tolerance.enable`, else None (see ReplicaGroup)."""
-    if not ft.enable:
-        return None
-    return ReplicaGroup(
-        ft, model=model, optimizer=optimizer, states=states, rank=dist_info.rank, world_size=dist_info.world_size
-    )
+) -> ReplicaGroup | LoneGroup:
+    """The run's ReplicaGroup when `fault_tolerance.enable`, else a LoneGroup (see ReplicaGroup)."""
+    return ReplicaGroup(ft, model, optimizer, states, dist_info) if ft.enable else LoneGroup()

@@ -16,7 +16,8 @@ What it owns:
 - the loss: the compute context (autocast where FSDP does not own mixed precision) and the
   pipeline's `StepLoss`, to which each schedule call passes its scale;
 - mixture-of-experts layers (`experts`, from the built model): their aux loss trained in each
-  forward, and `ExpertBalance` after each optimizer step, over the dp x cp ranks.
+  forward, and `ExpertBalance` after each optimizer step, over the dp x cp ranks;
+- the data-parallel rank the loaders read as (`dp_rank`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from titanlite.parallel.collectives import mean_over, sum_over
 from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.parallel.pipeline import PipelineLayout
 from titanlite.step.experts import ExpertBalance, ExpertLayers
-from titanlite.step.forward_backward import Pipelined, StepLoss, Unpipelined
+from titanlite.step.forward_backward import Pipelined, Unpipelined
+from titanlite.step.participants import StepParticipant
 from titanlite.step.precision import autocast_dtype
 
 
@@ -78,6 +80,11 @@ class StepBuilder:
             return 0
         return self.pipeline.output_rank(self.meshes.world)
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place on the data-parallel dims (dp_replicate x dp_shard; 0 without them)."""
+        return self.meshes.dp.get_local_rank() if self.meshes.dp is not None else 0
+
     @functools.cached_property
     def pp_group(self) -> dist.ProcessGroup | None:
         return self.meshes.pp.get_group() if self.meshes.pp is not None else None
@@ -99,33 +106,18 @@ class StepBuilder:
     ) -> Unpipelined | Pipelined:
         """The step's forward and backward: on the whole `model`, or through the pipeline
         schedule over this rank's stage `parts`; with `experts`, training their aux loss."""
-        nan_fault_here = self.rank == self.loss_rank
+        shared = (self.compute_context, self.device, self.rank == self.loss_rank, self.meshes.context_parallel, experts)
         if self.pipeline is None:
-            return Unpipelined(
-                model,
-                self.compute_context,
-                self.device,
-                nan_fault_here=nan_fault_here,
-                context_parallel=self.meshes.context_parallel,
-                experts=experts,
-            )
-        return Pipelined(
-            self.pipeline,
-            parts,
-            self.meshes.pp,
-            self.compute_context,
-            self.device,
-            loss=StepLoss(nan_fault_here),
-            context_parallel=self.meshes.context_parallel,
-            experts=experts,
-        )
+            return Unpipelined(*shared, model)
+        return Pipelined(*shared, self.pipeline, parts, self.meshes.pp)
 
-    def expert_balance(self, model: nn.Module, experts: ExpertLayers | None) -> ExpertBalance | None:
-        """The bias update and load of `model`'s MoE layers (None without any): counts summed
-        over the ranks that hold different tokens of a step, dp x cp (tp ranks route the same
-        tokens; pp ranks hold other layers, combined only for the reported load)."""
+    def expert_balance(self, model: nn.Module, experts: ExpertLayers | None) -> StepParticipant:
+        """The step participant that updates the biases of `model`'s MoE layers and reports their
+        load (one that does nothing without any): counts summed over the ranks that hold
+        different tokens of a step, dp x cp (tp ranks route the same tokens; pp ranks hold other
+        layers, combined only for the reported load)."""
         if experts is None:
-            return None
+            return StepParticipant()
         return ExpertBalance(experts, model, self.loss_group, self.pp_group, self.device)
 
     def reported(self, loss: torch.Tensor) -> float:

@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titanlite.observe.metrics import LineField
+from titanlite.step.participants import StepParticipant
+
 
 class ExpertLayers(Protocol):
     """What the step calls on a model's MoE layers (models/moe.py provides these functions)."""
@@ -88,11 +91,17 @@ def uncounted_metadata_forwards(
             experts.discount_tokens(part, first[id(part)])
 
 
+def load_field(mean: float, peak: float) -> LineField:
+    """The step line's `moe_load mean/max` and the scalars moe_load_mean, moe_load_max: over the
+    MoE layers, each layer's max / mean tokens per expert in the last step (1.0 is even load)."""
+    return LineField(f"moe_load {mean:.2f}/{peak:.2f}", {"moe_load_mean": mean, "moe_load_max": peak})
+
+
 @dataclass
-class ExpertBalance:
-    """After each optimizer step: the token counts of every MoE layer summed over `group` (the
-    ranks that see different tokens: data x context parallel), each expert bias moved, and the
-    per-layer load (max / mean tokens per expert) kept for the next log line."""
+class ExpertBalance(StepParticipant):
+    """A step participant: after each optimizer step, the token counts of every MoE layer summed
+    over `group` (the ranks that see different tokens: data x context parallel), each expert
+    bias moved, and the per-layer load (max / mean tokens per expert) kept for the next log line."""
 
     experts: ExpertLayers
     model: nn.Module  # this rank's model (its pipeline stages seen as one)
@@ -101,7 +110,7 @@ class ExpertBalance:
     device: torch.device
     loads: dict[str, float] = field(default_factory=dict)
 
-    def after_step(self, updated: bool) -> None:
+    def after_optimizer_step(self, updated: bool) -> None:
         """Close the step's counts: update the biases if the optimizer stepped, else drop the
         counts (a skipped step's routing steers nothing)."""
         if updated:
@@ -109,13 +118,14 @@ class ExpertBalance:
         else:
             self.experts.drop_expert_counts(self.model)
 
-    def load(self) -> tuple[float, float]:
-        """(mean, max) over every MoE layer of the model, all pipeline stages (collective over
-        the pp group), of each layer's max / mean tokens per expert at the last update."""
+    def log_fields(self) -> list[LineField]:
+        """The load: (mean, max) over every MoE layer of the model, all pipeline stages
+        (collective over the pp group), of each layer's max / mean tokens per expert at the last
+        update."""
         values = torch.tensor(list(self.loads.values()), dtype=torch.float64, device=self.device)
         total = torch.stack([values.sum(), torch.tensor(float(len(values)), dtype=torch.float64, device=self.device)])
         peak = values.max() if len(values) else torch.zeros((), dtype=torch.float64, device=self.device)
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.pp_group)
-        return float(total[0] / total[1]), float(peak)
+        return [load_field(float(total[0] / total[1]), float(peak))]

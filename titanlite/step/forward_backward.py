@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,44 +44,40 @@ Microbatch = tuple[torch.Tensor, ...]
 ComputeContext = Callable[[], contextlib.AbstractContextManager]
 
 
-def _on_device(batch: Microbatch, device: torch.device, context_parallel: ContextParallel | None) -> tuple:
-    """(inputs, labels, document ids or None) on the device, cut to this cp rank's tokens."""
-    inputs, labels, *documents = (t.to(device, non_blocking=True) for t in batch)
-    if context_parallel is not None:
-        inputs, labels = context_parallel.shard(inputs), context_parallel.shard(labels)
-    return inputs, labels, (documents[0] if documents else None)
-
-
 def _model_kwargs(documents: torch.Tensor | None) -> dict[str, torch.Tensor]:
     return {} if documents is None else {"document_ids": documents}
 
 
-class Unpipelined:
+@dataclass
+class Runner:
+    """What both runners share, in the order `StepBuilder.forward_backward` hands it over."""
+
+    compute_context: ComputeContext
+    device: torch.device
+    nan_fault_here: bool  # this rank's loss takes the tests' NaN fault (step/nonfinite.py)
+    context_parallel: ContextParallel | None
+    experts: ExpertLayers | None
+
+    def on_device(self, batch: Microbatch) -> tuple:
+        """(inputs, labels, document ids or None) on the device, cut to this cp rank's tokens."""
+        inputs, labels, *documents = (t.to(self.device, non_blocking=True) for t in batch)
+        if self.context_parallel is not None:
+            inputs, labels = self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
+        return inputs, labels, (documents[0] if documents else None)
+
+
+@dataclass
+class Unpipelined(Runner):
     """Gradient accumulation on one model: FSDP reduces gradients once, after the last microbatch."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        compute_context: ComputeContext,
-        device: torch.device,
-        nan_fault_here: bool,
-        context_parallel: ContextParallel | None = None,
-        experts: ExpertLayers | None = None,
-    ):
-        self.model, self.compute_context, self.device, self.nan_fault_here = (
-            model,
-            compute_context,
-            device,
-            nan_fault_here,
-        )
-        self.context_parallel, self.experts = context_parallel, experts
+    model: nn.Module
 
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         with aux_loss_gradients(self.experts, [self.model], 1.0 / len(microbatches)):
             for index, batch in enumerate(microbatches):
                 set_gradient_sync(self.model, index == len(microbatches) - 1)
-                inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
+                inputs, labels, documents = self.on_device(batch)
                 with self.compute_context():
                     loss = cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels) / len(microbatches)
                     loss = inject_nan(step, loss, self.nan_fault_here)
@@ -90,7 +87,7 @@ class Unpipelined:
 
     def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one batch, no gradient (the caller sets eval mode)."""
-        inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
+        inputs, labels, documents = self.on_device(batch)
         with torch.no_grad(), self.compute_context():
             return cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels)
 
@@ -123,28 +120,24 @@ class StepLoss:
             self._held = None
 
 
-class Pipelined:
+@dataclass
+class Pipelined(Runner):
     """One schedule step per accumulated microbatch; the schedule splits it into the
     pipeline's microbatches. The first stage is fed the inputs, the last the labels; a rank
     holding neither (a middle stage) only passes activations on."""
 
-    def __init__(
-        self,
-        layout: PipelineLayout,
-        parts: list[nn.Module],
-        pp_mesh: DeviceMesh,
-        compute_context: ComputeContext,
-        device: torch.device,
-        loss: StepLoss,
-        context_parallel: ContextParallel | None = None,
-        experts: ExpertLayers | None = None,
-    ):
-        pp_rank = pp_mesh.get_local_rank()
-        held = layout.stage_indices(pp_rank)
-        self.has_first, self.has_last = 0 in held, len(layout.stages) - 1 in held
-        self.n_microbatches, self.compute_context, self.device = layout.n_microbatches, compute_context, device
-        self.loss, self.context_parallel, self.parts, self.experts = loss, context_parallel, parts, experts
-        self.schedule = build_schedule(layout, parts, pp_rank, pp_mesh.get_group(), device, loss)
+    layout: PipelineLayout
+    parts: list[nn.Module]
+    pp_mesh: DeviceMesh
+
+    def __post_init__(self) -> None:
+        pp_rank = self.pp_mesh.get_local_rank()
+        held = self.layout.stage_indices(pp_rank)
+        self.has_first, self.has_last = 0 in held, len(self.layout.stages) - 1 in held
+        self.n_microbatches, self.loss = self.layout.n_microbatches, StepLoss(self.nan_fault_here)
+        self.schedule = build_schedule(
+            self.layout, self.parts, pp_rank, self.pp_mesh.get_group(), self.device, self.loss
+        )
         # The last stage would otherwise keep every microbatch's logits to hand them back.
         self._no_outputs = (
             {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
@@ -164,7 +157,7 @@ class Pipelined:
 
     def _run(self, run: Callable, batch: Microbatch, scale: float, step: int) -> torch.Tensor:
         """One schedule step; every stage gets the document ids (each of its blocks needs them)."""
-        inputs, labels, documents = _on_device(batch, self.device, self.context_parallel)
+        inputs, labels, documents = self.on_device(batch)
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses, **self._no_outputs} if self.has_last else {}

@@ -21,28 +21,34 @@ from titanlite.data.loader import TokenWindowLoader
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 from titanlite.observe.metrics import MetricsLogger
+from titanlite.step.forward_backward import Pipelined, Unpipelined
+from titanlite.step.participants import StepParticipant
 
-BatchLoss = Callable[..., torch.Tensor]
-"""(inputs, labels[, document ids]) -> this rank's mean loss of the batch, without gradients."""
 Reduce = Callable[[torch.Tensor], float]
 """This rank's loss -> the loss over every rank (pipeline ranks summed, dp ranks averaged)."""
 
 
-class Validator:
-    """Evaluates the first `batches` global batches of the validation stream on demand."""
+class Validator(StepParticipant):
+    """Evaluates the first `batches` global batches of the validation stream on demand; as a
+    step participant, after every `validation.freq`-th step and the last. Made only when
+    validation is on; `loader` None (nothing held out) is a one-line error."""
 
     def __init__(
         self,
         cfg: Validation,
-        loader: TokenWindowLoader,
+        loader: TokenWindowLoader | None,
         model: torch.nn.Module,
-        batch_loss: BatchLoss,
+        runner: Unpipelined | Pipelined,
         reduce: Reduce,
-        device: torch.device,
         metrics: MetricsLogger,
     ) -> None:
+        if loader is None:
+            raise TitanliteError(
+                f"validation.holdout_fraction: {cfg.holdout_fraction} of the training windows holds out no "
+                "window (too little data); raise it or set validation.dataset"
+            )
         self.freq, self.loader, self.model = cfg.freq, loader, model
-        self.batch_loss, self.reduce, self.device, self.metrics = batch_loss, reduce, device, metrics
+        self.runner, self.reduce, self.device, self.metrics = runner, reduce, runner.device, metrics
         windows, per_batch = len(loader.stream), loader.global_batch
         available = windows // per_batch
         if available < 1:
@@ -57,12 +63,10 @@ class Validator:
                 f"{available}"
             )
 
-    def maybe_run(self, step: int, last: bool) -> dict[str, float] | None:
-        """Validate at every `freq`-th step and at the last; returns the logged figures."""
-        if step % self.freq and not last:
-            return None
-        loss = self.evaluate()
-        return self.metrics.log_validation(step, loss, math.exp(loss) if loss < 700 else math.inf)
+    def after_step(self, step: int, last: bool) -> None:
+        if step % self.freq == 0 or last:
+            loss = self.evaluate()
+            self.metrics.log_validation(step, loss, math.exp(loss) if loss < 700 else math.inf)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -72,26 +76,6 @@ class Validator:
         total = torch.zeros((), device=self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for batch in range(self.batches):
-                total += self.batch_loss(*self.loader.batch_at(batch * self.loader.global_batch))
+                total += self.runner.evaluate(*self.loader.batch_at(batch * self.loader.global_batch))
         self.model.train(was_training)
         return self.reduce(total) / self.batches
-
-
-def build_validator(
-    cfg: Validation,
-    loader: TokenWindowLoader | None,
-    model: torch.nn.Module,
-    batch_loss: BatchLoss,
-    reduce: Reduce,
-    device: torch.device,
-    metrics: MetricsLogger,
-) -> Validator | None:
-    """None when validation is off; a one-line error when it is on with nothing to validate on."""
-    if not cfg.enable:
-        return None
-    if loader is None:
-        raise TitanliteError(
-            f"validation.holdout_fraction: {cfg.holdout_fraction} of the training windows holds out no "
-            "window (too little data); raise it or set validation.dataset"
-        )
-    return Validator(cfg, loader, model, batch_loss, reduce, device, metrics)

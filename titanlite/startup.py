@@ -1,0 +1,301 @@
+"""Start-up: a run plan to the parts a run trains with, in order (dist -> mesh -> data ->
+model -> optimizer -> checkpoint -> metrics -> step participants), in one function,
+`build_run`, which returns them as a `RunParts`; `trainer.Trainer` runs the loop over them.
+`create_seed_checkpoint` is the other start-up: the model initialized and saved as step 0.
+
+A user's own step participants (step/participants.py) join through `build_run`'s
+`participants` (or `Trainer(plan, participants=[...])`), after the run's own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanlite.build import ModelSize, RunPlan, build_model
+from titanlite.checkpoint import commit
+from titanlite.checkpoint.manager import CheckpointManager
+from titanlite.checkpoint.train_state import TrainState
+from titanlite.config import JobConfig, to_dict
+from titanlite.config.dtypes import DTYPES
+from titanlite.data import build_dataloader, open_corpus
+from titanlite.data.loader import TokenWindowLoader
+from titanlite.logging import init_logger, logger
+from titanlite.observe.metrics import MetricsLogger
+from titanlite.observe.peak_flops import peak_flops
+from titanlite.observe.run_dir import start_run_dir
+from titanlite.observe.wandb_run import require_wandb
+from titanlite.parallel.distributed import DistInfo, init_distributed
+from titanlite.runtime.dump_folder import RunLock, claim_dump_folder
+from titanlite.runtime.fault_tolerance import build_replica_group, data_share, prepare_replica_group
+from titanlite.runtime.gc_schedule import ScheduledGC
+from titanlite.runtime.preemption import received
+from titanlite.step.builder import StepBuilder
+from titanlite.step.experts import ExpertLayers
+from titanlite.step.forward_backward import Pipelined, Unpipelined
+from titanlite.step.optim import build_lr_scheduler, build_optimizer, trained_parameters
+from titanlite.step.participants import Float8Scales, Participants, StepParticipant
+from titanlite.step.precision import resolve_compute_dtype
+from titanlite.step.validate import Validator
+
+
+class Checkpointing(StepParticipant):
+    """The run's checkpoints as a step participant: `load` before the first step, a save after
+    each (`checkpoint/manager.py` decides whether it is due; under fault tolerance only the
+    group that `saves` does), and a blocking save on a stop signal. `manager` is None when the
+    run neither saves nor loads (checkpoint.enable_checkpoint false, no initial_load_path)."""
+
+    def __init__(self, manager: CheckpointManager | None, saves: Callable[[], bool]) -> None:
+        self.manager, self.saves = manager, saves
+
+    def load(self, state: TrainState) -> None:
+        if self.manager is not None:
+            self.manager.load()
+            if state.step:
+                logger.info(f"resumed at step {state.step}")
+
+    def after_step(self, step: int, last: bool) -> None:
+        if self.manager is not None and self.saves():
+            self.manager.save(step, last=last)
+
+    def save_now(self, step: int) -> str:
+        """A blocking save of `step` (a stop signal's), and what became of it for the last line."""
+        if self.manager is None or not self.manager.cfg.enable_checkpoint:
+            return "nothing saved (checkpoint.enable_checkpoint is false)"
+        return f"checkpoint saved to {self.manager.save_now(step)}"
+
+    def last_saved(self) -> Path | None:
+        """The newest step folder this start saved (in flight or committed), for the summary."""
+        saved = self.manager.pipeline.saved_steps if self.manager is not None else ()
+        return commit.step_dir(self.manager.root, max(saved)) if saved else None
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+
+
+class RunParts:
+    """Everything a run trains with, filled in by `build_run` in the order of start-up (a
+    `Trainer` reads them as its own attributes: `trainer.model`, `.optimizer`, `.data`, ...)."""
+
+    plan: RunPlan  # the dtype decided, the dump folder this job's
+    dist: DistInfo
+    run_lock: RunLock | None  # rank 0's
+    run_dir: Path
+    steps: StepBuilder
+    data: TokenWindowLoader
+    model_parts: list[nn.Module]  # what runs forward: the model, or this rank's pipeline stages
+    model: nn.Module  # what the optimizer, clipping and checkpoints read
+    size: ModelSize
+    forward_backward: Unpipelined | Pipelined
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    state: TrainState
+    metrics: MetricsLogger
+    checkpoint: Checkpointing
+    validator: Validator | None
+    participants: Participants  # every one, in order: the checkpoint and the validator too
+
+    @property
+    def cfg(self) -> JobConfig:
+        return self.plan.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
+
+
+def build_run(plan: RunPlan, participants: Sequence[StepParticipant] = ()) -> RunParts:
+    """Every part of a run, from its plan; `participants` join every step after the run's own."""
+    run = RunParts()
+    _start_process(run, plan)
+    validation_data, experts = _build_training(run)
+    _join_participants(run, validation_data, experts, participants)
+    return run
+
+
+def _start_process(run: RunParts, plan: RunPlan) -> None:
+    """Before any device is used, the checks of optional packages; then the process group, the
+    logger, the compute dtype, the seed, and the folders: this job's dump folder in the plan,
+    its lock and its run folder."""
+    require_wandb(plan.cfg.metrics)  # a missing optional package: one line before any device is used
+    plan = plan.with_dump_folder(prepare_replica_group(plan.cfg))
+    received.install()  # a stop request during start-up is kept
+    run.dist = init_distributed(plan.cfg.comm.init_timeout_seconds, cpu_offload=plan.cfg.training.enable_cpu_offload)
+    init_logger(run.dist.rank, log_all_ranks=not plan.cfg.metrics.rank_0_only)
+    run.plan = plan = resolve_plan_dtype(plan, run.device)
+    if plan.cfg.job.print_config:
+        logger.info(f"config: {to_dict(plan.cfg)}")
+    _seed(plan.cfg.training.seed, plan.cfg.training.deterministic)
+    run.run_lock = claim_dump_folder(plan.cfg, lambda: plan.n_params, dist.group.WORLD)
+    run.run_dir = start_run_dir(plan.cfg)
+
+
+def _build_training(run: RunParts) -> tuple[TokenWindowLoader | None, ExpertLayers | None]:
+    """The step's plumbing, the loaders, the model, the optimizer and its schedule; returns the
+    validation loader and the model's MoE layers for the participants."""
+    plan, cfg = run.plan, run.cfg
+    meshes = plan.dims.build_mesh(run.device.type)
+    run.steps = StepBuilder.for_run(
+        cfg, dims=plan.dims, pipeline=plan.pipeline, meshes=meshes, device=run.device, rank=run.dist.rank
+    )
+    run.data, validation_data = _loaders(plan, run.steps)
+    built = build_model(plan, run.device, meshes, run.dist.local_world_size)
+    run.model_parts, run.model, run.size = built.parts, built.model, built.size
+    run.forward_backward = run.steps.forward_backward(run.model, run.model_parts, built.experts)
+    named_params = trained_parameters(run.model)
+    run.params = [p for _, p in named_params]
+    run.optimizer = build_optimizer(named_params, cfg.optimizer)
+    run.lr_scheduler = build_lr_scheduler(run.optimizer, cfg.lr_scheduler, cfg.training.steps)
+    run.state = TrainState()
+    return validation_data, built.experts
+
+
+def _join_participants(
+    run: RunParts,
+    validation_data: TokenWindowLoader | None,
+    experts: ExpertLayers | None,
+    participants: Sequence[StepParticipant],
+) -> None:
+    """The checkpoints, fault tolerance, metrics and validation; then every participant in the
+    order each point calls them: the expert load before the quorum on the step line, a heal
+    before the float8 scales, and after a step validation, then the save, then the collector."""
+    cfg = run.cfg
+    manager = _checkpoint_manager(run)
+    states = {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
+    group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
+    run.metrics = _metrics(run)
+    run.validator = (
+        Validator(
+            cfg.validation,
+            validation_data,
+            run.model,
+            run.forward_backward,
+            run.steps.reported,
+            run.metrics,
+        )
+        if cfg.validation.enable
+        else None
+    )
+    _say_start(run)
+    run.checkpoint = Checkpointing(manager, group.saves_checkpoints)
+    float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
+    members = [run.steps.expert_balance(run.model, experts), group, float8]
+    members += [*([run.validator] if run.validator else []), run.checkpoint, ScheduledGC(cfg.training.gc_freq)]
+    run.participants = Participants([*members, *participants])
+
+
+def _seed(seed: int, deterministic: bool) -> None:
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def _loaders(plan: RunPlan, steps: StepBuilder) -> tuple[TokenWindowLoader, TokenWindowLoader | None]:
+    """This rank's training loader and validation loader (None without validation windows), over
+    this replica group's share of every global batch."""
+    cfg = plan.cfg
+    dp_rank, dp_degree = data_share(cfg.fault_tolerance, steps.dp_rank, plan.dims.dp)
+    corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
+    batch = cfg.training.local_batch_size
+    data = build_dataloader(corpus.train, batch, dp_rank, dp_degree, steps.device, documents=steps.documents)
+    if corpus.validation is None:
+        return data, None
+    validation = build_dataloader(
+        corpus.validation, batch, dp_rank, dp_degree, steps.device, prefetch=False, documents=steps.documents
+    )
+    return data, validation
+
+
+def _checkpoint_manager(run: RunParts) -> CheckpointManager | None:
+    """The run's checkpoints over its model, optimizer, schedule, loader and train state; None
+    when it neither saves nor loads any."""
+    cfg = run.cfg
+    if not (cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path):
+        return None
+    return CheckpointManager(
+        cfg.checkpoint,
+        cfg.job.dump_folder,
+        run.plan.spec,
+        cfg.model.flavor,
+        run.plan.model_args,
+        model=run.model,
+        optimizer=run.optimizer,
+        lr_scheduler=run.lr_scheduler,
+        dataloader=run.data,
+        train_state=run.state,
+        tokenizer=run.plan.tokenizer,
+    )
+
+
+def _metrics(run: RunParts) -> MetricsLogger:
+    """The step line's logger, its MFU over this device's peak."""
+    cfg = run.cfg
+    return MetricsLogger(
+        cfg.metrics,
+        cfg.job.dump_folder,
+        run.dist.rank,
+        run.device,
+        run.size.flops_per_token,
+        peak_flops(run.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops),
+        run.plan.devices_per_replica,
+        run.run_dir,
+        run_config=to_dict(cfg),
+    )
+
+
+def _say_start(run: RunParts) -> None:
+    """The start-up lines: the model, mesh, accumulation and peak; the pipeline's stages."""
+    plan, cfg, size, peak = run.plan, run.cfg, run.size, run.metrics.peak
+    dims = plan.dims
+    experts = f" (experts: ep {dims.ep} x efsdp {plan.expert_fsdp_degree})" if dims.ep > 1 else ""
+    logger.info(
+        f"model {cfg.model.name} {cfg.model.flavor}: {size.n_params:,} parameters, "
+        f"{size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {run.steps.meshes.world}{experts}; "
+        f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
+    )
+    if plan.pipeline is not None:
+        logger.info(plan.pipeline.describe())
+
+
+def resolve_plan_dtype(plan: RunPlan, device: torch.device) -> RunPlan:
+    """The plan with `mixed_precision_param` made concrete ("auto" decided for this device
+    and agreed by every rank), said once at start-up: the model is built only from a
+    concrete dtype, for training and for a seed checkpoint alike."""
+    training = plan.cfg.training
+    choice = resolve_compute_dtype(training.mixed_precision_param, device)
+    logger.info(
+        f"compute dtype {choice.name} ({choice.reason}); master weights and optimizer state float32, "
+        f"gradient reductions {training.mixed_precision_reduce}"
+    )
+    return plan.with_compute_dtype(choice.name)
+
+
+def create_seed_checkpoint(plan: RunPlan) -> None:
+    """`checkpoint.create_seed_checkpoint`: initialize the model on this one process and save
+    it as step 0, model only. A later run of any layout in the same folder starts from it
+    (DCP reshards), so a large model is initialized once instead of on every start."""
+    cfg = plan.cfg
+    info = init_distributed(cfg.comm.init_timeout_seconds)
+    init_logger(info.rank)
+    plan = resolve_plan_dtype(plan, info.device)  # the weights are saved in float32 whatever it is
+    torch.manual_seed(cfg.training.seed)
+    lock = claim_dump_folder(cfg, lambda: plan.n_params, dist.group.WORLD, weights_only=True)
+    model = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size).model
+    manager = CheckpointManager(
+        cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model
+    )
+    try:
+        manager.save_seed()
+    finally:
+        manager.close()
+        lock.release()
