@@ -196,26 +196,31 @@ def prepare(
         size = source.size_bytes() if hasattr(source, "size_bytes") else None
         progress = Progress(f"prepare {source.name}", total=size, unit="B")
         entries = _tokenize_all(source, tokenizer, folder, workers, shard_chars, progress)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "dtype": dtype,
-            "source": source.name,
-            "tokens": sum(e["tokens"] for e in entries),
-            "documents": sum(e["documents"] for e in entries),
-            "tokenizer": {
-                "file": Path(tokenizer.path).name,
-                "kind": tokenizer.kind,
-                "sha256": tokenizer.sha256,
-                "vocab_size": tokenizer.vocab_size,
-                "bos_id": tokenizer.bos_id,
-                "eos_id": tokenizer.eos_id,
-            },
-            "shards": entries,
-        }
+        manifest = _manifest(source, tokenizer, dtype, entries)
         write_manifest(folder, manifest)
         progress.finish()
         return manifest
+
+
+def _manifest(source: Source, tokenizer: Tokenizer, dtype: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """manifest.json's content (docs/data.md): the format, what the shards were made from, and the shards."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype,
+        "source": source.name,
+        "tokens": sum(e["tokens"] for e in entries),
+        "documents": sum(e["documents"] for e in entries),
+        "tokenizer": {
+            "file": Path(tokenizer.path).name,
+            "kind": tokenizer.kind,
+            "sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+        },
+        "shards": entries,
+    }
 
 
 # --------------------------------------------------------------------------- command line
