@@ -59,8 +59,7 @@ def check_tokenizer(shards: TokenShards, tokenizer: Tokenizer, field: str) -> To
         raise TitanliteError(
             f"{field}: {shards.folder} was prepared with another tokenizer ({made_with.get('file')}, vocab "
             f"{made_with['vocab_size']:,}, sha256 {made_with['sha256'][:12]}) than model.tokenizer_path "
-            f"{tokenizer.path} "
-            f"(vocab {tokenizer.vocab_size:,}, sha256 {tokenizer.sha256[:12]})"
+            f"{tokenizer.path} (vocab {tokenizer.vocab_size:,}, sha256 {tokenizer.sha256[:12]})"
         )
     return shards
 
