@@ -189,10 +189,6 @@ def _quiet(group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager
     return single_process() if group is None else contextlib.nullcontext()
 
 
-def _group(group: dist.ProcessGroup | None) -> dict[str, Any]:
-    return {"process_group": group} if group is not None else {"no_dist": True}
-
-
 def load_hf_weights(
     state_dict: dict[str, torch.Tensor],
     folder: str | os.PathLike,
@@ -213,9 +209,8 @@ def load_hf_weights(
             if adapter.zero_in_hf(key, args):
                 value.zero_()
     with user_errors(f"{folder}: cannot load Hugging Face weights"), _quiet(group):
-        dcp.load(
-            request, storage_reader=HFProgressReader(folder), planner=HFReadPlanner(head_dims, stacked), **_group(group)
-        )
+        reader, planner = HFProgressReader(folder), HFReadPlanner(head_dims, stacked)
+        dcp.load(request, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
 
 
 def whole_model_shapes(model_class: Any, args: Any) -> dict[str, tuple[int, ...]]:

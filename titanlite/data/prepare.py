@@ -42,7 +42,7 @@ from titanlite.data.shard_format import (
 from titanlite.data.hf_source import HFSource
 from titanlite.data.sources import BuiltinSource, FilesSource, Source
 from titanlite.data.tokenizers import Tokenizer
-from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
+from titanlite.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, TitanliteError, say
 from titanlite.logging import init_logger, logger
 from titanlite.observe.progress import Progress
 
@@ -291,18 +291,17 @@ def main(argv: list[str] | None = None) -> int:
             open_source(args.source), Tokenizer(args.tokenizer), args.output, args.workers, int(args.shard_mb * 1e6)
         )
     except TitanliteError as error:
-        print(f"titanlite: error: {error if args.from_trainer else _cli_message(error)}", file=sys.stderr)
+        say(f"titanlite: error: {error if args.from_trainer else _cli_message(error)}")
         return USER_ERROR_EXIT_CODE
     except WorkerDied:
-        print(
-            f"titanlite: error: a tokenizer worker died before finishing its shard; run the same command again "
-            f"to resume {args.output}",
-            file=sys.stderr,
+        say(
+            "titanlite: error: a tokenizer worker died before finishing its shard; run the same command again "
+            f"to resume {args.output}"
         )
         return 1
     except KeyboardInterrupt:
-        print(f"titanlite: error: interrupted; run the same command again to resume {args.output}", file=sys.stderr)
-        return 130
+        say(f"titanlite: error: interrupted; run the same command again to resume {args.output}")
+        return INTERRUPTED_EXIT_CODE
     logger.info(
         f"{args.output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents, "
         f"{len(manifest['shards'])} shards ({manifest['dtype']})"
