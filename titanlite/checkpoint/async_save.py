@@ -50,28 +50,11 @@ from titanlite.logging import logger
 SLOW_WRITE_ENV = "TITANLITE_TEST_SLOW_WRITE_S"
 
 
-class SlowFileSystemWriter(ChecksummingWriter):
-    """Test-only writer: writes its shards, then sleeps before reporting them written, so
-    the checkpoint stays without `.metadata` and commit marker for `delay_s` seconds.
-    Module-level so the async process executor can pickle it."""
-
-    def __init__(self, path: str | os.PathLike, delay_s: float, **kwargs: Any):
-        super().__init__(path, **kwargs)
-        self.delay_s = delay_s
-
-    def write_data(self, plan, planner):  # type: ignore[override]
-        future = super().write_data(plan, planner)
-        time.sleep(self.delay_s)
-        return future
-
-
 def make_storage_writer(path: str | os.PathLike) -> ChecksummingWriter:
     """DCP's file-system writer (one file per rank, fsync'd) that checksums what it wrote
-    (`integrity.py`), or the slow test writer."""
-    delay = os.environ.get(SLOW_WRITE_ENV)
-    if delay:
-        return SlowFileSystemWriter(path, float(delay))
-    return ChecksummingWriter(path)
+    (`integrity.py`); under the test hook, one that then pauses before reporting its shards
+    written, so the checkpoint stays without `.metadata` and commit marker that long."""
+    return ChecksummingWriter(path, delay_s=float(os.environ.get(SLOW_WRITE_ENV) or 0))
 
 
 class Saver:

@@ -10,8 +10,8 @@ stacked tensors (an MoE layer's experts, one tensor [E, ...] here, one HF tensor
 there: a shard's reads come from the experts it covers). No rank materializes a tensor it
 does not hold, whatever the shard boundaries.
 
-Save: each rank permutes its own rows to HF's order (a shard that does not hold whole heads
-cannot, so that tensor alone is gathered first: one q/k projection is the fixed buffer),
+Save: each rank permutes its own rows to HF's order (hf_plan.py; a shard that does not hold
+whole heads cannot, so that tensor alone is gathered first: one q/k projection is the fixed buffer),
 DCP writes each rank's shards (a stacked tensor's as per-expert tensors, hf_plan.py), and
 the ranks then consolidate them into whole-tensor files (one output file per rank at a
 time; no process holds more than one tensor of them) with `model.safetensors.index.json`.
@@ -35,10 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.checkpoint.export import single_process
-from titanlite.checkpoint.hf_plan import HFReadPlanner, HFWritePlanner, local_chunks
+from titanlite.checkpoint.hf_plan import HFReadPlanner, HFWritePlanner, to_hf_rows
 from titanlite.checkpoint.load_progress import HFProgressReader, HFProgressWriter
 from titanlite.errors import TitanliteError, user_errors
 
@@ -190,10 +189,6 @@ def _quiet(group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager
     return single_process() if group is None else contextlib.nullcontext()
 
 
-def _group(group: dist.ProcessGroup | None) -> dict[str, Any]:
-    return {"process_group": group} if group is not None else {"no_dist": True}
-
-
 def load_hf_weights(
     state_dict: dict[str, torch.Tensor],
     folder: str | os.PathLike,
@@ -214,9 +209,8 @@ def load_hf_weights(
             if adapter.zero_in_hf(key, args):
                 value.zero_()
     with user_errors(f"{folder}: cannot load Hugging Face weights"), _quiet(group):
-        dcp.load(
-            request, storage_reader=HFProgressReader(folder), planner=HFReadPlanner(head_dims, stacked), **_group(group)
-        )
+        reader, planner = HFProgressReader(folder), HFReadPlanner(head_dims, stacked)
+        dcp.load(request, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
 
 
 def whole_model_shapes(model_class: Any, args: Any) -> dict[str, tuple[int, ...]]:
@@ -251,42 +245,6 @@ def read_hf_model(folder: str | os.PathLike, adapter: Any, args: Any, model_clas
 
 def _rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if group is not None else 0
-
-
-def _to_hf_rows(
-    values: dict[str, torch.Tensor], heads: dict[str, int], head_dim: int, adapter: Any, group: dist.ProcessGroup | None
-) -> dict[str, torch.Tensor]:
-    """The q/k projections in HF's row order. Each rank permutes its own rows when every
-    rank's shard holds whole heads (one all-reduce decides, so all ranks agree); otherwise
-    the tensor is gathered and permuted whole, and saved once (replicated)."""
-
-    def whole_heads(value: torch.Tensor) -> bool:
-        return all(c.offsets[0] % head_dim == 0 and c.sizes[0] % head_dim == 0 for c in local_chunks(value))
-
-    local_ok = all(whole_heads(values[k]) for k in heads)
-    everywhere = torch.tensor([int(local_ok)])
-    if group is not None:
-        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
-    out = {}
-    for key, value in values.items():
-        if key not in heads:
-            out[key] = value
-        elif not isinstance(value, DTensor):
-            out[key] = adapter.interleaved_to_half(value, heads[key])
-        elif everywhere.item():
-            local = value.to_local()
-            permuted = (
-                adapter.interleaved_to_half(local, local.shape[0] // head_dim) if local.numel() else local.clone()
-            )
-            out[key] = DTensor.from_local(
-                permuted, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
-            )
-        else:
-            full = adapter.interleaved_to_half(value.full_tensor(), heads[key])
-            out[key] = DTensor.from_local(
-                full, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False
-            )
-    return out
 
 
 # Files `AutoTokenizer.from_pretrained` reads beside the tokenizer itself, copied when present.
@@ -352,42 +310,15 @@ def save_hf_weights(
     if problems:  # before any collective: every rank has the same args, and refuses alike
         raise TitanliteError(f"{out_dir}: Hugging Face's model class cannot hold this model: {', '.join(problems)}")
     partial = out_dir.with_name(out_dir.name + ".partial")
-    rank = _rank(group)
-    if rank == 0:
+    if _rank(group) == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    names = hf_names(list(state_dict), adapter, args)
-    stacked = stacked_hf_names(list(state_dict), adapter, args)
-    values = {
-        name: (
-            state_dict[key].to(dtype) if dtype is not None and state_dict[key].is_floating_point() else state_dict[key]
-        )
-        for key, name in [*names.items(), *((key, key) for key in stacked)]
-    }
-    heads = {name: count for key, name in names.items() if (count := adapter.rotary_heads(key, args))}
-    if heads:  # the same on every rank (the same args): all of them take part, or none
-        values = _to_hf_rows(values, heads, args.head_dim, adapter, group)
+    values, stacked = _hf_values(state_dict, adapter, args, group, dtype)
     mapping = file_indices(_global_sizes(values, stacked, group), max_file_bytes)
     distributed = group is not None and dist.get_world_size(group) > 1
     with user_errors(f"{out_dir}: cannot write Hugging Face weights"), _quiet(group):
-        if distributed:
-            from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-                consolidate_safetensors_files_on_every_rank,
-            )
-
-            dist.barrier(group=group)  # the folder exists before any rank writes into it
-            pieces = partial / "sharded"
-            writer = HFProgressWriter(pieces, fqn_to_index_mapping=mapping, save_distributed=True)
-            dcp.save(values, storage_writer=writer, planner=HFWritePlanner(stacked), process_group=group)
-            consolidate_safetensors_files_on_every_rank(str(pieces), str(partial), mapping, process_group=group)
-        else:
-            dcp.save(
-                values,
-                storage_writer=HFProgressWriter(partial, fqn_to_index_mapping=mapping),
-                planner=HFWritePlanner(stacked),
-                no_dist=True,
-            )
-    if rank == 0:
+        _write_files(values, stacked, partial, mapping, group if distributed else None)
+    if _rank(group) == 0:
         shutil.rmtree(partial / "sharded", ignore_errors=True)
         floating = next((v.dtype for v in values.values() if v.is_floating_point()), torch.float32)
         (partial / HF_CONFIG_FILE).write_text(json.dumps(adapter.hf_config(args, floating), indent=2) + "\n")
@@ -398,3 +329,46 @@ def save_hf_weights(
     if distributed:
         dist.barrier(group=group)
     return out_dir
+
+
+def _hf_values(
+    state_dict: dict[str, torch.Tensor],
+    adapter: Any,
+    args: Any,
+    group: dist.ProcessGroup | None,
+    dtype: torch.dtype | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """What is written, by HF name (a stacked tensor under our key; `stacked` maps it to its
+    slices' names): floating tensors cast to `dtype`, q/k rows in HF's order."""
+    names = hf_names(list(state_dict), adapter, args)
+    stacked = stacked_hf_names(list(state_dict), adapter, args)
+    values = {}
+    for key, name in [*names.items(), *((key, key) for key in stacked)]:
+        value = state_dict[key]
+        values[name] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    heads = {name: count for key, name in names.items() if (count := adapter.rotary_heads(key, args))}
+    if heads:  # the same on every rank (the same args): all of them take part, or none
+        values = to_hf_rows(values, heads, args.head_dim, adapter, group)
+    return values, stacked
+
+
+def _write_files(
+    values: dict[str, torch.Tensor],
+    stacked: dict[str, list[str]],
+    folder: Path,
+    mapping: dict[str, int],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """DCP's HF writer: alone, the final files straight into `folder`; with a `group` of
+    several ranks, each rank's shards into `folder/sharded`, then consolidated into
+    whole-tensor files in `folder` (one output file per rank at a time)."""
+    if group is None:
+        writer = HFProgressWriter(folder, fqn_to_index_mapping=mapping)
+        dcp.save(values, storage_writer=writer, planner=HFWritePlanner(stacked), no_dist=True)
+        return
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+
+    dist.barrier(group=group)  # the folder exists before any rank writes into it
+    writer = HFProgressWriter(folder / "sharded", fqn_to_index_mapping=mapping, save_distributed=True)
+    dcp.save(values, storage_writer=writer, planner=HFWritePlanner(stacked), process_group=group)
+    consolidate_safetensors_files_on_every_rank(str(folder / "sharded"), str(folder), mapping, process_group=group)

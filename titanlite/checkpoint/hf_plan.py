@@ -18,6 +18,9 @@ shards, whatever the shard boundaries, and no rank builds a tensor it does not h
   assemble into whole per-expert tensors from whichever ranks hold their pieces (replicas,
   as under HSDP or TP, are written once: DCP dedups equal items).
 
+A save permutes the rotary rows before DCP writes them (`to_hf_rows`): each rank its own
+shard's rows when every shard holds whole heads, else the tensor gathered whole.
+
 tests/unit/test_hf_read_plan.py checks both against every shard boundary, and the real plan
 of one rank of a large fake world.
 """
@@ -25,8 +28,10 @@ of one rank of a large fake world.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -39,7 +44,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.errors import TitanliteError
 
@@ -202,3 +207,39 @@ class HFWritePlanner(DefaultSavePlanner):
             return super().resolve_data(write_item)
         fqn, slot = self.slots[write_item.index.fqn]
         return _local(self.state_dict[fqn])[slot]
+
+
+def to_hf_rows(
+    values: dict[str, torch.Tensor], heads: dict[str, int], head_dim: int, adapter: Any, group: dist.ProcessGroup | None
+) -> dict[str, torch.Tensor]:
+    """The q/k projections in HF's row order. Each rank permutes its own rows when every
+    rank's shard holds whole heads (one all-reduce decides, so all ranks agree); otherwise
+    the tensor is gathered and permuted whole, and saved once (replicated)."""
+
+    def whole_heads(value: torch.Tensor) -> bool:
+        return all(c.offsets[0] % head_dim == 0 and c.sizes[0] % head_dim == 0 for c in local_chunks(value))
+
+    local_ok = all(whole_heads(values[k]) for k in heads)
+    everywhere = torch.tensor([int(local_ok)])
+    if group is not None:
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+    out = {}
+    for key, value in values.items():
+        if key not in heads:
+            out[key] = value
+        elif not isinstance(value, DTensor):
+            out[key] = adapter.interleaved_to_half(value, heads[key])
+        elif everywhere.item():
+            local = value.to_local()
+            permuted = (
+                adapter.interleaved_to_half(local, local.shape[0] // head_dim) if local.numel() else local.clone()
+            )
+            out[key] = DTensor.from_local(
+                permuted, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
+            )
+        else:
+            full = adapter.interleaved_to_half(value.full_tensor(), heads[key])
+            out[key] = DTensor.from_local(
+                full, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False
+            )
+    return out

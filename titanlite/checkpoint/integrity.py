@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
@@ -32,8 +34,13 @@ SIDECAR_SUFFIX = "crc32.json"
 
 
 class ChecksummingWriter(FileSystemWriter):
-    """DCP's file-system writer that checksums each file it wrote into a sidecar. Module
-    level so the async process executor can pickle it."""
+    """DCP's file-system writer that checksums each file it wrote into a sidecar, then waits
+    `delay_s` seconds before reporting them written (a test's save held in flight:
+    async_save.py's `SLOW_WRITE_ENV`). Module level so the async process executor can pickle it."""
+
+    def __init__(self, path: str | os.PathLike, delay_s: float = 0.0, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.delay_s = delay_s
 
     def write_data(self, plan, planner):  # type: ignore[override]
         future = super().write_data(plan, planner)
@@ -42,6 +49,7 @@ class ChecksummingWriter(FileSystemWriter):
         sums = {name: file_crc32(folder / name) for name in files}
         sidecar = folder / f"{plan.storage_data.prefix}{SIDECAR_SUFFIX}"
         sidecar.write_text(json.dumps(sums, sort_keys=True))
+        time.sleep(self.delay_s)
         return future
 
 

@@ -38,11 +38,11 @@ PROGRESS_EVERY_S = 5.0
 """Seconds between two progress lines of one load or write."""
 
 
-class _CountingPlanner:
-    """DCP's load planner, unchanged, except that each item read advances `progress` by
-    its size in the files."""
+class _Counting:
+    """DCP's load or save planner, unchanged, except that each item read (`load_bytes`,
+    `commit_tensor`) or taken by the writer (`resolve_data`) advances `progress` by its size."""
 
-    def __init__(self, planner: LoadPlanner, size_of: Callable[[ReadItem], int], progress: Progress):
+    def __init__(self, planner: LoadPlanner | SavePlanner, size_of: Callable[[Any], int], progress: Progress):
         self._planner, self._size_of, self._progress = planner, size_of, progress
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
@@ -53,17 +53,34 @@ class _CountingPlanner:
         self._planner.commit_tensor(read_item, tensor)
         self._progress.advance(self._size_of(read_item))
 
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = self._planner.resolve_data(write_item)
+        self._progress.advance(self._size_of(write_item))
+        return data
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._planner, name)
 
 
-class _Reporting:
-    """`read_data` for a DCP reader class that says what it loads, how far it got and how
-    long it took. The reader says what its stored pieces and read items weigh."""
+class _Reported:
+    """The base of a DCP reader or writer class that says what it reads or writes, how far it
+    got and how long it took (`read_data` or `write_data`, with a counting planner)."""
 
-    def __init__(self, path: str | os.PathLike, every_s: float | None = None):
-        super().__init__(str(path))
+    def __init__(self, path: str | os.PathLike, *args: Any, every_s: float | None = None, **kwargs: Any):
+        super().__init__(str(path), *args, **kwargs)
         self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+
+    def _reported(self, what: str, total: int, size_of: Callable[[Any], int], run: Callable, plan: Any, planner: Any):
+        """`run(plan, planner)` (the base class's read or write) with a counting planner."""
+        progress = Progress(f"{what}: {Path(str(self.path)).name}", total=total, unit="B", every_s=self.every_s)
+        done = run(plan, _Counting(planner, size_of, progress))
+        progress.finish()
+        return done
+
+
+class _Reporting(_Reported):
+    """`read_data` for a DCP reader class; the reader says what its stored pieces and read
+    items weigh."""
 
     def _stored_bytes(self, info: Any) -> int:
         raise NotImplementedError
@@ -79,10 +96,7 @@ class _Reporting:
             f"checkpoint load: {self.path} holds {amount_text(sum(self._stored_bytes(s) for s in stored), 'B')} in "
             f"{amount_text(files, 'files' if files != 1 else 'file')}; this rank reads {amount_text(mine, 'B')}"
         )
-        progress = Progress(f"checkpoint load: {Path(self.path).name}", total=mine, unit="B", every_s=self.every_s)
-        done = super().read_data(plan, _CountingPlanner(planner, self._item_bytes, progress))
-        progress.finish()
-        return done
+        return self._reported("checkpoint load", mine, self._item_bytes, super().read_data, plan, planner)
 
 
 class ProgressReader(_Reporting, FileSystemReader):
@@ -106,22 +120,6 @@ class HFProgressReader(_Reporting, HuggingFaceStorageReader):
         return math.prod(item.lengths) * self.storage_data[item.storage_index].dtype.itemsize
 
 
-class _CountingSavePlanner:
-    """DCP's save planner, unchanged, except that each item the writer takes advances
-    `progress` by its size."""
-
-    def __init__(self, planner: SavePlanner, progress: Progress):
-        self._planner, self._progress = planner, progress
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        data = self._planner.resolve_data(write_item)
-        self._progress.advance(_write_bytes(write_item))
-        return data
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._planner, name)
-
-
 def _write_bytes(item: WriteItem) -> int:
     """A tensor item's bytes (its chunk's elements times its dtype's size); 0 for the small
     pickled objects DCP writes as bytes."""
@@ -129,25 +127,16 @@ def _write_bytes(item: WriteItem) -> int:
     return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize if data is not None else 0
 
 
-class _ReportingWrites:
-    """`write_data` for a DCP writer class that says what this rank writes, how far it got
-    and how long it took."""
-
-    def __init__(self, path: str | os.PathLike, *args: Any, every_s: float | None = None, **kwargs: Any):
-        super().__init__(str(path), *args, **kwargs)
-        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
+class _ReportingWrites(_Reported):
+    """`write_data` for a DCP writer class: what this rank writes."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner):
         total = sum(_write_bytes(item) for item in plan.items)
-        name = Path(str(self.path)).name
         logger.info(
             f"checkpoint write: {self.path} gets {amount_text(total, 'B')} "
             f"({amount_text(len(plan.items), 'items')}) from this rank"
         )
-        progress = Progress(f"checkpoint write: {name}", total=total, unit="B", every_s=self.every_s)
-        done = super().write_data(plan, _CountingSavePlanner(planner, progress))
-        progress.finish()
-        return done
+        return self._reported("checkpoint write", total, _write_bytes, super().write_data, plan, planner)
 
 
 class ProgressWriter(_ReportingWrites, FileSystemWriter):

@@ -48,22 +48,9 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 
+from titanlite.compat.placement import placement
 from titanlite.errors import TitanliteError
-from titanlite.parallel import full_params, optim_state, state_dict
-from titanlite.parallel.wrap_plan import (
-    WrapPlan,
-    backward_prefetch_of,
-    build_fsdp_mesh,
-    device_of,
-    forward_prefetch_of,
-    ignored_of,
-    offload_of,
-    precision_of,
-    require_process_group,
-    reshard_of,
-    strategy_of,
-    wrap_units,
-)
+from titanlite.parallel import full_params, optim_state, state_dict, wrap_plan
 from titanlite.parallel.wrapper import ShardedWrapper, wrappers_in
 
 __all__ = [
@@ -97,14 +84,113 @@ _CONFIGS = {
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
 
-_FULL_SETTINGS = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+_NO_PARAM_INIT_FN = (
+    "param_init_fn: FSDP2 has no per-unit init hook; build the model on meta, wrap it, "
+    "then call module.to_empty(device=...) and your init (it fills each rank's shard)"
+)
 
 
-class FullyShardedDataParallel(ShardedWrapper):
+class _OptimStateDicts:
+    """FSDP1's optimizer state-dict static methods (parallel/optim_state.py underneath), a part
+    of `FullyShardedDataParallel`: keyed by parameter name, whole or sharded as the model's
+    state-dict type says."""
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """The whole optimizer state keyed by parameter name (on rank 0 only with `rank0_only`)."""
+        return optim_state.whole_by_name(model, optim, rank0_only)
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """This rank's part of a whole state every rank holds, for `optim.load_state_dict`."""
+        order = optim_state.parameter_order(model, optim, optim_input)
+        return optim_state.loadable(full_optim_state_dict, model, order, from_rank0=False)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """Like `shard_full_optim_state_dict`, with the whole state on rank 0 alone (scattered)."""
+        optim, group = _v1_12_group(optim, group)
+        order = optim_state.parameter_order(model, optim, optim_input)
+        return optim_state.loadable(full_optim_state_dict, model, order, from_rank0=True, group=group)
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Keys by name (PARAM_NAME, a wrapped model's) or by id (PARAM_ID, a plain optimizer's)."""
+        by = {OptimStateKeyType.PARAM_NAME: "name", OptimStateKeyType.PARAM_ID: "id"}.get(
+            optim_state_key_type, optim_state_key_type
+        )
+        return optim_state.rekey(optim_state_dict, optim_state.parameter_order(model, optim, optim_input), by)
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Any = None, group: Any = None
+    ) -> dict[str, Any]:
+        """By name, as the model's state-dict type says: whole (FullOptimStateDictConfig's
+        rank0_only) or sharded."""
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        if settings.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+            return optim_state.sharded_by_name(model, optim)
+        _refuse_local(settings, "optim_state_dict")
+        return optim_state.whole_by_name(model, optim, settings.optim_state_dict_config.rank0_only)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
+    ) -> dict[str, Any]:
+        """An `optim_state_dict()` result as `optim.load_state_dict` takes it (loaded too with `load_directly`)."""
+        if is_named_optimizer:
+            raise TitanliteError(
+                "optim_state_dict_to_load: is_named_optimizer=True (torchrec's KeyedOptimizer) is not supported"
+            )
+        settings = FullyShardedDataParallel.get_state_dict_type(model)
+        _refuse_local(settings, "optim_state_dict_to_load")
+        from_rank0 = (
+            settings.state_dict_type == StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only
+        )
+        result = optim_state.loadable(
+            optim_state_dict, model, optim_state.parameter_order(model, optim), from_rank0, group
+        )
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
+
+class FullyShardedDataParallel(_OptimStateDicts, ShardedWrapper):
     """FSDP1's wrapper over FSDP2: FSDP1's arguments, plus `reshard_after_forward` (FSDP2's;
     an int reshards to groups of that many ranks) and `fsdp_group_size` (hfai's: shard within
     groups of that many ranks, replicate across). `parallel/wrap_plan.py` says what each
     argument becomes."""
+
+    # What `state_dict()` and friends mean (`set_state_dict_type`): full state dicts until set.
+    _settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
 
     def __init__(
         self,
@@ -128,33 +214,19 @@ class FullyShardedDataParallel(ShardedWrapper):
         reshard_after_forward: bool | int | None = None,
         fsdp_group_size: int | None = None,
     ):
-        require_process_group("FullyShardedDataParallel")
+        wrap_plan.require_process_group("FullyShardedDataParallel")
         if param_init_fn is not None:
-            raise TitanliteError(
-                "param_init_fn: FSDP2 has no per-unit init hook; build the model on meta, wrap it, "
-                "then call module.to_empty(device=...) and your init (it fills each rank's shard)"
-            )
-        strategy = strategy_of(sharding_strategy)
-        device = device_of(device_id)
-        mesh, group = build_fsdp_mesh(process_group, device_mesh, strategy, fsdp_group_size, device.type)
-        modules, params = ignored_of(ignored_modules, ignored_states)
-        mp_policy = precision_of(mixed_precision)  # checked before its classes are read
-        units, full_precision = _units(module, auto_wrap_policy, mixed_precision, modules)
-        plan = WrapPlan(
-            mesh=mesh,
-            group=group,
-            units=units,
-            reshard_after_forward=reshard_of(reshard_after_forward, strategy),
-            mp_policy=mp_policy,
-            cpu_offload=offload_of(cpu_offload),
-            backward_prefetch=backward_prefetch_of(backward_prefetch),
-            forward_prefetch=forward_prefetch_of(forward_prefetch),
-            ignored_params=params,
-            device=device,
-            full_precision_units=full_precision,
+            raise TitanliteError(_NO_PARAM_INIT_FN)
+        strategy = wrap_plan.strategy_of(sharding_strategy)
+        plan = wrap_plan.WrapPlan(  # the arguments checked in their order in the signature
+            **placement(process_group, device_mesh, strategy, fsdp_group_size, device_id),
+            **_units(module, auto_wrap_policy, mixed_precision, ignored_modules, ignored_states),
+            reshard_after_forward=wrap_plan.reshard_of(reshard_after_forward, strategy),
+            cpu_offload=wrap_plan.offload_of(cpu_offload),
+            backward_prefetch=wrap_plan.backward_prefetch_of(backward_prefetch),
+            forward_prefetch=wrap_plan.forward_prefetch_of(forward_prefetch),
         )
         super().__init__(module, plan, sync_module_states)
-        self._settings = _FULL_SETTINGS
 
     # v1.12's property: the parameters that have a gradient.
     params_with_grad = property(lambda self: [p for p in self.parameters() if p.grad is not None])
@@ -250,109 +322,24 @@ class FullyShardedDataParallel(ShardedWrapper):
             return [w for w in found if id(w) not in inner]
         return [m for w in found for m in (w, *w.sharded_units())]
 
-    # --- optimizer state dicts (parallel/optim_state.py) ------------------------------------
-
-    @staticmethod
-    def full_optim_state_dict(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        optim_input: Any = None,
-        rank0_only: bool = True,
-        group: Any = None,
-    ) -> dict[str, Any]:
-        """The whole optimizer state keyed by parameter name (on rank 0 only with `rank0_only`)."""
-        return optim_state.whole_by_name(model, optim, rank0_only)
-
-    @staticmethod
-    def shard_full_optim_state_dict(
-        full_optim_state_dict: dict[str, Any],
-        model: nn.Module,
-        optim_input: Any = None,
-        optim: torch.optim.Optimizer | None = None,
-    ) -> dict[str, Any]:
-        """This rank's part of a whole state every rank holds, for `optim.load_state_dict`."""
-        order = optim_state.parameter_order(model, optim, optim_input)
-        return optim_state.loadable(full_optim_state_dict, model, order, from_rank0=False)
-
-    @staticmethod
-    def scatter_full_optim_state_dict(
-        full_optim_state_dict: dict[str, Any] | None,
-        model: nn.Module,
-        optim_input: Any = None,
-        optim: torch.optim.Optimizer | None = None,
-        group: Any = None,
-    ) -> dict[str, Any]:
-        """Like `shard_full_optim_state_dict`, with the whole state on rank 0 alone (scattered)."""
-        optim, group = _v1_12_group(optim, group)
-        order = optim_state.parameter_order(model, optim, optim_input)
-        return optim_state.loadable(full_optim_state_dict, model, order, from_rank0=True, group=group)
-
-    @staticmethod
-    def rekey_optim_state_dict(
-        optim_state_dict: dict[str, Any],
-        optim_state_key_type: OptimStateKeyType,
-        model: nn.Module,
-        optim_input: Any = None,
-        optim: torch.optim.Optimizer | None = None,
-    ) -> dict[str, Any]:
-        """Keys by name (PARAM_NAME, a wrapped model's) or by id (PARAM_ID, a plain optimizer's)."""
-        by = {OptimStateKeyType.PARAM_NAME: "name", OptimStateKeyType.PARAM_ID: "id"}.get(
-            optim_state_key_type, optim_state_key_type
-        )
-        return optim_state.rekey(optim_state_dict, optim_state.parameter_order(model, optim, optim_input), by)
-
-    @staticmethod
-    def optim_state_dict(
-        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Any = None, group: Any = None
-    ) -> dict[str, Any]:
-        """By name, as the model's state-dict type says: whole (FullOptimStateDictConfig's
-        rank0_only) or sharded."""
-        settings = FullyShardedDataParallel.get_state_dict_type(model)
-        if settings.state_dict_type == StateDictType.SHARDED_STATE_DICT:
-            return optim_state.sharded_by_name(model, optim)
-        _refuse_local(settings, "optim_state_dict")
-        return optim_state.whole_by_name(model, optim, settings.optim_state_dict_config.rank0_only)
-
-    @staticmethod
-    def optim_state_dict_to_load(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        optim_state_dict: dict[str, Any],
-        is_named_optimizer: bool = False,
-        load_directly: bool = False,
-        group: Any = None,
-    ) -> dict[str, Any]:
-        """An `optim_state_dict()` result as `optim.load_state_dict` takes it (loaded too with `load_directly`)."""
-        if is_named_optimizer:
-            raise TitanliteError(
-                "optim_state_dict_to_load: is_named_optimizer=True (torchrec's KeyedOptimizer) is not supported"
-            )
-        settings = FullyShardedDataParallel.get_state_dict_type(model)
-        _refuse_local(settings, "optim_state_dict_to_load")
-        from_rank0 = (
-            settings.state_dict_type == StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only
-        )
-        result = optim_state.loadable(
-            optim_state_dict, model, optim_state.parameter_order(model, optim), from_rank0, group
-        )
-        if load_directly:
-            optim.load_state_dict(result)
-        return result
-
 
 def _units(
-    module: nn.Module, auto_wrap_policy: Any, mixed_precision: MixedPrecision | None, ignored: set[nn.Module]
-) -> tuple[list[nn.Module], list[nn.Module]]:
-    """The units, innermost first, and those of them FSDP1 shards with mixed precision off
-    whatever the policy says (`MixedPrecision._module_classes_to_ignore`, BatchNorm by
-    default, as the MixedPrecision page's note says): only with an `auto_wrap_policy`, as there."""
-    units = wrap_units(module, auto_wrap_policy, ignored)
-    if mixed_precision is None or auto_wrap_policy is None:
-        return units, []
+    module: nn.Module, policy: Any, mixed_precision: MixedPrecision | None, ignored_modules: Any, ignored_states: Any
+) -> dict[str, Any]:
+    """The `WrapPlan` fields of what FSDP2 shards and how: the units, innermost first, and
+    those of them FSDP1 shards with mixed precision off whatever the policy says
+    (`MixedPrecision._module_classes_to_ignore`, BatchNorm by default, as the MixedPrecision
+    page's note says: only with an `auto_wrap_policy`, as there), the ignored parameters and
+    the precision policy (checked before its classes are read)."""
+    ignored, params = wrap_plan.ignored_of(ignored_modules, ignored_states)
+    fields = {"mp_policy": wrap_plan.precision_of(mixed_precision), "ignored_params": params}
+    units = wrap_plan.wrap_units(module, policy, ignored)
+    if mixed_precision is None or policy is None:
+        return {**fields, "units": units, "full_precision_units": []}
     classes = tuple(mixed_precision._module_classes_to_ignore)
     inside = {id(m) for i in ignored for m in i.modules()}
     full = [m for m in module.modules() if m is not module and isinstance(m, classes) and id(m) not in inside]
-    return [*full, *(u for u in units if u not in full)], full
+    return {**fields, "units": [*full, *(u for u in units if u not in full)], "full_precision_units": full}
 
 
 def _v1_12_group(optim: Any, group: Any) -> tuple[torch.optim.Optimizer | None, Any]:

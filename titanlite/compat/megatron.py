@@ -37,17 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.parallel import state_dict
-from titanlite.parallel.wrap_plan import (
-    WrapPlan,
-    build_fsdp_mesh,
-    device_of,
-    precision_of,
-    require_process_group,
-    reshard_of,
-    strategy_of,
-    wrap_units,
-)
+from titanlite.compat.placement import placement
+from titanlite.parallel import state_dict, wrap_plan
 from titanlite.parallel.wrapper import ShardedWrapper
 
 __all__ = ["TorchFullyShardedDataParallel", "MEGATRON_DEFAULT_SUB_MODULES"]
@@ -81,38 +72,25 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
         disable_bucketing: bool = False,
         process_group: dist.ProcessGroup | None = None,
     ):
-        require_process_group("TorchFullyShardedDataParallel")
-        if sub_modules_to_wrap is MEGATRON_DEFAULT_SUB_MODULES:
-            classes = megatron_default_sub_modules()
-        elif isinstance(sub_modules_to_wrap, (str, type)):  # one class or class name, not its letters
-            classes = {sub_modules_to_wrap}
-        else:
-            classes = set(sub_modules_to_wrap)
-        if getattr(config, "transformer_impl", None) == "local":
-            classes = {c for c in classes if getattr(c, "__name__", c) != "ColumnParallelLinear"}
-        for sub_module in module.modules():
-            classes.update(getattr(sub_module, "_fsdp_modules", []))
-        device = device_of(None)
-        mesh, group = build_fsdp_mesh(
-            process_group or _megatron_data_parallel_group(), None, strategy_of(None), None, device.type
-        )
+        wrap_plan.require_process_group("TorchFullyShardedDataParallel")
+        classes = _classes_to_wrap(sub_modules_to_wrap, config, module)
         recompute = getattr(config, "recompute_granularity", None) is not None
-        plan = WrapPlan(
-            mesh=mesh,
-            group=group,
-            units=[u for u in wrap_units(module, classes, set()) if not _hands_out_bias(u)] if classes else [],
-            reshard_after_forward=reshard_of(getattr(ddp_config, "reshard_after_forward", True)),
-            mp_policy=precision_of(None),
+        plan = wrap_plan.WrapPlan(
+            **placement(process_group or _megatron_data_parallel_group()),
+            units=[u for u in wrap_plan.wrap_units(module, classes, set()) if not _hands_out_bias(u)]
+            if classes
+            else [],
+            reshard_after_forward=wrap_plan.reshard_of(getattr(ddp_config, "reshard_after_forward", True)),
+            mp_policy=wrap_plan.precision_of(None),
             cpu_offload=False,
             backward_prefetch="previous" if recompute else "default",
             forward_prefetch=False,
             ignored_params=set(),
-            device=device,
         )
         attributes = _parameter_attributes(module)
         super().__init__(module, plan)
         _restore_parameter_attributes(module, attributes)
-        self.config, self.ddp_config, self.process_group, self.device_mesh = config, ddp_config, group, mesh
+        self.config, self.ddp_config, self.process_group, self.device_mesh = config, ddp_config, plan.group, plan.mesh
 
     def start_grad_sync(self, *unused: Any) -> None:
         """FSDP2 reduces each unit's gradients during backward: nothing is left to start."""
@@ -149,6 +127,23 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
         if any(isinstance(v, DTensor) for v in state.values()):
             return state_dict.load_sharded_state_dict(self.module, state, strict=strict)
         return state_dict.load_full_state_dict(self.module, state, strict=strict, from_rank0=False)
+
+
+def _classes_to_wrap(sub_modules_to_wrap: Any, config: Any, module: nn.Module) -> set:
+    """The classes whose instances are units: `sub_modules_to_wrap` (Megatron's default set,
+    one class or class name, or a collection of them), less ColumnParallelLinear under the
+    "local" `transformer_impl`, plus what any submodule lists in `_fsdp_modules`."""
+    if sub_modules_to_wrap is MEGATRON_DEFAULT_SUB_MODULES:
+        classes = megatron_default_sub_modules()
+    elif isinstance(sub_modules_to_wrap, (str, type)):  # one class or class name, not its letters
+        classes = {sub_modules_to_wrap}
+    else:
+        classes = set(sub_modules_to_wrap)
+    if getattr(config, "transformer_impl", None) == "local":
+        classes = {c for c in classes if getattr(c, "__name__", c) != "ColumnParallelLinear"}
+    for sub_module in module.modules():
+        classes.update(getattr(sub_module, "_fsdp_modules", []))
+    return classes
 
 
 def _hands_out_bias(module: nn.Module) -> bool:

@@ -48,10 +48,9 @@ def ensure_prepared(dataset: str, dataset_path: str, tokenizer: Tokenizer, cache
     if size > MAX_FIRST_USE_BYTES:
         raise TitanliteError(
             f"training.dataset_path: {dataset_path} holds {size / 1e9:.1f} GB, more than titanlite prepares on first "
-            "use "
-            f"({MAX_FIRST_USE_BYTES / 1e9:.1f} GB); prepare it once with python -m titanlite.data.prepare "
-            f"{dataset_path} DIR "
-            f"--tokenizer {tokenizer.path}, then train with --training.dataset prepared --training.dataset_path DIR"
+            f"use ({MAX_FIRST_USE_BYTES / 1e9:.1f} GB); prepare it once with python -m titanlite.data.prepare "
+            f"{dataset_path} DIR --tokenizer {tokenizer.path}, then train with --training.dataset prepared "
+            "--training.dataset_path DIR"
         )
     key = hashlib.sha256(f"{FORMAT_VERSION}\0{source.content_digest()}\0{tokenizer.sha256}".encode()).hexdigest()[:16]
     root = cache_root(cache_dir)
@@ -89,29 +88,16 @@ def _run_prepare(source: str, folder: Path, tokenizer: Tokenizer, size: int) -> 
     process that imported neither torch nor the trainer, and it dies with this one."""
     workers = max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
     shard_chars = min(max(size // (4 * workers), 1_000_000), 64_000_000)
-    command = [
-        sys.executable,
-        "-m",
-        "titanlite.data.prepare",
-        source,
-        str(folder),
-        "--tokenizer",
-        tokenizer.path,
-        "--workers",
-        str(workers),
-        "--shard-mb",
-        str(shard_chars / 1e6),
-        "--from-trainer",
-    ]
+    command = [sys.executable, "-m", "titanlite.data.prepare", source, str(folder), "--tokenizer", tokenizer.path]
+    command += ["--workers", str(workers), "--shard-mb", str(shard_chars / 1e6), "--from-trainer"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]))
     logger.info(f"data: preparing {source} into {folder} (first use; {workers} tokenizer processes)")
     result = subprocess.run(command, env=env, stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         errors = [line.removeprefix("titanlite: error: ") for line in lines if line.startswith("titanlite: error: ")]
-        detail = (
-            errors[-1]
-            if errors
-            else f"data: preparing {source} failed (exit {result.returncode}): {lines[-1] if lines else 'no output'}"
+        if errors:
+            raise TitanliteError(errors[-1])
+        raise TitanliteError(
+            f"data: preparing {source} failed (exit {result.returncode}): {lines[-1] if lines else 'no output'}"
         )
-        raise TitanliteError(detail)

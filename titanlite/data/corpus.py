@@ -39,17 +39,19 @@ class Corpus:
 
 
 def open_datasets(
-    dataset: str, dataset_path: str, tokenizer: Tokenizer, cache_dir: str, section: str, verify: bool
+    dataset: str, dataset_path: str, tokenizer: Tokenizer, training: Training, section: str
 ) -> list[tuple[TokenShards, float]]:
-    """The prepared folders of a validated `dataset`/`dataset_path` pair, opened and checked
-    (and, with `verify`, each shard's checksums before its first read)."""
+    """The prepared folders of a validated `dataset`/`dataset_path` pair of `section`, opened
+    and checked (and, with `training.verify_data`, each shard's checksums before its first
+    read); first-use preparations go to `training.dataset_cache_dir`."""
     field = f"{section}.dataset_path"
     if dataset == "prepared":
         folders = parse_blend(dataset_path, field)
     else:
-        folders = [(str(ensure_prepared(dataset, dataset_path, tokenizer, cache_dir)), 1.0)]
+        folders = [(str(ensure_prepared(dataset, dataset_path, tokenizer, training.dataset_cache_dir)), 1.0)]
     return [
-        (check_tokenizer(TokenShards(folder, field, verify), tokenizer, field), weight) for folder, weight in folders
+        (check_tokenizer(TokenShards(folder, field, training.verify_data), tokenizer, field), weight)
+        for folder, weight in folders
     ]
 
 
@@ -59,8 +61,7 @@ def check_tokenizer(shards: TokenShards, tokenizer: Tokenizer, field: str) -> To
         raise TitanliteError(
             f"{field}: {shards.folder} was prepared with another tokenizer ({made_with.get('file')}, vocab "
             f"{made_with['vocab_size']:,}, sha256 {made_with['sha256'][:12]}) than model.tokenizer_path "
-            f"{tokenizer.path} "
-            f"(vocab {tokenizer.vocab_size:,}, sha256 {tokenizer.sha256[:12]})"
+            f"{tokenizer.path} (vocab {tokenizer.vocab_size:,}, sha256 {tokenizer.sha256[:12]})"
         )
     return shards
 
@@ -82,9 +83,7 @@ def _name(dataset: str, path: str, seed: int | None) -> str:
 def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer) -> Corpus:
     """The training stream (shuffled when `training.shuffle`) and the validation stream."""
     window = training.seq_len + 1
-    datasets = open_datasets(
-        training.dataset, training.dataset_path, tokenizer, training.dataset_cache_dir, "training", training.verify_data
-    )
+    datasets = open_datasets(training.dataset, training.dataset_path, tokenizer, training, "training")
     holdout = 0.0 if validation.dataset else validation.holdout_fraction
     seed = training.seed if training.shuffle else None
     train, held, weights = [], [], []
@@ -108,14 +107,7 @@ def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer
 
 
 def _validation_stream(validation: Validation, tokenizer: Tokenizer, window: int, training: Training) -> WindowStream:
-    datasets = open_datasets(
-        validation.dataset,
-        validation.dataset_path,
-        tokenizer,
-        training.dataset_cache_dir,
-        "validation",
-        training.verify_data,
-    )
+    datasets = open_datasets(validation.dataset, validation.dataset_path, tokenizer, training, "validation")
     parts = [DatasetWindows(s, window, 0, _windows_of(s, window, "validation.dataset_path"), None) for s, _ in datasets]
     return WindowStream(parts, [w for _, w in datasets], _name(validation.dataset, validation.dataset_path, None))
 

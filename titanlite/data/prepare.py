@@ -42,7 +42,7 @@ from titanlite.data.shard_format import (
 from titanlite.data.hf_source import HFSource
 from titanlite.data.sources import BuiltinSource, FilesSource, Source
 from titanlite.data.tokenizers import Tokenizer
-from titanlite.errors import USER_ERROR_EXIT_CODE, TitanliteError
+from titanlite.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, TitanliteError, say
 from titanlite.logging import init_logger, logger
 from titanlite.observe.progress import Progress
 
@@ -196,26 +196,31 @@ def prepare(
         size = source.size_bytes() if hasattr(source, "size_bytes") else None
         progress = Progress(f"prepare {source.name}", total=size, unit="B")
         entries = _tokenize_all(source, tokenizer, folder, workers, shard_chars, progress)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "dtype": dtype,
-            "source": source.name,
-            "tokens": sum(e["tokens"] for e in entries),
-            "documents": sum(e["documents"] for e in entries),
-            "tokenizer": {
-                "file": Path(tokenizer.path).name,
-                "kind": tokenizer.kind,
-                "sha256": tokenizer.sha256,
-                "vocab_size": tokenizer.vocab_size,
-                "bos_id": tokenizer.bos_id,
-                "eos_id": tokenizer.eos_id,
-            },
-            "shards": entries,
-        }
+        manifest = _manifest(source, tokenizer, dtype, entries)
         write_manifest(folder, manifest)
         progress.finish()
         return manifest
+
+
+def _manifest(source: Source, tokenizer: Tokenizer, dtype: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """manifest.json's content (docs/data.md): the format, what the shards were made from, and the shards."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype,
+        "source": source.name,
+        "tokens": sum(e["tokens"] for e in entries),
+        "documents": sum(e["documents"] for e in entries),
+        "tokenizer": {
+            "file": Path(tokenizer.path).name,
+            "kind": tokenizer.kind,
+            "sha256": tokenizer.sha256,
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+        },
+        "shards": entries,
+    }
 
 
 # --------------------------------------------------------------------------- command line
@@ -286,18 +291,17 @@ def main(argv: list[str] | None = None) -> int:
             open_source(args.source), Tokenizer(args.tokenizer), args.output, args.workers, int(args.shard_mb * 1e6)
         )
     except TitanliteError as error:
-        print(f"titanlite: error: {error if args.from_trainer else _cli_message(error)}", file=sys.stderr)
+        say(f"titanlite: error: {error if args.from_trainer else _cli_message(error)}")
         return USER_ERROR_EXIT_CODE
     except WorkerDied:
-        print(
-            f"titanlite: error: a tokenizer worker died before finishing its shard; run the same command again "
-            f"to resume {args.output}",
-            file=sys.stderr,
+        say(
+            "titanlite: error: a tokenizer worker died before finishing its shard; run the same command again "
+            f"to resume {args.output}"
         )
         return 1
     except KeyboardInterrupt:
-        print(f"titanlite: error: interrupted; run the same command again to resume {args.output}", file=sys.stderr)
-        return 130
+        say(f"titanlite: error: interrupted; run the same command again to resume {args.output}")
+        return INTERRUPTED_EXIT_CODE
     logger.info(
         f"{args.output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents, "
         f"{len(manifest['shards'])} shards ({manifest['dtype']})"

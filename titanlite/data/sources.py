@@ -225,14 +225,11 @@ def _read_txt(path: Path) -> Iterator[str]:
     parts: list[str] = []
     size = 0
     for text, _ in _lines(path):
-        if not text.strip():
-            if parts:
-                yield "".join(parts).rstrip("\r\n")
-                parts, size = [], 0
-            continue
-        parts.append(text)
-        size += len(text)
-        if size >= MAX_PARAGRAPH_CHARS:
+        blank = not text.strip()
+        if not blank:
+            parts.append(text)
+            size += len(text)
+        if parts and (blank or size >= MAX_PARAGRAPH_CHARS):
             yield "".join(parts).rstrip("\r\n")
             parts, size = [], 0
     if parts:

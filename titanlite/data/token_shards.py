@@ -128,9 +128,8 @@ class TokenShards:
         starts = np.zeros(length, dtype=np.int32)
         for shard, offset, take, done in self._pieces(start, length):
             offsets = self.document_offsets(shard)
-            lo, hi = np.searchsorted(
-                offsets, [offset + 1, offset + take]
-            )  # document starts inside (offset, offset + take)
+            # the document starts inside (offset, offset + take)
+            lo, hi = np.searchsorted(offsets, [offset + 1, offset + take])
             starts[done + offsets[lo:hi].astype(np.int64) - offset] = 1
             if done:
                 starts[done] = 1  # the next shard starts a document

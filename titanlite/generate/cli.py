@@ -49,6 +49,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="recompute the whole sequence for every token (slow; the cache's reference)",
     )
     options, config_argv = parser.parse_known_args(argv)
+    _check(options)
+    options.prompts = read_prompts(options.prompt, options.prompt_file)
+    return options, config_argv
+
+
+def _check(options: argparse.Namespace) -> None:
+    """Each option's range, one line naming it."""
     if not Path(options.checkpoint).is_dir():
         raise TitanliteError(f"--checkpoint: {options.checkpoint} is not a folder")
     if options.max_new_tokens < 1:
@@ -57,8 +64,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise TitanliteError(f"--top-k: must be >= 0, 0 meaning all tokens (got {options.top_k})")
     if not (math.isfinite(options.temperature) and options.temperature >= 0):
         raise TitanliteError(f"--temperature: must be >= 0, 0 meaning greedy (got {options.temperature})")
-    options.prompts = read_prompts(options.prompt, options.prompt_file)
-    return options, config_argv
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str]:

@@ -42,9 +42,8 @@ class StageForward:
             self.output_rank = layout.output_rank(meshes.world)
             held = layout.stage_indices(self.pp_rank)
         self.stages = dict(zip(held, loaded.parts))
-        self.autocast_dtype = autocast_dtype(
-            plan.cfg.training.mixed_precision_param, plan.dims.fsdp_enabled
-        )  # as the trainer does
+        # as the trainer does
+        self.autocast_dtype = autocast_dtype(plan.cfg.training.mixed_precision_param, plan.dims.fsdp_enabled)
         self.kv_cache_supported = plan.spec.supports("kv_cache")
         self.caches: list[KVCache] = []
 

@@ -2,9 +2,9 @@
 placement on any mesh.
 
 Muon (Keller Jordan; Moonlight, arXiv 2502.16982) replaces a matrix's momentum by its nearest
-semi-orthogonal matrix (Newton-Schulz iterations, torch's own `torch.optim._muon` code, so one
-process gives `torch.optim.Muon`'s numbers). That needs the WHOLE matrix, which FSDP, TP and
-EP shard. Each matrix (each routed expert of a stacked [E, out, in] weight on its own) gets
+semi-orthogonal matrix (Newton-Schulz iterations: torch.optim.Muon's ops in its order and dtype,
+written with public torch, so one process gives its numbers bit for bit). That needs the WHOLE
+matrix, which FSDP, TP and EP shard. Each matrix (each routed expert of a stacked [E, out, in] weight on its own) gets
 one owner among the ranks that hold a piece of it, the owners balanced by matrix size; one
 all-to-all brings every owner the pieces of its matrices, the owner orthogonalizes them, and a
 second all-to-all sends each rank the block of the result its shard holds. No rank gathers a
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr, _zeropower_via_newtonschulz
 
-NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's defaults
+NS_EPS = 1e-7  # the norm's floor before the iterations, torch.optim.Muon's default
 BLOCKS = "layers."  # every model's transformer blocks (parallel/units.py, the pipeline split)
 
 
@@ -142,7 +142,7 @@ class Muon(torch.optim.Optimizer):
             lr = group["lr"]
             value = _local(param)
             value.mul_(1 - lr * group["weight_decay"])
-            value.add_(orthogonal[id(param)], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape[-2:]))
+            value.add_(orthogonal[id(param)], alpha=-lr * _lr_scale(group["adjust_lr_fn"], *param.shape[-2:]))
 
     def _orthogonalize(
         self, params: list[tuple[dict, torch.Tensor]], updates: dict[int, torch.Tensor]
@@ -210,10 +210,27 @@ def _like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def _orthogonal(update: torch.Tensor, ns_steps: int) -> torch.Tensor:
-    """torch's Newton-Schulz (bfloat16, as torch.optim.Muon) of a matrix or of each matrix of a stack."""
+    """The Newton-Schulz iteration of a matrix, or of each matrix of a stack, in bfloat16 and in
+    the update's dtype after: torch.optim.Muon's ops in its order (torch 2.13's
+    `_zeropower_via_newtonschulz`), so its numbers bit for bit (tests/unit/test_muon.py)."""
     if update.ndim == 3:
         return torch.stack([_orthogonal(matrix, ns_steps) for matrix in update])
-    return _zeropower_via_newtonschulz(update, NS_COEFFICIENTS, ns_steps, EPS).to(update.dtype)
+    a, b, c = NS_COEFFICIENTS
+    tall = update.size(0) > update.size(1)
+    ortho = update.bfloat16().T if tall else update.bfloat16()
+    ortho.div_(ortho.norm().clamp(min=NS_EPS))  # the spectral norm at most 1
+    for _ in range(ns_steps):
+        gram = ortho @ ortho.T
+        ortho = torch.addmm(ortho, torch.addmm(gram, gram, gram, beta=b, alpha=c), ortho, beta=a)
+    return (ortho.T if tall else ortho).to(update.dtype)
+
+
+def _lr_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """The per-matrix lr factor of torch.optim.Muon's `adjust_lr_fn`: "original" (Keller Jordan)
+    or "match_rms_adamw" (Moonlight: the update's RMS matches AdamW's)."""
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw" else 1.0
 
 
 Block = tuple[int, int, int, int, int]  # (rank, first row, first column, rows, columns) of a matrix

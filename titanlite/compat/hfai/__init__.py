@@ -26,20 +26,9 @@ from torch import nn
 from torch.distributed.fsdp import BackwardPrefetch
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
+from titanlite.compat.placement import placement
 from titanlite.errors import TitanliteError
-from titanlite.parallel import full_params, state_dict
-from titanlite.parallel.wrap_plan import (
-    WrapPlan,
-    backward_prefetch_of,
-    build_fsdp_mesh,
-    device_of,
-    forward_prefetch_of,
-    precision_of,
-    require_process_group,
-    reshard_of,
-    strategy_of,
-    wrap_units,
-)
+from titanlite.parallel import full_params, state_dict, wrap_plan
 from titanlite.parallel.wrapper import ShardedWrapper
 
 __all__ = [
@@ -64,24 +53,20 @@ class FullyShardedDataParallel(ShardedWrapper):
         fsdp_group_size: int | None = None,
         _is_root: bool = True,
     ):
-        require_process_group("FullyShardedDataParallel")
+        wrap_plan.require_process_group("FullyShardedDataParallel")
         if _is_root is not True:
             raise TitanliteError(
                 "_is_root: only a root wrapper is built by hand; nested units come from auto_wrap_policy"
             )
-        device = device_of(None)
-        mesh, group = build_fsdp_mesh(process_group, None, strategy_of(None), fsdp_group_size, device.type)
-        plan = WrapPlan(
-            mesh=mesh,
-            group=group,
-            units=wrap_units(module, auto_wrap_policy, set()),
-            reshard_after_forward=reshard_of(reshard_after_forward),
-            mp_policy=precision_of(None),
+        plan = wrap_plan.WrapPlan(
+            **placement(process_group, fsdp_group_size=fsdp_group_size),
+            units=wrap_plan.wrap_units(module, auto_wrap_policy, set()),
+            reshard_after_forward=wrap_plan.reshard_of(reshard_after_forward),
+            mp_policy=wrap_plan.precision_of(None),
             cpu_offload=False,
-            backward_prefetch=backward_prefetch_of(backward_prefetch),
-            forward_prefetch=forward_prefetch_of(forward_prefetch),
+            backward_prefetch=wrap_plan.backward_prefetch_of(backward_prefetch),
+            forward_prefetch=wrap_plan.forward_prefetch_of(forward_prefetch),
             ignored_params=set(),
-            device=device,
         )
         super().__init__(module, plan)
         self._whole = False
