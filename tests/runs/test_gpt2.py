@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from tests.helpers.distributed import REPO, run_env
+from tests.helpers.distributed import REPO, run_env, timeout_scale
 
 TIMEOUT_S = 120
 
@@ -38,6 +38,6 @@ def test_trainer_runs_gpt2(tmp_path):
     env = run_env()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # one plain process
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S * timeout_scale())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "model gpt2 debugmodel" in proc.stdout and re.search(r"step +3 ", proc.stdout)  # the step is right-aligned
