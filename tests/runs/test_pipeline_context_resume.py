@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.distributed import EQUIVALENCE_ARGS
+from tests.helpers.distributed import EQUIVALENCE_ARGS, timeout_scale
 from tests.helpers.sessions import Case, run_session
 
 STEPS = 6
@@ -211,7 +211,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return histories
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(1500 * timeout_scale())
 @pytest.mark.parametrize("name", RESUMES)
 def test_resume_continues_the_uninterrupted_run(runs, name):
     layout, source = RESUMES[name]
