@@ -20,12 +20,14 @@ from tests.runs.equivalence import (
     MUON,
     TIMEOUT_S,
     TWO_GROUPS,
+    layouts_of,
+    run_sessions,
+)
+from tests.runs.equivalence_checks import (
     check_float8_layout,
     check_gpt2_tp,
     check_layout,
     check_muon,
-    layouts_of,
-    run_sessions,
 )
 from titanlite.step.optim import lr_factor
 

@@ -14,12 +14,14 @@ from tests.runs.equivalence import (
     LAYOUTS,
     MUON,
     TIMEOUT_S,
+    layouts_of,
+    run_sessions,
+)
+from tests.runs.equivalence_checks import (
     check_float8_layout,
     check_gpt2_tp,
     check_layout,
     check_muon,
-    layouts_of,
-    run_sessions,
 )
 
 WORLD = 4

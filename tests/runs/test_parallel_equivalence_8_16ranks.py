@@ -15,10 +15,12 @@ from tests.runs.equivalence import (
     EP,
     LAYOUTS,
     TIMEOUT_S,
-    assert_expert_shares,
-    check_layout,
     layouts_of,
     run_sessions,
+)
+from tests.runs.equivalence_checks import (
+    assert_expert_shares,
+    check_layout,
 )
 
 WORLD = 8
