@@ -13,5 +13,6 @@ source scripts/ensure_env.sh
 }
 # Two workers by default (TITANLITE_TEST_WORKERS; 0 = in this process), each taking whole
 # files so a module's fixtures run once: most tests start processes that spend their first
-# seconds importing and rendezvousing, which two at a time overlap on two cores.
-exec "$PYTHON" -m pytest -q -n "${TITANLITE_TEST_WORKERS:-2}" --dist loadfile "$@"
+# seconds importing and rendezvousing, which two at a time overlap on two cores. The files
+# go out in the collection's order, the longest first (tests/conftest.py).
+exec "$PYTHON" -m pytest -q -n "${TITANLITE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -13,13 +13,17 @@ that line, instead of every test of a module erroring with the same traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.helpers.distributed import run_ranks, timeout_scale, with_overrides
 
@@ -99,6 +103,33 @@ def run_session(nproc: int, cases: list[Case], folder: Path, timeout: float) -> 
         return SessionResult(finished, expired.output or "", expired.stderr or "", names, line)
     cases_run = json.loads(out.read_text()) if out.exists() else {}
     return SessionResult(cases_run, result.stdout, result.stderr, names)
+
+
+def shared_session(
+    tmp_path_factory: pytest.TempPathFactory,
+    label: str,
+    nproc: int,
+    make_cases: Callable[[Path], list[Case]],
+    timeout: float,
+) -> SessionResult:
+    """`run_session` once per pytest run, whichever module asks first: the references that
+    several modules compare against (the equivalence layouts of each world size live in files
+    of their own, so that the two xdist workers run them side by side). Under xdist the
+    workers share their basetemp's parent; a lock makes a second asker wait for the first's
+    result, which it then reads from disk. `make_cases(folder)` gives the cases (and writes any
+    file they read into the session's folder) where the session runs. Ask for it after the
+    module's own sessions: by then another module has often finished it."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    folder = shared / f"shared-{label}"
+    with FileLock(str(shared / f"shared-{label}.lock")):
+        saved = folder / "session.json"
+        if saved.exists():
+            return SessionResult(**json.loads(saved.read_text()))
+        result = run_session(nproc, make_cases(folder), folder, timeout)
+        saved.write_text(json.dumps(dataclasses.asdict(result)))
+    return result
 
 
 def timed_out_line(label: str, nproc: int, names: list[str], finished: dict, expired) -> str:

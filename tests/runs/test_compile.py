@@ -2,8 +2,10 @@
 
 In one process on every available device (CPU always; CUDA when present): a small Llama,
 3 AdamW steps, compiled blocks against eager from the same weights and batches. Through the
-real trainer on 4 gloo processes: FSDP 2 x TP 2 with compiled blocks (DTensor inside the
-graphs, FSDP hooks outside) against the 1-process eager reference of the layout tests.
+real trainer on 4 gloo processes, FSDP 2 x TP 2 with compiled blocks (DTensor inside the
+graphs, FSDP hooks outside) against the 1-process eager reference of the layout tests is a
+case of their 4-process session: test_parallel_equivalence_4ranks.py
+(test_compiled_fsdp_tp_matches_eager_single_process).
 
 Tolerances: float32 throughout. On CPU compiled and eager losses matched to the last bit
 here (torch 2.13); 1e-5 relative is the layout tests' bound. On CUDA, fused reductions sum
@@ -16,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve, run_trainer_worker
 from titanlite.models.llama import LlamaArgs, llama3_spec
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.units import model_blocks
@@ -52,24 +53,3 @@ def test_compiled_blocks_train_like_eager(device):
     eager, compiled = train_losses(device, compiled=False), train_losses(device, compiled=True)
     assert compiled == pytest.approx(eager, rel=TOLERANCE[device])
     assert eager[-1] < eager[0]
-
-
-@pytest.mark.timeout(900)
-def test_compiled_fsdp_tp_matches_eager_single_process(tmp_path):
-    reference = run_trainer_worker(
-        1,
-        EQUIVALENCE_ARGS + ["--training.local_batch_size", "8", "--job.dump_folder", str(tmp_path / "ref")],
-        tmp_path / "ref.json",
-    )
-    overrides = [
-        "--training.local_batch_size",
-        "4",
-        "--parallelism.tensor_parallel_degree",
-        "2",
-        "--compile.enable",
-        "true",
-    ]
-    result = run_trainer_worker(
-        4, EQUIVALENCE_ARGS + overrides + ["--job.dump_folder", str(tmp_path / "tp")], tmp_path / "tp.json", timeout=800
-    )
-    assert_same_curve(result["history"], reference["history"], "fsdp2_tp2 compiled")

@@ -18,6 +18,8 @@ And with Muon (its momentum buffers laid out like the weights): FSDP 2 resumed a
 and at 1 process (1e-6).
 DeepSeek-V3's debug flavor (MLA, expert bias, group-limited routing): ep 2 resumed at ep 2 (==),
 and its ep 2 checkpoint resumed at pp 2 x tp 2 (1e-6).
+Tied embeddings (Llama 3.2's one table for lookup and head) at FSDP 2 x TP 2, saved
+asynchronously, resumed there (==; moved from test_tied_embeddings.py, which resumed 2 -> 5).
 And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
 one-process run from the same seed does (1e-5), and not as from its own init. float8 (FSDP 2
 gathering float8): resumed at its layout (==), its checkpoint resumed by a 1-process run without
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.distributed import EQUIVALENCE_ARGS
+from tests.helpers.distributed import EQUIVALENCE_ARGS, timeout_scale
 from tests.helpers.sessions import Case, run_session
 
 STEPS = 6
@@ -84,6 +86,14 @@ LAYOUTS = {
     ),
     "float8_fsdp2": (2, ["--training.local_batch_size", "4", *FLOAT8]),
     "dsv3_ep2": (2, ["--training.local_batch_size", "4", EP, "2", *DSV3]),
+    # Tied embeddings (one table for lookup and head) under FSDP 2 x TP 2, saved asynchronously.
+    "tied_fsdp2_tp2": (
+        4,
+        [
+            *("--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"),
+            *("--model.flavor", "debugmodel_tied", "--checkpoint.async_mode", "async"),
+        ],
+    ),
     "dsv3_pp2_tp2": (
         4,
         [
@@ -122,6 +132,7 @@ RESUMES = {
     "float8_fsdp2_from_float8_fsdp2": ("float8_fsdp2", "float8_fsdp2"),
     "dsv3_ep2_from_dsv3_ep2": ("dsv3_ep2", "dsv3_ep2"),
     "dsv3_pp2_tp2_from_dsv3_ep2": ("dsv3_pp2_tp2", "dsv3_ep2"),
+    "tied_fsdp2_tp2_from_tied_fsdp2_tp2": ("tied_fsdp2_tp2", "tied_fsdp2_tp2"),
 }
 # A float8 checkpoint holds the high-precision weights under their usual names: it resumes a
 # run without float8, and a float8 run resumes from a checkpoint without it.
@@ -166,6 +177,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
                 uninterrupted("moe_ep4"),
                 uninterrupted("moe_ep2_hsdp2x2"),
                 uninterrupted("dsv3_pp2_tp2"),
+                uninterrupted("tied_fsdp2_tp2"),
             ],
         ),
         (
@@ -199,7 +211,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return histories
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(1500 * timeout_scale())
 @pytest.mark.parametrize("name", RESUMES)
 def test_resume_continues_the_uninterrupted_run(runs, name):
     layout, source = RESUMES[name]

@@ -12,7 +12,8 @@ import pytest
 from tests.helpers.distributed import timeout_scale
 from tests.helpers.sessions import Case, SessionCases, run_session
 
-HANG_TIMEOUT_S = 30  # the worker's start-up (torch, titanlite) and one quick case fit in it
+# The worker's start-up (torch, titanlite: about 5 s) and one quick case fit in it; the test waits it out.
+HANG_TIMEOUT_S = 15
 
 
 def ready() -> str:
