@@ -17,15 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from titanlite.config.engine import (
-    Override,
-    apply_toml,
-    check_values,
-    cli_pairs,
-    parse_override,
-    read_toml,
-    refuse_repeats,
-)
+from titanlite.config.engine import check_values
+from titanlite.config.parse import Override, apply_toml, cli_pairs, parse_override, read_toml, refuse_repeats
 from titanlite.config.output import help_lines, to_toml
 from titanlite.config.fault_tolerance import check_fault_tolerance
 from titanlite.config.float8 import check_float8
@@ -39,7 +32,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
 
 
 # --------------------------------------------------------------------------------------
-# Loading: the generic parts (names, types, help, TOML) are titanlite.config.engine's.
+# Loading: the generic parts (names, types, help, TOML) are engine.py, parse.py and output.py's.
 # --------------------------------------------------------------------------------------
 
 _CLI_USAGE = "--config NAME and --section.key value"

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from titanlite.errors import TitanliteError
 
 if TYPE_CHECKING:
-    from titanlite.config.engine import Override
+    from titanlite.config.parse import Override
     from titanlite.config.sections import JobConfig
 
 ALIASES = {
@@ -81,7 +81,7 @@ REFUSED_CONVERTERS = {
 SHARED_MODELS = ("llama3", "qwen3")
 ABSENT_MODELS = ("flux", "gpt_oss", "llama3_ft", "llama4")
 FLAVOR_PREFIX = "torchtitan:"
-_COMMAND_LINE = "on the command line"  # the `where` of an override (config/engine.py)
+_COMMAND_LINE = "on the command line"  # the `where` of an override (config/parse.py)
 _PREPARE = (
     "titanlite reads local data prepared once into token shards: python -m titanlite.data.prepare "
     'hf:allenai/c4:en prepared/ --tokenizer TOKENIZER (pip install titanlite[hf]), then dataset = "prepared" '
@@ -113,7 +113,7 @@ def _torchtitans(section: str, key: str | None, value: Any) -> bool:
 
 
 class TorchtitanKeys:
-    """The translation `config.engine` applies to each key before looking it up."""
+    """The translation `config.parse` applies to each key before looking it up."""
 
     def __init__(self) -> None:
         self.notices: list[str] = []
