@@ -112,14 +112,26 @@ def validate(cfg: JobConfig) -> None:
     check_values(cfg)
     check_fault_tolerance(cfg.fault_tolerance)
     parse_groups(cfg.optimizer.param_groups)
-    training, parallelism = cfg.training, cfg.parallelism
+    _check_batch_and_data(cfg)
+    _check_layout(cfg)
+    check_float8(cfg.model.converters, cfg.float8)
+    for name in cfg.parallelism.fsdp_shard_modules:
+        if not name.isidentifier():
+            raise TitanliteError(
+                f"parallelism.fsdp_shard_modules: {name!r} is not a class name "
+                f"(got {cfg.parallelism.fsdp_shard_modules!r})"
+            )
+
+
+def _check_batch_and_data(cfg: JobConfig) -> None:
+    """The global batch against the local one; the training and validation data's paths."""
+    training, validation = cfg.training, cfg.validation
     if training.global_batch_size != -1 and training.global_batch_size % training.local_batch_size:
         raise TitanliteError(
             f"training.global_batch_size: must be -1 or a multiple of training.local_batch_size "
             f"{training.local_batch_size} (got {training.global_batch_size})"
         )
     _validate_data(training.dataset, training.dataset_path, "training")
-    validation = cfg.validation
     if validation.dataset:
         _validate_data(validation.dataset, validation.dataset_path, "validation")
     elif validation.enable and validation.holdout_fraction == 0:
@@ -127,13 +139,19 @@ def validate(cfg: JobConfig) -> None:
             "validation.holdout_fraction: 0 holds no window out for validation (validation.dataset "
             "is empty, so validation reads the held-out split; got 0)"
         )
+
+
+def _check_layout(cfg: JobConfig) -> None:
+    """FSDP's resharding, CPU offload, resuming, the pipeline's split and selective AC: the
+    string options' forms and the keys that only work together."""
+    parallelism = cfg.parallelism
     reshard = parallelism.fsdp_reshard_after_forward
     if reshard not in ("default", "always", "never") and not (reshard.isdigit() and int(reshard) >= 1):
         raise TitanliteError(
             f"parallelism.fsdp_reshard_after_forward: must be default, always, never or a number of ranks >= 1 "
             f"(got {reshard!r})"
         )
-    if training.enable_cpu_offload and parallelism.fsdp_reshard_after_forward == "never":
+    if cfg.training.enable_cpu_offload and reshard == "never":
         raise TitanliteError(
             "training.enable_cpu_offload: CPU offload needs resharding after forward "
             "(got parallelism.fsdp_reshard_after_forward = 'never')"
@@ -154,12 +172,6 @@ def validate(cfg: JobConfig) -> None:
         raise TitanliteError(
             f"activation_checkpoint.selective_ac_option: must be a whole number >= 1 or op (got {option!r})"
         )
-    check_float8(cfg.model.converters, cfg.float8)
-    for name in parallelism.fsdp_shard_modules:
-        if not name.isidentifier():
-            raise TitanliteError(
-                f"parallelism.fsdp_shard_modules: {name!r} is not a class name (got {parallelism.fsdp_shard_modules!r})"
-            )
 
 
 def _validate_data(dataset: str, path: str, section: str) -> None:
