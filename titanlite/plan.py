@@ -226,16 +226,12 @@ def header(r: Report) -> list[str]:
 
 def holdings(r: Report) -> list[str]:
     """One line per kind of memory; exact ones first, then the estimates and the total."""
-    a, place = r.activations, " (host: CPU offload)" if r.offloaded else ""
+    a, s, place = r.activations, r.state, " (host: CPU offload)" if r.offloaded else ""
     rows = [
-        (
-            "parameters",
-            r.state.params,
-            f"{r.state.params:,} bytes: {r.state.n_params:,} elements of the local shards{place}",
-        ),
-        ("gradients", r.state.grads, f"{r.state.grads:,} bytes{place}"),
-        ("optimizer", r.state.optimizer, f"{r.state.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
-        ("buffers", r.state.buffers, f"{r.state.buffers:,} bytes"),
+        ("parameters", s.params, f"{s.params:,} bytes: {s.n_params:,} elements of the local shards{place}"),
+        ("gradients", s.grads, f"{s.grads:,} bytes{place}"),
+        ("optimizer", s.optimizer, f"{s.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
+        ("buffers", s.buffers, f"{s.buffers:,} bytes"),
         (
             "activations",
             a.total,

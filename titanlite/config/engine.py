@@ -27,6 +27,8 @@ from typing import Any
 from titanlite.errors import TitanliteError
 
 QUOTED_LIMIT = 60  # characters of a value an error line quotes (`quoted`)
+# A range rule: how a message writes it, and the test a value must pass.
+_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
 
 
 def option(
@@ -121,16 +123,14 @@ def is_type(value: Any, tp: Any) -> bool:
 
 def range_text(meta: typing.Mapping[str, Any]) -> str:
     """What a field's range rules require, in words ('> 0', '-1 or >= 1'), or '' when it has none."""
-    lo = ("[", meta["ge"]) if meta["ge"] is not None else ("(", meta["gt"]) if meta["gt"] is not None else None
-    hi = ("]", meta["le"]) if meta["le"] is not None else (")", meta["lt"]) if meta["lt"] is not None else None
-    if lo is None and hi is None:
-        return ""
+    lo = next((rule for rule in ("ge", "gt") if meta[rule] is not None), None)
+    hi = next((rule for rule in ("le", "lt") if meta[rule] is not None), None)
     if lo and hi:
-        text = f"in {lo[0]}{lo[1]:g}, {hi[1]:g}{hi[0]}"
-    elif lo:
-        text = f"{'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
+        text = f"in {'[' if lo == 'ge' else '('}{meta[lo]:g}, {meta[hi]:g}{']' if hi == 'le' else ')'}"
+    elif lo or hi:
+        text = f"{_BOUNDS[lo or hi][0]} {meta[lo or hi]:g}"
     else:
-        text = f"{'<=' if hi[0] == ']' else '<'} {hi[1]:g}"
+        return ""
     if "special" in meta:
         special = "none" if meta["special"] is None else meta["special"]
         return f"{special} or {text}"
@@ -140,8 +140,9 @@ def range_text(meta: typing.Mapping[str, Any]) -> str:
 def _in_range(value: Any, meta: typing.Mapping[str, Any]) -> bool:
     if "special" in meta and value == meta["special"] and type(value) is type(meta["special"]):
         return True
-    bounds = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
-    return value is not None and all(meta[rule] is None or bounds[rule](value, meta[rule]) for rule in bounds)
+    return value is not None and all(
+        meta[rule] is None or test(value, meta[rule]) for rule, (_, test) in _BOUNDS.items()
+    )
 
 
 def _check_field(name: str, tp: Any, meta: typing.Mapping[str, Any], value: Any) -> None:
