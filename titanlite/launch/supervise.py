@@ -36,7 +36,7 @@ _AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distri
 def supervise(args: argparse.Namespace) -> None:
     """Everything above, set up before `torch.distributed.run.run(args)`."""
     for name in _AGENT_LOGGERS:
-        logging.getLogger(name).addFilter(_DropAgentRecords())
+        logging.getLogger(name).addFilter(_not_about_workers)
     _kill_unresponsive_workers_when_closing()
     _say_restarts()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
@@ -44,16 +44,11 @@ def supervise(args: argparse.Namespace) -> None:
     _take_stop_signals(args)
 
 
-class _DropAgentRecords(logging.Filter):
+def _not_about_workers(record: logging.LogRecord) -> bool:
     """Drop the agent's records about failed or stopped children and its own shutdown: the
     ranks' own lines and the launcher's one line already say it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = str(record.msg)
-        return not any(
-            mark in text
-            for mark in ("failed (exitcode", "closing signal", "death signal", "Unable to shutdown process")
-        )
+    marks = ("failed (exitcode", "closing signal", "death signal", "Unable to shutdown process")
+    return not any(mark in str(record.msg) for mark in marks)
 
 
 def _say_restarts() -> None:
