@@ -41,12 +41,9 @@ _CLI_USAGE = "--config NAME and --section.key value"
 def _find_config(name: str) -> tuple[Path, str]:
     """The file for `--config NAME` and how to name it in messages: as given, then in train_configs/."""
     names = [name] if name.endswith(".toml") else [name, f"{name}.toml"]
-    for candidate in names:
-        if Path(candidate).is_file():
-            return Path(candidate), candidate
-    for candidate in names:
-        if (CONFIG_DIR / candidate).is_file():
-            return CONFIG_DIR / candidate, candidate
+    for path, candidate in [(Path(c), c) for c in names] + [(CONFIG_DIR / c, c) for c in names]:
+        if path.is_file():
+            return path, candidate
     if Path(name).is_dir():
         raise TitanliteError(f"--config: {name} is a folder, not a TOML file")
     raise TitanliteError(f"config file not found: {name} (looked in ./ and train_configs/)")
