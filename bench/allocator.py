@@ -5,7 +5,7 @@
                               [--moe-layers 8] [--malloc-trim] [-- extra trainer overrides]
 
 Why: issue 36 item 1. `titanlite.launch` sets glibc malloc's settings for CPU workers
-(titanlite/launch.py, `CPU_MALLOC_DEFAULTS`) so that a step's freed tensors are reused
+(titanlite/launch/__init__.py, `CPU_MALLOC_DEFAULTS`) so that a step's freed tensors are reused
 instead of being mapped and zeroed again; the settings must not cost memory in return.
 Each (model, layout, setting) is one real `titanlite.launch --standalone` run of the trainer
 (gloo, float32, eager, no checkpoint), the settings put in the launcher's environment

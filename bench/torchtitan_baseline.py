@@ -38,7 +38,7 @@ wheel; see the shim), so neither framework spends time tokenizing; on such data 
 can only fall from ~8.8 towards ln 4096 = 8.32, slowly. `--data counting` (each row counts
 up from a random id: the same shapes, a learnable next token) shows the loss falling
 within a few steps, a check that the layouts train. Process conditions as
-titanlite's launcher sets for CPU workers (titanlite/launch.py): OMP_NUM_THREADS = usable
+titanlite's launcher sets for CPU workers (titanlite/launch/__init__.py): OMP_NUM_THREADS = usable
 cores / processes (at least 1), OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000, one inter-op
 thread, and, unless `--no-cpu-bind`, each local rank bound to its own block of cores by
 titanlite's own `core_blocks` rule (bench/throughput.py runs titanlite with `--cpu-bind`).

@@ -115,16 +115,13 @@ class Report:
     """Everything printed about one rank."""
 
     plan: RunPlan
-    rank: int
-    coordinate: str
+    args: argparse.Namespace
     vocab_note: str
+    coordinate: str
     state: StateBytes
     activations: Activations
     fsdp: FsdpWorkingSet | None
     autocast_copies: int
-    device_bytes: int
-    device_source: str
-    n_params: int
 
     @property
     def offloaded(self) -> bool:
@@ -137,6 +134,11 @@ class Report:
         return (
             (0 if self.offloaded else state) + self.state.buffers + self.activations.total + fsdp + self.autocast_copies
         )
+
+    @property
+    def device(self) -> tuple[int, str]:
+        """Bytes per device and where the figure comes from."""
+        return device_memory(self.args)
 
 
 def build_report(
@@ -156,26 +158,13 @@ def build_report(
         fsdp = estimate_fsdp(model, dims.dp_shard, shape.act_bytes, reduce_bytes, cfg.parallelism)
     state = state_bytes(model)
     # Without FSDP, bf16 runs under autocast, which keeps a bf16 copy of each weight per step.
-    autocast = state.n_params * shape.act_bytes if not dims.fsdp_enabled and shape.act_bytes < 4 else 0
+    autocast_copies = state.n_params * shape.act_bytes if not dims.fsdp_enabled and shape.act_bytes < 4 else 0
     coordinate = (
         ", ".join(f"{n} {c}" for n, c in zip(world.mesh_dim_names, world.get_coordinate()))
         if world
         else "the only rank"
     )
-    device_bytes, device_source = device_memory(args)
-    return Report(
-        plan,
-        args.rank,
-        coordinate,
-        vocab_note,
-        state,
-        activations,
-        fsdp,
-        autocast,
-        device_bytes,
-        device_source,
-        plan.n_params,
-    )
+    return Report(plan, args, vocab_note, coordinate, state, activations, fsdp, autocast_copies)
 
 
 def _stage_activations(plan: RunPlan, model: torch.nn.Module, shape: StepShape, world: DeviceMesh) -> Activations:
@@ -223,10 +212,10 @@ def header(r: Report) -> list[str]:
         else ""
     )
     return [
-        f"model: {cfg.model.name} {cfg.model.flavor}, {r.n_params:,} parameters ({r.vocab_note})",
+        f"model: {cfg.model.name} {cfg.model.flavor}, {r.plan.n_params:,} parameters ({r.vocab_note})",
         f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}"
         + (f", experts split over ep {dims.ep} of them" if dims.ep_enabled else "")
-        + f"; rank {r.rank} ({r.coordinate})",
+        + f"; rank {r.args.rank} ({r.coordinate})",
         f"step: local_batch_size {cfg.training.local_batch_size} x seq_len {cfg.training.seq_len}, "
         f"{cfg.training.mixed_precision_param} compute, activation checkpointing {ac}"
         + (", loss parallel" if dims.tp_enabled and cfg.parallelism.enable_loss_parallel else "")
@@ -237,22 +226,16 @@ def header(r: Report) -> list[str]:
 
 def holdings(r: Report) -> list[str]:
     """One line per kind of memory; exact ones first, then the estimates and the total."""
-    a, place = r.activations, " (host: CPU offload)" if r.offloaded else ""
+    a, s, place = r.activations, r.state, " (host: CPU offload)" if r.offloaded else ""
     rows = [
-        (
-            "parameters",
-            r.state.params,
-            f"{r.state.params:,} bytes: {r.state.n_params:,} elements of the local shards{place}",
-        ),
-        ("gradients", r.state.grads, f"{r.state.grads:,} bytes{place}"),
-        ("optimizer", r.state.optimizer, f"{r.state.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
-        ("buffers", r.state.buffers, f"{r.state.buffers:,} bytes"),
+        ("parameters", s.params, f"{s.params:,} bytes: {s.n_params:,} elements of the local shards{place}"),
+        ("gradients", s.grads, f"{s.grads:,} bytes{place}"),
+        ("optimizer", s.optimizer, f"{s.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
+        ("buffers", s.buffers, f"{s.buffers:,} bytes"),
         (
             "activations",
             a.total,
-            f"estimate: {_in_flight(a)}{a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} "
-            f"checkpointed x {gib(a.checkpointed_block)}, head {gib(a.head)}{')' if a.in_flight > 1 else ''}, peak "
-            f"extra {gib(a.peak_extra)}"
+            f"estimate: {_per_microbatch(a)}, peak extra {gib(a.peak_extra)}"
             + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")
             + (f", all-to-all buffers {gib(a.all_to_all)}" if a.all_to_all else ""),
         ),
@@ -268,25 +251,29 @@ def holdings(r: Report) -> list[str]:
     if r.autocast_copies:
         rows.append(("autocast copies", r.autocast_copies, "estimate: a low-precision copy of each weight"))
     rows.append(("total", r.total, "on the device"))
-    return [f"rank {r.rank} holds"] + [f"  {name:<16}{gib(size):>14}   {note}" for name, size, note in rows]
+    return [f"rank {r.args.rank} holds"] + [f"  {name:<16}{gib(size):>14}   {note}" for name, size, note in rows]
 
 
-def _in_flight(a: Activations) -> str:
-    return f"{a.in_flight} microbatches in flight x (" if a.in_flight > 1 else ""
+def _per_microbatch(a: Activations) -> str:
+    blocks = (
+        f"{a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} checkpointed x "
+        f"{gib(a.checkpointed_block)}, head {gib(a.head)}"
+    )
+    return f"{a.in_flight} microbatches in flight x ({blocks})" if a.in_flight > 1 else blocks
 
 
 def verdict(r: Report) -> list[str]:
-    spare = r.device_bytes - r.total
-    lines = [f"device: {gib(r.device_bytes)} ({r.device_source})"]
+    device_bytes, source = r.device
+    spare = device_bytes - r.total
+    lines = [f"device: {gib(device_bytes)} ({source})"]
     if spare >= 0:
         lines.append(
-            f"verdict: fits: {gib(r.total)} of {gib(r.device_bytes)}, {gib(spare)} ({spare / r.device_bytes:.0%}) to "
-            "spare"
+            f"verdict: fits: {gib(r.total)} of {gib(device_bytes)}, {gib(spare)} ({spare / device_bytes:.0%}) to spare"
         )
     else:
         lines.append(
             f"verdict: does not fit: {gib(r.total)} needed, {gib(-spare)} more than the device's "
-            f"{gib(r.device_bytes)}; "
+            f"{gib(device_bytes)}; "
             "add ranks (data_parallel_shard_degree, tensor_parallel_degree), lower training.local_batch_size, "
             "or use activation_checkpoint.mode full"
         )
@@ -307,7 +294,7 @@ def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
         )
         return [f"shards: {why}"]
     most, least = max(shards.per_rank), min(shards.per_rank)
-    check = "=" if shards.covered == r.n_params else "!="
+    check = "=" if shards.covered == r.plan.n_params else "!="
     held = (
         f"every rank holds {most:,}"
         if most == least
@@ -316,7 +303,7 @@ def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
     )
     return [
         f"shards: {held} parameters; summed over all {len(shards.per_rank)} ranks, each replicated tensor once: "
-        f"{shards.covered:,} {check} the model's {r.n_params:,}"
+        f"{shards.covered:,} {check} the model's {r.plan.n_params:,}"
     ]
 
 
@@ -326,7 +313,7 @@ def measured_lines(r: Report, measured: dict[str, float] | None) -> list[str]:
     grown = measured["peak"] - measured["before"]
     estimate = r.state.params + r.state.buffers
     return [
-        f"materialized rank {r.rank}: allocated and initialized in {measured['seconds']:.1f} s "
+        f"materialized rank {r.args.rank}: allocated and initialized in {measured['seconds']:.1f} s "
         f"({measured['cpu_seconds']:.1f} s of CPU); peak resident memory "
         f"{gib(measured['peak'])}, {gib(grown)} above the {gib(measured['before'])} before, against {gib(estimate)} "
         f"estimated for parameters and buffers (ratio {grown / estimate:.2f})"
@@ -344,11 +331,11 @@ def run(argv: list[str]) -> int:
     model = build_on_meta(plan, meshes)
     report = build_report(plan, args, vocab_note, model, meshes.world)
     measured = measure_materialize(model, plan) if args.materialize else None
-    shards = None
-    if (
-        meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None
-    ):  # last: it leaves rank r's world
-        shards = census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape), plan.dims.ep)
+    shards = (  # last: it leaves rank r's world
+        census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape), plan.dims.ep)
+        if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None
+        else None
+    )
     print(
         "\n".join(
             header(report)
@@ -358,7 +345,7 @@ def run(argv: list[str]) -> int:
             + measured_lines(report, measured)
         )
     )
-    return 0 if report.total <= report.device_bytes else 1
+    return 0 if report.total <= report.device[0] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from titanlite.config import engine as E
+from titanlite.config import parse as P
 from titanlite.config import output
 from titanlite.config.engine import option
 from titanlite.errors import TitanliteError
@@ -96,7 +97,7 @@ def test_expected_in_words(tp, words):
 
 def test_toml_values_are_coerced_by_field_type():
     cfg = House()
-    E.apply_toml(
+    P.apply_toml(
         cfg,
         tomllib.loads(
             '[garden]\nwater = 2\nshade = "none"\nplants = ["a", "b"]\norganic = false\n'
@@ -122,27 +123,27 @@ def test_toml_values_are_coerced_by_field_type():
     ],
 )
 def test_toml_values_of_the_wrong_type(text, message):
-    assert error(E.apply_toml, House(), tomllib.loads(text), "x.toml") == message
+    assert error(P.apply_toml, House(), tomllib.loads(text), "x.toml") == message
 
 
 def test_read_toml_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[garden]\nbeds = = 1\n")
-    assert error(E.read_toml, bad, "bad.toml").startswith("invalid TOML in bad.toml: ")
+    assert error(P.read_toml, bad, "bad.toml").startswith("invalid TOML in bad.toml: ")
     bad.write_bytes(b'[garden]\nname = "\xff"\n')
-    assert error(E.read_toml, bad, "bad.toml").startswith("invalid TOML in bad.toml")
-    assert error(E.read_toml, tmp_path, "dir").startswith("cannot read config file dir: ")
+    assert error(P.read_toml, bad, "bad.toml").startswith("invalid TOML in bad.toml")
+    assert error(P.read_toml, tmp_path, "dir").startswith("cannot read config file dir: ")
     bad.write_text("# only a comment\n")
     assert (
-        error(E.read_toml, bad, "bad.toml")
+        error(P.read_toml, bad, "bad.toml")
         == "config file bad.toml is empty (it sets no [section] key); leave out --config for the defaults"
     )
 
 
 def test_a_key_given_twice_on_the_command_line_is_refused():
-    E.refuse_repeats([("garden", "beds", 1), ("garden", "name", "x")])
+    P.refuse_repeats([("garden", "beds", 1), ("garden", "name", "x")])
     assert (
-        error(E.refuse_repeats, [("garden", "beds", 1), ("garden", "beds", 2)]) == "--garden.beds given twice (1 and 2)"
+        error(P.refuse_repeats, [("garden", "beds", 1), ("garden", "beds", 2)]) == "--garden.beds given twice (1 and 2)"
     )
 
 
@@ -151,7 +152,7 @@ def test_a_key_given_twice_on_the_command_line_is_refused():
 
 def test_cli_pairs_take_the_next_word_unless_it_is_an_option():
     argv = ["--a", "1", "--b=2", "--c", "--d", "-5", "--e=", "--f"]
-    assert list(E.cli_pairs(argv, "--x y")) == [
+    assert list(P.cli_pairs(argv, "--x y")) == [
         ("a", "1"),
         ("b", "2"),
         ("c", None),
@@ -163,7 +164,7 @@ def test_cli_pairs_take_the_next_word_unless_it_is_an_option():
 
 @pytest.mark.parametrize("argv", [["stray"], ["--a", "1", "2"], ["-a"], ["--"]])
 def test_cli_pairs_refuse_stray_words_naming_the_usage(argv):
-    message = error(lambda: list(E.cli_pairs(argv, "--section.key value")))
+    message = error(lambda: list(P.cli_pairs(argv, "--section.key value")))
     assert message.startswith("unexpected argument ") and message.endswith("; options are --section.key value")
 
 
@@ -187,7 +188,7 @@ def test_cli_pairs_refuse_stray_words_naming_the_usage(argv):
     ],
 )
 def test_parse_override_by_field_type(name, value, parsed):
-    section, key, got = E.parse_override(House, name, value)
+    section, key, got = P.parse_override(House, name, value)
     assert (f"{section}.{key}", got, type(got)) == (name, parsed, type(parsed))
 
 
@@ -197,7 +198,7 @@ def test_parse_override_by_field_type(name, value, parsed):
 )
 def test_parse_list_never_splits_a_name_into_characters(text, names):
     """What a translation (`Translate`) hands on for another tool's list option is this text."""
-    assert E.parse_list(text) == names
+    assert P.parse_list(text) == names
 
 
 @pytest.mark.parametrize(
@@ -212,12 +213,12 @@ def test_parse_list_never_splits_a_name_into_characters(text, names):
     ],
 )
 def test_parse_override_errors(name, value, message):
-    assert error(E.parse_override, House, name, value) == message
+    assert error(P.parse_override, House, name, value) == message
 
 
 def test_a_long_value_is_quoted_short():
     """A pasted paragraph or a 10,000-digit number: the line quotes its start and says its size."""
-    assert error(E.parse_override, House, "garden.beds", "9" * 10_000) == (
+    assert error(P.parse_override, House, "garden.beds", "9" * 10_000) == (
         f"garden.beds: expected an integer, got '{'9' * 56}... (10,002 characters)"
     )
     cfg = House()
@@ -242,18 +243,18 @@ def test_a_long_value_is_quoted_short():
     ],
 )
 def test_unknown_keys_suggest_the_closest(name, message):
-    assert error(E.parse_override, House, name, "1") == message
+    assert error(P.parse_override, House, name, "1") == message
 
 
 def test_unknown_names_in_toml():
     assert (
-        error(E.apply_toml, House(), {"gardn": {"beds": 1}}, "x.toml")
+        error(P.apply_toml, House(), {"gardn": {"beds": 1}}, "x.toml")
         == "unknown section [gardn] in x.toml; did you mean [garden]?"
     )
-    assert error(E.apply_toml, House(), {"beds": 1}, "x.toml") == (
+    assert error(P.apply_toml, House(), {"beds": 1}, "x.toml") == (
         "unknown key beds in x.toml (keys belong in a [section]); did you mean garden.beds?"
     )
-    assert error(E.apply_toml, House(), {"kitchen": {"water": 1}}, "x.toml") == (
+    assert error(P.apply_toml, House(), {"kitchen": {"water": 1}}, "x.toml") == (
         "unknown key kitchen.water in x.toml; did you mean garden.water?"
     )
 
@@ -350,17 +351,17 @@ def test_to_dict_is_plain_and_to_toml_round_trips(tmp_path):
     data = output.to_dict(cfg)
     assert data["garden"]["plants"] == ["a", "b c"] and all(type(v) is dict for v in data.values())
     again = House()
-    E.apply_toml(again, tomllib.loads(output.to_toml(cfg)), "round.toml")
+    P.apply_toml(again, tomllib.loads(output.to_toml(cfg)), "round.toml")
     assert again == cfg
     none_again = House()
-    E.apply_toml(none_again, tomllib.loads(output.to_toml(House())), "defaults.toml")
+    P.apply_toml(none_again, tomllib.loads(output.to_toml(House())), "defaults.toml")
     assert none_again == House() and none_again.garden.shade is None
 
 
 def test_engine_names_no_section_of_ours():
     from pathlib import Path
 
-    source = Path(E.__file__).read_text()
+    source = Path(E.__file__).read_text() + Path(P.__file__).read_text()
     for name in ("training", "optimizer", "checkpoint", "parallelism", "train_configs", "JobConfig"):
         assert name not in source, name
     assert dataclasses.is_dataclass(House)

@@ -1,4 +1,4 @@
-"""titanlite/launch.py on one process: what the launcher puts in CPU workers' environment,
+"""titanlite/launch/ on one process: what the launcher puts in CPU workers' environment,
 which rank it blames and its one-line endings. The launcher run as a command (its workers,
 run_train.sh, the Slurm script): tests/runs/test_launch.py; --cpu-bind's blocks: test_cpu_binding.py."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, ERROR_FILE_ENV, LAUNCHER_PID_ENV, hand_to_launcher
-from titanlite.launch import CPU_MALLOC_DEFAULTS, failure_line, first_failure, restart_line, set_cpu_worker_defaults
+from titanlite.launch import CPU_MALLOC_DEFAULTS, set_cpu_worker_defaults
+from titanlite.launch.failures import failure_line, first_failure, restart_line
 from titanlite.parallel.distributed import usable_cores
 
 

@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from tests.helpers.distributed import REPO, run_env
 from titanlite.errors import COLLECTIVE_FAILURE_EXIT_CODE, ERROR_FILE_ENV, LAUNCHER_PID_ENV, hand_to_launcher
-from titanlite.launch import failure_line
+from titanlite.launch.failures import failure_line
 from titanlite.runtime.stuck import Stuck, read_stuck, watch_main_thread
 
 SCRIPT = """

@@ -7,8 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titanlite.config.engine import option as _opt
-from titanlite.config.torchtitan import REFUSED_CONVERTERS
 from titanlite.errors import TitanliteError
+
+# torchtitan's model converters titanlite does not have (names as `model.converters` and torchtitan's
+# [quantize.*] tables spell them): what each needs
+_MXFP8 = "MXFP8 needs an SM100 GPU (Blackwell) and titanlite has no MXFP8 path; float8 is the conversion it has"
+REFUSED_CONVERTERS = {
+    "mx": _MXFP8,
+    "quantize.linear.mx": _MXFP8,
+    "quantize.grouped_mm.mx": _MXFP8,
+    "quantize.grouped_mm.float8": (
+        "float8 grouped GEMM for MoE experts needs an SM90 GPU (torch._scaled_grouped_mm) and titanlite has "
+        "no path for it; float8 converts the linear layers and leaves the routed experts in high precision"
+    ),
+}
 
 
 @dataclass

@@ -17,15 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from titanlite.config.engine import (
-    Override,
-    apply_toml,
-    check_values,
-    cli_pairs,
-    parse_override,
-    read_toml,
-    refuse_repeats,
-)
+from titanlite.config.engine import check_values
+from titanlite.config.parse import Override, apply_toml, cli_pairs, parse_override, read_toml, refuse_repeats
 from titanlite.config.output import help_lines, to_toml
 from titanlite.config.fault_tolerance import check_fault_tolerance
 from titanlite.config.float8 import check_float8
@@ -39,7 +32,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "train_configs"
 
 
 # --------------------------------------------------------------------------------------
-# Loading: the generic parts (names, types, help, TOML) are titanlite.config.engine's.
+# Loading: the generic parts (names, types, help, TOML) are engine.py, parse.py and output.py's.
 # --------------------------------------------------------------------------------------
 
 _CLI_USAGE = "--config NAME and --section.key value"
@@ -48,12 +41,9 @@ _CLI_USAGE = "--config NAME and --section.key value"
 def _find_config(name: str) -> tuple[Path, str]:
     """The file for `--config NAME` and how to name it in messages: as given, then in train_configs/."""
     names = [name] if name.endswith(".toml") else [name, f"{name}.toml"]
-    for candidate in names:
-        if Path(candidate).is_file():
-            return Path(candidate), candidate
-    for candidate in names:
-        if (CONFIG_DIR / candidate).is_file():
-            return CONFIG_DIR / candidate, candidate
+    for path, candidate in [(Path(c), c) for c in names] + [(CONFIG_DIR / c, c) for c in names]:
+        if path.is_file():
+            return path, candidate
     if Path(name).is_dir():
         raise TitanliteError(f"--config: {name} is a folder, not a TOML file")
     raise TitanliteError(f"config file not found: {name} (looked in ./ and train_configs/)")
@@ -119,14 +109,26 @@ def validate(cfg: JobConfig) -> None:
     check_values(cfg)
     check_fault_tolerance(cfg.fault_tolerance)
     parse_groups(cfg.optimizer.param_groups)
-    training, parallelism = cfg.training, cfg.parallelism
+    _check_batch_and_data(cfg)
+    _check_layout(cfg)
+    check_float8(cfg.model.converters, cfg.float8)
+    for name in cfg.parallelism.fsdp_shard_modules:
+        if not name.isidentifier():
+            raise TitanliteError(
+                f"parallelism.fsdp_shard_modules: {name!r} is not a class name "
+                f"(got {cfg.parallelism.fsdp_shard_modules!r})"
+            )
+
+
+def _check_batch_and_data(cfg: JobConfig) -> None:
+    """The global batch against the local one; the training and validation data's paths."""
+    training, validation = cfg.training, cfg.validation
     if training.global_batch_size != -1 and training.global_batch_size % training.local_batch_size:
         raise TitanliteError(
             f"training.global_batch_size: must be -1 or a multiple of training.local_batch_size "
             f"{training.local_batch_size} (got {training.global_batch_size})"
         )
     _validate_data(training.dataset, training.dataset_path, "training")
-    validation = cfg.validation
     if validation.dataset:
         _validate_data(validation.dataset, validation.dataset_path, "validation")
     elif validation.enable and validation.holdout_fraction == 0:
@@ -134,13 +136,19 @@ def validate(cfg: JobConfig) -> None:
             "validation.holdout_fraction: 0 holds no window out for validation (validation.dataset "
             "is empty, so validation reads the held-out split; got 0)"
         )
+
+
+def _check_layout(cfg: JobConfig) -> None:
+    """FSDP's resharding, CPU offload, resuming, the pipeline's split and selective AC: the
+    string options' forms and the keys that only work together."""
+    parallelism = cfg.parallelism
     reshard = parallelism.fsdp_reshard_after_forward
     if reshard not in ("default", "always", "never") and not (reshard.isdigit() and int(reshard) >= 1):
         raise TitanliteError(
             f"parallelism.fsdp_reshard_after_forward: must be default, always, never or a number of ranks >= 1 "
             f"(got {reshard!r})"
         )
-    if training.enable_cpu_offload and parallelism.fsdp_reshard_after_forward == "never":
+    if cfg.training.enable_cpu_offload and reshard == "never":
         raise TitanliteError(
             "training.enable_cpu_offload: CPU offload needs resharding after forward "
             "(got parallelism.fsdp_reshard_after_forward = 'never')"
@@ -161,12 +169,6 @@ def validate(cfg: JobConfig) -> None:
         raise TitanliteError(
             f"activation_checkpoint.selective_ac_option: must be a whole number >= 1 or op (got {option!r})"
         )
-    check_float8(cfg.model.converters, cfg.float8)
-    for name in parallelism.fsdp_shard_modules:
-        if not name.isidentifier():
-            raise TitanliteError(
-                f"parallelism.fsdp_shard_modules: {name!r} is not a class name (got {parallelism.fsdp_shard_modules!r})"
-            )
 
 
 def _validate_data(dataset: str, path: str, section: str) -> None:

@@ -1,9 +1,13 @@
-"""The run configuration's sections: one dataclass per TOML section, and `JobConfig`, the whole.
+"""The run configuration: `JobConfig`, one dataclass per TOML section, and the sections of what
+the run is (job, model, learning-rate schedule, training data and numerics, validation).
 
-These dataclasses are the only description of the options: `titanlite.config.engine` derives
-parsing (from each field's type hint), the per-value checks (its `choices` and range), the
-help text and the TOML output from them. Section and key names follow torchtitan where the
-two overlap. Loading and the rules that combine several keys are in `load.py`.
+These dataclasses are the only description of the options: the generic engine derives parsing
+(`parse.py`, from each field's type hint), the per-value checks (`engine.py`, from its `choices`
+and range), the help text and the TOML output (`output.py`) from them. The other sections have
+a module per concern: `optimizer.py`, `parallelism.py` (how a step runs across ranks),
+`records.py` (checkpoints, metrics, traces), `float8.py`, `fault_tolerance.py`. Section and key
+names follow torchtitan where the two overlap. Loading and the rules that combine several keys
+are in `load.py`.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ from titanlite.config.engine import option as _opt
 from titanlite.config.fault_tolerance import FaultTolerance
 from titanlite.config.float8 import Float8
 from titanlite.config.optimizer import Optimizer
+from titanlite.config.parallelism import ActivationCheckpoint, Comm, Compile, Parallelism
+from titanlite.config.records import Checkpoint, Metrics, Profiling
 
 # training.steps' bound: a run of more steps cannot finish (see its help), so a number past it
 # (10**20, a typo, a stand-in for "forever") is refused instead of training until killed.
 MAX_STEPS = 10**9
 
-# --------------------------------------------------------------------------------------
-# The sections. Field order is the order of help_text and of the printed config.
-# --------------------------------------------------------------------------------------
+# Field order, and JobConfig's order of sections, is the order of help_text and of the printed config.
 
 
 @dataclass
@@ -181,221 +185,6 @@ class Validation:
         "turning validation on never changes the training data",
         ge=0,
         lt=1,
-    )
-
-
-@dataclass
-class Parallelism:
-    """Mesh degrees and FSDP2 / tensor-parallel / pipeline-parallel options."""
-
-    data_parallel_replicate_degree: int = _opt(
-        1,
-        "replicas of the model: HSDP's replicate dim, or with data_parallel_shard_degree 1 replicate-only (DDP-like)",
-        ge=1,
-    )
-    data_parallel_shard_degree: int = _opt(
-        -1, "ways FSDP2 shards the model; -1 = the remaining ranks", ge=1, special=-1
-    )
-    tensor_parallel_degree: int = _opt(1, "ways each layer is split by tensor parallelism", ge=1)
-    enable_loss_parallel: bool = _opt(True, "with TP: compute the loss on vocab-sharded logits without gathering them")
-    sequence_parallel: str = _opt(
-        "auto",
-        "with TP: shard the residual stream by sequence between blocks (on), keep it "
-        "whole on every rank (off), or auto: on off the CPU (gloo has no native reduce-scatter)",
-        choices=("auto", "on", "off"),
-    )
-    fsdp_reshard_after_forward: str = _opt(
-        "default",
-        "free gathered parameters after forward: default (all but the "
-        "root), always, never (more memory, less communication), or a number k: "
-        "keep them sharded over groups of k ranks (e.g. a node), k dividing the FSDP "
-        "shards",
-    )
-    fsdp_prefetch_depth: int = _opt(
-        0, "0 = FSDP2's implicit prefetch; N > 0 explicitly prefetches the next N blocks in forward and backward", ge=0
-    )
-    fsdp_shard_modules: list[str] = _opt(
-        [], "module class names to fully_shard; empty = the model's transformer blocks"
-    )
-    context_parallel_degree: int = _opt(
-        1,
-        "ways each training window's sequence is split (keys and values "
-        "all-gathered in attention; load-balanced for the causal mask)",
-        ge=1,
-    )
-    expert_parallel_degree: int = _opt(
-        1,
-        "ways an MoE model's routed experts are split, over ranks borrowed from "
-        "data_parallel_shard_degree x context_parallel_degree (tokens exchanged by "
-        "all-to-all); it must divide both and the experts per layer",
-        ge=1,
-    )
-    expert_tensor_parallel_degree: int = _opt(
-        1,
-        "1: an MoE layer's routed experts run whole on each tp rank; tensor_parallel_degree: "
-        "each expert's weights split over the tp ranks (column-wise in, row-wise out)",
-        ge=1,
-    )
-    pipeline_parallel_degree: int = _opt(
-        1,
-        "pipeline stages' ranks: the model split into consecutive stages, each on "
-        "its own ranks (the outermost mesh dim)",
-        ge=1,
-    )
-    pipeline_parallel_schedule: str = _opt(
-        "1F1B",
-        "pipeline schedule (torch's pipelining): one stage per rank (1F1B, "
-        "GPipe), several (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble), or two "
-        "in a V (ZBVZeroBubble, DualPipeV)",
-        choices=(
-            "1F1B",
-            "GPipe",
-            "Interleaved1F1B",
-            "LoopedBFS",
-            "InterleavedZeroBubble",
-            "ZBVZeroBubble",
-            "DualPipeV",
-        ),
-    )
-    pipeline_parallel_microbatch_size: int = _opt(
-        1, "sequences per pipeline microbatch; training.local_batch_size / this = microbatches per schedule step", gt=0
-    )
-    pipeline_parallel_layers_per_stage: int | None = _opt(
-        None,
-        "transformer blocks per stage (the embedding and the "
-        "output count as the *_less_layers below); none = 1 stage per "
-        "rank, or 2 for multi-stage schedules",
-        gt=0,
-        special=None,
-    )
-    pipeline_parallel_split_points: list[str] = _opt(
-        [],
-        "explicit stage boundaries, each the first block of a stage "
-        "after the first: e.g. layers.3,layers.6 (3 stages); empty = "
-        "balanced automatically",
-    )
-    pipeline_parallel_balance: str = _opt(
-        "layers",
-        "automatic split: 'layers' counts blocks, the embedding and the "
-        "output as the *_less_layers below (torchtitan's rule); 'flops' weighs every "
-        "block, the embedding and the output head by its training FLOPs per token "
-        "and picks the split whose slowest stage is the cheapest",
-        choices=("layers", "flops"),
-    )
-    pipeline_parallel_first_stage_less_layers: int = _opt(
-        1, "automatic split: the first stage takes this many blocks fewer, for the embedding", ge=0
-    )
-    pipeline_parallel_last_stage_less_layers: int = _opt(
-        1,
-        "automatic split: the last stage takes this many blocks fewer, for the final norm, the output and the loss",
-        ge=0,
-    )
-
-
-@dataclass
-class Checkpoint:
-    """Distributed checkpoints (DCP): saving, retention, resuming and export."""
-
-    enable_checkpoint: bool = _opt(
-        False, "save checkpoints and resume from the newest one (torchtitan's checkpoint.enable)"
-    )
-    folder: str = _opt("checkpoint", "checkpoint folder, under job.dump_folder", nonempty=True)
-    interval: int = _opt(500, "save every this many steps (and at the last step)", gt=0)
-    async_mode: str = _opt(
-        "async",
-        "disabled (blocking save), async (save in the background), or "
-        "async_with_pinned_mem (faster staging through pinned memory)",
-        choices=("disabled", "async", "async_with_pinned_mem"),
-    )
-    keep_latest_k: int = _opt(10, "keep only the newest k checkpoints; 0 = keep all", ge=0)
-    load_step: int = _opt(-1, "step to resume from; -1 = the newest complete checkpoint", ge=0, special=-1)
-    model_weights_only: bool = _opt(
-        False,
-        "save only model weights (no optimizer, schedule or data state) at the last step "
-        "(torchtitan's checkpoint.last_save_model_only)",
-    )
-    export_dtype: str = _opt("float32", "dtype of weights-only exports", choices=("float32", "bfloat16", "float16"))
-    last_save_in_hf: bool = _opt(
-        False,
-        "also write the last step's model as a Hugging Face folder, <folder>/step-N-hf "
-        "(sharded safetensors + index, config.json, the tokenizer; each rank writes its own "
-        "shards), in export_dtype (torchtitan's checkpoint.last_save_in_hf)",
-    )
-    initial_load_path: str = _opt("", "checkpoint to initialize from when the checkpoint folder has none")
-    initial_load_format: str = _opt(
-        "dcp", "format of initial_load_path: dcp, or hf (Hugging Face safetensors)", choices=("dcp", "hf")
-    )
-    create_seed_checkpoint: bool = _opt(False, "write the initialized weights as step 0 and exit (run on 1 process)")
-
-
-@dataclass
-class ActivationCheckpoint:
-    """Recompute activations in backward to save memory."""
-
-    mode: str = _opt(
-        "none", "which transformer blocks recompute their activations", choices=("none", "full", "selective")
-    )
-    selective_ac_option: str = _opt(
-        "2",
-        "with mode selective: a whole number k, recompute every k-th block; or op, "
-        "recompute each block's cheap ops and keep its matmul outputs (every other one) and "
-        "attention (torchtitan's per-op policy)",
-    )
-
-
-@dataclass
-class Compile:
-    """torch.compile."""
-
-    enable: bool = _opt(False, "compile each transformer block with torch.compile")
-
-
-@dataclass
-class Metrics:
-    """Step logging, TensorBoard, Weights & Biases and the run folder (config.toml, metrics.jsonl)."""
-
-    log_freq: int = _opt(10, "log loss, throughput and memory every this many steps", gt=0)
-    enable_tensorboard: bool = _opt(True, "write TensorBoard scalars under job.dump_folder/save_tb_folder")
-    save_tb_folder: str = _opt("tb", "TensorBoard folder, under job.dump_folder", nonempty=True)
-    rank_0_only: bool = _opt(True, "log (and write TensorBoard) only on rank 0")
-    enable_wandb: bool = _opt(
-        False,
-        "log the same scalars and the config to Weights & Biases from rank 0 (pip install "
-        "wandb); the W&B run from WANDB_PROJECT, WANDB_RUN_NAME, ... as in torchtitan",
-    )
-    peak_flops: float = _opt(
-        0.0, "peak FLOP/s per device for MFU; 0 = the known-GPU table, or on CPU a matmul measured at start-up", ge=0
-    )
-    save_runs_folder: str = _opt(
-        "runs",
-        "run folders, under job.dump_folder: each start of the trainer writes "
-        "<start time>/config.toml and metrics.jsonl there (rank 0)",
-        nonempty=True,
-    )
-
-
-@dataclass
-class Profiling:
-    """torch.profiler traces and CUDA memory snapshots."""
-
-    enable_profiling: bool = _opt(False, "record torch.profiler traces")
-    save_traces_folder: str = _opt("profile_traces", "trace folder, under job.dump_folder", nonempty=True)
-    profile_freq: int = _opt(10, "record one trace (and memory snapshot) every this many steps", gt=0)
-    enable_memory_snapshot: bool = _opt(False, "record the CUDA allocator's history and dump snapshots (CUDA only)")
-    save_memory_snapshot_folder: str = _opt(
-        "memory_snapshot", "memory snapshot folder, under job.dump_folder", nonempty=True
-    )
-
-
-@dataclass
-class Comm:
-    """Process-group timeouts."""
-
-    init_timeout_seconds: int = _opt(
-        300, "timeout of collectives through start-up and the first step (every process group of the run)", gt=0
-    )
-    train_timeout_seconds: int = _opt(
-        100, "timeout of collectives after the first step (every process group of the run)", gt=0
     )
 
 

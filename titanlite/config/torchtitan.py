@@ -15,7 +15,7 @@ options titanlite does not have.
 - `[quantize.linear.float8]` (file) and `--quantize.linear.float8.KEY` are the `[float8]`
   section; its `emulate` is a notice (titanlite emulates exactly where the device has no float8
   matmuls). The other `[quantize.*]` tables (mx, grouped_mm) hold settings of conversions that
-  `model.converters` refuses by name (`REFUSED_CONVERTERS`): a notice. In `model.converters`,
+  `model.converters` refuses by name (`float8.REFUSED_CONVERTERS`): a notice. In `model.converters`,
   torchtitan's `quantize.linear.float8` is `float8`.
 - Datasets torchtitan downloads (`c4`, `c4_test`, `c4_validation`) are refused with the line
   that says how to prepare one locally, unless a command-line override names another
@@ -38,10 +38,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from titanlite.config.float8 import REFUSED_CONVERTERS
 from titanlite.errors import TitanliteError
 
 if TYPE_CHECKING:
-    from titanlite.config.engine import Override
+    from titanlite.config.parse import Override
     from titanlite.config.sections import JobConfig
 
 ALIASES = {
@@ -65,23 +66,12 @@ NO_EFFECT = {
 }
 DOWNLOADED_DATASETS = ("c4", "c4_test", "c4_validation")
 FLOAT8_SECTION = ("quantize", "linear", "float8")  # torchtitan v0.2's home of the [float8] keys
-# torchtitan's model converters titanlite does not have: what each needs
-_MXFP8 = "MXFP8 needs an SM100 GPU (Blackwell) and titanlite has no MXFP8 path; float8 is the conversion it has"
-REFUSED_CONVERTERS = {
-    "mx": _MXFP8,
-    "quantize.linear.mx": _MXFP8,
-    "quantize.grouped_mm.mx": _MXFP8,
-    "quantize.grouped_mm.float8": (
-        "float8 grouped GEMM for MoE experts needs an SM90 GPU (torch._scaled_grouped_mm) and titanlite has "
-        "no path for it; float8 converts the linear layers and leaves the routed experts in high precision"
-    ),
-}
 # torchtitan v0.2.2's model families (torchtitan/models/__init__.py): those titanlite has, whose
 # torchtitan flavors are registered as FLAVOR_PREFIX + name, and those it does not have.
 SHARED_MODELS = ("llama3", "qwen3")
 ABSENT_MODELS = ("flux", "gpt_oss", "llama3_ft", "llama4")
 FLAVOR_PREFIX = "torchtitan:"
-_COMMAND_LINE = "on the command line"  # the `where` of an override (config/engine.py)
+_COMMAND_LINE = "on the command line"  # the `where` of an override (config/parse.py)
 _PREPARE = (
     "titanlite reads local data prepared once into token shards: python -m titanlite.data.prepare "
     'hf:allenai/c4:en prepared/ --tokenizer TOKENIZER (pip install titanlite[hf]), then dataset = "prepared" '
@@ -113,7 +103,7 @@ def _torchtitans(section: str, key: str | None, value: Any) -> bool:
 
 
 class TorchtitanKeys:
-    """The translation `config.engine` applies to each key before looking it up."""
+    """The translation `config.parse` applies to each key before looking it up."""
 
     def __init__(self) -> None:
         self.notices: list[str] = []
