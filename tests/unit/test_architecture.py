@@ -212,6 +212,7 @@ def test_models_package_graph_has_no_cycle():
         # The generic config engine names no section and knows nothing but the error type.
         ("titanlite.config.engine", lambda t: t == "titanlite.errors"),
         ("titanlite.config.output", lambda t: t == "titanlite.config.engine"),
+        ("titanlite.config.parse", lambda t: t in {"titanlite.errors", "titanlite.config.engine"}),
     ],
 )
 def test_finer_rules(module, allowed):
