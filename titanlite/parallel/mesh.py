@@ -261,6 +261,11 @@ class Meshes:
     def context_parallel(self) -> ContextParallel | None:
         return ContextParallel(self.cp) if self.cp is not None else None
 
+    @property
+    def device_type(self) -> str:
+        """The mesh's device type; without one (one process), the trainer's choice of device."""
+        return self.world.device_type if self.world is not None else default_device_type()
+
 
 def build_mesh(
     dp_replicate: int = 1,

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from titanlite.errors import TitanliteError
 from titanlite.parallel.full_params import summon_full_params
-from titanlite.parallel.fsdp import shard_dim, shard_model
+from titanlite.parallel.fsdp import FsdpOptions, shard_model
 from titanlite.parallel.grad_norm import total_grad_norm
 from titanlite.parallel.wrap_plan import WrapPlan
 
@@ -45,15 +45,11 @@ class ShardedWrapper(nn.Module):
         if sync_module_states:
             broadcast_from_first_rank(module, plan.group)
         shard_in_full_precision(plan)
-        shard_model(
-            module,
-            plan.mesh,
-            [unit for unit in plan.units if unit not in plan.full_precision_units],
-            mp_policy=plan.mp_policy,
-            reshard_after_forward=plan.reshard_after_forward,
-            cpu_offload=plan.cpu_offload,
-            ignored_params=plan.ignored_params,
+        units = [unit for unit in plan.units if unit not in plan.full_precision_units]
+        options = FsdpOptions(
+            plan.mp_policy, plan.reshard_after_forward, plan.cpu_offload, ignored_params=plan.ignored_params
         )
+        shard_model(module, plan.mesh, units, options)
         set_prefetch(module, plan)
         setattr(self, WRAPPED, module)
         self._plan = plan
@@ -139,16 +135,9 @@ def shard_in_full_precision(plan: WrapPlan) -> None:
         return
     from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
 
-    options = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if plan.cpu_offload else {}
+    config = FsdpOptions(cpu_offload=plan.cpu_offload).config(plan.mesh)  # no mixed precision, no ignored params
     for unit in plan.full_precision_units:
-        fully_shard(
-            unit,
-            mesh=plan.mesh,
-            reshard_after_forward=plan.reshard_after_forward,
-            mp_policy=MixedPrecisionPolicy(),
-            shard_placement_fn=shard_dim(plan.mesh.size(plan.mesh.ndim - 1)),
-            **options,
-        )
+        fully_shard(unit, reshard_after_forward=plan.reshard_after_forward, **config)
         _override_module_mixed_precision(unit, {type(unit)})
 
 
