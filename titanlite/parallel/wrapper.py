@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.errors import TitanliteError
 from titanlite.parallel.full_params import summon_full_params
 from titanlite.parallel.fsdp import FsdpOptions, shard_model
-from titanlite.parallel.grad_norm import total_grad_norm
+from titanlite.parallel.grad_norm import scale_to_norm_, total_grad_norm
 from titanlite.parallel.wrap_plan import WrapPlan
 
 WRAPPED = "_fsdp_wrapped_module"  # FSDP1's attribute name, stripped from parameter names as FSDP1 does
@@ -106,9 +106,7 @@ class ShardedWrapper(nn.Module):
         local = [p for p in with_grad if not isinstance(p, DTensor)]
         norm = total_grad_norm(sharded, world=True, group=self._plan.group).square()
         norm = (norm + total_grad_norm(local, world=False).to(norm.device).square()).sqrt()
-        if max_norm > 0 and with_grad:
-            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in with_grad]
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
+        scale_to_norm_(with_grad, norm, max_norm)
         return norm
 
     def sharded_units(self) -> list[FSDPModule]:
