@@ -64,13 +64,9 @@ class ModelParts(nn.Module):
         super().__init__()
         self.parts = parts  # a plain list: not registered, so names carry no part prefix
         for part in parts:
-            for name, child in part.named_children():
-                if child is None:
-                    continue
-                if isinstance(child, nn.ModuleDict) and name in self._modules:
-                    self._modules[name].update(child)
-                elif isinstance(child, nn.ModuleDict):
-                    self.add_module(name, nn.ModuleDict(dict(child.items())))
+            for name, child in part.named_children():  # None children (other stages') are skipped
+                if isinstance(child, nn.ModuleDict):  # `layers`: one ModuleDict of every part's blocks
+                    self._modules.setdefault(name, nn.ModuleDict()).update(child)
                 else:
                     self.add_module(name, child)
 

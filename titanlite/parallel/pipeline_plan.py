@@ -252,9 +252,7 @@ def part_flops(
     sequences."""
     routed = routed or {}
 
-    def matmul_flops(module: nn.Module | None) -> float:
-        if module is None:
-            return 0.0
+    def matmul_flops(module: nn.Module) -> float:
         flops = 0.0
         for sub in module.modules():
             if isinstance(sub, nn.Linear):
