@@ -99,9 +99,8 @@ class StepShape:
     @classmethod
     def from_config(cls, cfg: Any, tp: int) -> StepShape:
         act_bytes = torch_dtype(cfg.training.mixed_precision_param).itemsize
-        sequence_parallel = (
-            tp > 1 and cfg.parallelism.sequence_parallel != "off"
-        )  # "auto" is on, on the GPUs planned for
+        # "auto" is on, on the GPUs planned for
+        sequence_parallel = tp > 1 and cfg.parallelism.sequence_parallel != "off"
         return cls(
             cfg.training.local_batch_size,
             cfg.training.seq_len,

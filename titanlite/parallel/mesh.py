@@ -262,6 +262,11 @@ class Meshes:
         return ContextParallel(self.cp) if self.cp is not None else None
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (the batches it reads); 0 without dp."""
+        return self.dp.get_local_rank() if self.dp is not None else 0
+
+    @property
     def device_type(self) -> str:
         """The mesh's device type; without one (one process), the trainer's choice of device."""
         return self.world.device_type if self.world is not None else default_device_type()
