@@ -1,4 +1,4 @@
-"""titanlite/parallel/pipeline.py on one process: the stage plan and its refusals, the split
+"""titanlite/parallel/pipeline.py and pipeline_plan.py on one process: the stage plan and its refusals, the split
 (names kept, other stages' modules gone), the parts seen as one module, and the estimate of
 the microbatches a schedule holds (parallel/estimate.py)."""
 
@@ -13,15 +13,8 @@ from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
 from titanlite.models.moe import moe_layers
 from titanlite.parallel.estimate import in_flight_microbatches
-from titanlite.parallel.pipeline import (
-    ModelParts,
-    _cheapest_runs,
-    _StageCost,
-    part_flops,
-    plan_layout,
-    shared_parameters,
-    split_stage,
-)
+from titanlite.parallel.pipeline import ModelParts, shared_parameters, split_stage
+from titanlite.parallel.pipeline_plan import _cheapest_runs, _StageCost, part_flops, plan_layout
 
 
 def parallelism(degree=2, schedule="1F1B", microbatch=1, per_stage=None, split=(), first=1, last=1, balance="layers"):

@@ -70,11 +70,7 @@ def raise_first(group: dist.ProcessGroup | None, error: str | None) -> None:
 def mean_over(group: dist.ProcessGroup | None, value: torch.Tensor) -> torch.Tensor:
     """`value` averaged over the group's ranks (a new tensor; gloo has no AVG, so SUM / size).
     Group None: one rank, `value` itself."""
-    if group is None:
-        return value
-    total = value.clone()
-    dist.all_reduce(total, group=group)
-    return total / dist.get_world_size(group)
+    return value if group is None else sum_over(group, value) / dist.get_world_size(group)
 
 
 def sum_over(group: dist.ProcessGroup | None, value: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,12 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _stacked_buffer(tensors: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
+    """An uninitialized buffer for same-shaped `tensors` side by side, `dim` first: [dim, i, rest]."""
+    first = tensors[0].movedim(dim, 0)
+    return first.new_empty((first.shape[0], len(tensors), *first.shape[1:]))
+
+
 class _GatherAlong(torch.autograd.Function):
     """All-gather of several same-shaped tensors along a dim into window order, whose backward
     reduce-scatters (sums) the gradients back to each rank's part: torch's own collectives in
@@ -123,8 +129,7 @@ class _GatherAlong(torch.autograd.Function):
     def forward(ctx, dim: int, group: dist.ProcessGroup, memory_order: tuple[int, ...] | None, *parts: torch.Tensor):
         ctx.dim, ctx.group = dim, group
         cp = dist.get_world_size(group)
-        first = parts[0].movedim(dim, 0)
-        front = first.new_empty((first.shape[0], len(parts), *first.shape[1:]))
+        front = _stacked_buffer(parts, dim)
         for i, part in enumerate(parts):
             front[:, i] = part.movedim(dim, 0)
         gathered = front.new_empty((front.shape[0] * cp, *front.shape[1:]))
@@ -141,8 +146,7 @@ class _GatherAlong(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # autograd hands zeros for an unused output, never None
         cp = dist.get_world_size(ctx.group)
-        first = grads[0].movedim(ctx.dim, 0)
-        front = first.new_empty((first.shape[0], len(grads), *first.shape[1:]))
+        front = _stacked_buffer(grads, ctx.dim)
         for i, grad in enumerate(grads):
             _copy_rank_order(front[:, i], grad.movedim(ctx.dim, 0), cp)
         out = front.new_empty((front.shape[0] // cp, *front.shape[1:]))

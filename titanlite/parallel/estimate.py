@@ -99,9 +99,8 @@ class StepShape:
     @classmethod
     def from_config(cls, cfg: Any, tp: int) -> StepShape:
         act_bytes = torch_dtype(cfg.training.mixed_precision_param).itemsize
-        sequence_parallel = (
-            tp > 1 and cfg.parallelism.sequence_parallel != "off"
-        )  # "auto" is on, on the GPUs planned for
+        # "auto" is on, on the GPUs planned for
+        sequence_parallel = tp > 1 and cfg.parallelism.sequence_parallel != "off"
         return cls(
             cfg.training.local_batch_size,
             cfg.training.seq_len,
@@ -164,18 +163,11 @@ def estimate_activations(
     """The formula of the module docstring for one microbatch on one rank: `n_blocks` of the
     model's blocks (all by default), the head where `holds_head`, `in_flight` microbatches,
     `boundary_buffers` pipeline receive buffers."""
-    n, t, p, c = shape.batch * shape.seq_len / shape.cp, shape.tp, shape.act_bytes, shape.cp
-    d, f = args.dim, args.ffn_hidden_dim
-    widths = args.attention_widths  # q is d unless the model sets head_dim apart from dim
-    q, k, v = widths.q, widths.k, widths.v
+    n, t, p, d = shape.batch * shape.seq_len / shape.cp, shape.tp, shape.act_bytes, args.dim
     r = t if shape.sequence_parallel else 1
-    attention = (
-        (q + k) / t * 4
-        + (q + widths.out + (k + v) * c) / t * p
-        + ((q + k) / t * p if args.qk_norm else 0)
-        + widths.latent * p
+    block = n * (
+        2 * d / r * p + 2 * d * p + attention_per_token(args, shape) + feed_forward_per_token(args, t, p, shape.etp)
     )
-    block = n * (2 * d / r * p + 2 * d * p + attention + feed_forward_per_token(args, t, p, shape.etp))
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
     n_blocks = args.n_layers if n_blocks is None else n_blocks
     n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_option)
@@ -183,7 +175,7 @@ def estimate_activations(
     if shape.ac_mode == "selective" and shape.ac_option == "op":
         # Per-op: the block's input, every other matmul output (q, v, the first feed-forward
         # projection, the last one's partial sums) and attention's output; the rest recomputed.
-        kept = n * (d / r * p + (2 * d + v + f) / t * p + d * p)
+        kept = n * (d / r * p + (2 * d + args.attention_widths.v + args.ffn_hidden_dim) / t * p + d * p)
         block, recompute = kept, block - kept
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
     extra = max(n * vocab * p if holds_head else 0.0, recompute)
@@ -197,6 +189,20 @@ def estimate_activations(
         in_flight,
         boundary_buffers * n * d / r * p,
         all_to_all_bytes(args, n, p) if shape.ep > 1 else 0.0,
+    )
+
+
+def attention_per_token(args: DecoderArgs, shape: StepShape) -> float:
+    """Bytes a block's attention keeps per token: (q + k)/t 4 + (q + o + (k + v) c)/t p + l p,
+    and (q + k)/t p for the inputs of QK norms (`attention_widths`: q is d unless the model
+    sets head_dim apart from dim)."""
+    widths, t, p = args.attention_widths, shape.tp, shape.act_bytes
+    q, k, v = widths.q, widths.k, widths.v
+    return (
+        (q + k) / t * 4
+        + (q + widths.out + (k + v) * shape.cp) / t * p
+        + ((q + k) / t * p if args.qk_norm else 0)
+        + widths.latent * p
     )
 
 

@@ -35,7 +35,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titanlite.parallel.expert_tensor_parallel import exchange_over_tp, tp_placement
+from titanlite.parallel.expert_tensor_parallel import apply_etp, exchange_over_tp, tp_placement
 
 
 class ExpertParallel:
@@ -87,11 +87,16 @@ def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh |
 
 
 def apply_ep(
-    model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, split_over_tp: bool = False
+    model: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, split_over_tp: bool = False
 ) -> list[nn.Module]:
     """Split every expert-parallel layer's experts over `ep_mesh` (replicated over `tp_mesh`
     when given, or split over it with expert tensor parallelism); returns the experts
-    modules, which FSDP shards on their own mesh."""
+    modules, which FSDP shards on their own mesh. Without an ep mesh, expert tensor
+    parallelism alone (`split_over_tp`) splits every routed-experts module over `tp_mesh`."""
+    if ep_mesh is None:
+        if split_over_tp:
+            apply_etp(model, tp_mesh)
+        return []
     expert_parallel = ExpertParallel(ep_mesh)
     units = []
     for module in list(model.modules()):

@@ -125,11 +125,14 @@ def convert_to_float8(model: nn.Module, settings: Any, *, device_type: str, fsdp
     return converted
 
 
-def refuse_float8_only_units(model: nn.Module, units: list[nn.Module]) -> None:
-    """On gloo (CPU), which has no float8 all-gather ("Invalid scalar type"): every FSDP unit
+def refuse_float8_only_units(model: nn.Module, units: list[nn.Module], settings: Any, device_type: str) -> None:
+    """Under float8 all-gather (`settings`: the `[float8]` section, or None without float8) on
+    gloo (CPU), which has no float8 all-gather ("Invalid scalar type"): every FSDP unit
     (`units` innermost first, then the root) must gather some parameter that is not a float8
     weight, so that FSDP packs its all-gather into bytes; a unit of float8 linears alone is
     refused in one line."""
+    if settings is None or not settings.enable_fsdp_float8_all_gather or device_type != "cpu":
+        return
     names = {id(module): name for name, module in model.named_modules()}
     claimed: set[int] = set()
     for unit in [*units, model]:

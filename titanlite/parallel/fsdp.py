@@ -3,6 +3,8 @@ mesh; or, with nothing to shard, FSDP2's `replicate` (whole weights, gradients a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -58,22 +60,43 @@ def _later_dim(param: nn.Parameter, shards: int) -> Shard | None:
     return next((Shard(d) for d in range(1, param.ndim) if param.shape[d] % shards == 0), None)
 
 
+@dataclass(frozen=True)
+class FsdpOptions:
+    """How each unit is sharded (or replicated): FSDP2's precision policy, `reshard_after_forward`
+    (see `shard_model`), parameters and gradients in host memory (`cpu_offload`), the next
+    `prefetch_depth` units all-gathered explicitly (0: FSDP2's implicit one-ahead), the model
+    one pipeline stage (`pipelined`), and parameters left unsharded (FSDP1's ignored_modules)."""
+
+    mp_policy: MixedPrecisionPolicy | None = None  # None: float32 throughout
+    reshard_after_forward: str | bool | int = "default"
+    cpu_offload: bool = False
+    prefetch_depth: int = 0
+    pipelined: bool = False
+    ignored_params: set[nn.Parameter] | None = None
+
+    def config(self, mesh: DeviceMesh, shard: bool = True) -> dict:
+        """`fully_shard`'s keywords over `mesh` but `reshard_after_forward` (`replicate`'s: not `shard`)."""
+        config = {"mesh": mesh, "mp_policy": self.mp_policy or MixedPrecisionPolicy()}
+        if shard:
+            config["shard_placement_fn"] = shard_dim(mesh.size(mesh.ndim - 1))
+        if self.ignored_params:  # left unsharded, as they are
+            config["ignored_params"] = self.ignored_params
+        if self.cpu_offload:
+            # Pinned host memory speeds host<->GPU copies; there is nothing to pin for without one.
+            config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        return config
+
+
 def shard_model(
     model: nn.Module,
     mesh: DeviceMesh,
     units: list[nn.Module],
-    *,
-    mp_policy: MixedPrecisionPolicy,
-    reshard_after_forward: str | bool | int = "default",
-    cpu_offload: bool = False,
-    prefetch_depth: int = 0,
-    pipelined: bool = False,
-    ignored_params: set[nn.Parameter] | None = None,
+    options: FsdpOptions,
     experts: list[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """`fully_shard` each unit (innermost first, see `units.innermost_first`), then the root,
-    over `mesh` (2D replicate x shard means HSDP).
+    over `mesh` (2D replicate x shard means HSDP); first the `experts` over `expert_mesh`.
 
     reshard_after_forward: "always" (True) frees every unit's gathered weights after forward
     (least memory), "never" (False) keeps them to backward (no re-gather), a number k keeps
@@ -83,35 +106,19 @@ def shard_model(
     runs several microbatches' forwards before their backwards, and resharding would
     all-gather again for each.
     """
-    config = {"mesh": mesh, "mp_policy": mp_policy, "shard_placement_fn": shard_dim(mesh.size(mesh.ndim - 1))}
-    if ignored_params:  # left unsharded, as they are (FSDP1's ignored_modules)
-        config["ignored_params"] = ignored_params
-    if cpu_offload:
-        # Pinned host memory speeds host<->GPU copies; there is nothing to pin for without one.
-        config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    config, reshard = options.config(mesh), options.reshard_after_forward
     if experts:
-        _shard_experts(experts, expert_mesh, mesh.size(), config, reshard_after_forward, pipelined)
+        _shard_experts(experts, expert_mesh, mesh.size(), config, reshard_policy(reshard, False, options.pipelined))
     for index, unit in enumerate(units):
         fully_shard(
-            unit,
-            reshard_after_forward=reshard_policy(reshard_after_forward, index == len(units) - 1, pipelined),
-            **config,
+            unit, reshard_after_forward=reshard_policy(reshard, index == len(units) - 1, options.pipelined), **config
         )
-    fully_shard(
-        model, reshard_after_forward=reshard_after_forward is True or reshard_after_forward == "always", **config
-    )
-    if prefetch_depth > 0:
-        set_explicit_prefetch(outermost(units, model), prefetch_depth)
+    fully_shard(model, reshard_after_forward=reshard is True or reshard == "always", **config)
+    if options.prefetch_depth > 0:
+        set_explicit_prefetch(outermost(units, model), options.prefetch_depth)
 
 
-def _shard_experts(
-    experts: list[nn.Module],
-    mesh: DeviceMesh,
-    ranks: int,
-    config: dict,
-    reshard_after_forward: str | bool | int,
-    pipelined: bool,
-) -> None:
+def _shard_experts(experts: list[nn.Module], mesh: DeviceMesh, ranks: int, config: dict, policy: bool | int) -> None:
     """`fully_shard` each experts module over the efsdp ranks (2-D with dp_replicate: the
     experts' HSDP). Each rank's experts gradient already sums its ep group's tokens, so the
     reduction divides by every data-parallel rank (`ranks`: dp_replicate x dp_shard x cp),
@@ -119,7 +126,6 @@ def _shard_experts(
     PREMUL_SUM) unless told to sum and divide apart, which is what gloo can do."""
     ep, shards = ranks // mesh.size(), mesh.size(mesh.ndim - 1)
     options = {**config, "mesh": mesh, "shard_placement_fn": expert_shard_dim(ep, shards)}
-    policy = reshard_policy(reshard_after_forward, False, pipelined)
     for module in experts:  # a reshard to k ranks (k dividing dp_shard x cp) is a full reshard here
         fully_shard(module, reshard_after_forward=policy if isinstance(policy, bool) else True, **options)
         module.set_gradient_divide_factor(float(ranks))
@@ -129,22 +135,13 @@ def _shard_experts(
             module.set_force_sum_reduction_for_comms(True)  # a sum, then a division: gloo has no PREMUL_SUM
 
 
-def replicate_model(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    units: list[nn.Module],
-    *,
-    mp_policy: MixedPrecisionPolicy,
-    cpu_offload: bool = False,
-) -> None:
+def replicate_model(model: nn.Module, mesh: DeviceMesh, units: list[nn.Module], options: FsdpOptions) -> None:
     """Replicate-only data parallelism: PyTorch's composable `replicate` (FSDP2's machinery
     with nothing sharded, as torchtitan applies it) on each unit, then the root. Every rank
     keeps whole weights (Replicate DTensors on `mesh`) and each unit's gradients are
     all-reduced (averaged) as backward leaves it, so the reduction overlaps the rest of
     backward as DDP's buckets do; there is no all-gather."""
-    config = {"mesh": mesh, "mp_policy": mp_policy}
-    if cpu_offload:
-        config["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    config = options.config(mesh, shard=False)
     for unit in units:
         replicate(unit, **config)
     replicate(model, **config)

@@ -59,10 +59,8 @@ def summon_full_params(
             "write back); pass writeback=False"
         )
     slots = _slots(module)
-    full: dict[int, nn.Parameter] = {}
-    for _, _, p in slots:
-        if id(p) not in full:
-            full[id(p)] = _gather(p, offload_to_cpu, with_grads)
+    sharded = {id(p): p for _, _, p in slots}  # each tied parameter once, in the model's order
+    full = {key: _gather(p, offload_to_cpu, with_grads) for key, p in sharded.items()}
     swap = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     if swap:
         for owner, name, p in slots:
@@ -73,18 +71,14 @@ def summon_full_params(
         for owner, name, p in slots:
             owner._parameters[name] = p
         if writeback:
-            _write_back(slots, full)
+            _write_back(sharded, full)
 
 
 @torch.no_grad()
-def _write_back(slots: list[tuple[nn.Module, str, DTensor]], full: dict[int, nn.Parameter]) -> None:
+def _write_back(sharded: dict[int, DTensor], full: dict[int, nn.Parameter]) -> None:
     """Each rank's slice of the whole tensor into its shard (`src_data_rank=None`: sliced
     locally, nothing sent)."""
-    done: set[int] = set()
-    for _, _, p in slots:
-        if id(p) in done:
-            continue
-        done.add(id(p))
-        whole = full[id(p)].detach().to(device=p.device, dtype=p.dtype)
+    for key, p in sharded.items():
+        whole = full[key].detach().to(device=p.device, dtype=p.dtype)
         local = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
         p.to_local().copy_(local)

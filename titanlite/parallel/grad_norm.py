@@ -102,13 +102,15 @@ def clip_gradients_(
 ) -> torch.Tensor:
     """Scale gradients so their total norm is at most max_norm (0 = measure only); returns the norm."""
     norm = total_grad_norm(parameters, world, group)
-    if max_norm > 0 and any(p.grad is not None for p in parameters):
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        locals_ = [
-            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None
-        ]
-        torch._foreach_mul_(locals_, scale.to(locals_[0].device))
+    scale_to_norm_(parameters, norm, max_norm)
     return norm
+
+
+def scale_to_norm_(parameters: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients by max_norm / norm where that is below 1 (clipping; 0 = no clipping)."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    if max_norm > 0 and grads:
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
 
 
 def clip_grad_norm_(

@@ -27,9 +27,13 @@ from titanlite.errors import TitanliteError
 from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.distributed import adopt_groups
 
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first; each a degree of ParallelDims
+
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """The run's degrees, checked against each other and the world size (`from_config`)."""
+
     dp_replicate: int
     dp_shard: int
     tp: int
@@ -41,14 +45,12 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> ParallelDims:
-        """Resolve `data_parallel_shard_degree = -1` and check the product against the world."""
-        replicate = parallelism.data_parallel_replicate_degree
-        shard = parallelism.data_parallel_shard_degree
-        tp = parallelism.tensor_parallel_degree
-        pp = parallelism.pipeline_parallel_degree
-        cp = parallelism.context_parallel_degree
-        ep = parallelism.expert_parallel_degree
-        etp = getattr(parallelism, "expert_tensor_parallel_degree", 1)
+        """Resolve `data_parallel_shard_degree = -1` and check the product against the world;
+        ep ranks are data-parallel ranks (dp_shard x cp) that split the experts between them."""
+        p = parallelism
+        replicate, shard, tp = p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree
+        pp, cp, ep = p.pipeline_parallel_degree, p.context_parallel_degree, p.expert_parallel_degree
+        etp = getattr(p, "expert_tensor_parallel_degree", 1)
         with_pp = (f" x context_parallel_degree {cp}" if cp > 1 else "") + (
             f" x pipeline_parallel_degree {pp}" if pp > 1 else ""
         )
@@ -64,24 +66,17 @@ class ParallelDims:
                 f"x tensor_parallel_degree {tp}{with_pp} = {replicate * shard * model_ranks}, but the world size is "
                 f"{world_size}"
             )
-        cls._check_ep(ep, shard, cp)
+        if ep > 1 and (shard * cp) % ep:
+            raise TitanliteError(
+                f"parallelism.expert_parallel_degree: {ep} does not divide data_parallel_shard_degree {shard} "
+                f"x context_parallel_degree {cp} = {shard * cp} (the ranks expert parallelism borrows)"
+            )
         if etp not in (1, tp):
             raise TitanliteError(
                 f"parallelism.expert_tensor_parallel_degree: {etp} must be 1 (experts whole on each tp rank) or "
                 f"tensor_parallel_degree {tp} (experts split over the tp ranks)"
             )
-        return cls(dp_replicate=replicate, dp_shard=shard, tp=tp, world_size=world_size, pp=pp, cp=cp, ep=ep, etp=etp)
-
-    @staticmethod
-    def _check_ep(ep: int, shard: int, cp: int) -> None:
-        """ep ranks are data-parallel ranks (dp_shard x cp) that split the experts between them."""
-        if ep == 1:
-            return
-        if (shard * cp) % ep:
-            raise TitanliteError(
-                f"parallelism.expert_parallel_degree: {ep} does not divide data_parallel_shard_degree {shard} "
-                f"x context_parallel_degree {cp} = {shard * cp} (the ranks expert parallelism borrows)"
-            )
+        return cls(replicate, shard, tp, world_size, pp, cp, ep, etp)
 
     def check_experts(self, n_experts: list[int], model: str) -> None:
         """ep > 1 needs MoE layers (`n_experts`: each one's routed experts) whose experts it
@@ -141,18 +136,21 @@ class ParallelDims:
     @property
     def shards(self) -> int:
         """Ways one model's training state is split: FSDP shards (dp_shard x cp) x TP x pipeline stages."""
-        return self.dp_shard * self.cp * self.tp * self.pp
+        return self.dp_shard * self.non_data_parallel_size
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that hold one data-parallel rank's model between them: tp x cp x pp."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def efsdp(self) -> int:
+        """The experts' FSDP degree: the dp_shard x cp ranks left to each ep rank's experts."""
+        return self.dp_shard * self.cp // self.ep
 
     def named_degrees(self) -> list[tuple[str, int]]:
         """The mesh dims, outermost first, size-1 ones dropped."""
-        dims = (
-            ("pp", self.pp),
-            ("dp_replicate", self.dp_replicate),
-            ("dp_shard", self.dp_shard),
-            ("cp", self.cp),
-            ("tp", self.tp),
-        )
-        return [(name, size) for name, size in dims if size > 1]
+        return [(name, getattr(self, name)) for name in MESH_DIMS if getattr(self, name) > 1]
 
     def check_model(self, tp_problems: list[str], seq_len: int) -> None:
         """Shapes that must split evenly across tp ranks (sequence parallel shards seq_len too)
@@ -189,8 +187,8 @@ class ParallelDims:
         if self.world_size == 1:
             return Meshes(None, None, None, None)
         dims = self.named_degrees()
-        world = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
         names = [name for name, _ in dims]
+        world = init_device_mesh(device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(names))
 
         def view(wanted: tuple[str, ...], flat_name: str) -> tuple[DeviceMesh | None, str | None]:
             """The present dims of `wanted` as one dim (flattened when several), and its name."""
@@ -204,32 +202,25 @@ class ParallelDims:
         loss, _ = view(("dp_replicate", "dp_shard", "cp"), "dp_cp")
         fsdp = world[("dp_replicate", shard_name)] if "dp_replicate" in names and shard is not None else shard
         replicate = world["dp_replicate"] if self.replicate_only else None
-        ep = expert_fsdp = None
-        if self.ep_enabled:  # ep ranks neighbours within dp_shard x cp; efsdp: the rest of them
-            shape, split_names = (shard.size() // self.ep, self.ep), ("efsdp", "ep")
-            if self.dp_replicate > 1:  # the experts' HSDP: replicated over dp_replicate, sharded over efsdp
-                split = fsdp._unflatten(1, shape, split_names)
-                expert_fsdp = split[("dp_replicate", "efsdp")]
-            else:
-                split = shard._unflatten(0, shape, split_names)
-                expert_fsdp = split["efsdp"]
-            ep = split["ep"]
+        ep, expert_fsdp = self._expert_views(shard, fsdp) if self.ep_enabled else (None, None)
         views = (world, dp, shard, loss, ep, expert_fsdp)
         adopt_groups(
-            [group for mesh in views if mesh is not None for group in mesh.get_all_groups()]
+            group for mesh in views if mesh is not None for group in mesh.get_all_groups()
         )  # the run's timeouts
-        return Meshes(
-            world=world,
-            dp=dp,
-            fsdp=fsdp,
-            tp=world["tp"] if self.tp_enabled else None,
-            pp=world["pp"] if self.pp_enabled else None,
-            cp=world["cp"] if self.cp_enabled else None,
-            loss=loss,
-            ep=ep,
-            expert_fsdp=expert_fsdp,
-            replicate=replicate,
-        )
+        present = {name: world[name] if name in names else None for name in ("tp", "pp", "cp")}
+        return Meshes(world, dp, fsdp, loss=loss, ep=ep, expert_fsdp=expert_fsdp, replicate=replicate, **present)
+
+    def _expert_views(self, shard: DeviceMesh, fsdp: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+        """(ep, expert_fsdp): ep ranks neighbours within dp_shard x cp, efsdp the rest of them;
+        with dp_replicate the experts' HSDP (replicated over it, sharded over efsdp)."""
+        shape, split_names = (self.efsdp, self.ep), ("efsdp", "ep")
+        if self.dp_replicate > 1:
+            split = fsdp._unflatten(1, shape, split_names)
+            expert_fsdp = split[("dp_replicate", "efsdp")]
+        else:
+            split = shard._unflatten(0, shape, split_names)
+            expert_fsdp = split["efsdp"]
+        return split["ep"], expert_fsdp
 
 
 @dataclass(frozen=True)
@@ -270,6 +261,16 @@ class Meshes:
     def context_parallel(self) -> ContextParallel | None:
         return ContextParallel(self.cp) if self.cp is not None else None
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (the batches it reads); 0 without dp."""
+        return self.dp.get_local_rank() if self.dp is not None else 0
+
+    @property
+    def device_type(self) -> str:
+        """The mesh's device type; without one (one process), the trainer's choice of device."""
+        return self.world.device_type if self.world is not None else default_device_type()
+
 
 def build_mesh(
     dp_replicate: int = 1,
@@ -283,7 +284,6 @@ def build_mesh(
     """The library's mesh: the trainer's named mesh and views from degrees (`dp_shard` -1 =
     the rest of the world), checked as the trainer checks its config. Every rank calls it,
     after `init_distributed`; one process gets a `Meshes` of None views."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
     degrees = SimpleNamespace(
         data_parallel_replicate_degree=dp_replicate,
         data_parallel_shard_degree=dp_shard,
@@ -293,11 +293,12 @@ def build_mesh(
         expert_parallel_degree=ep,
     )
     for name, value in vars(degrees).items():
-        if (
-            not isinstance(value, int)
-            or isinstance(value, bool)
-            or (value < 1 and not (name == "data_parallel_shard_degree" and value == -1))
-        ):
+        if type(value) is not int or (value < 1 and (name, value) != ("data_parallel_shard_degree", -1)):
             raise TitanliteError(f"build_mesh: {name} must be a whole number >= 1 (dp_shard also -1), got {value!r}")
-    dims = ParallelDims.from_config(degrees, world_size)
-    return dims.build_mesh(device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dims = ParallelDims.from_config(degrees, dist.get_world_size() if dist.is_initialized() else 1)
+    return dims.build_mesh(device_type or default_device_type())
+
+
+def default_device_type() -> str:
+    """One process's device when the caller names none: a GPU where there is one, as the trainer picks."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -145,11 +145,12 @@ def _broadcast_layout(
     """Rank 0's by-name state on every rank: tensors shaped like their sharded parameter as
     placeholders (the scatter fills them), everything else (steps, hyperparameters, state of
     unsharded parameters) as it is; rank 0 keeps its own tensors."""
+    box: list[Any] = [None]
     if dist.get_rank() == 0:
         if state is None:
             raise TitanliteError("scatter_full_optim_state_dict: rank 0 has no optimizer state dict to scatter")
         state = rekey(state, order, "name")
-        layout = {
+        box[0] = {
             "state": {
                 name: {
                     k: _Placeholder(v) if isinstance(params[name], DTensor) and _shaped_like(v, params[name]) else v
@@ -159,9 +160,6 @@ def _broadcast_layout(
             },
             "param_groups": state["param_groups"],
         }
-    else:
-        layout = None
-    box = [layout]
     dist.broadcast_object_list(box, src=0, group=group)
     return state if dist.get_rank() == 0 else box[0]
 

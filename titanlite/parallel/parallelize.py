@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Union
 
-import torch
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -26,10 +24,9 @@ from titanlite.errors import TitanliteError
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context_parallel import ContextParallelModel
-from titanlite.parallel.expert_parallel import apply_ep
-from titanlite.parallel.expert_tensor_parallel import apply_etp
+from titanlite.parallel.expert_parallel import ExpertParallelModule, apply_ep
 from titanlite.parallel.float8 import convert_to_float8, refuse_float8_only_units
-from titanlite.parallel.fsdp import replicate_model, shard_model
+from titanlite.parallel.fsdp import FsdpOptions, replicate_model, shard_model
 from titanlite.parallel.mesh import Meshes
 from titanlite.parallel.units import Selector, innermost_first, outermost_named, select
 
@@ -81,68 +78,56 @@ def parallelize(
         from `titanlite.config`: recipe_name, enable_fsdp_float8_all_gather, filter_fqns).
     """
     meshes = as_meshes(mesh)
-    _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
-    if expert_tensor_parallel and meshes.tp is None:
-        raise TitanliteError("parallelize: expert_tensor_parallel needs a mesh with a tp dimension")
+    _check(model, meshes, tp_plan, ac, prefetch, reshard_after_forward, expert_tensor_parallel, pipelined)
     if float8 is not None:
-        device_type = meshes.world.device_type if meshes.world is not None else _default_device_type()
-        convert_to_float8(model, float8, device_type=device_type, fsdp=meshes.fsdp is not None, compile=compile)
-    experts = apply_ep(model, meshes.ep, meshes.tp, expert_tensor_parallel) if meshes.ep is not None else []
-    if expert_tensor_parallel and meshes.ep is None:
-        apply_etp(model, meshes.tp)
-    if meshes.ep is not None and not experts and not pipelined:  # a pipeline stage may hold dense blocks only
-        raise TitanliteError(
-            "parallelize: the mesh has an ep dimension but the model has no layer with enable_expert_parallel"
-        )
+        convert_to_float8(model, float8, device_type=meshes.device_type, fsdp=meshes.fsdp is not None, compile=compile)
+    experts = apply_ep(model, meshes.ep, meshes.tp, expert_tensor_parallel)
     if tp_plan is not None:
         tp_plan(model, meshes.tp) if callable(tp_plan) else parallelize_module(model, meshes.tp, tp_plan)
     if meshes.context_parallel is not None:
-        if not isinstance(model, ContextParallelModel):
-            raise TitanliteError(
-                "parallelize: the mesh has a cp dimension but the model has no enable_context_parallel method"
-            )
         model.enable_context_parallel(meshes.context_parallel)
-    names = [name for name, _ in outermost_named(select(model, blocks, "parallelize: blocks"))]
-    if (ac != "none" or compile) and not names:
-        raise TitanliteError("parallelize: ac and compile wrap blocks: pass blocks= (the model has no `layers`)")
+    names = _block_names(model, blocks, wrapped=ac != "none" or compile)
     apply_ac(model, ac, [(name, model.get_submodule(name)) for name in names])
     if compile:
         apply_compile(model, [(name, model.get_submodule(name)) for name in names])
-    precision = mixed_precision or MixedPrecisionPolicy()
-    units = _units(model, names, fsdp_modules) if meshes.replicate is not None or meshes.fsdp is not None else []
+    units = _units(model, meshes, names, fsdp_modules)
+    options = FsdpOptions(mixed_precision, reshard_after_forward, cpu_offload, prefetch, pipelined)
     if meshes.replicate is not None:
-        replicate_model(model, meshes.replicate, units, mp_policy=precision, cpu_offload=cpu_offload)
+        replicate_model(model, meshes.replicate, units, options)
     elif meshes.fsdp is not None:
-        if float8 is not None and float8.enable_fsdp_float8_all_gather and meshes.fsdp.device_type == "cpu":
-            refuse_float8_only_units(model, units)
-        shard_model(
-            model,
-            meshes.fsdp,
-            units,
-            mp_policy=precision,
-            reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload,
-            prefetch_depth=prefetch,
-            pipelined=pipelined,
-            experts=experts,
-            expert_mesh=meshes.expert_fsdp,
-        )
+        refuse_float8_only_units(model, units, float8, meshes.fsdp.device_type)
+        shard_model(model, meshes.fsdp, units, options, experts, meshes.expert_fsdp)
     return model
 
 
-def _units(model: nn.Module, blocks: list[str], fsdp_modules: Selector) -> list[nn.Module]:
-    """What FSDP (or replicate) wraps one by one: the blocks, or the selected modules innermost first."""
+def _block_names(model: nn.Module, blocks: Selector, wrapped: bool) -> list[str]:
+    """The outermost of the selected blocks, which AC and compile wrap (`wrapped`: one of them is on)."""
+    names = [name for name, _ in outermost_named(select(model, blocks, "parallelize: blocks"))]
+    if wrapped and not names:
+        raise TitanliteError("parallelize: ac and compile wrap blocks: pass blocks= (the model has no `layers`)")
+    return names
+
+
+def _units(model: nn.Module, meshes: Meshes, blocks: list[str], fsdp_modules: Selector) -> list[nn.Module]:
+    """What FSDP (or replicate) wraps one by one, where the mesh has data parallelism: the
+    blocks, or the selected modules innermost first."""
+    if meshes.replicate is None and meshes.fsdp is None:
+        return []
     if fsdp_modules is None:
         return [model.get_submodule(name) for name in blocks]
     return innermost_first(select(model, fsdp_modules, "parallelize: fsdp_modules"))
 
 
-def _default_device_type() -> str:
-    """One process's device: the trainer's choice (a GPU where there is one)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _check(meshes: Meshes, tp_plan: TPPlan, ac: str | int, prefetch: int, reshard: bool | int | str) -> None:
+def _check(
+    model: nn.Module,
+    meshes: Meshes,
+    tp_plan: TPPlan,
+    ac: str | int,
+    prefetch: int,
+    reshard: bool | int | str,
+    expert_tensor_parallel: bool,
+    pipelined: bool,
+) -> None:
     """One line per impossible setting, before the model is touched."""
     if tp_plan is not None and meshes.tp is None:
         raise TitanliteError("parallelize: tp_plan needs a mesh with a tp dimension (build_mesh(tp=...))")
@@ -167,3 +152,23 @@ def _check(meshes: Meshes, tp_plan: TPPlan, ac: str | int, prefetch: int, reshar
             raise TitanliteError(
                 f"parallelize: reshard_after_forward {reshard} ranks do not divide the {shards} FSDP shards"
             )
+    _check_mesh_needs(model, meshes, expert_tensor_parallel, pipelined)
+
+
+def _check_mesh_needs(model: nn.Module, meshes: Meshes, expert_tensor_parallel: bool, pipelined: bool) -> None:
+    """What the mesh's dims need from the model: layers to split over ep (a pipeline stage
+    may hold dense blocks only), context-parallel attention for cp; a tp dim for etp."""
+    if expert_tensor_parallel and meshes.tp is None:
+        raise TitanliteError("parallelize: expert_tensor_parallel needs a mesh with a tp dimension")
+    if (
+        meshes.ep is not None
+        and not pipelined
+        and not any(isinstance(m, ExpertParallelModule) for m in model.modules())
+    ):
+        raise TitanliteError(
+            "parallelize: the mesh has an ep dimension but the model has no layer with enable_expert_parallel"
+        )
+    if meshes.cp is not None and not isinstance(model, ContextParallelModel):
+        raise TitanliteError(
+            "parallelize: the mesh has a cp dimension but the model has no enable_context_parallel method"
+        )

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from titanlite.errors import TitanliteError
 from titanlite.parallel.full_params import summon_full_params
-from titanlite.parallel.fsdp import shard_dim, shard_model
-from titanlite.parallel.grad_norm import total_grad_norm
+from titanlite.parallel.fsdp import FsdpOptions, shard_model
+from titanlite.parallel.grad_norm import scale_to_norm_, total_grad_norm
 from titanlite.parallel.wrap_plan import WrapPlan
 
 WRAPPED = "_fsdp_wrapped_module"  # FSDP1's attribute name, stripped from parameter names as FSDP1 does
@@ -45,15 +45,11 @@ class ShardedWrapper(nn.Module):
         if sync_module_states:
             broadcast_from_first_rank(module, plan.group)
         shard_in_full_precision(plan)
-        shard_model(
-            module,
-            plan.mesh,
-            [unit for unit in plan.units if unit not in plan.full_precision_units],
-            mp_policy=plan.mp_policy,
-            reshard_after_forward=plan.reshard_after_forward,
-            cpu_offload=plan.cpu_offload,
-            ignored_params=plan.ignored_params,
+        units = [unit for unit in plan.units if unit not in plan.full_precision_units]
+        options = FsdpOptions(
+            plan.mp_policy, plan.reshard_after_forward, plan.cpu_offload, ignored_params=plan.ignored_params
         )
+        shard_model(module, plan.mesh, units, options)
         set_prefetch(module, plan)
         setattr(self, WRAPPED, module)
         self._plan = plan
@@ -110,9 +106,7 @@ class ShardedWrapper(nn.Module):
         local = [p for p in with_grad if not isinstance(p, DTensor)]
         norm = total_grad_norm(sharded, world=True, group=self._plan.group).square()
         norm = (norm + total_grad_norm(local, world=False).to(norm.device).square()).sqrt()
-        if max_norm > 0 and with_grad:
-            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in with_grad]
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
+        scale_to_norm_(with_grad, norm, max_norm)
         return norm
 
     def sharded_units(self) -> list[FSDPModule]:
@@ -139,16 +133,9 @@ def shard_in_full_precision(plan: WrapPlan) -> None:
         return
     from torch.distributed.fsdp._common_utils import _override_module_mixed_precision
 
-    options = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if plan.cpu_offload else {}
+    config = FsdpOptions(cpu_offload=plan.cpu_offload).config(plan.mesh)  # no mixed precision, no ignored params
     for unit in plan.full_precision_units:
-        fully_shard(
-            unit,
-            mesh=plan.mesh,
-            reshard_after_forward=plan.reshard_after_forward,
-            mp_policy=MixedPrecisionPolicy(),
-            shard_placement_fn=shard_dim(plan.mesh.size(plan.mesh.ndim - 1)),
-            **options,
-        )
+        fully_shard(unit, reshard_after_forward=plan.reshard_after_forward, **config)
         _override_module_mixed_precision(unit, {type(unit)})
 
 
