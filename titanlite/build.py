@@ -69,17 +69,6 @@ class RunPlan:
             and float8.precompute_float8_dynamic_scale_for_fsdp
         )
 
-    @property
-    def devices_per_replica(self) -> int:
-        """The ranks that share one data-parallel replica's tokens, tp x cp x pp (MetricsLogger's
-        tps divides by it)."""
-        return self.dims.tp * self.dims.cp * self.dims.pp
-
-    @property
-    def expert_fsdp_degree(self) -> int:
-        """The experts' FSDP degree: dp_shard x cp over the ep ranks that split the experts."""
-        return self.dims.dp_shard * self.dims.cp // self.dims.ep
-
     def with_compute_dtype(self, name: str) -> RunPlan:
         """This plan with `training.mixed_precision_param` made concrete: "auto" is decided
         per device (`step/precision.py`, by the trainer; the planner takes bfloat16, a GPU's)

@@ -204,7 +204,7 @@ def _loaders(plan: RunPlan, steps: StepBuilder) -> tuple[TokenWindowLoader, Toke
     """This rank's training loader and validation loader (None without validation windows), over
     this replica group's share of every global batch."""
     cfg = plan.cfg
-    dp_rank, dp_degree = data_share(cfg.fault_tolerance, steps.dp_rank, plan.dims.dp)
+    dp_rank, dp_degree = data_share(cfg.fault_tolerance, steps.meshes.dp_rank, plan.dims.dp)
     corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
     batch = cfg.training.local_batch_size
     data = build_dataloader(corpus.train, batch, dp_rank, dp_degree, steps.device, documents=steps.documents)
@@ -247,7 +247,7 @@ def _metrics(run: RunParts) -> MetricsLogger:
         run.device,
         run.size.flops_per_token,
         peak_flops(run.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops),
-        run.plan.devices_per_replica,
+        run.plan.dims.non_data_parallel_size,
         run.run_dir,
         run_config=to_dict(cfg),
     )
@@ -257,7 +257,7 @@ def _say_start(run: RunParts) -> None:
     """The start-up lines: the model, mesh, accumulation and peak; the pipeline's stages."""
     plan, cfg, size, peak = run.plan, run.cfg, run.size, run.metrics.peak
     dims = plan.dims
-    experts = f" (experts: ep {dims.ep} x efsdp {plan.expert_fsdp_degree})" if dims.ep > 1 else ""
+    experts = f" (experts: ep {dims.ep} x efsdp {dims.efsdp})" if dims.ep > 1 else ""
     logger.info(
         f"model {cfg.model.name} {cfg.model.flavor}: {size.n_params:,} parameters, "
         f"{size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {run.steps.meshes.world}{experts}; "

@@ -16,8 +16,7 @@ What it owns:
 - the loss: the compute context (autocast where FSDP does not own mixed precision) and the
   pipeline's `StepLoss`, to which each schedule call passes its scale;
 - mixture-of-experts layers (`experts`, from the built model): their aux loss trained in each
-  forward, and `ExpertBalance` after each optimizer step, over the dp x cp ranks;
-- the data-parallel rank the loaders read as (`dp_rank`).
+  forward, and `ExpertBalance` after each optimizer step, over the dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -79,11 +78,6 @@ class StepBuilder:
         if self.pipeline is None:
             return 0
         return self.pipeline.output_rank(self.meshes.world)
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's place on the data-parallel dims (dp_replicate x dp_shard; 0 without them)."""
-        return self.meshes.dp.get_local_rank() if self.meshes.dp is not None else 0
 
     @functools.cached_property
     def pp_group(self) -> dist.ProcessGroup | None:
