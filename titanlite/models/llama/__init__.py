@@ -1,7 +1,7 @@
 """Llama 2/3: the model, its flavors and its tensor-parallel plan, as one registry entry."""
 
 from titanlite.models import decoder_tp
-from titanlite.models.llama import hf_adapter
+from titanlite.models.llama.hf_adapter import llama3_hf
 from titanlite.models.llama.model import Llama, LlamaArgs
 from titanlite.models.llama.parallelize import tp_problems
 from titanlite.model_spec import Capabilities, ModelSpec, transformer_flops_per_token
@@ -99,7 +99,7 @@ llama3_spec = ModelSpec(
     flavors={**llama3_flavors, **{f"torchtitan:{name}": args for name, args in llama3_torchtitan_flavors.items()}},
     apply_tp=decoder_tp.apply_tp,
     tp_problems=tp_problems,
-    hf_adapter=hf_adapter,
+    hf_adapter=llama3_hf,
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True),
     # The embedding lookup does no matmul; a tied table is counted once, as the head.
     flops_per_token=lambda args, n_params, seq_len: transformer_flops_per_token(
@@ -110,4 +110,4 @@ llama3_spec = ModelSpec(
     ),
 )
 
-__all__ = ["Llama", "LlamaArgs", "llama3_flavors", "llama3_spec", "llama3_torchtitan_flavors"]
+__all__ = ["Llama", "LlamaArgs", "llama3_flavors", "llama3_hf", "llama3_spec", "llama3_torchtitan_flavors"]

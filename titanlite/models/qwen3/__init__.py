@@ -14,7 +14,7 @@ true, router_aux_loss_coef 0.001, decoder_sparse_step 1, mlp_only_layers []. voc
 import dataclasses
 
 from titanlite.models.moe import MoEArgs
-from titanlite.models.qwen3 import hf_adapter
+from titanlite.models.qwen3.hf_adapter import qwen3_hf
 from titanlite.models.qwen3.model import Qwen3, Qwen3Args, qwen3_moe
 from titanlite.models.qwen3.parallelize import apply_tp, tp_problems
 from titanlite.model_spec import Capabilities, ModelSpec, transformer_flops_per_token
@@ -136,10 +136,10 @@ qwen3_spec = ModelSpec(
     apply_tp=apply_tp,
     tp_problems=tp_problems,
     # Qwen3ForCausalLM / Qwen3MoeForCausalLM, the experts one HF tensor each (hf_adapter.py).
-    hf_adapter=hf_adapter,
+    hf_adapter=qwen3_hf,
     # moe: the code has MoE blocks; which flavors use them is in their args (Qwen3Args.moe).
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True, moe=True),
     flops_per_token=flops_per_token,
 )
 
-__all__ = ["Qwen3", "Qwen3Args", "qwen3_flavors", "qwen3_spec", "qwen3_torchtitan_flavors"]
+__all__ = ["Qwen3", "Qwen3Args", "qwen3_flavors", "qwen3_hf", "qwen3_spec", "qwen3_torchtitan_flavors"]
