@@ -25,7 +25,7 @@ from titanlite.models.deepseek_v3.model import DeepSeekV3
 from titanlite.models.deepseek_v3.parallelize import apply_tp, tp_problems
 from titanlite.models.moe import MoEArgs
 from titanlite.models.rope import YaRN
-from titanlite.model_spec import Capabilities, ModelSpec
+from titanlite.model_spec import Capabilities, ModelSpec, active_parameters
 
 
 def _debug(q_lora_rank: int) -> DeepSeekV3Args:
@@ -126,17 +126,6 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
 }
 
 
-def active_parameters(args: DeepSeekV3Args, n_params: int) -> int:
-    """The parameters one token's forward multiplies by: all but the embedding table (a
-    lookup; a tied table counts once, as the head) and, in each MoE block, the routed experts
-    it is not sent to (n_experts - top_k)."""
-    embedding = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
-    idle = 0
-    if args.moe is not None:
-        idle = args.n_moe_layers * (args.moe.n_experts - args.moe.top_k) * 3 * args.dim * args.moe.hidden_dim
-    return n_params - embedding - idle
-
-
 def flops_per_token(args: DeepSeekV3Args, n_params: int, seq_len: int) -> float:
     """6 per active weight, plus MLA's score and value matmuls: 6 * layers * heads *
     (qk_head_dim + v_head_dim) * seq_len (forward and backward; PaLM's accounting, with the
@@ -157,4 +146,11 @@ deepseek_v3_spec = ModelSpec(
     flops_per_token=flops_per_token,
 )
 
-__all__ = ["DeepSeekV3", "DeepSeekV3Args", "deepseek_v3_flavors", "deepseek_v3_hf", "deepseek_v3_spec"]
+__all__ = [
+    "DeepSeekV3",
+    "active_parameters",
+    "DeepSeekV3Args",
+    "deepseek_v3_flavors",
+    "deepseek_v3_hf",
+    "deepseek_v3_spec",
+]

@@ -135,8 +135,4 @@ def tp_problems(args: DeepSeekV3Args, tp_degree: int) -> list[str]:
         sizes["ffn hidden size"] = args.hidden_dim
     if args.moe is not None and args.moe.n_shared_experts:
         sizes["shared experts' hidden size"] = args.moe.n_shared_experts * args.moe.hidden_dim
-    return [
-        f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}"
-        for name, size in sizes.items()
-        if size % tp_degree
-    ]
+    return decoder_tp.indivisible(sizes, tp_degree)
