@@ -49,6 +49,20 @@ def _rename(key: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
     raise KeyError(key)
 
 
+# The shared decoder's names (models/decoder.py) in HF's Llama-shaped layout, and its GQA attention's.
+DECODER_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+}
+GQA_NAMES = {f"layers.{{i}}.attention.w{x}.weight": f"model.layers.{{i}}.self_attn.{x}_proj.weight" for x in "qkvo"}
+
+
 class HFAdapterBase(HFAdapter):
     """The table-driven half of a family's adapter; see the module docstring."""
 
@@ -163,6 +177,7 @@ class HFAdapterBase(HFAdapter):
 
 # A stacked expert weight of ours, one HF tensor per expert: w1 [E, hidden, dim] <-> expert e's gate_proj.
 _EXPERTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+ROUTER_NAMES = {"layers.{i}.feed_forward.router.gate.weight": "model.layers.{i}.mlp.gate.weight"}
 _STACKED = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
 
@@ -207,6 +222,27 @@ class MoEHFAdapterBase(HFAdapterBase):
         if args.moe is not None and args.n_moe_layers == args.n_layers:
             del expected["intermediate_size"]
         return expected
+
+
+def decoder_described(config: dict[str, Any], rope: dict[str, Any], model_type: str | None = None) -> dict[str, Any]:
+    """The values of a GQA decoder's config.json that decide its function, transformers' defaults
+    filled in, with `rope` (what the family reads of RoPE) after the norm eps; `model_type` that
+    of a config without one."""
+    heads, dim = config.get("num_attention_heads"), config.get("hidden_size")
+    return {
+        "model_type": config.get("model_type", model_type),
+        "hidden_size": dim,
+        "intermediate_size": config.get("intermediate_size"),
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.get("num_key_value_heads") or heads,
+        "head_dim": config.get("head_dim") or (dim // heads if dim and heads else None),
+        "vocab_size": config.get("vocab_size"),
+        "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
+        **rope,
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "attention_bias": bool(config.get("attention_bias", False)),
+    }
 
 
 def decoder_hf_config(args: Any, dtype: torch.dtype, architecture: str, model_type: str) -> dict[str, Any]:

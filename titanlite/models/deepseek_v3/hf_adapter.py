@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args
-from titanlite.models.hf_names import MoEHFAdapterBase, decoder_hf_config
+from titanlite.models.hf_names import DECODER_NAMES, ROUTER_NAMES, MoEHFAdapterBase, decoder_hf_config
 from titanlite.models.moe import MoEArgs
 from titanlite.models.rope import YaRN
 
@@ -46,11 +46,8 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
     HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
     EXPERT_BIAS_IN_HF = True
     NAMES: ClassVar[dict[str, str]] = {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-        "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-        "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        **DECODER_NAMES,
+        **ROUTER_NAMES,
         "layers.{i}.attention.wq.weight": f"{_ATTENTION}.q_proj.weight",
         "layers.{i}.attention.wq_a.weight": f"{_ATTENTION}.q_a_proj.weight",
         "layers.{i}.attention.q_norm.weight": f"{_ATTENTION}.q_a_layernorm.weight",
@@ -59,10 +56,6 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
         "layers.{i}.attention.kv_norm.weight": f"{_ATTENTION}.kv_a_layernorm.weight",
         "layers.{i}.attention.wkv_b.weight": f"{_ATTENTION}.kv_b_proj.weight",
         "layers.{i}.attention.wo.weight": f"{_ATTENTION}.o_proj.weight",
-        "layers.{i}.feed_forward.w1.weight": f"{_MLP}.gate_proj.weight",
-        "layers.{i}.feed_forward.w2.weight": f"{_MLP}.down_proj.weight",
-        "layers.{i}.feed_forward.w3.weight": f"{_MLP}.up_proj.weight",
-        "layers.{i}.feed_forward.router.gate.weight": f"{_MLP}.gate.weight",
         "layers.{i}.feed_forward.expert_bias": f"{_MLP}.gate.e_score_correction_bias",
         "layers.{i}.feed_forward.shared_experts.w1.weight": f"{_MLP}.shared_experts.gate_proj.weight",
         "layers.{i}.feed_forward.shared_experts.w2.weight": f"{_MLP}.shared_experts.down_proj.weight",

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from titanlite.models.hf_names import HFAdapterBase, decoder_hf_config
+from titanlite.models.hf_names import DECODER_NAMES, GQA_NAMES, HFAdapterBase, decoder_described, decoder_hf_config
 from titanlite.models.llama.model import LlamaArgs
 
 
@@ -30,20 +30,7 @@ class LlamaHFAdapter(HFAdapterBase):
     HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama",)
     MISSING_MODEL_TYPE = "llama"
     UNREADABLE = "RoPE settings"
-    NAMES: ClassVar[dict[str, str]] = {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-        "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-        "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-        "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-        "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-        "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-        "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-        "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-        "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-        "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    }
+    NAMES: ClassVar[dict[str, str]] = {**DECODER_NAMES, **GQA_NAMES}
 
     def rotary_heads(self, key: str, args: LlamaArgs) -> int | None:
         """The number of heads whose rows a projection's RoPE layout permutes (q: n_heads,
@@ -95,25 +82,9 @@ class LlamaHFAdapter(HFAdapterBase):
 
     def described(self, config: dict[str, Any]) -> dict[str, Any]:
         """Shapes, norm eps, RoPE (read from either place), tied or biased weights."""
-        heads = config.get("num_attention_heads")
         theta, scaling = self.rope_settings(config)
-        return {
-            "model_type": config.get("model_type", "llama"),
-            "hidden_size": config.get("hidden_size"),
-            "intermediate_size": config.get("intermediate_size"),
-            "num_hidden_layers": config.get("num_hidden_layers"),
-            "num_attention_heads": heads,
-            "num_key_value_heads": config.get("num_key_value_heads") or heads,
-            "head_dim": config.get("head_dim")
-            or (config["hidden_size"] // heads if config.get("hidden_size") and heads else None),
-            "vocab_size": config.get("vocab_size"),
-            "rms_norm_eps": config.get("rms_norm_eps", _HF_DEFAULT_EPS),
-            "rope_theta": theta,
-            "rope_scaling": scaling,
-            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-            "attention_bias": bool(config.get("attention_bias", False)),
-            "mlp_bias": bool(config.get("mlp_bias", False)),
-        }
+        described = decoder_described(config, {"rope_theta": theta, "rope_scaling": scaling}, "llama")
+        return {**described, "mlp_bias": bool(config.get("mlp_bias", False))}
 
     def args_from_hf_config(self, config: dict[str, Any], base: LlamaArgs | None = None) -> LlamaArgs:
         """LlamaArgs from a Hugging Face config.json (for `convert_hf.py from-hf`).
@@ -161,8 +132,7 @@ def _llama3_scaling(args: LlamaArgs) -> dict[str, Any]:
     }
 
 
-# transformers' LlamaConfig defaults, for keys a config.json leaves out.
+# transformers' LlamaConfig default, for a config.json without one.
 _HF_DEFAULT_THETA = 10000.0
-_HF_DEFAULT_EPS = 1e-6
 
 llama3_hf = LlamaHFAdapter()

@@ -24,13 +24,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from titanlite.models.hf_names import MoEHFAdapterBase, decoder_hf_config
+from titanlite.models.hf_names import (
+    DECODER_NAMES,
+    ROUTER_NAMES,
+    GQA_NAMES,
+    MoEHFAdapterBase,
+    decoder_described,
+    decoder_hf_config,
+)
 from titanlite.models.moe import MoEArgs
 from titanlite.models.qwen3.model import Qwen3Args, qwen3_moe
 
-# transformers' defaults for keys a config.json leaves out.
+# transformers' default, for a config.json without one.
 _HF_DEFAULT_THETA = 10000.0
-_HF_DEFAULT_EPS = 1e-6
 
 
 class Qwen3HFAdapter(MoEHFAdapterBase):
@@ -40,21 +46,11 @@ class Qwen3HFAdapter(MoEHFAdapterBase):
     UNREADABLE = "RoPE settings"
     EXPERT_BIAS_IN_HF = False
     NAMES: ClassVar[dict[str, str]] = {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-        "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-        "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-        "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-        "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+        **DECODER_NAMES,
+        **ROUTER_NAMES,
+        **GQA_NAMES,
         "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
         "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-        "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-        "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-        "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-        "layers.{i}.feed_forward.router.gate.weight": "model.layers.{i}.mlp.gate.weight",
-        "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-        "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     }
 
     def hf_export_problems(self, args: Qwen3Args) -> list[str]:
@@ -105,20 +101,8 @@ class Qwen3HFAdapter(MoEHFAdapterBase):
         """The model type (dense or MoE), shapes, norm eps, RoPE (read from either place), tied or
         biased weights, sliding windows, the experts and which blocks have them (the aux loss
         coefficient, a training setting, is not among them)."""
-        heads, dim = config.get("num_attention_heads"), config.get("hidden_size")
         described = {
-            "model_type": config.get("model_type"),
-            "hidden_size": dim,
-            "intermediate_size": config.get("intermediate_size"),
-            "num_hidden_layers": config.get("num_hidden_layers"),
-            "num_attention_heads": heads,
-            "num_key_value_heads": config.get("num_key_value_heads") or heads,
-            "head_dim": config.get("head_dim") or (dim // heads if dim and heads else None),
-            "vocab_size": config.get("vocab_size"),
-            "rms_norm_eps": config.get("rms_norm_eps", _HF_DEFAULT_EPS),
-            "rope_theta": rope_theta(config),
-            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-            "attention_bias": bool(config.get("attention_bias", False)),
+            **decoder_described(config, {"rope_theta": rope_theta(config)}),
             "use_sliding_window": bool(config.get("use_sliding_window", False)),
         }
         if config.get("model_type") == "qwen3_moe":
