@@ -216,6 +216,9 @@ class ModelSpec:
     # Optional Hugging Face conversion, whole and per key (checkpoint/hf_io.py).
     hf_adapter: HFAdapter | None = None
     capabilities: Capabilities = Capabilities()
+    # Patterns (config/param_groups.py's) of the parameters that train without weight decay in the
+    # default optimizer.param_groups, whose "@no_decay" stands for them: embeddings, norms, biases.
+    no_decay: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for flavor, args in self.flavors.items():

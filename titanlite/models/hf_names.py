@@ -19,6 +19,7 @@ import torch
 
 from titanlite.config.dtypes import dtype_name
 from titanlite.model_spec import DecoderArgs, HFAdapter
+from titanlite.models.decoder import DecoderModelArgs
 
 
 def _compile(table: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
@@ -245,7 +246,7 @@ def decoder_described(config: dict[str, Any], rope: dict[str, Any], model_type: 
     }
 
 
-def decoder_hf_config(args: Any, dtype: torch.dtype, architecture: str, model_type: str) -> dict[str, Any]:
+def decoder_hf_config(args: DecoderModelArgs, dtype: torch.dtype, architecture: str, model_type: str) -> dict[str, Any]:
     """The config.json keys every decoder family writes alike (a family adds and overrides its
     own): shapes, norm eps, RoPE theta at the top level, bias-free SwiGLU attention and MLPs."""
     return {

@@ -19,8 +19,9 @@
 Multi-token prediction (DeepSeek-V3's MTP module, `num_nextn_predict_layers`) is not built.
 """
 
+from titanlite.models.decoder import NO_DECAY
 from titanlite.models.deepseek_v3.hf_adapter import deepseek_v3_hf
-from titanlite.models.deepseek_v3.args import DeepSeekV3Args
+from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
 from titanlite.models.deepseek_v3.model import DeepSeekV3
 from titanlite.models.deepseek_v3.parallelize import apply_tp, tp_problems
 from titanlite.models.moe import MoEArgs
@@ -142,6 +143,7 @@ deepseek_v3_spec = ModelSpec(
     tp_problems=tp_problems,
     # DeepseekV3ForCausalLM, the experts one HF tensor each (hf_adapter.py).
     hf_adapter=deepseek_v3_hf,
+    no_decay=NO_DECAY,
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True, moe=True),
     flops_per_token=flops_per_token,
 )

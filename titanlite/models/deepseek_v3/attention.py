@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from titanlite.models.attention import Mask, attend
-from titanlite.models.deepseek_v3.args import DeepSeekV3Args
+from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
 from titanlite.models.init import ShardInit
 from titanlite.models.kv_cache import LayerKVCache
 from titanlite.models.rope import apply_rope

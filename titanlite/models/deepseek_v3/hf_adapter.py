@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from titanlite.models.deepseek_v3.args import DeepSeekV3Args
+from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
 from titanlite.models.hf_names import DECODER_NAMES, ROUTER_NAMES, MoEHFAdapterBase, decoder_hf_config
 from titanlite.models.moe import MoEArgs
 from titanlite.models.rope import YaRN

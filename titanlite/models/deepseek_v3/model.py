@@ -2,7 +2,7 @@
 latent attention (attention.py) in every block, `n_dense_layers` dense SwiGLU blocks, then
 mixture-of-experts blocks (models/moe.py: sigmoid or softmax scores, the expert bias,
 group-limited top-k, routed scaling, shared experts), and a YaRN-scaled RoPE table over the
-rotary part of each head (qk_rope_head_dim). Its hyperparameters are `DeepSeekV3Args` (args.py).
+rotary part of each head (qk_rope_head_dim). Its hyperparameters are `DeepSeekV3Args` (model_args.py).
 
 Names are torchtitan's (wq / wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo; w1/w2/w3;
 attention_norm, ffn_norm), so the tensor-parallel plan and the Hugging Face mapping
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from titanlite.models.decoder import Decoder, DecoderBlock, FeedForward
-from titanlite.models.deepseek_v3.args import DeepSeekV3Args
+from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
 from titanlite.models.deepseek_v3.attention import MLA
 from titanlite.models.moe import MoE
 from titanlite.models.rope import rope_cos_sin

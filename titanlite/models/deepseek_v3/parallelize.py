@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.models import decoder_tp
-from titanlite.models.deepseek_v3.args import DeepSeekV3Args
+from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
 from titanlite.models.moe import MoE
 from titanlite.parallel import tensor_parallel as tp
 

@@ -4,6 +4,7 @@ import dataclasses
 import functools
 
 from titanlite.models import decoder_tp
+from titanlite.models.decoder import NO_DECAY
 from titanlite.models.llama.hf_adapter import llama3_hf
 from titanlite.models.llama.model import Llama, LlamaArgs
 from titanlite.models.llama.parallelize import tp_problems
@@ -55,6 +56,7 @@ llama3_spec = ModelSpec(
     apply_tp=decoder_tp.apply_tp,
     tp_problems=tp_problems,
     hf_adapter=llama3_hf,
+    no_decay=NO_DECAY,
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True),
     flops_per_token=decoder_flops_per_token,
 )

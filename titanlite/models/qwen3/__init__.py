@@ -13,6 +13,7 @@ true, router_aux_loss_coef 0.001, decoder_sparse_step 1, mlp_only_layers []. voc
 
 import dataclasses
 
+from titanlite.models.decoder import NO_DECAY
 from titanlite.models.moe import MoEArgs
 from titanlite.models.qwen3.hf_adapter import qwen3_hf
 from titanlite.models.qwen3.model import Qwen3, Qwen3Args, qwen3_moe
@@ -98,6 +99,7 @@ qwen3_spec = ModelSpec(
     # Qwen3ForCausalLM / Qwen3MoeForCausalLM, the experts one HF tensor each (hf_adapter.py).
     hf_adapter=qwen3_hf,
     # moe: the code has MoE blocks; which flavors use them is in their args (Qwen3Args.moe).
+    no_decay=NO_DECAY,
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True, moe=True),
     flops_per_token=decoder_flops_per_token,
 )

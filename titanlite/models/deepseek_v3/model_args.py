@@ -72,7 +72,3 @@ class DeepSeekV3Args(DecoderArgs):
     def moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has the MoE feed-forward (HF's first_k_dense_replace rule)."""
         return self.moe is not None and layer_id >= self.n_dense_layers
-
-    @property
-    def n_moe_layers(self) -> int:
-        return sum(self.moe_layer(i) for i in range(self.n_layers))
