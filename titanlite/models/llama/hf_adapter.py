@@ -49,7 +49,11 @@ class LlamaHFAdapter(HFAdapterBase):
         """`config.json` for LlamaForCausalLM with these hyperparameters. RoPE is written both
         where transformers >= 5 reads it (`rope_parameters`) and where older versions do
         (top-level `rope_theta`, `rope_scaling`), so either loads the same model."""
-        scaling = _llama3_scaling(args) if args.rope_scaling is not None else None
+        scaling = (
+            None
+            if args.rope_scaling is None
+            else {"rope_type": "llama3", **dict(zip(_LLAMA3_FIELDS, args.rope_scaling))}
+        )
         return {
             **decoder_hf_config(args, dtype, "LlamaForCausalLM", "llama"),
             "rope_scaling": scaling,
@@ -73,12 +77,8 @@ class LlamaHFAdapter(HFAdapterBase):
             return theta, None
         if rope_type != "llama3":
             raise ValueError(f"rope type {rope_type!r} is not supported (default and llama3 are)")
-        return theta, (
-            float(scaling["factor"]),
-            float(scaling["low_freq_factor"]),
-            float(scaling["high_freq_factor"]),
-            int(scaling["original_max_position_embeddings"]),
-        )
+        *factors, original = (scaling[field] for field in _LLAMA3_FIELDS)
+        return theta, (*map(float, factors), int(original))
 
     def described(self, config: dict[str, Any]) -> dict[str, Any]:
         """Shapes, norm eps, RoPE (read from either place), tied or biased weights."""
@@ -121,15 +121,8 @@ class LlamaHFAdapter(HFAdapterBase):
         return args
 
 
-def _llama3_scaling(args: LlamaArgs) -> dict[str, Any]:
-    factor, low, high, original = args.rope_scaling
-    return {
-        "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": low,
-        "high_freq_factor": high,
-        "original_max_position_embeddings": original,
-    }
+# LlamaArgs.rope_scaling's fields, in order, as HF's llama3 `rope_parameters` name them.
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 # transformers' LlamaConfig default, for a config.json without one.
