@@ -85,7 +85,7 @@ def worker(rank: int, world: int, port: int, cli, folder: str, out: str) -> None
     from titanlite.checkpoint import hf_io
     from titanlite.checkpoint.manager import CheckpointManager
     from titanlite.config import Checkpoint
-    from titanlite.models.llama import hf_adapter, llama3_spec
+    from titanlite.models.llama import llama3_hf as hf_adapter, llama3_spec
     from titanlite.models.llama.model import Llama
     from titanlite.parallel.mesh import ParallelDims
     from titanlite.parallel.parallelize import parallelize
@@ -136,7 +136,7 @@ def main() -> int:
     import transformers
 
     from tests.helpers.distributed import free_port
-    from titanlite.models.llama import hf_adapter
+    from titanlite.models.llama import llama3_hf as hf_adapter
 
     args = llama_args(cli)
     work = Path(tempfile.mkdtemp(prefix="hf_io_bench-"))

@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -35,7 +36,7 @@ NEEDS: dict[Capability, tuple[str, str]] = {
     "document_mask": ("document masking", "forward(tokens, document_ids) and an attn_mask_type field in its args"),
     "kv_cache": ("KV cache", "an enable_kv_cache(KVCache | None) method"),
     "moe": ("mixture-of-experts layers", "routed experts (models/moe.py's MoE) in its blocks"),
-    "hf_adapter": ("Hugging Face mapping", "a to_hf/from_hf module as ModelSpec.hf_adapter"),
+    "hf_adapter": ("Hugging Face mapping", "an HFAdapter as ModelSpec.hf_adapter"),
 }
 
 
@@ -122,6 +123,54 @@ class DecoderArgs(Protocol):
 DECODER_ARGS_MEMBERS = sorted({*DecoderArgs.__annotations__, *(n for n in vars(DecoderArgs) if not n.startswith("_"))})
 
 
+class HFAdapter(Protocol):
+    """A model's Hugging Face mapping (`ModelSpec.hf_adapter`): names, layouts and config.json,
+    whole and per key. The per-key members let checkpoint/hf_io.py read and write a rank's shard
+    without a full state dict. models/hf_names.py's `HFAdapterBase` (and `MoEHFAdapterBase` for
+    stacked experts) implements everything but the config from a table of names."""
+
+    HF_MODEL_TYPES: ClassVar[tuple[str, ...]]  # the config.json `model_type`s it reads
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
+        """Our full state dict -> HF names and layout."""
+
+    def from_hf(self, state_dict: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
+        """HF names and layout -> our full state dict."""
+
+    def hf_config(self, args: DecoderArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """config.json for these hyperparameters."""
+
+    def check_hf_config(self, config: dict[str, Any], args: DecoderArgs) -> list[str]:
+        """How config.json differs from these hyperparameters, one phrase per key; empty: it matches."""
+
+    def args_from_hf_config(self, config: dict[str, Any], base: DecoderArgs | None = None) -> DecoderArgs:
+        """The model's args from config.json (`base`'s training settings kept when given)."""
+
+    def hf_export_problems(self, args: DecoderArgs) -> list[str]:
+        """What of this flavor HF's class cannot hold (a run that would write it is refused when planned)."""
+
+    def hf_name(self, key: str) -> str:
+        """Our key of a tensor HF stores whole -> its HF name."""
+
+    def tied_to(self, key: str, args: DecoderArgs) -> str | None:
+        """The key whose tensor this one is (HF stores it once), or None."""
+
+    def stacked_hf_names(self, key: str, args: DecoderArgs) -> list[str] | None:
+        """For a tensor held as [E, ...] that HF stores one slice per name: those names."""
+
+    def zero_in_hf(self, key: str, args: DecoderArgs) -> bool:
+        """State HF's class lacks, acting as zero there."""
+
+    def rotary_heads(self, key: str, args: DecoderArgs) -> int | None:
+        """The heads whose rows HF's RoPE layout permutes (`interleaved_to_half`), or None."""
+
+    def ignored_hf_tensor(self, name: str, args: DecoderArgs) -> bool:
+        """A tensor HF files may hold that is no weight of this model."""
+
+    def interleaved_to_half(self, weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """Rows of a q/k projection, interleaved RoPE pairs -> HF's rotate-half order."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a model declares it supports beyond the base contract (see `NEEDS` for what each
@@ -164,16 +213,12 @@ class ModelSpec:
     tp_problems: Callable[[DecoderArgs, int], list[str]]
     # (args, n_params, seq_len) -> training FLOPs per token (forward + backward).
     flops_per_token: Callable[[DecoderArgs, int, int], float]
-    # Optional Hugging Face conversion: a module with to_hf(state_dict, args) / from_hf(...),
-    # hf_config(args, dtype), check_hf_config(config, args) -> mismatches, args_from_hf_config,
-    # hf_export_problems(args) -> what HF's class cannot hold (a run that would write it is
-    # refused when planned), and per key for sharded IO (checkpoint/hf_io.py): hf_name(key),
-    # tied_to(key, args), stacked_hf_names(key, args) (a tensor held as [E, ...], stored by HF
-    # one slice per name), zero_in_hf(key, args) (state HF's class lacks, acting as zero there),
-    # rotary_heads(key, args), ignored_hf_tensor(name, args), interleaved_to_half(weight, heads)
-    # (only when rotary_heads names any).
-    hf_adapter: Any = None
+    # Optional Hugging Face conversion, whole and per key (checkpoint/hf_io.py).
+    hf_adapter: HFAdapter | None = None
     capabilities: Capabilities = Capabilities()
+    # Patterns (config/param_groups.py's) of the parameters that train without weight decay in the
+    # default optimizer.param_groups, whose "@no_decay" stands for them: embeddings, norms, biases.
+    no_decay: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for flavor, args in self.flavors.items():
@@ -202,3 +247,21 @@ def transformer_flops_per_token(n_dense_params: int, n_layers: int, attn_width: 
     matmul (the embedding lookup does not), plus causal-attention score and value matmuls:
     12 * layers * width * seq_len (PaLM's accounting, as torchtitan and Megatron report MFU)."""
     return 6 * n_dense_params + 12 * n_layers * attn_width * seq_len
+
+
+def active_parameters(args: DecoderArgs, n_params: int) -> int:
+    """The parameters one token's forward multiplies by: all of them but the embedding table
+    (a lookup; a tied table is counted once, as the head) and, in each MoE block, the routed
+    experts it is not sent to (n_experts - top_k of them, each three dim x hidden matrices)."""
+    embedding = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
+    idle = 0
+    if args.moe is not None:
+        idle = args.n_moe_layers * (args.moe.n_experts - args.moe.top_k) * 3 * args.dim * args.moe.hidden_dim
+    return n_params - embedding - idle
+
+
+def decoder_flops_per_token(args: DecoderArgs, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of a GQA decoder (Llama's, Qwen3's) from its active parameters."""
+    return transformer_flops_per_token(
+        active_parameters(args, n_params), args.n_layers, args.n_heads * args.head_dim, seq_len
+    )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.models.deepseek_v3 import hf_adapter
+from titanlite.models.deepseek_v3 import deepseek_v3_hf as hf_adapter
 from titanlite.models.deepseek_v3.model import DeepSeekV3Args
 from titanlite.models.moe import MoEArgs
 from titanlite.models.rope import YaRN

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from titanlite.models.qwen3 import Qwen3Args, hf_adapter, qwen3_moe
+from titanlite.models.qwen3 import Qwen3Args, qwen3_hf as hf_adapter, qwen3_moe
 
 # Two blocks dense; three MoE blocks of 3 experts (top 2), the middle one dense
 # (mlp_only_layers), so both feed-forwards of a Qwen3-MoE model are mapped. 3 experts: FSDP 2

@@ -145,7 +145,7 @@ def hold_the_lock(case: Path, _checkpoint: Path) -> Callable[[], None]:
 def hf_config_of_another_theta(case: Path, _checkpoint: Path) -> None:
     from titanlite.data import Tokenizer
     from titanlite.models import get_model_spec
-    from titanlite.models.llama import hf_adapter
+    from titanlite.models.llama import llama3_hf as hf_adapter
 
     args = get_model_spec("llama3", "debugmodel").args_for(
         "debugmodel", Tokenizer(str(REPO / "assets/tokenizer/titanlite.model")).vocab_size

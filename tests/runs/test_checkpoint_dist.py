@@ -23,7 +23,7 @@ from tests.helpers.stand_ins import CountingLoader
 
 def export_worker(rank: int, world: int, port: int, folder: str) -> None:
     from titanlite.checkpoint import export, hf_io
-    from titanlite.models.llama import hf_adapter
+    from titanlite.models.llama import llama3_hf as hf_adapter
     from titanlite.models.llama.model import Llama
 
     init_gloo(rank, world, port)

@@ -267,7 +267,7 @@ def test_last_save_in_hf_loads_in_transformers_with_equal_logits(runs, layout):
     import torch
 
     from titanlite.checkpoint import commit
-    from titanlite.models.llama import hf_adapter
+    from titanlite.models.llama import llama3_hf as hf_adapter
     from titanlite.models.llama.model import Llama
 
     run = runs[layout]["resumed"]

@@ -132,7 +132,7 @@ def hf_folders(tmp_path_factory, tok) -> dict[str, tuple[list[str], str]]:
     from tests.helpers import hf_deepseek_v3
     from tests.helpers.hf_qwen3 import transformers_model
     from titanlite.models import get_model_spec
-    from titanlite.models.llama import hf_adapter
+    from titanlite.models.llama import llama3_hf as hf_adapter
 
     folder = tmp_path_factory.mktemp("hf")
     flavor = hf_adapter.hf_config(get_model_spec("llama3", "debugmodel").args_for("debugmodel", tok.vocab_size))

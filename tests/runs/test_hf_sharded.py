@@ -27,7 +27,7 @@ from tests.helpers.gloo_llama import ARGS, build, checkpoint_cfg, full_logits, i
 from tests.helpers import hf_deepseek_v3
 from tests.helpers.hf_qwen3 import SMALL_FILES, TINY, hf_logits, save_source, transformers_model
 from titanlite.checkpoint import hf_io
-from titanlite.models.llama import hf_adapter
+from titanlite.models.llama import llama3_hf as hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
 
 transformers = pytest.importorskip("transformers")

@@ -25,7 +25,7 @@ from tests.helpers.hf_deepseek_v3 import TINY, hf_logits, randomize, save_source
 from tests.helpers.scripts import script_main
 from titanlite.checkpoint import export, hf_io
 from titanlite.errors import TitanliteError
-from titanlite.models.deepseek_v3 import DeepSeekV3, hf_adapter
+from titanlite.models.deepseek_v3 import DeepSeekV3, deepseek_v3_hf as hf_adapter
 from titanlite.models.rope import YaRN
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from tests.helpers.scripts import script_main
 from tests.helpers.stand_ins import TINY, tiny_model
 from titanlite.checkpoint import commit, export, hf_io
 from titanlite.errors import TitanliteError
-from titanlite.models.llama import hf_adapter as hf_llama
+from titanlite.models.llama import llama3_hf as hf_llama
 from titanlite.models.llama.model import Llama
 
 

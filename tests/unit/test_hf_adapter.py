@@ -21,7 +21,7 @@ from tests.helpers.scripts import script_main
 from tests.helpers.stand_ins import TINY, tiny_model
 from titanlite.checkpoint import hf_io
 from titanlite.errors import TitanliteError
-from titanlite.models.llama import hf_adapter
+from titanlite.models.llama import llama3_hf as hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
 from titanlite.models.rope import apply_rope, rope_cos_sin
 

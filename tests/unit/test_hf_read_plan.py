@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from titanlite.checkpoint import hf_io, hf_plan
-from titanlite.models.llama import hf_adapter
+from titanlite.models.llama import llama3_hf as hf_adapter
 
 
 def hf_row(row: int, head_dim: int) -> int:
@@ -182,7 +182,7 @@ def test_a_qwen3_moe_rank_of_48_reads_and_writes_only_its_own_experts():
 
     from titanlite.build import build_on_meta, plan_run
     from titanlite.config.load import load_config
-    from titanlite.models.qwen3 import hf_adapter as qwen3_hf
+    from titanlite.models.qwen3 import qwen3_hf
 
     rank, world = 42, 48
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

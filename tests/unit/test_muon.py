@@ -39,7 +39,7 @@ def test_the_matrices_update_as_torch_muon_updates_them(options):
     for name, value in matrices().items():  # a stacked expert weight: one matrix per expert
         for index, matrix in enumerate(value if value.ndim == 3 else [value]):
             theirs[(name, index)] = torch.nn.Parameter(matrix.clone())
-    optimizer = build_optimizer(list(ours.items()), cfg)
+    optimizer = build_optimizer(list(ours.items()), cfg, no_decay=())
     reference = torch.optim.Muon(
         list(theirs.values()),
         lr=cfg.muon_lr or cfg.lr,
@@ -75,7 +75,7 @@ def test_embeddings_head_norms_and_biases_update_as_torch_adamw():
     }
     cfg = Optimizer(name="Muon", lr=1e-2, muon_lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.2)
     ours = {n: torch.nn.Parameter(v.clone()) for n, v in values.items()}
-    optimizer = build_optimizer(list(ours.items()), cfg)
+    optimizer = build_optimizer(list(ours.items()), cfg, no_decay=("tok_embeddings.*", "*norm.weight", "*.bias"))
     assert {g["algorithm"] for g in optimizer.param_groups} == {"adamw"}
     theirs = {n: torch.nn.Parameter(v.clone()) for n, v in values.items()}
     exempt = [
@@ -106,7 +106,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest_of_a_moe_model():
     with torch.device("meta"):
         model = spec.model_class(spec.args_for("debugmodel_moe", vocab_size=64))
     named = list(model.named_parameters())
-    optimizer = build_optimizer(named, Optimizer(name="Muon"))
+    optimizer = build_optimizer(named, Optimizer(name="Muon"), no_decay=spec.no_decay)
     names = {id(p): n for n, p in named}
     muon = {names[id(p)] for g in optimizer.param_groups if g["algorithm"] == "muon" for p in g["params"]}
     adamw = {names[id(p)] for g in optimizer.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
@@ -121,7 +121,7 @@ def test_gpt2s_embeddings_and_head_take_adamw():
     with torch.device("meta"):
         model = spec.model_class(spec.args_for("debugmodel", vocab_size=64))
     named = list(model.named_parameters())
-    optimizer = build_optimizer(named, Optimizer(name="Muon"))
+    optimizer = build_optimizer(named, Optimizer(name="Muon"), no_decay=spec.no_decay)
     names = {id(p): n for n, p in named}
     adamw = {names[id(p)] for g in optimizer.param_groups if g["algorithm"] == "adamw" for p in g["params"]}
     assert {"embeddings.wte.weight", "embeddings.wpe.weight", "lm_head.weight", "ln_f.weight"} <= adamw

@@ -38,7 +38,7 @@ def test_scheduler_sets_the_lr_each_step():
         weight_decay=0.1,
         implementation="for-loop",
     )
-    optimizer = build_optimizer([("w", param)], cfg)
+    optimizer = build_optimizer([("w", param)], cfg, no_decay=())
     schedule = build_lr_scheduler(
         optimizer, SimpleNamespace(warmup_steps=4, decay_ratio=None, decay_type="linear", lr_min=0.0), 8
     )
@@ -65,7 +65,7 @@ def test_optimizer_implementations_agree(implementation):
         weight_decay=0.1,
         implementation=implementation,
     )
-    optimizer = build_optimizer([("w", param)], cfg)
+    optimizer = build_optimizer([("w", param)], cfg, no_decay=())
     param.grad = torch.ones(16)
     optimizer.step()
     # First AdamW step: decoupled decay, then lr * m_hat / (sqrt(v_hat) + eps) = lr * g / (|g| + eps).

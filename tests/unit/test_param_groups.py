@@ -32,7 +32,7 @@ MODELS = [("qwen3", "debugmodel_moe"), ("llama3", "debugmodel"), ("gpt2", "debug
 @pytest.mark.parametrize("model, flavor", MODELS)
 def test_the_default_exempts_embeddings_norms_and_biases_and_decays_the_rest(model, flavor):
     named = named_model(model, flavor)
-    optimizer = build_optimizer(named, Optimizer())
+    optimizer = build_optimizer(named, Optimizer(), no_decay=get_model_spec(model).no_decay)
     names = {id(p): n for n, p in named}
     decay = {names[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     assert decay.keys() == {n for n, _ in named}
@@ -43,10 +43,37 @@ def test_the_default_exempts_embeddings_norms_and_biases_and_decays_the_rest(mod
     assert any(n.endswith("ln_1.weight") or n.endswith("attention_norm.weight") for n in decay)
 
 
+# The default groups before each model declared its own no-decay patterns (ModelSpec.no_decay).
+FORMER_DEFAULT = "*embeddings.* *norm.weight *ln_*.weight *.bias: weight_decay=0.0"
+
+
+@pytest.mark.parametrize(
+    "model, flavor",
+    [*MODELS, ("qwen3", "debugmodel"), ("deepseek_v3", "debugmodel"), ("deepseek_v3", "debugmodel_q_lora")],
+)
+def test_each_models_no_decay_patterns_group_what_the_former_default_grouped(model, flavor):
+    """@no_decay, the model's patterns, puts exactly the parameters the former patterns put in the
+    exempt group, with the same settings, and names the group by the model's patterns."""
+    named = named_model(model, flavor)
+    spec = get_model_spec(model)
+    [new], [old] = parse_groups(list(DEFAULT_GROUPS), spec.no_decay), parse_groups([FORMER_DEFAULT])
+    assert {n for n, _ in named if new.matches(n)} == {n for n, _ in named if old.matches(n)}
+    assert (new.lr_scale, new.weight_decay) == (old.lr_scale, old.weight_decay) == (None, 0.0)
+    for muon in (False, True):
+        cfg = Optimizer(name="Muon" if muon else "AdamW")
+        groups = build_optimizer(named, cfg, no_decay=spec.no_decay).param_groups
+        before = build_optimizer(
+            named, Optimizer(name=cfg.name, param_groups=[FORMER_DEFAULT]), no_decay=()
+        ).param_groups
+        assert [[id(p) for p in g["params"]] for g in groups] == [[id(p) for p in g["params"]] for g in before]
+        assert [(g["lr"], g["weight_decay"]) for g in groups] == [(g["lr"], g["weight_decay"]) for g in before]
+    assert DEFAULT_GROUPS == ("@no_decay: weight_decay=0.0",) and " ".join(new.patterns) == " ".join(spec.no_decay)
+
+
 def test_a_step_on_zero_gradients_shrinks_only_the_decayed_weights():
     named = named_model("llama3", "debugmodel")
     before = {n: p.detach().clone() for n, p in named}
-    optimizer = build_optimizer(named, Optimizer(lr=1e-3))
+    optimizer = build_optimizer(named, Optimizer(lr=1e-3), no_decay=get_model_spec("llama3").no_decay)
     for _, param in named:
         param.grad = torch.zeros_like(param)
     optimizer.step()
@@ -65,7 +92,7 @@ def test_first_match_wins_and_settings_left_out_keep_the_optimizers():
         param_groups=["layers.0.* output.*: lr_scale=0.5", "layers.*: weight_decay=0.01 lr_scale=2"],
     )
     named = named_model("llama3", "debugmodel")
-    optimizer = build_optimizer(named, cfg)
+    optimizer = build_optimizer(named, cfg, no_decay=get_model_spec("llama3").no_decay)
     names = {id(p): n for n, p in named}
     seen = {names[id(p)]: (g["lr"], g["weight_decay"]) for g in optimizer.param_groups for p in g["params"]}
     assert seen["layers.0.attention.wq.weight"] == (1e-3, 0.2)
@@ -95,6 +122,7 @@ def test_the_resolved_config_shows_the_default_groups():
         ("layers.*: weight_decay=abc", "has weight_decay='abc', not a number"),
         ("layers.*: lr_scale=-1", "has lr_scale=-1: must be a finite number >= 0"),
         ("layers.*: lr_scale=nan", "must be a finite number >= 0"),
+        ("@norms: weight_decay=0", "has '@norms': the one named pattern is @no_decay"),
     ],
 )
 def test_bad_entries_are_one_line_naming_the_field(entry, message):
@@ -132,6 +160,6 @@ def test_wrapped_blocks_keep_the_models_names():
     model.layers["1"] = torch.compile(model.layers["1"])
     named = trained_parameters(model)
     assert [name for name, _ in named] == plain
-    optimizer = build_optimizer(named, Optimizer())
+    optimizer = build_optimizer(named, Optimizer(), no_decay=spec.no_decay)
     exempt = next(g for g in optimizer.param_groups if g["weight_decay"] == 0.0)
     assert {id(p) for p in exempt["params"]} == {id(p) for n, p in named if "norm" in n or "embeddings" in n}

@@ -22,7 +22,7 @@ from tests.helpers.scripts import script_main
 from tests.helpers.hf_qwen3 import TINY, hf_logits, save_source
 from titanlite.checkpoint import export, hf_io
 from titanlite.errors import TitanliteError
-from titanlite.models.qwen3 import Qwen3, hf_adapter, qwen3_flavors
+from titanlite.models.qwen3 import Qwen3, qwen3_hf as hf_adapter, qwen3_flavors
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from titanlite.models.llama import hf_adapter, llama3_spec
+from titanlite.models.llama import llama3_hf as hf_adapter, llama3_spec
 from titanlite.models.llama.model import Llama
 
 

@@ -33,8 +33,9 @@ class Optimizer:
     param_groups: list[str] = _opt(
         list(DEFAULT_GROUPS),
         "parameter groups, first match wins: 'PATTERN [PATTERN ...]: lr_scale=X weight_decay=Y' with shell-style "
-        "patterns on the parameter names (layers.0.attention.wq.weight); unmatched parameters train with lr and "
-        "weight_decay; the default exempts embeddings, norms and biases from weight decay",
+        "patterns on the parameter names (layers.0.attention.wq.weight), @no_decay standing for the model's own "
+        "no-decay patterns (its embeddings, norms and biases); unmatched parameters train with lr and weight_decay; "
+        "the default exempts the model's embeddings, norms and biases from weight decay",
     )
     muon_lr: float | None = _opt(
         None, "Muon's peak learning rate for the hidden matrices; none = optimizer.lr", gt=0, special=None

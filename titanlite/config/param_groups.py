@@ -8,6 +8,13 @@ never appear), then the group's settings, `lr_scale` (times the optimizer's lr) 
 entry with a matching pattern; a parameter no entry matches trains with `optimizer.lr` and
 `optimizer.weight_decay`.
 
+The pattern `@no_decay` stands for the model's own no-decay patterns (`ModelSpec.no_decay`, which
+each model declares: the shared decoder's `tok_embeddings.* *norm.weight`, GPT-2's
+`embeddings.* *ln_*.weight *.bias`); step/optim.py puts them in its place when the optimizer is
+built, and names the group by them. The default, `"@no_decay: weight_decay=0.0"`, exempts every
+model's embeddings, norms and biases from weight decay (as OLMo 2 its embeddings, GPT-3 and
+Megatron-LM norms and biases); the output head decays like every other matrix.
+
 A string per entry keeps the option a plain list, the same in a TOML file and on the command
 line (`--optimizer.param_groups '["output.*: lr_scale=0.5"]'`). No torch here: the config is
 checked before torch is imported.
@@ -15,6 +22,7 @@ checked before torch is imported.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from dataclasses import dataclass
@@ -22,11 +30,8 @@ from dataclasses import dataclass
 from titanlite.errors import TitanliteError
 
 FIELD = "optimizer.param_groups"
-# No weight decay on embeddings (as OLMo 2), norms and biases (as GPT-3, Megatron-LM); the output
-# head decays like every other matrix (OLMo 2 exempts only the input embedding). The patterns
-# name every registered family's embeddings and norms: tok_embeddings and *norm (the shared
-# decoder), embeddings.wte/wpe and ln_* (GPT-2).
-DEFAULT_GROUPS = ("*embeddings.* *norm.weight *ln_*.weight *.bias: weight_decay=0.0",)
+NO_DECAY = "@no_decay"
+DEFAULT_GROUPS = (f"{NO_DECAY}: weight_decay=0.0",)
 _KEYS = ("lr_scale", "weight_decay")
 
 
@@ -44,9 +49,15 @@ class GroupSpec:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.patterns)
 
 
-def parse_groups(entries: list[str]) -> list[GroupSpec]:
-    """Every entry parsed; TitanliteError naming the field, the entry and what is wrong."""
-    return [_parse(entry) for entry in entries]
+def parse_groups(entries: list[str], no_decay: tuple[str, ...] = ()) -> list[GroupSpec]:
+    """Every entry parsed, `@no_decay` replaced by `no_decay` (the model's patterns; the config's
+    own check knows no model); TitanliteError naming the field, the entry and what is wrong."""
+    groups = [_parse(entry) for entry in entries]
+    return [dataclasses.replace(group, patterns=_expand(group.patterns, no_decay)) for group in groups]
+
+
+def _expand(patterns: tuple[str, ...], no_decay: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(expanded for pattern in patterns for expanded in (no_decay if pattern == NO_DECAY else (pattern,)))
 
 
 def _parse(entry: str) -> GroupSpec:
@@ -59,6 +70,8 @@ def _parse(entry: str) -> GroupSpec:
         raise bad("has no ':' between its patterns and its settings")
     if not patterns:
         raise bad("names no pattern")
+    if named := [pattern for pattern in patterns if pattern.startswith("@") and pattern != NO_DECAY]:
+        raise bad(f"has {named[0]!r}: the one named pattern is {NO_DECAY}, the model's no-decay parameters")
     settings: dict[str, float] = {}
     for item in tail.split():
         key, equals, text = item.partition("=")

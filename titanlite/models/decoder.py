@@ -15,7 +15,7 @@ attributes, e.g. DeepSeek-V3's MLA), its block (`DecoderBlock.make_attention` /
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,26 @@ from titanlite.models.attention import Mask, attend, build_mask
 from titanlite.models.chunked_attention import plan_chunks
 from titanlite.models.init import ShardInit
 from titanlite.models.kv_cache import KVCache, LayerKVCache
-from titanlite.models.rope import apply_rope, rope_cos_sin
+from titanlite.model_spec import DecoderArgs
+from titanlite.models.rope import RopeScaling, apply_rope, rope_cos_sin
 from titanlite.parallel.context_parallel import ContextParallel
+
+# The parameters of the shared decoder that train without weight decay (ModelSpec.no_decay):
+# the embedding table and every RMSNorm's weight; it has no biases.
+NO_DECAY = ("tok_embeddings.*", "*norm.weight")
+
+
+class DecoderModelArgs(DecoderArgs, Protocol):
+    """What the shared decoder reads of a family's args beyond `DecoderArgs`: every family's
+    args dataclass has these fields."""
+
+    norm_eps: float  # the RMSNorms' eps
+    rope_theta: float
+    depth_init: bool  # each block's output projections' init std scaled by its depth, else by n_layers
+
+    @property
+    def rope_scaling(self) -> RopeScaling:
+        """Llama 3.1 scaling, YaRN, or None (models/rope.py)."""
 
 
 class FeedForward(nn.Module):
@@ -51,7 +69,7 @@ class Attention(nn.Module):
     """Grouped-query attention over args.n_heads query heads and args.kv_heads key/value heads
     of args.head_dim, RoPE'd by `rotate` (interleaved pairs unless a family overrides it)."""
 
-    def __init__(self, args: Any):
+    def __init__(self, args: DecoderModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
         self.grouped = args.kv_heads != args.n_heads
@@ -95,7 +113,7 @@ class DecoderBlock(nn.Module):
     feed-forward by overriding `make_attention` / `make_feed_forward`; each sub-module brings
     its own `init_weights(init, out_std)`."""
 
-    def __init__(self, layer_id: int, args: Any):
+    def __init__(self, layer_id: int, args: DecoderModelArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = self.make_attention(args)
@@ -104,10 +122,10 @@ class DecoderBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_proj_std = 0.02 / (2 * depth) ** 0.5
 
-    def make_attention(self, args: Any) -> nn.Module:
+    def make_attention(self, args: DecoderModelArgs) -> nn.Module:
         return Attention(args)
 
-    def make_feed_forward(self, layer_id: int, args: Any) -> nn.Module:
+    def make_feed_forward(self, layer_id: int, args: DecoderModelArgs) -> nn.Module:
         return FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
@@ -129,7 +147,7 @@ class Decoder(nn.Module):
 
     block_class: type[nn.Module] = DecoderBlock
 
-    def __init__(self, args: Any):
+    def __init__(self, args: DecoderModelArgs):
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError(f"{type(args).__name__}.vocab_size must be set from the tokenizer")
@@ -150,7 +168,7 @@ class Decoder(nn.Module):
         self.sequence_shards = 1
 
     @staticmethod
-    def rope_table(args: Any, device: torch.device | str) -> torch.Tensor:
+    def rope_table(args: DecoderModelArgs, device: torch.device | str) -> torch.Tensor:
         """The complex RoPE table [max_seq_len, rotary_dim/2] the blocks' attention rotates by:
         over args.head_dim with args.rope_theta and args.rope_scaling. A family whose attention
         rotates another width or scales otherwise (DeepSeek-V3: qk_rope_head_dim, YaRN)

@@ -87,3 +87,12 @@ def feed_forward_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "feed_forward.w2": tp.rowwise_exit(sp),
         "feed_forward.w3": tp.ColwiseParallel(),
     }
+
+
+def indivisible(sizes: dict[str, int], tp_degree: int) -> list[str]:
+    """One message per size that does not split `tp_degree` ways (a family's tp_problems)."""
+    return [
+        f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}"
+        for name, size in sizes.items()
+        if size % tp_degree
+    ]

@@ -2,7 +2,8 @@
 warmup-stable-decay schedule.
 
 Groups come from `optimizer.param_groups` (`config/param_groups.py`): each parameter, by its
-name as the model names it, takes the first matching entry's lr scale and weight decay. Every
+name as the model names it, takes the first matching entry's lr scale and weight decay; an
+entry's `@no_decay` is the model's own no-decay patterns (`ModelSpec.no_decay`). Every
 torch param group carries `group` (GROUP_KEY), the rule it came from with its effective settings, so a
 checkpoint records which rule each parameter trained under (`parallel/optim_state.py` refuses
 a resume under other rules).
@@ -28,11 +29,12 @@ def trained_parameters(model: torch.nn.Module) -> NamedParams:
     return [(clean_name(name), param) for name, param in model.named_parameters() if param.requires_grad]
 
 
-def build_optimizer(named_params: NamedParams, optimizer_cfg) -> torch.optim.Optimizer:
+def build_optimizer(named_params: NamedParams, optimizer_cfg, *, no_decay: tuple[str, ...]) -> torch.optim.Optimizer:
     """AdamW with torchtitan's knobs (`implementation` picks fused, foreach or for-loop kernels),
     or Muon (`step/muon.py`) for the hidden matrices with AdamW for the rest. `named_params`:
-    (name as the model names it, parameter) for every trained parameter."""
-    groups = param_groups(named_params, optimizer_cfg)
+    (name as the model names it, parameter) for every trained parameter; `no_decay`: the model's
+    no-decay patterns (`ModelSpec.no_decay`), which a `@no_decay` in the groups stands for."""
+    groups = param_groups(named_params, optimizer_cfg, no_decay)
     if optimizer_cfg.name == "Muon":
         return Muon(
             groups,
@@ -58,11 +60,11 @@ def build_optimizer(named_params: NamedParams, optimizer_cfg) -> torch.optim.Opt
     )
 
 
-def param_groups(named_params: NamedParams, optimizer_cfg) -> list[dict]:
+def param_groups(named_params: NamedParams, optimizer_cfg, no_decay: tuple[str, ...]) -> list[dict]:
     """torch param groups, one per (rule, update) pair that has parameters, in the order of
-    the rules (the unmatched parameters last). Under Muon each rule splits into the matrices
-    Muon updates and the rest, which AdamW updates."""
-    specs = parse_groups(optimizer_cfg.param_groups)
+    the rules (the unmatched parameters last), each rule's `@no_decay` the model's patterns.
+    Under Muon each rule splits into the matrices Muon updates and the rest, which AdamW updates."""
+    specs = parse_groups(optimizer_cfg.param_groups, no_decay)
     muon = optimizer_cfg.name == "Muon"
     buckets: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
     for name, param in named_params:

@@ -19,56 +19,51 @@
 Multi-token prediction (DeepSeek-V3's MTP module, `num_nextn_predict_layers`) is not built.
 """
 
-from titanlite.models.deepseek_v3 import hf_adapter
-from titanlite.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
+import dataclasses
+import functools
+
+from titanlite.models.decoder import NO_DECAY
+from titanlite.models.deepseek_v3.hf_adapter import deepseek_v3_hf
+from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
+from titanlite.models.deepseek_v3.model import DeepSeekV3
 from titanlite.models.deepseek_v3.parallelize import apply_tp, tp_problems
 from titanlite.models.moe import MoEArgs
 from titanlite.models.rope import YaRN
-from titanlite.model_spec import Capabilities, ModelSpec
+from titanlite.model_spec import Capabilities, ModelSpec, active_parameters
 
 
-def _debug(q_lora_rank: int) -> DeepSeekV3Args:
-    return DeepSeekV3Args(
-        dim=256,
-        n_layers=4,
-        n_heads=8,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        hidden_dim=768,
-        moe=MoEArgs(
-            n_experts=8,
-            top_k=2,
-            hidden_dim=256,
-            n_shared_experts=1,
-            score_func="sigmoid",
-            renormalize=True,
-            route_scale=2.5,
-            use_expert_bias=True,
-            bias_update_rate=1e-2,
-            n_group=2,
-            topk_group=1,
-        ),
-        n_dense_layers=1,
-        rope_scaling=YaRN(factor=4.0, original_max_position_embeddings=512, mscale=1.0, mscale_all_dim=1.0),
-        max_seq_len=2048,
-    )
-
+# DeepSeek-V3's routing: sigmoid scores renormalized and scaled by 2.5, the expert bias, a shared expert.
+_sigmoid_moe = functools.partial(
+    MoEArgs, n_shared_experts=1, score_func="sigmoid", renormalize=True, route_scale=2.5, use_expert_bias=True
+)
+# The published MLA shape (16B and 671B): latents of 512, heads of 128 + 64 rotary, values of 128.
+_published = functools.partial(
+    DeepSeekV3Args, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000.0
+)
+_debug = DeepSeekV3Args(
+    dim=256,
+    n_layers=4,
+    n_heads=8,
+    q_lora_rank=0,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    hidden_dim=768,
+    moe=_sigmoid_moe(n_experts=8, top_k=2, hidden_dim=256, bias_update_rate=1e-2, n_group=2, topk_group=1),
+    n_dense_layers=1,
+    rope_scaling=YaRN(factor=4.0, original_max_position_embeddings=512, mscale=1.0, mscale_all_dim=1.0),
+    max_seq_len=2048,
+)
 
 deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
-    "debugmodel": _debug(q_lora_rank=0),
-    "debugmodel_q_lora": _debug(q_lora_rank=96),
-    "16B": DeepSeekV3Args(
+    "debugmodel": _debug,
+    "debugmodel_q_lora": dataclasses.replace(_debug, q_lora_rank=96),
+    "16B": _published(
         dim=2048,
         n_layers=27,
         n_heads=16,
         q_lora_rank=0,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
         hidden_dim=10944,
         moe=MoEArgs(
             n_experts=64,
@@ -82,36 +77,18 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
             bias_update_rate=1e-3,
         ),
         n_dense_layers=1,
-        rope_theta=10000.0,
         rope_scaling=YaRN(factor=40.0, original_max_position_embeddings=4096, mscale=0.70, mscale_all_dim=0.70),
         max_seq_len=4096 * 4,
     ),
-    "671B": DeepSeekV3Args(
+    "671B": _published(
         dim=7168,
         n_layers=61,
         n_heads=128,
         q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
         hidden_dim=18432,
-        moe=MoEArgs(
-            n_experts=256,
-            top_k=8,
-            hidden_dim=2048,
-            n_shared_experts=1,
-            score_func="sigmoid",
-            renormalize=True,
-            route_scale=2.5,
-            use_expert_bias=True,
-            bias_update_rate=1e-3,
-            n_group=8,
-            topk_group=4,
-        ),
+        moe=_sigmoid_moe(n_experts=256, top_k=8, hidden_dim=2048, bias_update_rate=1e-3, n_group=8, topk_group=4),
         n_dense_layers=3,
         norm_eps=1e-6,
-        rope_theta=10000.0,
         rope_scaling=YaRN(
             factor=40.0,
             original_max_position_embeddings=4096,
@@ -123,17 +100,6 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
         max_seq_len=163840,
     ),
 }
-
-
-def active_parameters(args: DeepSeekV3Args, n_params: int) -> int:
-    """The parameters one token's forward multiplies by: all but the embedding table (a
-    lookup; a tied table counts once, as the head) and, in each MoE block, the routed experts
-    it is not sent to (n_experts - top_k)."""
-    embedding = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
-    idle = 0
-    if args.moe is not None:
-        idle = args.n_moe_layers * (args.moe.n_experts - args.moe.top_k) * 3 * args.dim * args.moe.hidden_dim
-    return n_params - embedding - idle
 
 
 def flops_per_token(args: DeepSeekV3Args, n_params: int, seq_len: int) -> float:
@@ -151,9 +117,17 @@ deepseek_v3_spec = ModelSpec(
     apply_tp=apply_tp,
     tp_problems=tp_problems,
     # DeepseekV3ForCausalLM, the experts one HF tensor each (hf_adapter.py).
-    hf_adapter=hf_adapter,
+    hf_adapter=deepseek_v3_hf,
+    no_decay=NO_DECAY,
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True, moe=True),
     flops_per_token=flops_per_token,
 )
 
-__all__ = ["DeepSeekV3", "DeepSeekV3Args", "deepseek_v3_flavors", "deepseek_v3_spec"]
+__all__ = [
+    "DeepSeekV3",
+    "active_parameters",
+    "DeepSeekV3Args",
+    "deepseek_v3_flavors",
+    "deepseek_v3_hf",
+    "deepseek_v3_spec",
+]

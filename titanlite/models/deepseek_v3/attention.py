@@ -23,19 +23,15 @@ A KV cache (generation) keeps the materialized keys and values, as Llama's does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from titanlite.models.attention import Mask, attend
+from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
 from titanlite.models.init import ShardInit
 from titanlite.models.kv_cache import LayerKVCache
 from titanlite.models.rope import apply_rope
 from titanlite.parallel.context_parallel import ContextParallel
-
-if TYPE_CHECKING:
-    from titanlite.models.deepseek_v3.model import DeepSeekV3Args
 
 # transformers' DeepseekV3RMSNorm default, which its q_a_layernorm and kv_a_layernorm keep
 # (config.rms_norm_eps is the blocks' norms' only).

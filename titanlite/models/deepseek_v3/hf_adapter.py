@@ -8,8 +8,8 @@ the same layout to q and k, so their products, and the logits, are the same.
 
 The routed experts are stacked here, `experts.w1 [E, hidden, dim]` (w2, w3), and one tensor
 per expert in HF's files (`model.layers.L.mlp.experts.E.gate_proj.weight`, up_proj for w3,
-down_proj for w2), which transformers 5 writes and fuses on load; `stacked_hf_names` gives
-each slice's name, so a rank reads and writes only its experts' slices. The router is
+down_proj for w2), which transformers 5 writes and fuses on load (models/hf_names.py's
+`MoEHFAdapterBase`): a rank reads and writes only its experts' slices. The router is
 `mlp.gate.weight`, our expert bias its `e_score_correction_bias` (DeepSeek's balancing bias,
 added to the scores for the choice only: the same rule as ours), the shared experts
 `mlp.shared_experts.*`, dense blocks `mlp.gate_proj/up_proj/down_proj`.
@@ -18,212 +18,183 @@ Multi-token prediction is not trained here: the MTP modules that DeepSeek's publ
 hold as layers past `num_hidden_layers` (`model.layers.61.*` in the 671B) are skipped on load
 (`ignored_hf_tensor`; transformers skips them too), and an exported config has
 `num_nextn_predict_layers` 0. Files in DeepSeek's fp8 format (`quantization_config`, with
-`weight_scale_inv` tensors) are refused: dequantize them to bf16 first. This module is the
-model's `hf_adapter` (ModelSpec), the one place that knows DeepSeek-V3's config.json keys.
+`weight_scale_inv` tensors) are refused: dequantize them to bf16 first. `deepseek_v3_hf` is
+the model's `hf_adapter` (ModelSpec); this module is the one place that knows DeepSeek-V3's config.json keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from titanlite.config.dtypes import dtype_name
-from titanlite.models.hf_names import NameTable
+from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
+from titanlite.models.hf_names import DECODER_NAMES, ROUTER_NAMES, MoEHFAdapterBase, decoder_hf_config
 from titanlite.models.moe import MoEArgs
-
-HF_MODEL_TYPES = ("deepseek_v3",)
-"""The config.json `model_type`s this adapter reads."""
+from titanlite.models.rope import YaRN
 
 _ATTENTION = "model.layers.{i}.self_attn"
 _MLP = "model.layers.{i}.mlp"
-# Our name (with {i} for the layer) -> Hugging Face name, for tensors stored whole.
-_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.attention.wq.weight": f"{_ATTENTION}.q_proj.weight",
-    "layers.{i}.attention.wq_a.weight": f"{_ATTENTION}.q_a_proj.weight",
-    "layers.{i}.attention.q_norm.weight": f"{_ATTENTION}.q_a_layernorm.weight",
-    "layers.{i}.attention.wq_b.weight": f"{_ATTENTION}.q_b_proj.weight",
-    "layers.{i}.attention.wkv_a.weight": f"{_ATTENTION}.kv_a_proj_with_mqa.weight",
-    "layers.{i}.attention.kv_norm.weight": f"{_ATTENTION}.kv_a_layernorm.weight",
-    "layers.{i}.attention.wkv_b.weight": f"{_ATTENTION}.kv_b_proj.weight",
-    "layers.{i}.attention.wo.weight": f"{_ATTENTION}.o_proj.weight",
-    "layers.{i}.feed_forward.w1.weight": f"{_MLP}.gate_proj.weight",
-    "layers.{i}.feed_forward.w2.weight": f"{_MLP}.down_proj.weight",
-    "layers.{i}.feed_forward.w3.weight": f"{_MLP}.up_proj.weight",
-    "layers.{i}.feed_forward.router.gate.weight": f"{_MLP}.gate.weight",
-    "layers.{i}.feed_forward.expert_bias": f"{_MLP}.gate.e_score_correction_bias",
-    "layers.{i}.feed_forward.shared_experts.w1.weight": f"{_MLP}.shared_experts.gate_proj.weight",
-    "layers.{i}.feed_forward.shared_experts.w2.weight": f"{_MLP}.shared_experts.down_proj.weight",
-    "layers.{i}.feed_forward.shared_experts.w3.weight": f"{_MLP}.shared_experts.up_proj.weight",
-}
-# Our stacked expert weights -> the HF name of expert {e}'s slice.
-_EXPERTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_STACKED = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
-_TABLE = NameTable(_NAMES)
 
+class DeepSeekV3HFAdapter(MoEHFAdapterBase):
+    """`DeepseekV3ForCausalLM` (ModelSpec.hf_adapter of deepseek_v3)."""
 
-def hf_name(key: str) -> str:
-    """Our key of a tensor HF stores whole -> its Hugging Face name (KeyError otherwise)."""
-    return _TABLE.to_hf(key)
-
-
-def stacked_hf_names(key: str, args: Any) -> list[str] | None:
-    """The HF name of each expert's slice of a stacked expert weight, or None for a tensor
-    HF stores whole."""
-    match = _STACKED.match(key)
-    if match is None:
-        return None
-    layer, weight = match.groups()
-    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[weight]}.weight" for e in range(args.moe.n_experts)]
-
-
-def zero_in_hf(key: str, args: Any) -> bool:
-    """Nothing: DeepseekV3ForCausalLM holds every tensor of ours (the expert bias too)."""
-    return False
-
-
-def tied_to(key: str, args: Any) -> str | None:
-    """The key whose tensor this one is (a tied model's head is its embedding table: HF
-    stores it once, as `embed_tokens`), or None."""
-    return "tok_embeddings.weight" if key == "output.weight" and args.tie_word_embeddings else None
-
-
-def rotary_heads(key: str, args: Any) -> int | None:
-    """None for every tensor: HF's weights rotate interleaved pairs, as ours do."""
-    return None
-
-
-def ignored_hf_tensor(name: str, args: Any) -> bool:
-    """Tensors HF files may hold that are not weights of this model: a tied model's duplicate
-    head, and the multi-token prediction modules stored as layers past num_hidden_layers
-    (check_hf_config has matched num_hidden_layers, so a layer past it is one of those)."""
-    layer = _LAYER.match(name)
-    return (name == "lm_head.weight" and args.tie_word_embeddings) or (
-        layer is not None and int(layer.group(1)) >= args.n_layers
-    )
-
-
-def hf_export_problems(args: Any) -> list[str]:
-    """What of this flavor DeepseekV3ForCausalLM cannot hold (its MoE blocks: sigmoid scores,
-    an expert bias, shared experts); empty: it maps."""
-    moe = args.moe
-    if moe is None:
-        return []
-    return [
-        what
-        for what, present in (
-            (f"{moe.score_func} router scores (DeepSeek-V3's are a sigmoid)", moe.score_func != "sigmoid"),
-            ("no expert bias (DeepSeek-V3's router has e_score_correction_bias)", not moe.use_expert_bias),
-            ("no shared experts (DeepSeek-V3's MoE blocks have n_shared_experts >= 1)", moe.n_shared_experts == 0),
-        )
-        if present
-    ]
-
-
-def to_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face names, each expert its own tensor (views; the
-    tied head left out)."""
-    out = {}
-    for key, value in state_dict.items():
-        if tied_to(key, args):
-            continue
-        names = stacked_hf_names(key, args)
-        out.update(zip(names, value.unbind(0)) if names else {hf_name(key): value})
-    return out
-
-
-def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> our full state dict: the experts stacked, a tied head as the
-    embedding table, the MTP layers left out."""
-    out, experts = {}, {}
-    for name, value in state_dict.items():
-        if ignored_hf_tensor(name, args):
-            continue
-        if match := _EXPERT.match(name):
-            layer, e, kind = match.groups()
-            weight = next(w for w, k in _EXPERTS.items() if k == kind)
-            experts.setdefault(f"layers.{layer}.feed_forward.experts.{weight}", {})[int(e)] = value
-        else:
-            out[_TABLE.from_hf(name)] = value
-    for key, slices in experts.items():
-        out[key] = torch.stack([slices[e] for e in range(args.moe.n_experts)])
-    if args.tie_word_embeddings:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    return out
-
-
-def _rope(args: Any) -> dict[str, Any]:
-    """RoPE in transformers 5's `rope_parameters` form: default, or YaRN with its fields."""
-    if args.rope_scaling is None:
-        return {"rope_type": "default", "rope_theta": args.rope_theta}
-    return {"rope_type": "yarn", "rope_theta": args.rope_theta, **dataclasses.asdict(args.rope_scaling)}
-
-
-def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """`config.json` for DeepseekV3ForCausalLM. RoPE is written both where transformers >= 5
-    reads it (`rope_parameters`) and where older versions and DeepSeek's own code do
-    (top-level `rope_theta`, `rope_scaling` with "type"). Without MoE every block is dense
-    (first_k_dense_replace = the layers) and the MoE keys keep transformers' defaults."""
-    rope = _rope(args)
-    legacy = None if args.rope_scaling is None else {"type": "yarn", **dataclasses.asdict(args.rope_scaling)}
-    config = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_heads,
-        "q_lora_rank": args.q_lora_rank or None,
-        "kv_lora_rank": args.kv_lora_rank,
-        "qk_nope_head_dim": args.qk_nope_head_dim,
-        "qk_rope_head_dim": args.qk_rope_head_dim,
-        "v_head_dim": args.v_head_dim,
-        "head_dim": args.qk_rope_head_dim,  # what transformers sizes the RoPE table by
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": legacy,
-        "rope_parameters": rope,
-        "rope_interleave": True,
-        "max_position_embeddings": args.max_seq_len,
-        "first_k_dense_replace": args.n_dense_layers if args.moe is not None else args.n_layers,
-        "num_nextn_predict_layers": 0,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "initializer_range": 0.02,
-        "torch_dtype": dtype_name(dtype),
+    HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
+    EXPERT_BIAS_IN_HF = True
+    NAMES: ClassVar[dict[str, str]] = {
+        **DECODER_NAMES,
+        **ROUTER_NAMES,
+        "layers.{i}.attention.wq.weight": f"{_ATTENTION}.q_proj.weight",
+        "layers.{i}.attention.wq_a.weight": f"{_ATTENTION}.q_a_proj.weight",
+        "layers.{i}.attention.q_norm.weight": f"{_ATTENTION}.q_a_layernorm.weight",
+        "layers.{i}.attention.wq_b.weight": f"{_ATTENTION}.q_b_proj.weight",
+        "layers.{i}.attention.wkv_a.weight": f"{_ATTENTION}.kv_a_proj_with_mqa.weight",
+        "layers.{i}.attention.kv_norm.weight": f"{_ATTENTION}.kv_a_layernorm.weight",
+        "layers.{i}.attention.wkv_b.weight": f"{_ATTENTION}.kv_b_proj.weight",
+        "layers.{i}.attention.wo.weight": f"{_ATTENTION}.o_proj.weight",
+        "layers.{i}.feed_forward.expert_bias": f"{_MLP}.gate.e_score_correction_bias",
+        "layers.{i}.feed_forward.shared_experts.w1.weight": f"{_MLP}.shared_experts.gate_proj.weight",
+        "layers.{i}.feed_forward.shared_experts.w2.weight": f"{_MLP}.shared_experts.down_proj.weight",
+        "layers.{i}.feed_forward.shared_experts.w3.weight": f"{_MLP}.shared_experts.up_proj.weight",
     }
-    if args.moe is not None:
-        config.update(
-            {
-                "n_routed_experts": args.moe.n_experts,
-                "num_experts_per_tok": args.moe.top_k,
-                "moe_intermediate_size": args.moe.hidden_dim,
-                "n_shared_experts": args.moe.n_shared_experts,
-                "norm_topk_prob": args.moe.renormalize,
-                "routed_scaling_factor": args.moe.route_scale,
-                "n_group": args.moe.n_group,
-                "topk_group": args.moe.topk_group,
+
+    def ignored_hf_tensor(self, name: str, args: DeepSeekV3Args) -> bool:
+        """A tied model's duplicate head, and the multi-token prediction modules stored as layers
+        past num_hidden_layers (check_hf_config has matched num_hidden_layers, so a layer past it
+        is one of those)."""
+        layer = _LAYER.match(name)
+        return super().ignored_hf_tensor(name, args) or (layer is not None and int(layer.group(1)) >= args.n_layers)
+
+    def hf_export_problems(self, args: DeepSeekV3Args) -> list[str]:
+        """What of this flavor DeepseekV3ForCausalLM cannot hold (its MoE blocks: sigmoid scores,
+        an expert bias, shared experts); empty: it maps."""
+        moe = args.moe
+        if moe is None:
+            return []
+        return [
+            what
+            for what, present in (
+                (f"{moe.score_func} router scores (DeepSeek-V3's are a sigmoid)", moe.score_func != "sigmoid"),
+                ("no expert bias (DeepSeek-V3's router has e_score_correction_bias)", not moe.use_expert_bias),
+                ("no shared experts (DeepSeek-V3's MoE blocks have n_shared_experts >= 1)", moe.n_shared_experts == 0),
+            )
+            if present
+        ]
+
+    def hf_config(self, args: DeepSeekV3Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """`config.json` for DeepseekV3ForCausalLM. RoPE is written both where transformers >= 5
+        reads it (`rope_parameters`) and where older versions and DeepSeek's own code do
+        (top-level `rope_theta`, `rope_scaling` with "type"). Without MoE every block is dense
+        (first_k_dense_replace = the layers) and the MoE keys keep transformers' defaults."""
+        yarn = None if args.rope_scaling is None else dataclasses.asdict(args.rope_scaling)
+        config = {
+            **decoder_hf_config(args, dtype, "DeepseekV3ForCausalLM", "deepseek_v3"),
+            "q_lora_rank": args.q_lora_rank or None,
+            "kv_lora_rank": args.kv_lora_rank,
+            "qk_nope_head_dim": args.qk_nope_head_dim,
+            "qk_rope_head_dim": args.qk_rope_head_dim,
+            "v_head_dim": args.v_head_dim,
+            "head_dim": args.qk_rope_head_dim,  # what transformers sizes the RoPE table by
+            "rope_scaling": None if yarn is None else {"type": "yarn", **yarn},
+            "rope_parameters": {"rope_type": "default" if yarn is None else "yarn", "rope_theta": args.rope_theta}
+            | (yarn or {}),
+            "rope_interleave": True,
+            "first_k_dense_replace": args.n_dense_layers if args.moe is not None else args.n_layers,
+            "num_nextn_predict_layers": 0,
+        }
+        if args.moe is not None:
+            config.update(
+                n_routed_experts=args.moe.n_experts,
+                num_experts_per_tok=args.moe.top_k,
+                moe_intermediate_size=args.moe.hidden_dim,
+                n_shared_experts=args.moe.n_shared_experts,
+                norm_topk_prob=args.moe.renormalize,
+                routed_scaling_factor=args.moe.route_scale,
+                n_group=args.moe.n_group,
+                topk_group=args.moe.topk_group,
                 # DeepSeek's keys, which transformers does not read (its router is this one):
                 # a flavor with another router (hf_export_problems) is told from HF's by them.
-                "scoring_func": args.moe.score_func,
-                "topk_method": "noaux_tc",
-            }
+                scoring_func=args.moe.score_func,
+                topk_method="noaux_tc",
+            )
+        return config
+
+    def described(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Shapes, the latent ranks, norm eps, RoPE and YaRN (read from either place), the experts
+        (None when every block is dense), their routing and which blocks have them, tied or biased
+        weights, fp8 files; defaults filled in. The MTP layers (not trained) are not among them."""
+        theta, yarn = rope_settings(config)
+        heads, layers = config.get("num_attention_heads"), config.get("num_hidden_layers")
+        described = {
+            "model_type": config.get("model_type"),
+            **{key: config.get(key) for key in ("hidden_size", "intermediate_size", "num_hidden_layers")},
+            "num_attention_heads": heads,
+            "num_key_value_heads": config.get("num_key_value_heads") or heads,
+            "q_lora_rank": _value(config, "q_lora_rank") or 0,
+            **{key: config.get(key) for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+            "vocab_size": config.get("vocab_size"),
+            "rms_norm_eps": _value(config, "rms_norm_eps"),
+            "rope_theta": theta,
+            "rope_type": "default" if yarn is None else "yarn",
+            **{f"rope_parameters.{key}": None if yarn is None else yarn[key] for key in _YARN_FIELDS},
+            **{key: _value(config, key) for key in ("rope_interleave", "tie_word_embeddings", "attention_bias")},
+            **{key: _value(config, key) for key in ("hidden_act", "scoring_func", "topk_method", "moe_layer_freq")},
+            "quantization_config": (config.get("quantization_config") or {}).get("quant_method"),
+        }
+        dense = _value(config, "first_k_dense_replace") >= (layers or 0)
+        described.update({key: None if dense else _value(config, key) for key in _MOE_KEYS})
+        return described
+
+    def compared(self, expected: dict[str, Any], got: dict[str, Any], args: DeepSeekV3Args) -> dict[str, Any]:
+        """Also no YaRN fields when the RoPE types differ: the type says it; its fields would repeat it."""
+        expected = super().compared(expected, got, args)
+        if got["rope_type"] != expected["rope_type"]:
+            expected = {key: value for key, value in expected.items() if not key.startswith("rope_parameters.")}
+        return expected
+
+    def args_from_hf_config(self, config: dict[str, Any], base: DeepSeekV3Args | None = None) -> DeepSeekV3Args:
+        """DeepSeekV3Args from a Hugging Face config.json (for `convert_hf.py from-hf`), the MoE
+        layer's training settings (bias step, aux loss) from `base` when given. KeyError or
+        ValueError for a config this model cannot express."""
+        if config.get("model_type") not in self.HF_MODEL_TYPES:
+            raise ValueError(f"model_type {config.get('model_type')!r} is not DeepSeek-V3's ('deepseek_v3')")
+        described = self.described(config)
+        _refuse_what_this_model_lacks(described)
+        yarn = (
+            None
+            if described["rope_type"] == "default"
+            else {k: described[f"rope_parameters.{k}"] for k in _YARN_FIELDS}
         )
-    return config
+        values = dict(
+            **{key: config[hf] for key, hf in _SHAPES.items()},
+            q_lora_rank=described["q_lora_rank"],
+            norm_eps=described["rms_norm_eps"],
+            rope_theta=described["rope_theta"],
+            rope_scaling=YaRN(**yarn) if yarn else None,
+            max_seq_len=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=described["tie_word_embeddings"],
+            moe=None if described["first_k_dense_replace"] is None else _moe_from_hf_config(described, base),
+            n_dense_layers=min(_value(config, "first_k_dense_replace"), config["num_hidden_layers"]),
+        )
+        return dataclasses.replace(base, **values) if base is not None else DeepSeekV3Args(**values)
+
+
+# DeepSeekV3Args' shapes <- config.json's keys, which a config must have.
+_SHAPES = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "vocab_size": "vocab_size",
+    "kv_lora_rank": "kv_lora_rank",
+    "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim",
+    "v_head_dim": "v_head_dim",
+    "hidden_dim": "intermediate_size",
+}
 
 
 # transformers' DeepseekV3Config defaults for the keys a config.json may leave out that
@@ -289,86 +260,6 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, float] | Non
     return theta, {k: float(v) if k != "original_max_position_embeddings" else int(v) for k, v in yarn.items()}
 
 
-def _described(config: dict[str, Any]) -> dict[str, Any]:
-    """The values of a config.json that decide the model's function, defaults filled in; the
-    MoE keys None when every block is dense."""
-    theta, yarn = rope_settings(config)
-    heads, layers = config.get("num_attention_heads"), config.get("num_hidden_layers")
-    described = {
-        "model_type": config.get("model_type"),
-        **{key: config.get(key) for key in ("hidden_size", "intermediate_size", "num_hidden_layers")},
-        "num_attention_heads": heads,
-        "num_key_value_heads": config.get("num_key_value_heads") or heads,
-        "q_lora_rank": _value(config, "q_lora_rank") or 0,
-        **{key: config.get(key) for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
-        "vocab_size": config.get("vocab_size"),
-        "rms_norm_eps": _value(config, "rms_norm_eps"),
-        "rope_theta": theta,
-        "rope_type": "default" if yarn is None else "yarn",
-        **{f"rope_parameters.{key}": None if yarn is None else yarn[key] for key in _YARN_FIELDS},
-        **{key: _value(config, key) for key in ("rope_interleave", "tie_word_embeddings", "attention_bias")},
-        **{key: _value(config, key) for key in ("hidden_act", "scoring_func", "topk_method", "moe_layer_freq")},
-        "quantization_config": (config.get("quantization_config") or {}).get("quant_method"),
-    }
-    dense = _value(config, "first_k_dense_replace") >= (layers or 0)
-    described.update({key: None if dense else _value(config, key) for key in _MOE_KEYS})
-    return described
-
-
-def check_hf_config(config: dict[str, Any], args: Any) -> list[str]:
-    """How a Hugging Face config.json differs from these hyperparameters, one phrase per key
-    that changes the model's function: shapes, the latent ranks, norm eps, RoPE and YaRN (read
-    from either place), the experts, their routing and which blocks have them, tied or biased
-    weights, fp8 files. The dense width is not compared when no block is dense, nor the
-    MTP layers (not trained). Empty: it describes this model."""
-    expected = _described(hf_config(args))
-    if config.get("model_type") != expected["model_type"]:
-        return [f"model_type {config.get('model_type')!r} (this model: {expected['model_type']!r})"]
-    try:
-        got = _described(config)
-    except (KeyError, ValueError, TypeError) as error:
-        return [f"unreadable settings ({error})"]
-    if args.moe is not None and args.n_moe_layers == args.n_layers:
-        del expected["intermediate_size"]
-    if got["rope_type"] != expected["rope_type"]:  # the type says it; its fields would repeat it
-        expected = {key: value for key, value in expected.items() if not key.startswith("rope_parameters.")}
-    return [f"{key} {got[key]} (this model: {expected[key]})" for key in expected if got[key] != expected[key]]
-
-
-def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
-    """DeepSeekV3Args from a Hugging Face config.json (for `convert_hf.py from-hf`), the MoE
-    layer's training settings (bias step, aux loss) from `base` when given. KeyError or
-    ValueError for a config this model cannot express."""
-    from titanlite.models.deepseek_v3.model import DeepSeekV3Args
-    from titanlite.models.rope import YaRN
-
-    if config.get("model_type") not in HF_MODEL_TYPES:
-        raise ValueError(f"model_type {config.get('model_type')!r} is not DeepSeek-V3's ('deepseek_v3')")
-    described = _described(config)
-    _refuse_what_this_model_lacks(described)
-    yarn = None if described["rope_type"] == "default" else {k: described[f"rope_parameters.{k}"] for k in _YARN_FIELDS}
-    values = dict(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        vocab_size=config["vocab_size"],
-        q_lora_rank=described["q_lora_rank"],
-        kv_lora_rank=config["kv_lora_rank"],
-        qk_nope_head_dim=config["qk_nope_head_dim"],
-        qk_rope_head_dim=config["qk_rope_head_dim"],
-        v_head_dim=config["v_head_dim"],
-        hidden_dim=config["intermediate_size"],
-        norm_eps=described["rms_norm_eps"],
-        rope_theta=described["rope_theta"],
-        rope_scaling=YaRN(**yarn) if yarn else None,
-        max_seq_len=config.get("max_position_embeddings", 4096),
-        tie_word_embeddings=described["tie_word_embeddings"],
-        moe=None if described["first_k_dense_replace"] is None else _moe_from_hf_config(described, base),
-        n_dense_layers=min(_value(config, "first_k_dense_replace"), config["num_hidden_layers"]),
-    )
-    return dataclasses.replace(base, **values) if base is not None else DeepSeekV3Args(**values)
-
-
 def _refuse_what_this_model_lacks(described: dict[str, Any]) -> None:
     checks = (
         (described["num_key_value_heads"] == described["num_attention_heads"], "num_key_value_heads != heads"),
@@ -388,7 +279,7 @@ def _refuse_what_this_model_lacks(described: dict[str, Any]) -> None:
         raise ValueError(f"this DeepSeek-V3 cannot hold: {', '.join(wrong)}")
 
 
-def _moe_from_hf_config(described: dict[str, Any], base: Any) -> MoEArgs:
+def _moe_from_hf_config(described: dict[str, Any], base: DeepSeekV3Args | None) -> MoEArgs:
     """DeepSeek-V3's MoE layer with the config's sizes and routing (`_described`); the
     training settings (bias step, aux loss) those of `base`'s MoE, or MoEArgs' defaults."""
     missing = [
@@ -410,3 +301,6 @@ def _moe_from_hf_config(described: dict[str, Any], base: Any) -> MoEArgs:
     )
     base_moe = getattr(base, "moe", None)
     return dataclasses.replace(base_moe, **sizes) if base_moe is not None else MoEArgs(**sizes)
+
+
+deepseek_v3_hf = DeepSeekV3HFAdapter()

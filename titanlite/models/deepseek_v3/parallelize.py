@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanlite.models import decoder_tp
-from titanlite.models.deepseek_v3.model import DeepSeekV3Args
+from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
 from titanlite.models.moe import MoE
 from titanlite.parallel import tensor_parallel as tp
 
@@ -135,8 +135,4 @@ def tp_problems(args: DeepSeekV3Args, tp_degree: int) -> list[str]:
         sizes["ffn hidden size"] = args.hidden_dim
     if args.moe is not None and args.moe.n_shared_experts:
         sizes["shared experts' hidden size"] = args.moe.n_shared_experts * args.moe.hidden_dim
-    return [
-        f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}"
-        for name, size in sizes.items()
-        if size % tp_degree
-    ]
+    return decoder_tp.indivisible(sizes, tp_degree)

@@ -29,6 +29,8 @@ gpt2_spec = ModelSpec(
     # Its attention has no cp gather (learned positions would also need each rank's global
     # ones) and it has neither a KV cache nor a Hugging Face mapping yet.
     capabilities=Capabilities(pipeline_split=True, document_mask=True),
+    # Both embedding tables, the LayerNorms' weights, and every bias.
+    no_decay=("embeddings.*", "*ln_*.weight", "*.bias"),
 )
 
 __all__ = ["GPT2", "GPT2Args", "gpt2_flavors", "gpt2_spec"]

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel, parallelize_module
 
+from titanlite.models import decoder_tp
 from titanlite.models.gpt2.model import GPT2Args
 from titanlite.parallel import tensor_parallel as tp
 
@@ -67,8 +68,4 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
 def tp_problems(args: GPT2Args, tp_degree: int) -> list[str]:
     """Why this flavor cannot be split `tp_degree` ways (empty when it can)."""
     sizes = {"n_heads": args.n_heads, "mlp hidden size": args.ffn_hidden_dim, "vocab_size": args.vocab_size}
-    return [
-        f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}"
-        for name, size in sizes.items()
-        if size % tp_degree
-    ]
+    return decoder_tp.indivisible(sizes, tp_degree)

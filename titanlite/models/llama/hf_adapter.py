@@ -8,263 +8,124 @@ the pair (2i, 2i+1) lands at (i, i + d/2); that is what HF's own conversion scri
 permutation uses n_kv_heads. wv, wo and the MLP have no rotary structure and keep their rows.
 
 `to_hf`/`from_hf` convert plain full state dicts; sharded loads and saves use the per-key
-pieces (`hf_name`, `rotary_heads`, `tied_to`, and `stacked_hf_names` / `zero_in_hf` /
-`hf_export_problems`, which have nothing to say for Llama) with checkpoint/hf_io.py, which
-folds the row permutation into each rank's read plan. This module is the
-model's `hf_adapter` (ModelSpec). It is the one place that knows Llama's config.json keys.
+pieces (`hf_name`, `rotary_heads`, `tied_to`; nothing is stacked or zero for Llama) with
+checkpoint/hf_io.py, which folds the row permutation into each rank's read plan. `llama3_hf`
+is the model's `hf_adapter` (ModelSpec), the one place that knows Llama's config.json keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from titanlite.config.dtypes import dtype_name
-from titanlite.models.hf_names import NameTable
-
-HF_MODEL_TYPES = ("llama",)
-"""The config.json `model_type`s this adapter reads."""
-
-# Our name (with {i} for the layer) -> Hugging Face name.
-_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-}
+from titanlite.models.hf_names import DECODER_NAMES, GQA_NAMES, HFAdapterBase, decoder_described, decoder_hf_config
+from titanlite.models.llama.model import LlamaArgs
 
 
-_TABLE = NameTable(_NAMES)
+class LlamaHFAdapter(HFAdapterBase):
+    """`LlamaForCausalLM` (ModelSpec.hf_adapter of llama3)."""
 
+    HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama",)
+    MISSING_MODEL_TYPE = "llama"
+    UNREADABLE = "RoPE settings"
+    NAMES: ClassVar[dict[str, str]] = {**DECODER_NAMES, **GQA_NAMES}
 
-def hf_name(key: str) -> str:
-    """Our state-dict key -> its Hugging Face name (KeyError for a key HF has no name for)."""
-    return _TABLE.to_hf(key)
+    def rotary_heads(self, key: str, args: LlamaArgs) -> int | None:
+        """The number of heads whose rows a projection's RoPE layout permutes (q: n_heads,
+        k: kv_heads), or None for a tensor HF stores in our layout."""
+        if key.endswith("attention.wq.weight"):
+            return args.n_heads
+        if key.endswith("attention.wk.weight"):
+            return args.kv_heads
+        return None
 
+    def ignored_hf_tensor(self, name: str, args: LlamaArgs) -> bool:
+        """Old exports' RoPE buffers, and a tied model's duplicate head."""
+        return name.endswith("rotary_emb.inv_freq") or super().ignored_hf_tensor(name, args)
 
-def tied_to(key: str, args: Any) -> str | None:
-    """The key whose tensor this one is (a tied model's head is its embedding table: HF
-    stores it once, as `embed_tokens`), or None."""
-    return "tok_embeddings.weight" if key == "output.weight" and args.tie_word_embeddings else None
-
-
-def rotary_heads(key: str, args: Any) -> int | None:
-    """The number of heads whose rows a projection's RoPE layout permutes (q: n_heads,
-    k: kv_heads), or None for a tensor HF stores in our layout."""
-    if key.endswith("attention.wq.weight"):
-        return args.n_heads
-    if key.endswith("attention.wk.weight"):
-        return args.kv_heads
-    return None
-
-
-def stacked_hf_names(key: str, args: Any) -> list[str] | None:
-    """HF stores every Llama tensor whole: none is stacked (an MoE model's experts are)."""
-    return None
-
-
-def zero_in_hf(key: str, args: Any) -> bool:
-    """Llama has no state that LlamaForCausalLM lacks."""
-    return False
-
-
-def hf_export_problems(args: Any) -> list[str]:
-    """What of this model LlamaForCausalLM cannot hold: nothing, every flavor maps."""
-    return []
-
-
-def ignored_hf_tensor(name: str, args: Any) -> bool:
-    """Tensors HF files may hold that are not weights of this model: old exports' RoPE
-    buffers, and a tied model's duplicate head."""
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and args.tie_word_embeddings)
-
-
-def interleaved_to_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q/k projection, Meta's interleaved pairs -> HF's rotate-half order."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def half_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of `interleaved_to_half`."""
-    rows, cols = weight.shape
-    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def to_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face names and layout (new tensors, inputs untouched)."""
-    out = {}
-    for key, value in state_dict.items():
-        if tied_to(key, args):
-            continue
-        heads = rotary_heads(key, args)
-        out[hf_name(key)] = (interleaved_to_half(value, heads) if heads else value).contiguous()
-    return out
-
-
-def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
-    """Hugging Face names and layout -> our full state dict. HF's non-weight buffers
-    (`rotary_emb.inv_freq` in old exports) are dropped; anything else unknown is an error.
-    A tied model's `output.weight` is the embedding table (HF files may omit `lm_head`)."""
-    out = {}
-    for key, value in state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
-        name = _TABLE.from_hf(key)
-        heads = rotary_heads(name, args)
-        out[name] = (half_to_interleaved(value, heads) if heads else value).contiguous()
-    if args.tie_word_embeddings:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    return out
-
-
-def _llama3_scaling(args: Any) -> dict[str, Any]:
-    factor, low, high, original = args.rope_scaling
-    return {
-        "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": low,
-        "high_freq_factor": high,
-        "original_max_position_embeddings": original,
-    }
-
-
-def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """`config.json` for LlamaForCausalLM with these hyperparameters. RoPE is written both
-    where transformers >= 5 reads it (`rope_parameters`) and where older versions do
-    (top-level `rope_theta`, `rope_scaling`), so either loads the same model."""
-    scaling = _llama3_scaling(args) if args.rope_scaling is not None else None
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": args.rope_theta},
-        "max_position_embeddings": args.max_seq_len,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "initializer_range": 0.02,
-        "torch_dtype": dtype_name(dtype),
-    }
-
-
-# transformers' LlamaConfig defaults, for keys a config.json leaves out.
-_HF_DEFAULT_THETA = 10000.0
-_HF_DEFAULT_EPS = 1e-6
-
-
-def rope_settings(config: dict[str, Any]) -> tuple[float, tuple[float, float, float, int] | None]:
-    """(rope_theta, llama3 scaling as LlamaArgs.rope_scaling or None) from a config.json,
-    wherever its transformers version put them: `rope_parameters` (>= 5) or top-level
-    `rope_theta` / `rope_scaling` (older; `type` before `rope_type`). ValueError for a
-    RoPE this model does not implement."""
-    params = config.get("rope_parameters") or {}
-    if params and not ({"rope_type", "rope_theta"} & params.keys()):
-        raise ValueError(f"rope_parameters per layer type ({', '.join(params)}) are not supported")
-    theta = float(params.get("rope_theta", config.get("rope_theta") or _HF_DEFAULT_THETA))
-    scaling = params if params.get("rope_type", "default") != "default" else (config.get("rope_scaling") or {})
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"rope type {rope_type!r} is not supported (default and llama3 are)")
-    return theta, (
-        float(scaling["factor"]),
-        float(scaling["low_freq_factor"]),
-        float(scaling["high_freq_factor"]),
-        int(scaling["original_max_position_embeddings"]),
-    )
-
-
-def _described(config: dict[str, Any]) -> dict[str, Any]:
-    """The values of a config.json that decide the model's function, defaults filled in."""
-    heads = config.get("num_attention_heads")
-    theta, scaling = rope_settings(config)
-    return {
-        "hidden_size": config.get("hidden_size"),
-        "intermediate_size": config.get("intermediate_size"),
-        "num_hidden_layers": config.get("num_hidden_layers"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": config.get("num_key_value_heads") or heads,
-        "head_dim": config.get("head_dim")
-        or (config["hidden_size"] // heads if config.get("hidden_size") and heads else None),
-        "vocab_size": config.get("vocab_size"),
-        "rms_norm_eps": config.get("rms_norm_eps", _HF_DEFAULT_EPS),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "attention_bias": bool(config.get("attention_bias", False)),
-        "mlp_bias": bool(config.get("mlp_bias", False)),
-    }
-
-
-def check_hf_config(config: dict[str, Any], args: Any) -> list[str]:
-    """How a Hugging Face config.json differs from these hyperparameters, one phrase per
-    key that changes the model's function: shapes, norm eps, RoPE (read from either place),
-    tied or biased weights. Empty: it describes this model."""
-    if config.get("model_type", "llama") != "llama":
-        return [f"model_type {config.get('model_type')!r} (this model: 'llama')"]
-    try:
-        got = _described(config)
-    except (KeyError, ValueError, TypeError) as error:
-        return [f"unreadable RoPE settings ({error})"]
-    expected = _described(hf_config(args))
-    return [f"{key} {got[key]} (this model: {expected[key]})" for key in expected if got[key] != expected[key]]
-
-
-def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
-    """LlamaArgs from a Hugging Face config.json (for `convert_hf.py from-hf`).
-
-    `multiple_of` / `ffn_dim_multiplier` are not in HF configs; we pick values that
-    reproduce `intermediate_size` exactly with Meta's rounding rule. KeyError or ValueError
-    for a config this model cannot express.
-    """
-    from titanlite.models.llama.model import LlamaArgs
-
-    described = _described(config)
-    dim, hidden = config["hidden_size"], config["intermediate_size"]
-    default = int(2 * (4 * dim) / 3)
-    values = dict(
-        dim=dim,
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=described["num_key_value_heads"],
-        vocab_size=config["vocab_size"],
-        multiple_of=hidden,
-        ffn_dim_multiplier=None if default <= hidden else hidden / default,
-        norm_eps=described["rms_norm_eps"],
-        rope_theta=described["rope_theta"],
-        rope_scaling=described["rope_scaling"],
-        max_seq_len=config.get("max_position_embeddings", 8192),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
-    args = dataclasses.replace(base, **values) if base is not None else LlamaArgs(**values)
-    unsupported = [key for key in ("attention_bias", "mlp_bias") if described[key]]
-    if unsupported:
-        raise ValueError(f"{', '.join(unsupported)} true: this Llama has bias-free weights")
-    if args.ffn_hidden_dim != hidden or args.head_dim != described["head_dim"]:
-        raise ValueError(
-            f"intermediate_size {hidden} / head_dim {described['head_dim']} cannot be expressed as a Llama flavor"
+    def hf_config(self, args: LlamaArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """`config.json` for LlamaForCausalLM with these hyperparameters. RoPE is written both
+        where transformers >= 5 reads it (`rope_parameters`) and where older versions do
+        (top-level `rope_theta`, `rope_scaling`), so either loads the same model."""
+        scaling = (
+            None
+            if args.rope_scaling is None
+            else {"rope_type": "llama3", **dict(zip(_LLAMA3_FIELDS, args.rope_scaling))}
         )
-    return args
+        return {
+            **decoder_hf_config(args, dtype, "LlamaForCausalLM", "llama"),
+            "rope_scaling": scaling,
+            "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": args.rope_theta},
+            "mlp_bias": False,
+        }
+
+    @staticmethod
+    def rope_settings(config: dict[str, Any]) -> tuple[float, tuple[float, float, float, int] | None]:
+        """(rope_theta, llama3 scaling as LlamaArgs.rope_scaling or None) from a config.json,
+        wherever its transformers version put them: `rope_parameters` (>= 5) or top-level
+        `rope_theta` / `rope_scaling` (older; `type` before `rope_type`). ValueError for a
+        RoPE this model does not implement."""
+        params = config.get("rope_parameters") or {}
+        if params and not ({"rope_type", "rope_theta"} & params.keys()):
+            raise ValueError(f"rope_parameters per layer type ({', '.join(params)}) are not supported")
+        theta = float(params.get("rope_theta", config.get("rope_theta") or _HF_DEFAULT_THETA))
+        scaling = params if params.get("rope_type", "default") != "default" else (config.get("rope_scaling") or {})
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            return theta, None
+        if rope_type != "llama3":
+            raise ValueError(f"rope type {rope_type!r} is not supported (default and llama3 are)")
+        *factors, original = (scaling[field] for field in _LLAMA3_FIELDS)
+        return theta, (*map(float, factors), int(original))
+
+    def described(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Shapes, norm eps, RoPE (read from either place), tied or biased weights."""
+        theta, scaling = self.rope_settings(config)
+        described = decoder_described(config, {"rope_theta": theta, "rope_scaling": scaling}, "llama")
+        return {**described, "mlp_bias": bool(config.get("mlp_bias", False))}
+
+    def args_from_hf_config(self, config: dict[str, Any], base: LlamaArgs | None = None) -> LlamaArgs:
+        """LlamaArgs from a Hugging Face config.json (for `convert_hf.py from-hf`).
+
+        `multiple_of` / `ffn_dim_multiplier` are not in HF configs; we pick values that
+        reproduce `intermediate_size` exactly with Meta's rounding rule. KeyError or ValueError
+        for a config this model cannot express.
+        """
+        described = self.described(config)
+        dim, hidden = config["hidden_size"], config["intermediate_size"]
+        default = int(2 * (4 * dim) / 3)
+        values = dict(
+            dim=dim,
+            n_layers=config["num_hidden_layers"],
+            n_heads=config["num_attention_heads"],
+            n_kv_heads=described["num_key_value_heads"],
+            vocab_size=config["vocab_size"],
+            multiple_of=hidden,
+            ffn_dim_multiplier=None if default <= hidden else hidden / default,
+            norm_eps=described["rms_norm_eps"],
+            rope_theta=described["rope_theta"],
+            rope_scaling=described["rope_scaling"],
+            max_seq_len=config.get("max_position_embeddings", 8192),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+        args = dataclasses.replace(base, **values) if base is not None else LlamaArgs(**values)
+        unsupported = [key for key in ("attention_bias", "mlp_bias") if described[key]]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} true: this Llama has bias-free weights")
+        if args.ffn_hidden_dim != hidden or args.head_dim != described["head_dim"]:
+            raise ValueError(
+                f"intermediate_size {hidden} / head_dim {described['head_dim']} cannot be expressed as a Llama flavor"
+            )
+        return args
+
+
+# LlamaArgs.rope_scaling's fields, in order, as HF's llama3 `rope_parameters` name them.
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+# transformers' LlamaConfig default, for a config.json without one.
+_HF_DEFAULT_THETA = 10000.0
+
+llama3_hf = LlamaHFAdapter()

@@ -3,6 +3,7 @@ which flavors it cannot split."""
 
 from __future__ import annotations
 
+from titanlite.models import decoder_tp
 from titanlite.models.llama.model import LlamaArgs
 
 
@@ -14,8 +15,4 @@ def tp_problems(args: LlamaArgs, tp_degree: int) -> list[str]:
         "ffn hidden size": args.ffn_hidden_dim,
         "vocab_size": args.vocab_size,
     }
-    return [
-        f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}"
-        for name, size in sizes.items()
-        if size % tp_degree
-    ]
+    return decoder_tp.indivisible(sizes, tp_degree)

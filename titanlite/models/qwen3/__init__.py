@@ -13,43 +13,28 @@ true, router_aux_loss_coef 0.001, decoder_sparse_step 1, mlp_only_layers []. voc
 
 import dataclasses
 
+from titanlite.models.decoder import NO_DECAY
 from titanlite.models.moe import MoEArgs
-from titanlite.models.qwen3 import hf_adapter
+from titanlite.models.qwen3.hf_adapter import qwen3_hf
 from titanlite.models.qwen3.model import Qwen3, Qwen3Args, qwen3_moe
 from titanlite.models.qwen3.parallelize import apply_tp, tp_problems
-from titanlite.model_spec import Capabilities, ModelSpec, transformer_flops_per_token
+from titanlite.model_spec import Capabilities, ModelSpec, active_parameters, decoder_flops_per_token
 
+
+# CPU-sized: trains in seconds on 2 cores with the bundled 4k-vocab tokenizer. Llama's debugmodel
+# widths, Qwen3's shape: q wider than dim (8 heads x 64 = 512 > 256), QK norms.
+_debug = Qwen3Args(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048)
 
 qwen3_flavors: dict[str, Qwen3Args] = {
-    # CPU-sized: trains in seconds on 2 cores with the bundled 4k-vocab tokenizer. Llama's
-    # debugmodel widths, Qwen3's shape: q wider than dim (8 heads x 64 = 512 > 256), QK norms.
-    "debugmodel": Qwen3Args(
-        dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=64, hidden_dim=768, max_seq_len=2048
-    ),
+    "debugmodel": _debug,
     # 8 experts, top-2. It also runs DeepSeek-V3's expert-bias balancing (with a faster bias
     # step), which no published Qwen3 has, so that the tests train every path of the MoE layer.
-    "debugmodel_moe": Qwen3Args(
-        dim=256,
-        n_layers=6,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=64,
-        hidden_dim=768,
-        max_seq_len=2048,
-        moe=qwen3_moe(8, 2, 256, use_expert_bias=True, bias_update_rate=1e-2),
+    "debugmodel_moe": dataclasses.replace(
+        _debug, moe=qwen3_moe(8, 2, 256, use_expert_bias=True, bias_update_rate=1e-2)
     ),
     # The same layer balanced as Qwen3-MoE is, by the aux loss alone: the debug MoE flavor
     # Hugging Face's Qwen3MoeForCausalLM holds both ways (it has no expert bias).
-    "debugmodel_moe_aux": Qwen3Args(
-        dim=256,
-        n_layers=6,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=64,
-        hidden_dim=768,
-        max_seq_len=2048,
-        moe=qwen3_moe(8, 2, 256),
-    ),
+    "debugmodel_moe_aux": dataclasses.replace(_debug, moe=qwen3_moe(8, 2, 256)),
     "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, tie_word_embeddings=True),
     "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, tie_word_embeddings=True),
     "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728, tie_word_embeddings=True),
@@ -84,49 +69,25 @@ def _torchtitan_moe(n_experts: int, top_k: int, hidden_dim: int) -> MoEArgs:
 # instead of the aux loss, and its 235B-A22B has rope_theta 5e6; its dense sizes are the published
 # ones, ours. max_seq_len: torchtitan's for the debug flavors, the published context for the others
 # (torchtitan replaces it by training.seq_len when it builds the model).
+_torchtitan_debug = Qwen3Args(
+    dim=256,
+    n_layers=8,
+    n_heads=16,
+    n_kv_heads=8,
+    head_dim=128,
+    hidden_dim=3072,
+    max_seq_len=4096,
+    tie_word_embeddings=True,
+)
 qwen3_torchtitan_flavors: dict[str, Qwen3Args] = {
-    "debugmodel": Qwen3Args(
-        dim=256,
-        n_layers=8,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        hidden_dim=3072,
-        max_seq_len=4096,
-        tie_word_embeddings=True,
-    ),
+    "debugmodel": _torchtitan_debug,
     **{name: qwen3_flavors[name] for name in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")},
-    "debugmodel_moe": Qwen3Args(
-        dim=256,
-        n_layers=8,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        hidden_dim=3072,
-        max_seq_len=4096,
-        moe=_torchtitan_moe(64, 8, 768),
+    "debugmodel_moe": dataclasses.replace(
+        _torchtitan_debug, tie_word_embeddings=False, moe=_torchtitan_moe(64, 8, 768)
     ),
     "30B-A3B": dataclasses.replace(qwen3_flavors["30B-A3B"], moe=_torchtitan_moe(128, 8, 768)),
     "235B-A22B": dataclasses.replace(qwen3_flavors["235B-A22B"], rope_theta=5e6, moe=_torchtitan_moe(128, 8, 1536)),
 }
-
-
-def active_parameters(args: Qwen3Args, n_params: int) -> int:
-    """The parameters one token's forward multiplies by: all of them but the embedding table
-    (a lookup; a tied table is counted once, as the head) and, in each MoE block, the
-    routed experts it is not sent to (n_experts - top_k of them)."""
-    embedding = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
-    idle = 0
-    if args.moe is not None:
-        idle = args.n_moe_layers * (args.moe.n_experts - args.moe.top_k) * 3 * args.dim * args.moe.hidden_dim
-    return n_params - embedding - idle
-
-
-def flops_per_token(args: Qwen3Args, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token from the active parameters (PaLM's accounting, as Llama's)."""
-    return transformer_flops_per_token(
-        active_parameters(args, n_params), args.n_layers, args.n_heads * args.head_dim, seq_len
-    )
 
 
 qwen3_spec = ModelSpec(
@@ -136,10 +97,19 @@ qwen3_spec = ModelSpec(
     apply_tp=apply_tp,
     tp_problems=tp_problems,
     # Qwen3ForCausalLM / Qwen3MoeForCausalLM, the experts one HF tensor each (hf_adapter.py).
-    hf_adapter=hf_adapter,
+    hf_adapter=qwen3_hf,
     # moe: the code has MoE blocks; which flavors use them is in their args (Qwen3Args.moe).
+    no_decay=NO_DECAY,
     capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True, moe=True),
-    flops_per_token=flops_per_token,
+    flops_per_token=decoder_flops_per_token,
 )
 
-__all__ = ["Qwen3", "Qwen3Args", "qwen3_flavors", "qwen3_spec", "qwen3_torchtitan_flavors"]
+__all__ = [
+    "Qwen3",
+    "Qwen3Args",
+    "active_parameters",
+    "qwen3_flavors",
+    "qwen3_hf",
+    "qwen3_spec",
+    "qwen3_torchtitan_flavors",
+]

@@ -7,202 +7,162 @@ MoE layer's experts stacked, `experts.w1 [E, hidden, dim]` (and w2, w3), while H
 hold one tensor per expert, `model.layers.L.mlp.experts.E.gate_proj.weight [hidden, dim]`
 (up_proj for w3, down_proj for w2): the names transformers 5 writes with `save_pretrained`
 (it computes with fused `gate_up_proj` tensors in memory and converts back on save) and the
-published Qwen3-MoE checkpoints hold. `stacked_hf_names` gives each slice's name, and
-checkpoint/hf_plan.py maps a rank's shard of a stacked tensor to the per-expert tensors it
-covers, on load and on save. The router is `mlp.gate.weight`.
+published Qwen3-MoE checkpoints hold (models/hf_names.py's `MoEHFAdapterBase`). The router is
+`mlp.gate.weight`.
 
 HF's Qwen3-MoE has no expert bias (DeepSeek-V3's balancing, which our debug MoE flavor
 trains): loading from HF zeroes it (`zero_in_hf`: a zero bias routes as HF routes), and a
 flavor with one cannot be written as HF weights (`hf_export_problems`), nor can shared
-experts, sigmoid scores or a routed scale. This module is the model's `hf_adapter`
-(ModelSpec); it is the one place that knows Qwen3's config.json keys.
+experts, sigmoid scores or a routed scale. `qwen3_hf` is the model's `hf_adapter` (ModelSpec);
+this module is the one place that knows Qwen3's config.json keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from titanlite.config.dtypes import dtype_name
-from titanlite.models.hf_names import NameTable
+from titanlite.models.hf_names import (
+    DECODER_NAMES,
+    ROUTER_NAMES,
+    GQA_NAMES,
+    MoEHFAdapterBase,
+    decoder_described,
+    decoder_hf_config,
+)
 from titanlite.models.moe import MoEArgs
+from titanlite.models.qwen3.model import Qwen3Args, qwen3_moe
 
-HF_MODEL_TYPES = ("qwen3", "qwen3_moe")
-"""The config.json `model_type`s this adapter reads."""
-
-# Our name (with {i} for the layer) -> Hugging Face name, for tensors stored whole.
-_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.feed_forward.router.gate.weight": "model.layers.{i}.mlp.gate.weight",
-    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-}
-# Our stacked expert weights -> the HF name of expert {e}'s slice.
-_EXPERTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
-_STACKED = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
-
-
-_TABLE = NameTable(_NAMES)
-
-
-def hf_name(key: str) -> str:
-    """Our key of a tensor HF stores whole -> its Hugging Face name (KeyError otherwise)."""
-    return _TABLE.to_hf(key)
-
-
-def stacked_hf_names(key: str, args: Any) -> list[str] | None:
-    """The HF name of each expert's slice of a stacked expert weight (`layers.L.feed_forward.
-    experts.w1` -> `model.layers.L.mlp.experts.{0..E-1}.gate_proj.weight`), or None for a
-    tensor HF stores whole."""
-    match = _STACKED.match(key)
-    if match is None:
-        return None
-    layer, weight = match.groups()
-    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[weight]}.weight" for e in range(args.moe.n_experts)]
-
-
-def zero_in_hf(key: str, args: Any) -> bool:
-    """An MoE layer's expert bias: Qwen3MoeForCausalLM has none, which is a zero bias."""
-    return key.endswith("feed_forward.expert_bias")
-
-
-def tied_to(key: str, args: Any) -> str | None:
-    """The key whose tensor this one is (a tied model's head is its embedding table: HF
-    stores it once, as `embed_tokens`), or None."""
-    return "tok_embeddings.weight" if key == "output.weight" and args.tie_word_embeddings else None
-
-
-def rotary_heads(key: str, args: Any) -> int | None:
-    """None for every tensor: our RoPE is HF's half layout, no rows to permute."""
-    return None
-
-
-def ignored_hf_tensor(name: str, args: Any) -> bool:
-    """Tensors HF files may hold that are not weights of this model: a tied model's
-    duplicate head."""
-    return name == "lm_head.weight" and args.tie_word_embeddings
-
-
-def hf_export_problems(args: Any) -> list[str]:
-    """What of this flavor Qwen3MoeForCausalLM cannot hold (its routing is a softmax top-k,
-    optionally renormalized, with no bias, shared experts or scale); empty: it maps."""
-    moe = args.moe
-    if moe is None:
-        return []
-    problems = [
-        f"{what} (Qwen3-MoE has none)"
-        for what, present in (
-            ("an expert bias (DeepSeek-V3's balancing; MoEArgs.use_expert_bias)", moe.use_expert_bias),
-            (f"{moe.n_shared_experts} shared experts", moe.n_shared_experts > 0),
-            (f"routed_scaling_factor {moe.route_scale}", moe.route_scale != 1.0),
-        )
-        if present
-    ]
-    if moe.score_func != "softmax":
-        problems.append(f"{moe.score_func} router scores (Qwen3-MoE's are a softmax)")
-    return problems
-
-
-def to_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face names, each expert its own tensor (views;
-    the tied head and a zero expert bias left out)."""
-    out = {}
-    for key, value in state_dict.items():
-        if tied_to(key, args) or zero_in_hf(key, args):
-            continue
-        names = stacked_hf_names(key, args)
-        out.update(zip(names, value.unbind(0)) if names else {hf_name(key): value})
-    return out
-
-
-def from_hf(state_dict: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> our full state dict: the experts stacked, an expert bias zero
-    (in MoE flavors that have one), a tied head as the embedding table."""
-    out, experts = {}, {}
-    for name, value in state_dict.items():
-        match = _EXPERT.match(name)
-        if match:
-            layer, e, kind = match.groups()
-            weight = next(w for w, k in _EXPERTS.items() if k == kind)
-            experts.setdefault(f"layers.{layer}.feed_forward.experts.{weight}", {})[int(e)] = value
-        elif not ignored_hf_tensor(name, args):
-            out[_TABLE.from_hf(name)] = value
-    for key, slices in experts.items():
-        out[key] = torch.stack([slices[e] for e in range(args.moe.n_experts)])
-    if args.moe is not None and args.moe.use_expert_bias:
-        out.update(
-            {
-                f"layers.{i}.feed_forward.expert_bias": torch.zeros(args.moe.n_experts)
-                for i in range(args.n_layers)
-                if args.moe_layer(i)
-            }
-        )
-    if args.tie_word_embeddings:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    return out
-
-
-def hf_config(args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """`config.json` for Qwen3ForCausalLM, or Qwen3MoeForCausalLM when the flavor has MoE
-    layers. RoPE is written both where transformers >= 5 reads it (`rope_parameters`) and
-    where older versions do (top-level `rope_theta`)."""
-    config = {
-        "architectures": ["Qwen3MoeForCausalLM" if args.moe is not None else "Qwen3ForCausalLM"],
-        "model_type": "qwen3_moe" if args.moe is not None else "qwen3",
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "max_position_embeddings": args.max_seq_len,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "initializer_range": 0.02,
-        "torch_dtype": dtype_name(dtype),
-    }
-    if args.moe is not None:
-        config.update(
-            {
-                "num_experts": args.moe.n_experts,
-                "num_experts_per_tok": args.moe.top_k,
-                "moe_intermediate_size": args.moe.hidden_dim,
-                "norm_topk_prob": args.moe.renormalize,
-                "router_aux_loss_coef": args.moe.aux_loss_coef,
-                "decoder_sparse_step": args.decoder_sparse_step,
-                "mlp_only_layers": list(args.mlp_only_layers),
-                "output_router_logits": False,
-            }
-        )
-    return config
-
-
-# transformers' defaults for keys a config.json leaves out.
+# transformers' default, for a config.json without one.
 _HF_DEFAULT_THETA = 10000.0
-_HF_DEFAULT_EPS = 1e-6
+
+
+class Qwen3HFAdapter(MoEHFAdapterBase):
+    """`Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` (ModelSpec.hf_adapter of qwen3)."""
+
+    HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ("qwen3", "qwen3_moe")
+    UNREADABLE = "RoPE settings"
+    EXPERT_BIAS_IN_HF = False
+    NAMES: ClassVar[dict[str, str]] = {
+        **DECODER_NAMES,
+        **ROUTER_NAMES,
+        **GQA_NAMES,
+        "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+        "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    }
+
+    def hf_export_problems(self, args: Qwen3Args) -> list[str]:
+        """What of this flavor Qwen3MoeForCausalLM cannot hold (its routing is a softmax top-k,
+        optionally renormalized, with no bias, shared experts or scale); empty: it maps."""
+        moe = args.moe
+        if moe is None:
+            return []
+        problems = [
+            f"{what} (Qwen3-MoE has none)"
+            for what, present in (
+                ("an expert bias (DeepSeek-V3's balancing; MoEArgs.use_expert_bias)", moe.use_expert_bias),
+                (f"{moe.n_shared_experts} shared experts", moe.n_shared_experts > 0),
+                (f"routed_scaling_factor {moe.route_scale}", moe.route_scale != 1.0),
+            )
+            if present
+        ]
+        if moe.score_func != "softmax":
+            problems.append(f"{moe.score_func} router scores (Qwen3-MoE's are a softmax)")
+        return problems
+
+    def hf_config(self, args: Qwen3Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """`config.json` for Qwen3ForCausalLM, or Qwen3MoeForCausalLM when the flavor has MoE
+        layers. RoPE is written both where transformers >= 5 reads it (`rope_parameters`) and
+        where older versions do (top-level `rope_theta`)."""
+        moe = args.moe
+        architecture, model_type = ("Qwen3MoeForCausalLM", "qwen3_moe") if moe else ("Qwen3ForCausalLM", "qwen3")
+        config = {
+            **decoder_hf_config(args, dtype, architecture, model_type),
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+            "use_sliding_window": False,
+        }
+        if moe is not None:
+            config.update(
+                num_experts=moe.n_experts,
+                num_experts_per_tok=moe.top_k,
+                moe_intermediate_size=moe.hidden_dim,
+                norm_topk_prob=moe.renormalize,
+                router_aux_loss_coef=moe.aux_loss_coef,
+                decoder_sparse_step=args.decoder_sparse_step,
+                mlp_only_layers=list(args.mlp_only_layers),
+                output_router_logits=False,
+            )
+        return config
+
+    def described(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The model type (dense or MoE), shapes, norm eps, RoPE (read from either place), tied or
+        biased weights, sliding windows, the experts and which blocks have them (the aux loss
+        coefficient, a training setting, is not among them)."""
+        described = {
+            **decoder_described(config, {"rope_theta": rope_theta(config)}),
+            "use_sliding_window": bool(config.get("use_sliding_window", False)),
+        }
+        if config.get("model_type") == "qwen3_moe":
+            described.update({key: config.get(key) for key in ("num_experts_per_tok", "moe_intermediate_size")})
+            described["num_experts"] = _expert_count(config)
+            described.update(
+                norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                decoder_sparse_step=config.get("decoder_sparse_step", 1),
+                mlp_only_layers=sorted(config.get("mlp_only_layers") or []),
+            )
+        return described
+
+    def args_from_hf_config(self, config: dict[str, Any], base: Qwen3Args | None = None) -> Qwen3Args:
+        """Qwen3Args from a Hugging Face config.json (for `convert_hf.py from-hf`): a dense
+        Qwen3, or Qwen3-MoE's layer (`qwen3_moe`, or `base`'s MoE settings, its expert bias
+        included, with the config's sizes). KeyError or ValueError for a config this model
+        cannot express."""
+        if config.get("model_type") not in self.HF_MODEL_TYPES:
+            raise ValueError(f"model_type {config.get('model_type')!r} is not Qwen3's ('qwen3' or 'qwen3_moe')")
+        described = self.described(config)
+        unsupported = [key for key in ("attention_bias", "use_sliding_window") if described[key]]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} true: this Qwen3 has bias-free, full attention")
+        values = dict(
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=config["num_attention_heads"],
+            n_kv_heads=described["num_key_value_heads"],
+            head_dim=described["head_dim"],
+            hidden_dim=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            norm_eps=described["rms_norm_eps"],
+            rope_theta=described["rope_theta"],
+            max_seq_len=config.get("max_position_embeddings", 40960),
+            tie_word_embeddings=described["tie_word_embeddings"],
+            moe=None,
+        )
+        if config["model_type"] == "qwen3_moe":
+            values.update(_moe_values(config, described, base))
+        return dataclasses.replace(base, **values) if base is not None else Qwen3Args(**values)
+
+
+def _moe_values(config: dict[str, Any], described: dict[str, Any], base: Qwen3Args | None) -> dict[str, Any]:
+    """Qwen3-MoE's layer with the config's sizes: `qwen3_moe`, or `base`'s MoE settings (its
+    expert bias included), and which blocks have it."""
+    if _expert_count(config) is None:
+        raise KeyError("num_experts")
+    sizes = dict(
+        n_experts=_expert_count(config),
+        top_k=config["num_experts_per_tok"],
+        hidden_dim=config["moe_intermediate_size"],
+        renormalize=described["norm_topk_prob"],
+        aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+    )
+    base_moe: MoEArgs = getattr(base, "moe", None) or qwen3_moe(sizes["n_experts"], sizes["top_k"], sizes["hidden_dim"])
+    return dict(
+        moe=dataclasses.replace(base_moe, **sizes),
+        decoder_sparse_step=described["decoder_sparse_step"],
+        mlp_only_layers=tuple(described["mlp_only_layers"]),
+    )
 
 
 def rope_theta(config: dict[str, Any]) -> float:
@@ -222,97 +182,4 @@ def _expert_count(config: dict[str, Any]) -> int | None:
     return config.get("num_experts", config.get("num_local_experts"))
 
 
-def _described(config: dict[str, Any]) -> dict[str, Any]:
-    """The values of a config.json that decide the model's function, defaults filled in
-    (the aux loss coefficient, a training setting, is not among them)."""
-    heads, dim = config.get("num_attention_heads"), config.get("hidden_size")
-    described = {
-        "model_type": config.get("model_type"),
-        "hidden_size": dim,
-        "intermediate_size": config.get("intermediate_size"),
-        "num_hidden_layers": config.get("num_hidden_layers"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": config.get("num_key_value_heads") or heads,
-        "head_dim": config.get("head_dim") or (dim // heads if dim and heads else None),
-        "vocab_size": config.get("vocab_size"),
-        "rms_norm_eps": config.get("rms_norm_eps", _HF_DEFAULT_EPS),
-        "rope_theta": rope_theta(config),
-        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "attention_bias": bool(config.get("attention_bias", False)),
-        "use_sliding_window": bool(config.get("use_sliding_window", False)),
-    }
-    if config.get("model_type") == "qwen3_moe":
-        described.update({key: config.get(key) for key in ("num_experts_per_tok", "moe_intermediate_size")})
-        described["num_experts"] = _expert_count(config)
-        described.update(
-            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-            decoder_sparse_step=config.get("decoder_sparse_step", 1),
-            mlp_only_layers=sorted(config.get("mlp_only_layers") or []),
-        )
-    return described
-
-
-def check_hf_config(config: dict[str, Any], args: Any) -> list[str]:
-    """How a Hugging Face config.json differs from these hyperparameters, one phrase per
-    key that changes the model's function: the model type (dense or MoE), shapes (the
-    dense width where this model has a dense block: Qwen3-MoE configs carry one that no
-    block uses), norm eps, RoPE (read from either place), tied or biased weights, sliding
-    windows, the experts and which blocks have them. Empty: it describes this model."""
-    expected = _described(hf_config(args))
-    if config.get("model_type") != expected["model_type"]:
-        return [f"model_type {config.get('model_type')!r} (this model: {expected['model_type']!r})"]
-    try:
-        got = _described(config)
-    except (KeyError, ValueError, TypeError) as error:
-        return [f"unreadable RoPE settings ({error})"]
-    if args.moe is not None and args.n_moe_layers == args.n_layers:
-        del expected["intermediate_size"]
-    return [f"{key} {got[key]} (this model: {expected[key]})" for key in expected if got[key] != expected[key]]
-
-
-def args_from_hf_config(config: dict[str, Any], base: Any = None) -> Any:
-    """Qwen3Args from a Hugging Face config.json (for `convert_hf.py from-hf`): a dense
-    Qwen3, or Qwen3-MoE's layer (`qwen3_moe`, or `base`'s MoE settings, its expert bias
-    included, with the config's sizes). KeyError or ValueError for a config this model
-    cannot express."""
-    from titanlite.models.qwen3.model import Qwen3Args, qwen3_moe
-
-    if config.get("model_type") not in HF_MODEL_TYPES:
-        raise ValueError(f"model_type {config.get('model_type')!r} is not Qwen3's ('qwen3' or 'qwen3_moe')")
-    described = _described(config)
-    unsupported = [key for key in ("attention_bias", "use_sliding_window") if described[key]]
-    if unsupported:
-        raise ValueError(f"{', '.join(unsupported)} true: this Qwen3 has bias-free, full attention")
-    values = dict(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=described["num_key_value_heads"],
-        head_dim=described["head_dim"],
-        hidden_dim=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        norm_eps=described["rms_norm_eps"],
-        rope_theta=described["rope_theta"],
-        max_seq_len=config.get("max_position_embeddings", 40960),
-        tie_word_embeddings=described["tie_word_embeddings"],
-        moe=None,
-    )
-    if config["model_type"] == "qwen3_moe":
-        if _expert_count(config) is None:
-            raise KeyError("num_experts")
-        sizes = dict(
-            n_experts=_expert_count(config),
-            top_k=config["num_experts_per_tok"],
-            hidden_dim=config["moe_intermediate_size"],
-            renormalize=described["norm_topk_prob"],
-            aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
-        )
-        base_moe: MoEArgs = getattr(base, "moe", None) or qwen3_moe(
-            sizes["n_experts"], sizes["top_k"], sizes["hidden_dim"]
-        )
-        values.update(
-            moe=dataclasses.replace(base_moe, **sizes),
-            decoder_sparse_step=described["decoder_sparse_step"],
-            mlp_only_layers=tuple(described["mlp_only_layers"]),
-        )
-    return dataclasses.replace(base, **values) if base is not None else Qwen3Args(**values)
+qwen3_hf = Qwen3HFAdapter()

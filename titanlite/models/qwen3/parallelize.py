@@ -46,11 +46,7 @@ def tp_problems(args: Qwen3Args, tp_degree: int) -> list[str]:
     sizes = {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads, "vocab_size": args.vocab_size}
     if args.n_moe_layers < args.n_layers:
         sizes["ffn hidden size"] = args.hidden_dim
-    problems = [
-        f"{name} {size} is not divisible by tensor_parallel_degree {tp_degree}"
-        for name, size in sizes.items()
-        if size % tp_degree
-    ]
+    problems = decoder_tp.indivisible(sizes, tp_degree)
     if args.moe is not None and args.moe.n_shared_experts and tp_degree > 1:
         problems.append("shared experts have no tensor-parallel plan")
     return problems
