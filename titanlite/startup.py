@@ -151,7 +151,7 @@ def _build_training(run: RunParts) -> tuple[TokenWindowLoader | None, ExpertLaye
     run.forward_backward = run.steps.forward_backward(run.model, run.model_parts, built.experts)
     named_params = trained_parameters(run.model)
     run.params = [p for _, p in named_params]
-    run.optimizer = build_optimizer(named_params, cfg.optimizer)
+    run.optimizer = build_optimizer(named_params, cfg.optimizer, no_decay=plan.spec.no_decay)
     run.lr_scheduler = build_lr_scheduler(run.optimizer, cfg.lr_scheduler, cfg.training.steps)
     run.state = TrainState()
     return validation_data, built.experts

@@ -330,7 +330,7 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         "flavor": f"{ckpt(dumps['flavor'], 5)}: checkpoint is of model llama3 flavor 8B",
         "initial": f"checkpoint.initial_load_path: {tmp_path / 'no-such-dir'} does not exist",
         "groups": f"{ckpt(dumps['groups'], 5)}: parameter layers.0.attention_norm.weight was saved in optimizer group "
-        "'*embeddings.* *norm.weight *ln_*.weight *.bias: lr_scale=1 weight_decay=0', this run puts it in "
+        "'tok_embeddings.* *norm.weight: lr_scale=1 weight_decay=0', this run puts it in "
         "'*norm.weight: lr_scale=1 weight_decay=0'",
         "optimizer": f"{ckpt(dumps['optimizer'], 5)}: the checkpoint has no optimizer.param_groups.",
     }
