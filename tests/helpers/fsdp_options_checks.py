@@ -1,5 +1,5 @@
 """The FSDP strategy and option-effect checks, one rank's part: `run_checks` runs as the
-"fsdp_options" case of test_parallel_equivalence.py's 4-rank session (session_worker.py),
+"fsdp_options" case of test_parallel_equivalence_4ranks.py's session (session_worker.py),
 so it costs no process start of its own.
 
 Every check trains or runs a small model with the wrappers of `titanlite.compat` or the

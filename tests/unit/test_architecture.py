@@ -337,12 +337,15 @@ def _sizes_of(path: Path) -> list[str]:
 
 def annotation_offenders(path: Path) -> list[str]:
     """A model's args or its HF adapter typed `Any` (or not at all): `args`/`base` parameters
-    of titanlite/models and model_spec.py, and the fields of `ModelSpec`."""
+    of titanlite/models and model_spec.py, `adapter` parameters anywhere (the checkpoint
+    package's HF readers and writers take one), and the fields of `ModelSpec`."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for arg in node.args.args + node.args.kwonlyargs:
-                if arg.arg in ("args", "base") and (arg.annotation is None or "Any" in ast.unparse(arg.annotation)):
+                if arg.arg in ("args", "base", "adapter") and (
+                    arg.annotation is None or "Any" in ast.unparse(arg.annotation)
+                ):
                     found.append(f"{path.name}:{node.lineno} {node.name}({arg.arg})")
         if isinstance(node, ast.ClassDef) and node.name == "ModelSpec":
             found += [
@@ -354,7 +357,11 @@ def annotation_offenders(path: Path) -> list[str]:
 
 
 def test_no_model_args_or_hf_adapter_typed_any():
-    paths = [p for name, p in MODULES.items() if name.startswith(MODELS) or name == "titanlite.model_spec"]
+    paths = [
+        p
+        for name, p in MODULES.items()
+        if name.startswith((MODELS, "titanlite.checkpoint.hf_")) or name == "titanlite.model_spec"
+    ]
     offenders = [line for path in paths for line in annotation_offenders(path)]
     assert not offenders, offenders
 

@@ -40,6 +40,7 @@ from titanlite.checkpoint.export import single_process
 from titanlite.checkpoint.hf_plan import HFReadPlanner, HFWritePlanner, to_hf_rows
 from titanlite.checkpoint.load_progress import HFProgressReader, HFProgressWriter
 from titanlite.errors import TitanliteError, user_errors
+from titanlite.model_spec import DecoderArgs, HFAdapter
 
 HF_CONFIG_FILE = "config.json"
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -128,7 +129,7 @@ def _every_file_note(folder: Path) -> str:
     )
 
 
-def hf_names(keys: list[str], adapter: Any, args: Any) -> dict[str, str]:
+def hf_names(keys: list[str], adapter: HFAdapter, args: DecoderArgs) -> dict[str, str]:
     """Our state-dict key -> its Hugging Face name, for the keys HF stores whole under one
     name. Left out: a tied head (its embedding, stored once), a stacked tensor (`stacked_hf_names`)
     and state HF's class has no place for (`adapter.zero_in_hf`)."""
@@ -139,13 +140,15 @@ def hf_names(keys: list[str], adapter: Any, args: Any) -> dict[str, str]:
     }
 
 
-def stacked_hf_names(keys: list[str], adapter: Any, args: Any) -> dict[str, list[str]]:
+def stacked_hf_names(keys: list[str], adapter: HFAdapter, args: DecoderArgs) -> dict[str, list[str]]:
     """Our key -> the HF name of each slice along its dim 0, for the tensors we hold stacked
     and HF stores one slice each (an MoE layer's experts)."""
     return {key: names for key in keys if (names := adapter.stacked_hf_names(key, args))}
 
 
-def _expected(wanted: dict[str, tuple[int, ...]], adapter: Any, args: Any) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _expected(
+    wanted: dict[str, tuple[int, ...]], adapter: HFAdapter, args: DecoderArgs
+) -> dict[str, tuple[str, tuple[int, ...]]]:
     """HF name -> (our key, the shape HF stores) of every tensor a folder must hold."""
     expected = {name: (key, tuple(wanted[key])) for key, name in hf_names(list(wanted), adapter, args).items()}
     for key, names in stacked_hf_names(list(wanted), adapter, args).items():
@@ -154,7 +157,7 @@ def _expected(wanted: dict[str, tuple[int, ...]], adapter: Any, args: Any) -> di
 
 
 def check_hf_folder(
-    folder: str | os.PathLike, adapter: Any, args: Any, wanted: dict[str, tuple[int, ...]]
+    folder: str | os.PathLike, adapter: HFAdapter, args: DecoderArgs, wanted: dict[str, tuple[int, ...]]
 ) -> dict[str, tuple[tuple[int, ...], str, Path]]:
     """Everything that can be wrong with a Hugging Face folder, as one line each, before any
     rank reads a tensor: config.json of another model, a shard the index names missing,
@@ -192,8 +195,8 @@ def _quiet(group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager
 def load_hf_weights(
     state_dict: dict[str, torch.Tensor],
     folder: str | os.PathLike,
-    adapter: Any,
-    args: Any,
+    adapter: HFAdapter,
+    args: DecoderArgs,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Fill `state_dict` (our keys; plain tensors or this rank's DTensor shards) in place
@@ -213,14 +216,16 @@ def load_hf_weights(
         dcp.load(request, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
 
 
-def whole_model_shapes(model_class: Any, args: Any) -> dict[str, tuple[int, ...]]:
+def whole_model_shapes(model_class: Any, args: DecoderArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape in the whole model, built on meta (no memory): what a Hugging
     Face folder must hold, whichever part of the model a rank (a pipeline stage) has."""
     with torch.device("meta"):
         return {k: tuple(v.shape) for k, v in model_class(args).state_dict().items()}
 
 
-def read_hf_model(folder: str | os.PathLike, adapter: Any, args: Any, model_class: Any) -> dict[str, torch.Tensor]:
+def read_hf_model(
+    folder: str | os.PathLike, adapter: HFAdapter, args: DecoderArgs, model_class: Any
+) -> dict[str, torch.Tensor]:
     """A Hugging Face folder as the full state dict of `model_class(args)`, on one process
     (convert_hf.py), read with the same checks and plan as a sharded load; tensors keep the
     files' dtype."""
@@ -295,8 +300,8 @@ def _global_sizes(
 def save_hf_weights(
     state_dict: dict[str, torch.Tensor],
     out_dir: str | os.PathLike,
-    adapter: Any,
-    args: Any,
+    adapter: HFAdapter,
+    args: DecoderArgs,
     group: dist.ProcessGroup | None = None,
     dtype: torch.dtype | None = None,
     extra_files: list[Path] = (),
@@ -333,8 +338,8 @@ def save_hf_weights(
 
 def _hf_values(
     state_dict: dict[str, torch.Tensor],
-    adapter: Any,
-    args: Any,
+    adapter: HFAdapter,
+    args: DecoderArgs,
     group: dist.ProcessGroup | None,
     dtype: torch.dtype | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:

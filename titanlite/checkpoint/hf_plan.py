@@ -28,7 +28,6 @@ of one rank of a large fake world.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +46,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.errors import TitanliteError
+from titanlite.model_spec import HFAdapter
 
 
 def local_chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
@@ -210,7 +210,11 @@ class HFWritePlanner(DefaultSavePlanner):
 
 
 def to_hf_rows(
-    values: dict[str, torch.Tensor], heads: dict[str, int], head_dim: int, adapter: Any, group: dist.ProcessGroup | None
+    values: dict[str, torch.Tensor],
+    heads: dict[str, int],
+    head_dim: int,
+    adapter: HFAdapter,
+    group: dist.ProcessGroup | None,
 ) -> dict[str, torch.Tensor]:
     """The q/k projections in HF's row order. Each rank permutes its own rows when every
     rank's shard holds whole heads (one all-reduce decides, so all ranks agree); otherwise
