@@ -44,39 +44,51 @@ from titanlite.step.precision import resolve_compute_dtype
 from titanlite.step.validate import Validator
 
 
-class Checkpointing(StepParticipant):
+class NoCheckpoints(StepParticipant):
+    """The run neither saves nor loads checkpoints (checkpoint.enable_checkpoint false, no
+    initial_load_path): nothing to load, save or close; a stop signal saves nothing."""
+
+    def load(self, state: TrainState) -> None:
+        pass
+
+    def save_now(self, step: int) -> str:
+        return "nothing saved (checkpoint.enable_checkpoint is false)"
+
+    def last_saved(self) -> Path | None:
+        return None
+
+
+class Checkpointing(NoCheckpoints):
     """The run's checkpoints as a step participant: `load` before the first step, a save after
     each (`checkpoint/manager.py` decides whether it is due; under fault tolerance only the
-    group that `saves` does), and a blocking save on a stop signal. `manager` is None when the
-    run neither saves nor loads (checkpoint.enable_checkpoint false, no initial_load_path)."""
+    group that `saves` does), and a blocking save on a stop signal."""
 
-    def __init__(self, manager: CheckpointManager | None, saves: Callable[[], bool]) -> None:
+    def __init__(self, manager: CheckpointManager, saves: Callable[[], bool]) -> None:
         self.manager, self.saves = manager, saves
 
     def load(self, state: TrainState) -> None:
-        if self.manager is not None:
-            self.manager.load()
-            if state.step:
-                logger.info(f"resumed at step {state.step}")
+        self.manager.load()
+        if state.step:
+            logger.info(f"resumed at step {state.step}")
 
     def after_step(self, step: int, last: bool) -> None:
-        if self.manager is not None and self.saves():
+        if self.saves():
             self.manager.save(step, last=last)
 
     def save_now(self, step: int) -> str:
-        """A blocking save of `step` (a stop signal's), and what became of it for the last line."""
-        if self.manager is None or not self.manager.cfg.enable_checkpoint:
-            return "nothing saved (checkpoint.enable_checkpoint is false)"
+        """A blocking save of `step` (a stop signal's), and what became of it for the last line
+        (a run that only loads, from initial_load_path, saves nothing)."""
+        if not self.manager.cfg.enable_checkpoint:
+            return super().save_now(step)
         return f"checkpoint saved to {self.manager.save_now(step)}"
 
     def last_saved(self) -> Path | None:
         """The newest step folder this start saved (in flight or committed), for the summary."""
-        saved = self.manager.pipeline.saved_steps if self.manager is not None else ()
+        saved = self.manager.pipeline.saved_steps
         return commit.step_dir(self.manager.root, max(saved)) if saved else None
 
     def close(self) -> None:
-        if self.manager is not None:
-            self.manager.close()
+        self.manager.close()
 
 
 class RunParts:
@@ -98,7 +110,7 @@ class RunParts:
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     state: TrainState
     metrics: MetricsLogger
-    checkpoint: Checkpointing
+    checkpoint: NoCheckpoints  # a Checkpointing when the run saves or loads any
     validator: Validator | None
     participants: Participants  # every one, in order: the checkpoint and the validator too
 
@@ -184,7 +196,7 @@ def _join_participants(
         else None
     )
     _say_start(run)
-    run.checkpoint = Checkpointing(manager, group.saves_checkpoints)
+    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager is not None else NoCheckpoints()
     float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
     members = [run.steps.expert_balance(run.model, experts), group, float8]
     members += [*([run.validator] if run.validator else []), run.checkpoint, ScheduledGC(cfg.training.gc_freq)]
