@@ -28,14 +28,8 @@ from titanlite.parallel import parallelize as parallel
 from titanlite.parallel.activation_checkpoint import ac_setting
 from titanlite.parallel.memory import check_training_state_fits
 from titanlite.parallel.mesh import Meshes, ParallelDims
-from titanlite.parallel.pipeline import (
-    ModelParts,
-    PipelineLayout,
-    part_flops,
-    plan_layout,
-    shared_parameters,
-    split_stage,
-)
+from titanlite.parallel.pipeline import ModelParts, shared_parameters, split_stage
+from titanlite.parallel.pipeline_plan import PipelineLayout, part_flops, plan_layout
 from titanlite.parallel.tensor_parallel import sequence_parallel_for
 from titanlite.parallel.units import select
 

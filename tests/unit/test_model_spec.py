@@ -22,7 +22,8 @@ from titanlite.models import _registry, get_model_spec
 from titanlite.models.moe import moe_layers
 from titanlite.parallel.context_parallel import ContextParallelModel
 from titanlite.parallel.mesh import Meshes
-from titanlite.parallel.pipeline import plan_layout, split_stage
+from titanlite.parallel.pipeline import split_stage
+from titanlite.parallel.pipeline_plan import plan_layout
 
 VOCAB = 64
 EVERYTHING = Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, kv_cache=True)

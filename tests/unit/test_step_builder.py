@@ -11,7 +11,7 @@ import torch
 
 from titanlite.config import load_config
 from titanlite.parallel.mesh import Meshes, ParallelDims
-from titanlite.parallel.pipeline import plan_layout
+from titanlite.parallel.pipeline_plan import plan_layout
 from titanlite.step.builder import StepBuilder
 from titanlite.step.forward_backward import StepLoss, Unpipelined
 from titanlite.step.loss import cross_entropy

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from titanlite.parallel.distributed import collective_timeout
-from titanlite.parallel.pipeline_plan import PipelineLayout, StageSpec, part_flops, plan_layout  # noqa: F401 (build.py's)
+from titanlite.parallel.pipeline_plan import PipelineLayout, StageSpec
 
 
 def shared_parameters(model: nn.Module) -> list[str]:

@@ -32,7 +32,7 @@ from torch import nn
 from titanlite.config import JobConfig
 from titanlite.parallel.collectives import mean_over, sum_over
 from titanlite.parallel.mesh import Meshes, ParallelDims
-from titanlite.parallel.pipeline import PipelineLayout
+from titanlite.parallel.pipeline_plan import PipelineLayout
 from titanlite.step.experts import ExpertBalance, ExpertLayers
 from titanlite.step.forward_backward import Pipelined, Unpipelined
 from titanlite.step.participants import StepParticipant

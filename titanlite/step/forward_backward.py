@@ -35,7 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.fsdp import set_gradient_sync
-from titanlite.parallel.pipeline import PipelineLayout, build_schedule
+from titanlite.parallel.pipeline import build_schedule
+from titanlite.parallel.pipeline_plan import PipelineLayout
 from titanlite.step.experts import ExpertLayers, aux_loss_gradients, uncounted_metadata_forwards
 from titanlite.step.loss import cross_entropy
 from titanlite.step.nonfinite import inject_nan
