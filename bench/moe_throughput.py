@@ -31,12 +31,9 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from titanlite.model_spec import active_parameters  # noqa: E402
 from titanlite.models import get_model_spec  # noqa: E402
 from titanlite.models.moe import aux_losses, update_expert_biases  # noqa: E402
-from titanlite.models.deepseek_v3 import active_parameters as deepseek_v3_active  # noqa: E402
-from titanlite.models.qwen3 import active_parameters as qwen3_active  # noqa: E402
-
-ACTIVE = {"qwen3": qwen3_active, "deepseek_v3": deepseek_v3_active}
 
 
 def models(vocab: int) -> dict[str, tuple[str, object]]:
@@ -75,7 +72,7 @@ def measure(family: str, args, batch: int, seq_len: int, steps: int, warmup: int
         if step >= warmup:
             times.append(time.perf_counter() - started)
     total = sum(p.numel() for p in model.parameters())
-    return times, ACTIVE[family](args, total), total
+    return times, active_parameters(args, total), total
 
 
 def main(argv: list[str] | None = None) -> int:

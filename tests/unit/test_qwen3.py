@@ -20,7 +20,8 @@ from titanlite.models.moe import (
     load_balancing_loss,
     moe_layers,
 )
-from titanlite.models.qwen3 import active_parameters, qwen3_flavors
+from titanlite.model_spec import active_parameters
+from titanlite.models.qwen3 import qwen3_flavors
 
 VOCAB = 64
 SPEC = get_model_spec("qwen3")

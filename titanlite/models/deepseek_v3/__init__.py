@@ -125,7 +125,6 @@ deepseek_v3_spec = ModelSpec(
 
 __all__ = [
     "DeepSeekV3",
-    "active_parameters",
     "DeepSeekV3Args",
     "deepseek_v3_flavors",
     "deepseek_v3_hf",

@@ -18,7 +18,7 @@ from titanlite.models.moe import MoEArgs
 from titanlite.models.qwen3.hf_adapter import qwen3_hf
 from titanlite.models.qwen3.model import Qwen3, Qwen3Args, qwen3_moe
 from titanlite.models.qwen3.parallelize import apply_tp, tp_problems
-from titanlite.model_spec import Capabilities, ModelSpec, active_parameters, decoder_flops_per_token
+from titanlite.model_spec import Capabilities, ModelSpec, decoder_flops_per_token
 
 
 # CPU-sized: trains in seconds on 2 cores with the bundled 4k-vocab tokenizer. Llama's debugmodel
@@ -107,7 +107,6 @@ qwen3_spec = ModelSpec(
 __all__ = [
     "Qwen3",
     "Qwen3Args",
-    "active_parameters",
     "qwen3_flavors",
     "qwen3_hf",
     "qwen3_spec",
