@@ -33,6 +33,7 @@ import pytest
 
 from tests.helpers.distributed import EQUIVALENCE_ARGS, timeout_scale
 from tests.helpers.sessions import Case, run_session
+from tests.runs.equivalence import DSV3, FLOAT8, MUON, QWEN3_MOE
 
 STEPS = 6
 ARGS = [
@@ -49,18 +50,7 @@ ARGS = [
     "--checkpoint.keep_latest_k",
     "0",
 ]
-QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 EP = "--parallelism.expert_parallel_degree"
-MUON = ["--optimizer.name", "Muon"]
-FLOAT8 = [
-    "--model.converters",
-    "float8",
-    "--float8.enable_fsdp_float8_all_gather",
-    "true",
-    "--float8.precompute_float8_dynamic_scale_for_fsdp",
-    "true",
-]
-DSV3 = ["--model.name", "deepseek_v3"]
 LAYOUTS = {
     "single": (1, ["--training.local_batch_size", "8"]),
     "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
