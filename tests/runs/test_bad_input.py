@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.commands import LAUNCHER_ENV, Run, run_command
-from tests.helpers.distributed import REPO, run_env
+from tests.helpers.distributed import REPO, run_env, run_mains
 from tests.helpers.token_data import SHIPPED, change_a_token_inside_the_vocabulary, make_prepared
 
 SMALL_RUN = {
@@ -50,6 +50,7 @@ MOE = {"model.name": "qwen3", "model.flavor": "debugmodel_moe"}
 MAX_ERROR_LINE = 300
 DUMP = "{dump}"  # placeholders, filled per case
 CASE = "{case}"
+PLAIN_TIMEOUT_S = 600  # every plain case, one after another in one interpreter
 
 
 @dataclass(frozen=True)
@@ -426,6 +427,33 @@ def command_of(case: Case, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return command, env
 
 
+def in_one_interpreter(case: Case) -> bool:
+    """A plain one-process case runs with the other plain ones through `titanlite.train.main`
+    in one interpreter (`run_mains`: each its own exit code, stdout and stderr), which pays the
+    imports once; launcher runs, a world size from the environment and a shell prefix (a ulimit)
+    need their own process."""
+    return case.nproc == 1 and case.world_size == 1 and not case.shell_prefix
+
+
+def run_plain_cases(pool: ThreadPoolExecutor, argvs: dict[str, list[str]]) -> dict[str, Future]:
+    """name -> a Future of its Run, all resolved when the one interpreter running them ends."""
+    env = {k: v for k, v in run_env().items() if k not in LAUNCHER_ENV}
+    batch = pool.submit(run_mains, "titanlite.train", list(argvs.values()), PLAIN_TIMEOUT_S, env)
+    futures = {name: Future() for name in argvs}
+
+    def resolve(done: Future) -> None:
+        for index, (name, argv) in enumerate(argvs.items()):
+            if done.exception() is not None:
+                futures[name].set_exception(done.exception())
+            else:
+                result = done.result()[index]
+                command = [sys.executable, "-m", "titanlite.train", *argv]
+                futures[name].set_result(Run(command, result.returncode, result.stdout, result.stderr, 0.0))
+
+    batch.add_done_callback(resolve)
+    return futures
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A real 2-process (FSDP 2) checkpoint of the debug model at step 1, with checksums."""
@@ -458,11 +486,15 @@ def runs(request, tmp_path_factory, checkpoint) -> dict[str, tuple[Path, Future]
         case = CASES[name]
         if case.prepare is not None and (cleanup := case.prepare(folders[name], checkpoint)) is not None:
             cleanups.append(cleanup)
+    plain = [name for name in folders if in_one_interpreter(CASES[name])]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {
-            name: (path, pool.submit(run_command, *command_of(CASES[name], argv_of(CASES[name], path))))
+        runs = {
+            name: pool.submit(run_command, *command_of(CASES[name], argv_of(CASES[name], path)))
             for name, path in folders.items()
+            if name not in plain
         }
+        runs.update(run_plain_cases(pool, {name: argv_of(CASES[name], folders[name]) for name in plain}))
+        yield {name: (folders[name], runs[name]) for name in folders}
     for cleanup in cleanups:
         cleanup()
 
