@@ -26,13 +26,8 @@ import torch.distributed as dist
 
 # Where torch issues or awaits a collective (or a pipeline's sends and receives), and where our own code is.
 _COLLECTIVE_FILES = tuple(
-    os.path.join("torch", "distributed", name)
-    for name in (
-        "distributed_c10d.py",
-        "_functional_collectives.py",
-        os.path.join("pipelining", "schedules.py"),
-        os.path.join("pipelining", "stage.py"),
-    )
+    os.path.join("torch", "distributed", *name.split("/"))
+    for name in ("distributed_c10d.py", "_functional_collectives.py", "pipelining/schedules.py", "pipelining/stage.py")
 )
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What gloo and NCCL say when a peer stopped answering or went away.
@@ -130,15 +125,9 @@ def _take_device(local_rank: int, local_world_size: int) -> torch.device:
 
 
 def _apply_timeout(group: dist.ProcessGroup, seconds: int) -> None:
-    """`ProcessGroup.set_timeout` (public; every backend of the group, future collectives),
-    or on a torch without it the private setter that does the same per backend."""
-    timeout = timedelta(seconds=seconds)
-    if hasattr(group, "set_timeout"):
-        group.set_timeout(timeout)
-    else:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(timeout, group)
+    """`ProcessGroup.set_timeout`: every backend of the group, future collectives (public on
+    torch 2.11 and 2.13, the versions titanlite runs on)."""
+    group.set_timeout(timedelta(seconds=seconds))
 
 
 def adopt_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
