@@ -132,12 +132,8 @@ class Activations:
 
     @property
     def kept(self) -> float:
-        one = (
-            (self.n_blocks - self.n_checkpointed) * self.block
-            + self.n_checkpointed * self.checkpointed_block
-            + self.head
-        )
-        return self.in_flight * one
+        one = (self.n_blocks - self.n_checkpointed) * self.block + self.n_checkpointed * self.checkpointed_block
+        return self.in_flight * (one + self.head)
 
     @property
     def total(self) -> float:
@@ -179,17 +175,9 @@ def estimate_activations(
         block, recompute = kept, block - kept
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
     extra = max(n * vocab * p if holds_head else 0.0, recompute)
-    return Activations(
-        block,
-        n * d / r * p,
-        n_ckpt,
-        n_blocks,
-        head,
-        extra,
-        in_flight,
-        boundary_buffers * n * d / r * p,
-        all_to_all_bytes(args, n, p) if shape.ep > 1 else 0.0,
-    )
+    buffers = boundary_buffers * n * d / r * p
+    all_to_all = all_to_all_bytes(args, n, p) if shape.ep > 1 else 0.0
+    return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight, buffers, all_to_all)
 
 
 def attention_per_token(args: DecoderArgs, shape: StepShape) -> float:
