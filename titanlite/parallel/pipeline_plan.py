@@ -55,11 +55,8 @@ class StageSpec:
     flops: float | None = None
 
     def describe(self) -> str:
-        blocks = (
-            [f"layers {self.blocks[0]}" + (f"-{self.blocks[-1]}" if len(self.blocks) > 1 else "")]
-            if self.blocks
-            else []
-        )
+        ends = self.blocks[:1] + self.blocks[1:][-1:]  # the first block and, when there are more, the last
+        blocks = [f"layers {'-'.join(ends)}"] if ends else []
         parts = (["input"] if self.first else []) + blocks + (["output"] if self.last else [])
         cost = "" if self.flops is None else f" ({self.flops / 1e6:,.1f} MFLOP/token)"
         return f"stage {self.index}: {' + '.join(parts)}{cost}"

@@ -136,12 +136,7 @@ def _shard_group_size(strategy: ShardingStrategy, fsdp_group_size: int | None, w
             raise TitanliteError("fsdp_group_size: NO_SHARD shards nothing; drop one of them")
         return 1
     if fsdp_group_size is not None:
-        if (
-            isinstance(fsdp_group_size, bool)
-            or not isinstance(fsdp_group_size, int)
-            or fsdp_group_size < 1
-            or world % fsdp_group_size
-        ):
+        if type(fsdp_group_size) is not int or fsdp_group_size < 1 or world % fsdp_group_size:  # not a bool
             raise TitanliteError(
                 f"fsdp_group_size: {fsdp_group_size!r} must be a whole number dividing the {world} ranks"
             )
