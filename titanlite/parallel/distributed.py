@@ -200,16 +200,14 @@ def _failure(error: BaseException, frames: list[FrameType]) -> CollectiveFailure
         return None
     # Our frame: the last of ours that called into torch (a pipeline's wait is ours, inside torch's schedule).
     callers = frames[: frames.index(torch_frame)] if torch_frame is not None else frames
-    what = _describe(
-        torch_frame, next((f for f in reversed(callers) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None)
-    )
+    ours = next((f for f in reversed(callers) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None)
+    what = _describe(torch_frame, ours)
     if re.search(r"timed out|timeout", text, re.IGNORECASE):
         return CollectiveFailure(f"{what} timed out after {_timeouts.seconds} s: a peer rank stopped answering", True)
     if re.search(r"connection (closed|reset)|broken pipe", text, re.IGNORECASE):
         return CollectiveFailure(f"{what} failed: a peer rank closed its connection (it died)", False)
-    return CollectiveFailure(
-        f"{what} failed: {next((line for line in text.splitlines() if line.strip()), type(error).__name__)}", False
-    )
+    first_line = next((line for line in text.splitlines() if line.strip()), type(error).__name__)
+    return CollectiveFailure(f"{what} failed: {first_line}", False)
 
 
 def _describe(torch_frame: FrameType | None, our_frame: FrameType | None) -> str:

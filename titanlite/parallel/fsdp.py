@@ -36,9 +36,7 @@ def shard_dim(shards: int):
     shards TP parameters along dim 0 only)."""
 
     def placement(param: nn.Parameter) -> Shard | None:
-        if param.shape[0] >= shards or isinstance(param, DTensor):
-            return None
-        return _later_dim(param, shards)
+        return None if param.shape[0] >= shards or isinstance(param, DTensor) else _later_dim(param, shards)
 
     return placement
 

@@ -175,11 +175,8 @@ class WholeOnEachRank(ParallelStyle):
     def _residual_output(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
         if isinstance(self.layout, Replicate):
             return output
-        return (
-            DTensor.from_local(output, mesh, (Replicate(),), run_check=False)
-            .redistribute(mesh, (self.layout,))
-            .to_local()
-        )
+        whole = DTensor.from_local(output, mesh, (Replicate(),), run_check=False)
+        return whole.redistribute(mesh, (self.layout,)).to_local()
 
 
 def whole_on_each_rank(sequence_parallel: bool) -> WholeOnEachRank:
