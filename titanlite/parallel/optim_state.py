@@ -84,12 +84,8 @@ def rekey(state: dict[str, Any], order: list[str], by: str) -> dict[str, Any]:
         mapping = lambda key: order[key] if isinstance(key, int) else key  # noqa: E731
     else:
         raise TitanliteError(f"optim_state_key_type: expected OptimStateKeyType.PARAM_NAME or PARAM_ID, got {by!r}")
-    return {
-        "state": {mapping(key): value for key, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [mapping(key) for key in group["params"]]} for group in state["param_groups"]
-        ],
-    }
+    groups = [{**group, "params": [mapping(key) for key in group["params"]]} for group in state["param_groups"]]
+    return {"state": {mapping(key): value for key, value in state["state"].items()}, "param_groups": groups}
 
 
 def _known(to_id: dict[str, int], name: str) -> int:
@@ -125,7 +121,7 @@ def _laid_out_like(value: Any, param: torch.Tensor, from_rank0: bool) -> Any:
     it is given and steps it in place: two optimizers loaded from one dict would share it."""
     if isinstance(value, _Placeholder):
         value = torch.empty(value.shape, dtype=value.dtype)
-    if not isinstance(param, DTensor) or not _shaped_like(value, param):
+    if not _scattered(value, param):
         return value.clone() if torch.is_tensor(value) and not isinstance(value, DTensor) else value
     return distribute_tensor(
         value.to(param.device), param.device_mesh, param.placements, src_data_rank=0 if from_rank0 else None
@@ -150,22 +146,20 @@ def _broadcast_layout(
         if state is None:
             raise TitanliteError("scatter_full_optim_state_dict: rank 0 has no optimizer state dict to scatter")
         state = rekey(state, order, "name")
-        box[0] = {
-            "state": {
-                name: {
-                    k: _Placeholder(v) if isinstance(params[name], DTensor) and _shaped_like(v, params[name]) else v
-                    for k, v in values.items()
-                }
-                for name, values in state["state"].items()
-            },
-            "param_groups": state["param_groups"],
+        layout = {
+            name: {k: _Placeholder(v) if _scattered(v, params[name]) else v for k, v in values.items()}
+            for name, values in state["state"].items()
         }
+        box[0] = {"state": layout, "param_groups": state["param_groups"]}
     dist.broadcast_object_list(box, src=0, group=group)
     return state if dist.get_rank() == 0 else box[0]
 
 
-def _shaped_like(value: Any, param: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.shape
+def _scattered(value: Any, param: torch.Tensor) -> bool:
+    """Whether `value` is a whole state tensor laid out as its sharded parameter: a plain
+    tensor of the shape of a DTensor `param`."""
+    plain = torch.is_tensor(value) and not isinstance(value, DTensor)
+    return plain and isinstance(param, DTensor) and value.shape == param.shape
 
 
 # --- Parameter groups in a checkpoint (step/optim.py names each group under this key) --------
