@@ -104,12 +104,9 @@ def init_distributed(init_timeout_seconds: int = 600, cpu_offload: bool = False)
     else:
         if "MASTER_ADDR" not in os.environ:  # launched without torchrun: a world of one
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-        backend = backend_for(device.type, cpu_offload)
-        dist.init_process_group(
-            backend,
-            timeout=timedelta(seconds=init_timeout_seconds),
-            device_id=device if device.type == "cuda" else None,
-        )
+        timeout = timedelta(seconds=init_timeout_seconds)
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(backend_for(device.type, cpu_offload), timeout=timeout, device_id=device_id)
     _timeouts.seconds, _timeouts.groups = init_timeout_seconds, [dist.group.WORLD]
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
 

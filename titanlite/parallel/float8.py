@@ -52,9 +52,8 @@ _IMPORT_NOISE = ("torchao", "torch.utils._pytree")  # loggers torchao's import w
 
 def torchao_float8() -> Any:
     """`torchao.float8`, imported quietly; a missing torchao is one line."""
-    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
-    levels = [log.level for log in loggers]
-    for log in loggers:
+    levels = {log: log.level for log in map(logging.getLogger, _IMPORT_NOISE)}
+    for log in levels:
         log.setLevel(logging.ERROR)
     try:
         import torchao.float8 as module
@@ -63,7 +62,7 @@ def torchao_float8() -> Any:
             'model.converters: float8 needs torchao (pip install "titanlite[float8]", torchao 0.18)'
         ) from None
     finally:
-        for log, level in zip(loggers, levels):
+        for log, level in levels.items():
             log.setLevel(level)
     return module
 

@@ -61,8 +61,7 @@ def summon_full_params(
     slots = _slots(module)
     sharded = {id(p): p for _, _, p in slots}  # each tied parameter once, in the model's order
     full = {key: _gather(p, offload_to_cpu, with_grads) for key, p in sharded.items()}
-    swap = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    if swap:
+    if not rank0_only or not dist.is_initialized() or dist.get_rank() == 0:  # swap the whole ones in
         for owner, name, p in slots:
             owner._parameters[name] = full[id(p)]
     try:
