@@ -186,12 +186,8 @@ def attention_per_token(args: DecoderArgs, shape: StepShape) -> float:
     sets head_dim apart from dim)."""
     widths, t, p = args.attention_widths, shape.tp, shape.act_bytes
     q, k, v = widths.q, widths.k, widths.v
-    return (
-        (q + k) / t * 4
-        + (q + widths.out + (k + v) * shape.cp) / t * p
-        + ((q + k) / t * p if args.qk_norm else 0)
-        + widths.latent * p
-    )
+    norm_inputs = (q + k) / t * p if args.qk_norm else 0
+    return (q + k) / t * 4 + (q + widths.out + (k + v) * shape.cp) / t * p + norm_inputs + widths.latent * p
 
 
 def all_to_all_bytes(args: DecoderArgs, n: float, p: int) -> float:

@@ -56,8 +56,7 @@ def parameter_order(model: nn.Module, optim: torch.optim.Optimizer | None = None
     else:
         params = list(checkpoint_module(model).parameters())
     names = parameter_names(model)
-    missing = [i for i, p in enumerate(params) if id(p) not in names]
-    if missing:
+    if missing := [i for i, p in enumerate(params) if id(p) not in names]:
         raise TitanliteError(f"optimizer state: parameter {missing[0]} of the optimizer is not one of the model's")
     return [names[id(p)] for p in params]
 
