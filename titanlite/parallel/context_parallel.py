@@ -125,14 +125,12 @@ class _GatherAlong(torch.autograd.Function):
             front[:, i] = part.movedim(dim, 0)
         gathered = front.new_empty((front.shape[0] * cp, *front.shape[1:]))
         _all_gather(gathered, front, group=group)
-        results = []
-        for i, part in enumerate(parts):
-            shape = list(part.shape)
-            shape[dim] *= cp
-            result = _empty_in_memory_order(shape, memory_order, part)
+        shape = list(parts[0].shape)
+        shape[dim] *= cp
+        results = tuple(_empty_in_memory_order(shape, memory_order, part) for part in parts)
+        for i, result in enumerate(results):
             _copy_chunks(result.movedim(dim, 0), gathered[:, i], cp, into_window=True)
-            results.append(result)
-        return tuple(results)
+        return results
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # autograd hands zeros for an unused output, never None

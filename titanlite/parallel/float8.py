@@ -97,9 +97,8 @@ def float8_config(settings: Any, *, fsdp: bool, emulate: bool) -> Any:
     emulated off float8 hardware, gathering float8 only where FSDP shards."""
     float8 = torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(settings.recipe_name)
-    return dataclasses.replace(
-        config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp and settings.enable_fsdp_float8_all_gather
-    )
+    gather = fsdp and settings.enable_fsdp_float8_all_gather
+    return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=gather)
 
 
 def convert_to_float8(model: nn.Module, settings: Any, *, device_type: str, fsdp: bool, compile: bool) -> list[str]:

@@ -122,9 +122,8 @@ def _laid_out_like(value: Any, param: torch.Tensor, from_rank0: bool) -> Any:
         value = torch.empty(value.shape, dtype=value.dtype)
     if not _scattered(value, param):
         return value.clone() if torch.is_tensor(value) and not isinstance(value, DTensor) else value
-    return distribute_tensor(
-        value.to(param.device), param.device_mesh, param.placements, src_data_rank=0 if from_rank0 else None
-    )
+    source = 0 if from_rank0 else None
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=source)
 
 
 class _Placeholder:

@@ -128,9 +128,8 @@ def _runs(parallelism, n_layers: int, part_costs: Sequence[float] | None) -> tup
         return _split_at(parallelism.pipeline_parallel_split_points, n_layers), None
     first_less = parallelism.pipeline_parallel_first_stage_less_layers
     last_less = parallelism.pipeline_parallel_last_stage_less_layers
-    n_stages = parallelism.pipeline_parallel_degree * (
-        1 if SCHEDULE_STYLES[parallelism.pipeline_parallel_schedule] == "single" else 2
-    )
+    per_rank = 1 if SCHEDULE_STYLES[parallelism.pipeline_parallel_schedule] == "single" else 2
+    n_stages = parallelism.pipeline_parallel_degree * per_rank
     if parallelism.pipeline_parallel_layers_per_stage is not None:
         n_stages = math.ceil((n_layers + first_less + last_less) / parallelism.pipeline_parallel_layers_per_stage)
     if not by_flops:

@@ -167,11 +167,9 @@ def precision_of(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy
             "mixed_precision: keep_low_precision_grads has no FSDP2 meaning (gradients reach "
             "the optimizer in the parameters' dtype); leave it False"
         )
-    return MixedPrecisionPolicy(
-        param_dtype=mixed_precision.param_dtype,
-        reduce_dtype=mixed_precision.reduce_dtype,
-        cast_forward_inputs=mixed_precision.cast_forward_inputs or mixed_precision.cast_root_forward_inputs,
-    )
+    cast = mixed_precision.cast_forward_inputs or mixed_precision.cast_root_forward_inputs
+    param_dtype, reduce_dtype = mixed_precision.param_dtype, mixed_precision.reduce_dtype
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast)
 
 
 def wrap_units(module: nn.Module, policy: Any, ignored: set[nn.Module]) -> list[nn.Module]:
