@@ -204,16 +204,11 @@ def float8_tp_style(style: ParallelStyle, module: nn.Module, device_mesh: Device
     from torchao.float8 import float8_tensor_parallel as styles
 
     if isinstance(style, PrepareModuleInput):
-        return styles.PrepareFloat8ModuleInput(
-            input_layouts=style.input_layouts,
-            desired_input_layouts=style.desired_input_layouts,
-            input_kwarg_layouts=style.input_kwarg_layouts or None,
-            desired_input_kwarg_layouts=style.desired_input_kwarg_layouts or None,
-            use_local_output=style.use_local_output,
-        )
-    if linears != [module]:
+        converted = styles.PrepareFloat8ModuleInput()  # torchao's float8 fields; the layouts are `style`'s
+    elif linears == [module]:
+        kind = styles.Float8ColwiseParallel if isinstance(style, ColwiseParallel) else styles.Float8RowwiseParallel
+        converted = kind.__new__(kind)
+    else:
         return None
-    kind = styles.Float8ColwiseParallel if isinstance(style, ColwiseParallel) else styles.Float8RowwiseParallel
-    converted = kind.__new__(kind)
     converted.__dict__.update(style.__dict__)  # the same layouts: the styles differ only in their casts
     return converted
