@@ -4,8 +4,9 @@ timeouts of every group the run creates, and the one line a failed collective be
 Timeouts: a collective that waits longer than its group's timeout raises (gloo) or aborts
 the process (NCCL's watchdog). torch gives each new group its backend's default (30 min on
 gloo, 10 on NCCL) whatever the default group has, so each group the run creates is adopted
-here (`adopt_groups`, `new_group`) and `set_collective_timeout` moves all of them together:
-`comm.init_timeout_seconds` through start-up and the first step, then
+here (`adopt_groups`, `new_group`) and `set_collective_timeout` moves all of them together
+(`ProcessGroup.set_timeout`, public on torch 2.11 and 2.13: every backend of a group, its
+future collectives): `comm.init_timeout_seconds` through start-up and the first step, then
 `comm.train_timeout_seconds`.
 """
 
@@ -98,9 +99,14 @@ def init_distributed(init_timeout_seconds: int = 600, cpu_offload: bool = False)
     joined as it is, with its timeout moved to `init_timeout_seconds`."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    device = _take_device(local_rank, local_world_size)
+    if torch.cuda.is_available():  # this rank's GPU, made current
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:  # the CPU, with its share of the host's threads
+        set_cpu_threads(local_world_size)
+        device = torch.device("cpu")
     if dist.is_initialized():
-        _apply_timeout(dist.group.WORLD, init_timeout_seconds)
+        dist.group.WORLD.set_timeout(timedelta(seconds=init_timeout_seconds))
     else:
         if "MASTER_ADDR" not in os.environ:  # launched without torchrun: a world of one
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
@@ -111,22 +117,6 @@ def init_distributed(init_timeout_seconds: int = 600, cpu_offload: bool = False)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
 
 
-def _take_device(local_rank: int, local_world_size: int) -> torch.device:
-    """This rank's GPU (made current), or the CPU with its share of the host's threads."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        return device
-    set_cpu_threads(local_world_size)
-    return torch.device("cpu")
-
-
-def _apply_timeout(group: dist.ProcessGroup, seconds: int) -> None:
-    """`ProcessGroup.set_timeout`: every backend of the group, future collectives (public on
-    torch 2.11 and 2.13, the versions titanlite runs on)."""
-    group.set_timeout(timedelta(seconds=seconds))
-
-
 def adopt_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
     """Give groups created elsewhere (a device mesh's) the current timeout, and keep them
     for `set_collective_timeout`. None (a world of one) is skipped."""
@@ -134,7 +124,7 @@ def adopt_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
         return
     for group in groups:
         if group is not None and not any(group is known for known in _timeouts.groups):
-            _apply_timeout(group, _timeouts.seconds)
+            group.set_timeout(timedelta(seconds=_timeouts.seconds))
             _timeouts.groups.append(group)
 
 
@@ -157,7 +147,7 @@ def set_collective_timeout(seconds: int) -> None:
     all-gathers, checkpoint load) the tighter one that turns a hung collective into an error."""
     _timeouts.seconds = seconds
     for group in _timeouts.groups or []:
-        _apply_timeout(group, seconds)
+        group.set_timeout(timedelta(seconds=seconds))
 
 
 class CollectiveFailure(NamedTuple):

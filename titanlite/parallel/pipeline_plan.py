@@ -195,12 +195,9 @@ class _StageCost:
         self.prefix = list(itertools.accumulate(costs[1:-1], initial=0.0))
 
     def __call__(self, stage: int, start: int, stop: int) -> float:
-        return (
-            self.prefix[stop]
-            - self.prefix[start]
-            + (self.costs[0] if stage == 0 else 0.0)
-            + (self.costs[-1] if stage == self.n_stages - 1 else 0.0)
-        )
+        first = self.costs[0] if stage == 0 else 0.0
+        last = self.costs[-1] if stage == self.n_stages - 1 else 0.0
+        return self.prefix[stop] - self.prefix[start] + first + last
 
 
 def _cheapest_runs(stage_cost: _StageCost) -> Runs:
