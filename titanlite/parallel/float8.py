@@ -69,11 +69,9 @@ def torchao_float8() -> Any:
 
 def has_float8_matmuls(device_type: str) -> bool:
     """Whether `device_type` runs float8 matmuls in hardware (a CUDA GPU of SM >= 8.9)."""
-    return (
-        device_type == "cuda"
-        and torch.cuda.is_available()
-        and torch.cuda.get_device_capability() >= FLOAT8_MATMUL_CAPABILITY
-    )
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= FLOAT8_MATMUL_CAPABILITY
 
 
 def module_filter(recipe_name: str, filter_fqns: Iterable[str]) -> Callable[[nn.Module, str], bool]:
@@ -116,10 +114,8 @@ def convert_to_float8(model: nn.Module, settings: Any, *, device_type: str, fsdp
     torchao_float8().convert_to_float8_training(model, config=config, module_filter_fn=convertible)
     how = "emulated (no float8 matmuls on this device)" if emulate else "torch._scaled_mm"
     gathered = "float8" if config.enable_fsdp_float8_all_gather else "high precision"
-    logger.info(
-        f"float8: {len(converted)} linears ({settings.recipe_name}, {how})"
-        + (f"; FSDP gathers their weights in {gathered}" if fsdp else "")
-    )
+    under_fsdp = f"; FSDP gathers their weights in {gathered}" if fsdp else ""
+    logger.info(f"float8: {len(converted)} linears ({settings.recipe_name}, {how}){under_fsdp}")
     return converted
 
 

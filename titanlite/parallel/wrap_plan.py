@@ -106,8 +106,7 @@ def build_fsdp_mesh(
     if device_mesh is not None:
         if process_group is not None:
             raise TitanliteError("process_group: pass it or device_mesh, not both")
-        group = device_mesh.get_group() if device_mesh.ndim == 1 else dist.group.WORLD
-        return device_mesh, group
+        return device_mesh, device_mesh.get_group() if device_mesh.ndim == 1 else dist.group.WORLD
     if isinstance(process_group, tuple):
         raise TitanliteError(
             "process_group: an (intra-node, inter-node) pair is not taken; pass fsdp_group_size= "
@@ -122,8 +121,7 @@ def build_fsdp_mesh(
         raise TitanliteError(
             "process_group: hybrid sharding (replicate x shard) runs over all ranks; drop process_group"
         )
-    mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    return mesh, group
+    return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard")), group
 
 
 def _shard_group_size(strategy: ShardingStrategy, fsdp_group_size: int | None, world: int) -> int:
