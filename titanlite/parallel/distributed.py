@@ -131,8 +131,7 @@ def adopt_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
 def new_group(**kwargs: Any) -> dist.ProcessGroup:
     """`dist.new_group` with the current timeout, adopted (see `adopt_groups`); torch's
     default timeout where the process group was not started by `init_distributed`."""
-    managed = _timeouts.groups is not None
-    group = dist.new_group(timeout=timedelta(seconds=_timeouts.seconds) if managed else None, **kwargs)
+    group = dist.new_group(timeout=collective_timeout(), **kwargs)
     adopt_groups([group])
     return group
 

@@ -39,10 +39,7 @@ def clean_name(name: str) -> str:
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its DCP name (the first one, for a tied parameter)."""
-    names: dict[int, str] = {}
-    for name, p in checkpoint_module(model).named_parameters():
-        names.setdefault(id(p), clean_name(name))
-    return names
+    return {id(p): clean_name(name) for name, p in checkpoint_module(model).named_parameters()}  # tied ones once
 
 
 def parameter_order(model: nn.Module, optim: torch.optim.Optimizer | None = None, optim_input: Any = None) -> list[str]:

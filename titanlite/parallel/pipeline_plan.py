@@ -248,10 +248,8 @@ def part_flops(
     def matmul_flops(module: nn.Module) -> float:
         flops = 0.0
         for sub in module.modules():
-            if isinstance(sub, nn.Linear):
-                flops += 6.0 * sum(p.numel() for p in sub.parameters())
-            elif sub in routed:
-                flops += 6.0 * sum(p.numel() for p in sub.parameters()) * routed[sub]
+            share = 1.0 if isinstance(sub, nn.Linear) else routed.get(sub, 0.0)  # of the tokens it computes
+            flops += 6.0 * sum(p.numel() for p in sub.parameters()) * share
         return flops
 
     names = [name for name, _ in model.named_children()]
