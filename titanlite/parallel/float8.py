@@ -82,10 +82,8 @@ def module_filter(recipe_name: str, filter_fqns: Iterable[str]) -> Callable[[nn.
         return torchao_float8()._auto_filter_for_recipe(recipe_name, filter_fqns=names)
 
     def convertible(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear):
-            return False
-        out_features, in_features = module.weight.shape
-        return out_features % 16 == 0 and in_features % 16 == 0 and not any(name in fqn for name in names)
+        aligned = isinstance(module, nn.Linear) and all(size % 16 == 0 for size in module.weight.shape)
+        return aligned and not any(name in fqn for name in names)
 
     return convertible
 

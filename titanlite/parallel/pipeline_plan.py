@@ -27,13 +27,9 @@ FIELD = "parallelism.pipeline_parallel"
 # How each schedule places stages on ranks: "single" (one per rank), "loop" (round-robin,
 # two or more per rank), "v" (two per rank, in a V).
 SCHEDULE_STYLES = {
-    "1F1B": "single",
-    "GPipe": "single",
-    "Interleaved1F1B": "loop",
-    "LoopedBFS": "loop",
-    "InterleavedZeroBubble": "loop",
-    "ZBVZeroBubble": "v",
-    "DualPipeV": "v",
+    **dict.fromkeys(("1F1B", "GPipe"), "single"),
+    **dict.fromkeys(("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"), "loop"),
+    **dict.fromkeys(("ZBVZeroBubble", "DualPipeV"), "v"),
 }
 # Schedules that need at least as many microbatches as stages (torch checks it at build).
 _NEEDS_MICROBATCH_PER_STAGE = {"1F1B", "DualPipeV"}
