@@ -27,8 +27,7 @@ def _replication(grad: torch.Tensor) -> int:
     """How many ranks hold identical copies of this gradient shard."""
     if not isinstance(grad, DTensor):
         return 1
-    mesh = grad.device_mesh
-    return math.prod(mesh.size(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Replicate))
+    return math.prod(grad.device_mesh.size(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Replicate))
 
 
 def align_grads_with_params_(parameters: list[torch.nn.Parameter]) -> None:

@@ -60,11 +60,8 @@ def check_training_state_fits(
         available, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
     else:
         available = host_memory_bytes() / processes_per_host
-        where = (
-            f"each of the {processes_per_host} processes on this host gets"
-            if processes_per_host > 1
-            else "this host has"
-        )
+        each_gets = f"each of the {processes_per_host} processes on this host gets"
+        where = each_gets if processes_per_host > 1 else "this host has"
     if needed > available:
         raise TitanliteError(
             f"parallelism: {n_params / 1e9:,.2f}B parameters sharded {shards} ways need at least "

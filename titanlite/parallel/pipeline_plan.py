@@ -206,8 +206,6 @@ def _cheapest_runs(stage_cost: _StageCost) -> Runs:
     n_layers, n_stages = stage_cost.n_layers, stage_cost.n_stages
     if n_layers < n_stages - 2:
         raise TitanliteError(f"{FIELD}_degree: {n_stages} stages for a model of {n_layers} blocks: too many stages")
-    if n_stages == 1:
-        return [(0, n_layers)]
     # best[j]: the smallest largest-stage cost of stages 0..s covering blocks [0, j), with
     # cut[s][j] the start of stage s in that split (dynamic programming over stages).
     best = [stage_cost(0, 0, j) for j in range(n_layers + 1)]

@@ -209,10 +209,9 @@ def _recursive_units(module: nn.Module, ask: Any, ignored: set[nn.Module], root:
     numel = sum(p.numel() for p in module.parameters())
     if not ask(module, True, numel):
         return []
-    units: list[nn.Module] = []
-    for child in module.children():
-        if child not in ignored:
-            units += _recursive_units(child, ask, ignored)
+    units = [
+        unit for child in module.children() if child not in ignored for unit in _recursive_units(child, ask, ignored)
+    ]
     wrapped = sum(p.numel() for unit in units for p in unit.parameters())
     if not root and ask(module, False, numel - wrapped):
         units.append(module)

@@ -149,12 +149,10 @@ def set_prefetch(module: nn.Module, plan: WrapPlan) -> None:
     for index, unit in enumerate(units):
         if plan.forward_prefetch:
             unit.set_modules_to_forward_prefetch(units[index + 1 : index + 2])
-        if plan.backward_prefetch == "off":
-            unit.set_modules_to_backward_prefetch([unit])
-        elif plan.backward_prefetch == "previous":
+        if plan.backward_prefetch == "previous":
             unit.set_modules_to_backward_prefetch(units[index - 1 : index] if index else [])
-    if plan.backward_prefetch == "off":
-        module.set_modules_to_backward_prefetch([module])
+    for unit in [*units, module] if plan.backward_prefetch == "off" else []:
+        unit.set_modules_to_backward_prefetch([unit])
 
 
 @torch.no_grad()
