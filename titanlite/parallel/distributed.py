@@ -171,8 +171,7 @@ def collective_failure(error: BaseException) -> CollectiveFailure | None:
     frames: list[FrameType] = []
     while error is not None:
         frames += [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
-        failure = _failure(error, frames)
-        if failure is not None:
+        if (failure := _failure(error, frames)) is not None:
             return failure
         error = error.__cause__
     return None
