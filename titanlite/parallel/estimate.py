@@ -161,9 +161,8 @@ def estimate_activations(
     `boundary_buffers` pipeline receive buffers."""
     n, t, p, d = shape.batch * shape.seq_len / shape.cp, shape.tp, shape.act_bytes, args.dim
     r = t if shape.sequence_parallel else 1
-    block = n * (
-        2 * d / r * p + 2 * d * p + attention_per_token(args, shape) + feed_forward_per_token(args, t, p, shape.etp)
-    )
+    attention, feed_forward = attention_per_token(args, shape), feed_forward_per_token(args, t, p, shape.etp)
+    block = n * (2 * d / r * p + 2 * d * p + attention + feed_forward)
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
     n_blocks = args.n_layers if n_blocks is None else n_blocks
     n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_option)

@@ -91,8 +91,7 @@ def module_filter(recipe_name: str, filter_fqns: Iterable[str]) -> Callable[[nn.
 def float8_config(settings: Any, *, fsdp: bool, emulate: bool) -> Any:
     """torchao's `Float8LinearConfig` for the `[float8]` section (`settings`): the recipe's,
     emulated off float8 hardware, gathering float8 only where FSDP shards."""
-    float8 = torchao_float8()
-    config = float8.Float8LinearConfig.from_recipe_name(settings.recipe_name)
+    config = torchao_float8().Float8LinearConfig.from_recipe_name(settings.recipe_name)
     gather = fsdp and settings.enable_fsdp_float8_all_gather
     return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=gather)
 

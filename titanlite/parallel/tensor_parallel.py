@@ -109,9 +109,7 @@ class _WaitedRowwiseParallel(torch_tp.RowwiseParallel):
 def sequence_parallel_for(tp_mesh: DeviceMesh, setting: str) -> bool:
     """`parallelism.sequence_parallel`: "on", "off", or "auto" = where the backend
     reduce-scatters natively (not gloo, on CPU)."""
-    if setting == "auto":
-        return tp_mesh.device_type != "cpu"
-    return setting == "on"
+    return tp_mesh.device_type != "cpu" if setting == "auto" else setting == "on"
 
 
 def activations_layout(sequence_parallel: bool) -> Placement:
