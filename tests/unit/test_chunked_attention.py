@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from titanlite.models.attention import attend, build_mask
 from titanlite.models.chunked_attention import ChunkPlan, Piece, QueryChunk, chunked_attention, plan_chunks
-from titanlite.parallel.context_parallel import _copy_rank_order, _copy_window_order, chunk_positions, chunk_starts
+from titanlite.parallel.context_parallel import _copy_chunks, chunk_positions, chunk_starts
 
 SEQ = 64
 
@@ -96,8 +96,8 @@ def test_the_plan_masks_only_chunks_that_cross_a_document_boundary():
 def test_the_gathers_window_order_inverts_the_rank_order(cp):
     rank_order = torch.cat([chunk_positions(SEQ, rank, cp) for rank in range(cp)])
     window, ranks = torch.empty(SEQ, dtype=torch.long), torch.empty(SEQ, dtype=torch.long)
-    _copy_window_order(window, rank_order, cp)
-    _copy_rank_order(ranks, torch.arange(SEQ), cp)
+    _copy_chunks(window, rank_order, cp, into_window=True)
+    _copy_chunks(torch.arange(SEQ), ranks, cp, into_window=False)
     assert torch.equal(window, torch.arange(SEQ)) and torch.equal(ranks, rank_order)
 
 

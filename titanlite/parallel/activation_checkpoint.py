@@ -34,22 +34,16 @@ def _op(name: str):
 
 # Ops whose outputs per-op AC keeps (matmuls: every other one), by name so a torch without
 # one of them still runs: GPU and CPU attention kernels, TP's reduce-scatter, the max of the loss.
-SAVED_OPS = {
-    op
-    for op in map(
-        _op,
-        (
-            "aten::mm.default",
-            "aten::_scaled_dot_product_efficient_attention.default",
-            "aten::_scaled_dot_product_flash_attention.default",
-            "aten::_scaled_dot_product_cudnn_attention.default",
-            "aten::_scaled_dot_product_flash_attention_for_cpu.default",
-            "_c10d_functional::reduce_scatter_tensor.default",
-            "aten::max.default",
-        ),
-    )
-    if op is not None
-}
+_SAVED_OP_NAMES = (
+    "aten::mm.default",
+    "aten::_scaled_dot_product_efficient_attention.default",
+    "aten::_scaled_dot_product_flash_attention.default",
+    "aten::_scaled_dot_product_cudnn_attention.default",
+    "aten::_scaled_dot_product_flash_attention_for_cpu.default",
+    "_c10d_functional::reduce_scatter_tensor.default",
+    "aten::max.default",
+)
+SAVED_OPS = {op for op in map(_op, _SAVED_OP_NAMES) if op is not None}
 _MM = _op("aten::mm.default")
 
 

@@ -62,8 +62,7 @@ def raise_first(group: dist.ProcessGroup | None, error: str | None) -> None:
     if _spread(group):
         errors = [None] * dist.get_world_size(group)
         dist.all_gather_object(errors, error, group=group)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
+    if (first := next((e for e in errors if e is not None), None)) is not None:
         raise TitanliteError(first)
 
 

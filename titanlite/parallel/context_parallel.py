@@ -28,9 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 def chunk_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     """Global positions of cp rank `cp_rank`'s tokens: chunks r and 2cp-1-r of 2cp."""
     chunk = seq_len // (2 * cp)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    last = torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk)
-    return torch.cat([first, last])
+    return torch.cat([torch.arange(start, start + chunk) for start in chunk_starts(seq_len, cp_rank, cp)])
 
 
 def chunk_starts(seq_len: int, cp_rank: int, cp: int) -> list[int]:
@@ -39,21 +37,14 @@ def chunk_starts(seq_len: int, cp_rank: int, cp: int) -> list[int]:
     return [cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk]
 
 
-def _copy_window_order(window: torch.Tensor, ranks: torch.Tensor, cp: int) -> None:
-    """Write `ranks` (dim 0 in rank order: [cp x (chunk r, chunk 2cp-1-r)]) into `window`
-    (any strides) in window order (chunks 0 .. 2cp-1)."""
+def _copy_chunks(window: torch.Tensor, ranks: torch.Tensor, cp: int, into_window: bool) -> None:
+    """Copy between `window` (dim 0 in window order: chunks 0 .. 2cp-1; any strides) and
+    `ranks` (dim 0 in rank order: [cp x (chunk r, chunk 2cp-1-r)]): into `window` when
+    `into_window`, else the inverse, into `ranks`."""
     pairs, halves = ranks.unflatten(0, (cp, 2, -1)), window.unflatten(0, (2, cp, -1))
-    halves[0].copy_(pairs[:, 0])
-    for rank in range(cp):
-        halves[1, cp - 1 - rank].copy_(pairs[rank, 1])
-
-
-def _copy_rank_order(ranks: torch.Tensor, window: torch.Tensor, cp: int) -> None:
-    """Write `window` (dim 0 in window order) into `ranks` in rank order: the inverse."""
-    pairs, halves = ranks.unflatten(0, (cp, 2, -1)), window.unflatten(0, (2, cp, -1))
-    pairs[:, 0].copy_(halves[0])
-    for rank in range(cp):
-        pairs[rank, 1].copy_(halves[1, cp - 1 - rank])
+    for in_window, in_ranks in [(halves[0], pairs[:, 0])] + [(halves[1, cp - 1 - r], pairs[r, 1]) for r in range(cp)]:
+        into, source = (in_window, in_ranks) if into_window else (in_ranks, in_window)
+        into.copy_(source)
 
 
 def _empty_in_memory_order(shape: list[int], memory_order: tuple[int, ...] | None, like: torch.Tensor) -> torch.Tensor:
@@ -134,21 +125,19 @@ class _GatherAlong(torch.autograd.Function):
             front[:, i] = part.movedim(dim, 0)
         gathered = front.new_empty((front.shape[0] * cp, *front.shape[1:]))
         _all_gather(gathered, front, group=group)
-        results = []
-        for i, part in enumerate(parts):
-            shape = list(part.shape)
-            shape[dim] *= cp
-            result = _empty_in_memory_order(shape, memory_order, part)
-            _copy_window_order(result.movedim(dim, 0), gathered[:, i], cp)
-            results.append(result)
-        return tuple(results)
+        shape = list(parts[0].shape)
+        shape[dim] *= cp
+        results = tuple(_empty_in_memory_order(shape, memory_order, part) for part in parts)
+        for i, result in enumerate(results):
+            _copy_chunks(result.movedim(dim, 0), gathered[:, i], cp, into_window=True)
+        return results
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # autograd hands zeros for an unused output, never None
         cp = dist.get_world_size(ctx.group)
         front = _stacked_buffer(grads, ctx.dim)
         for i, grad in enumerate(grads):
-            _copy_rank_order(front[:, i], grad.movedim(ctx.dim, 0), cp)
+            _copy_chunks(grad.movedim(ctx.dim, 0), front[:, i], cp, into_window=False)
         out = front.new_empty((front.shape[0] // cp, *front.shape[1:]))
         _reduce_scatter(out, front, group=ctx.group)
         return (None, None, None, *(out[:, i].movedim(0, ctx.dim) for i in range(len(grads))))

@@ -4,8 +4,9 @@ timeouts of every group the run creates, and the one line a failed collective be
 Timeouts: a collective that waits longer than its group's timeout raises (gloo) or aborts
 the process (NCCL's watchdog). torch gives each new group its backend's default (30 min on
 gloo, 10 on NCCL) whatever the default group has, so each group the run creates is adopted
-here (`adopt_groups`, `new_group`) and `set_collective_timeout` moves all of them together:
-`comm.init_timeout_seconds` through start-up and the first step, then
+here (`adopt_groups`, `new_group`) and `set_collective_timeout` moves all of them together
+(`ProcessGroup.set_timeout`, public on torch 2.11 and 2.13: every backend of a group, its
+future collectives): `comm.init_timeout_seconds` through start-up and the first step, then
 `comm.train_timeout_seconds`.
 """
 
@@ -26,13 +27,8 @@ import torch.distributed as dist
 
 # Where torch issues or awaits a collective (or a pipeline's sends and receives), and where our own code is.
 _COLLECTIVE_FILES = tuple(
-    os.path.join("torch", "distributed", name)
-    for name in (
-        "distributed_c10d.py",
-        "_functional_collectives.py",
-        os.path.join("pipelining", "schedules.py"),
-        os.path.join("pipelining", "stage.py"),
-    )
+    os.path.join("torch", "distributed", *name.split("/"))
+    for name in ("distributed_c10d.py", "_functional_collectives.py", "pipelining/schedules.py", "pipelining/stage.py")
 )
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What gloo and NCCL say when a peer stopped answering or went away.
@@ -103,42 +99,22 @@ def init_distributed(init_timeout_seconds: int = 600, cpu_offload: bool = False)
     joined as it is, with its timeout moved to `init_timeout_seconds`."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    device = _take_device(local_rank, local_world_size)
+    if torch.cuda.is_available():  # this rank's GPU, made current
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:  # the CPU, with its share of the host's threads
+        set_cpu_threads(local_world_size)
+        device = torch.device("cpu")
     if dist.is_initialized():
-        _apply_timeout(dist.group.WORLD, init_timeout_seconds)
+        dist.group.WORLD.set_timeout(timedelta(seconds=init_timeout_seconds))
     else:
         if "MASTER_ADDR" not in os.environ:  # launched without torchrun: a world of one
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-        backend = backend_for(device.type, cpu_offload)
-        dist.init_process_group(
-            backend,
-            timeout=timedelta(seconds=init_timeout_seconds),
-            device_id=device if device.type == "cuda" else None,
-        )
+        timeout = timedelta(seconds=init_timeout_seconds)
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(backend_for(device.type, cpu_offload), timeout=timeout, device_id=device_id)
     _timeouts.seconds, _timeouts.groups = init_timeout_seconds, [dist.group.WORLD]
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
-
-
-def _take_device(local_rank: int, local_world_size: int) -> torch.device:
-    """This rank's GPU (made current), or the CPU with its share of the host's threads."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        return device
-    set_cpu_threads(local_world_size)
-    return torch.device("cpu")
-
-
-def _apply_timeout(group: dist.ProcessGroup, seconds: int) -> None:
-    """`ProcessGroup.set_timeout` (public; every backend of the group, future collectives),
-    or on a torch without it the private setter that does the same per backend."""
-    timeout = timedelta(seconds=seconds)
-    if hasattr(group, "set_timeout"):
-        group.set_timeout(timeout)
-    else:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(timeout, group)
 
 
 def adopt_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
@@ -148,15 +124,14 @@ def adopt_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
         return
     for group in groups:
         if group is not None and not any(group is known for known in _timeouts.groups):
-            _apply_timeout(group, _timeouts.seconds)
+            group.set_timeout(timedelta(seconds=_timeouts.seconds))
             _timeouts.groups.append(group)
 
 
 def new_group(**kwargs: Any) -> dist.ProcessGroup:
     """`dist.new_group` with the current timeout, adopted (see `adopt_groups`); torch's
     default timeout where the process group was not started by `init_distributed`."""
-    managed = _timeouts.groups is not None
-    group = dist.new_group(timeout=timedelta(seconds=_timeouts.seconds) if managed else None, **kwargs)
+    group = dist.new_group(timeout=collective_timeout(), **kwargs)
     adopt_groups([group])
     return group
 
@@ -171,7 +146,7 @@ def set_collective_timeout(seconds: int) -> None:
     all-gathers, checkpoint load) the tighter one that turns a hung collective into an error."""
     _timeouts.seconds = seconds
     for group in _timeouts.groups or []:
-        _apply_timeout(group, seconds)
+        group.set_timeout(timedelta(seconds=seconds))
 
 
 class CollectiveFailure(NamedTuple):
@@ -196,8 +171,7 @@ def collective_failure(error: BaseException) -> CollectiveFailure | None:
     frames: list[FrameType] = []
     while error is not None:
         frames += [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
-        failure = _failure(error, frames)
-        if failure is not None:
+        if (failure := _failure(error, frames)) is not None:
             return failure
         error = error.__cause__
     return None
@@ -211,16 +185,14 @@ def _failure(error: BaseException, frames: list[FrameType]) -> CollectiveFailure
         return None
     # Our frame: the last of ours that called into torch (a pipeline's wait is ours, inside torch's schedule).
     callers = frames[: frames.index(torch_frame)] if torch_frame is not None else frames
-    what = _describe(
-        torch_frame, next((f for f in reversed(callers) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None)
-    )
+    ours = next((f for f in reversed(callers) if f.f_code.co_filename.startswith(_PACKAGE_DIR)), None)
+    what = _describe(torch_frame, ours)
     if re.search(r"timed out|timeout", text, re.IGNORECASE):
         return CollectiveFailure(f"{what} timed out after {_timeouts.seconds} s: a peer rank stopped answering", True)
     if re.search(r"connection (closed|reset)|broken pipe", text, re.IGNORECASE):
         return CollectiveFailure(f"{what} failed: a peer rank closed its connection (it died)", False)
-    return CollectiveFailure(
-        f"{what} failed: {next((line for line in text.splitlines() if line.strip()), type(error).__name__)}", False
-    )
+    first_line = next((line for line in text.splitlines() if line.strip()), type(error).__name__)
+    return CollectiveFailure(f"{what} failed: {first_line}", False)
 
 
 def _describe(torch_frame: FrameType | None, our_frame: FrameType | None) -> str:

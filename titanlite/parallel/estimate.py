@@ -132,12 +132,8 @@ class Activations:
 
     @property
     def kept(self) -> float:
-        one = (
-            (self.n_blocks - self.n_checkpointed) * self.block
-            + self.n_checkpointed * self.checkpointed_block
-            + self.head
-        )
-        return self.in_flight * one
+        one = (self.n_blocks - self.n_checkpointed) * self.block + self.n_checkpointed * self.checkpointed_block
+        return self.in_flight * (one + self.head)
 
     @property
     def total(self) -> float:
@@ -165,9 +161,8 @@ def estimate_activations(
     `boundary_buffers` pipeline receive buffers."""
     n, t, p, d = shape.batch * shape.seq_len / shape.cp, shape.tp, shape.act_bytes, args.dim
     r = t if shape.sequence_parallel else 1
-    block = n * (
-        2 * d / r * p + 2 * d * p + attention_per_token(args, shape) + feed_forward_per_token(args, t, p, shape.etp)
-    )
+    attention, feed_forward = attention_per_token(args, shape), feed_forward_per_token(args, t, p, shape.etp)
+    block = n * (2 * d / r * p + 2 * d * p + attention + feed_forward)
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
     n_blocks = args.n_layers if n_blocks is None else n_blocks
     n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_option)
@@ -179,17 +174,9 @@ def estimate_activations(
         block, recompute = kept, block - kept
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
     extra = max(n * vocab * p if holds_head else 0.0, recompute)
-    return Activations(
-        block,
-        n * d / r * p,
-        n_ckpt,
-        n_blocks,
-        head,
-        extra,
-        in_flight,
-        boundary_buffers * n * d / r * p,
-        all_to_all_bytes(args, n, p) if shape.ep > 1 else 0.0,
-    )
+    buffers = boundary_buffers * n * d / r * p
+    all_to_all = all_to_all_bytes(args, n, p) if shape.ep > 1 else 0.0
+    return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight, buffers, all_to_all)
 
 
 def attention_per_token(args: DecoderArgs, shape: StepShape) -> float:
@@ -198,12 +185,8 @@ def attention_per_token(args: DecoderArgs, shape: StepShape) -> float:
     sets head_dim apart from dim)."""
     widths, t, p = args.attention_widths, shape.tp, shape.act_bytes
     q, k, v = widths.q, widths.k, widths.v
-    return (
-        (q + k) / t * 4
-        + (q + widths.out + (k + v) * shape.cp) / t * p
-        + ((q + k) / t * p if args.qk_norm else 0)
-        + widths.latent * p
-    )
+    norm_inputs = (q + k) / t * p if args.qk_norm else 0
+    return (q + k) / t * 4 + (q + widths.out + (k + v) * shape.cp) / t * p + norm_inputs + widths.latent * p
 
 
 def all_to_all_bytes(args: DecoderArgs, n: float, p: int) -> float:

@@ -35,14 +35,13 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titanlite.parallel.expert_tensor_parallel import apply_etp, exchange_over_tp, tp_placement
+from titanlite.parallel.expert_tensor_parallel import TensorParallelExperts, exchange_over_tp, tp_placement
 
 
 class ExpertParallel:
     """This rank's place on the ep mesh, and the token exchange around its local experts."""
 
     def __init__(self, mesh: DeviceMesh):
-        self.mesh = mesh
         self.group = mesh.get_group()
         self.size = mesh.size()
 
@@ -73,13 +72,17 @@ class ExpertParallelModule(Protocol):
         ...
 
 
-def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, split_over_tp: bool) -> None:
+def shard_experts(
+    experts: nn.Module, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None, split_over_tp: bool
+) -> None:
     """Each parameter of `experts` (stacked, dim 0 = expert) a DTensor Shard(0) over
-    `ep_mesh`, and over `tp_mesh` when given Replicate, or with expert tensor parallelism
-    (`split_over_tp`) Shard(its hidden dim) (parallel/expert_tensor_parallel.py)."""
-    mesh = ep_mesh if tp_mesh is None else DeviceMesh._concatenate([ep_mesh, tp_mesh])
+    `ep_mesh` when given, and over `tp_mesh` when given Replicate, or with expert tensor
+    parallelism (`split_over_tp`) Shard(its hidden dim) (parallel/expert_tensor_parallel.py)."""
+    meshes = [mesh for mesh in (ep_mesh, tp_mesh) if mesh is not None]
+    mesh = meshes[0] if len(meshes) == 1 else DeviceMesh._concatenate(meshes)
     for name, param in list(experts.named_parameters(recurse=False)):
-        placements = [Shard(0)] + ([tp_placement(experts, name, split_over_tp)] if tp_mesh is not None else [])
+        over_ep = [Shard(0)] if ep_mesh is not None else []
+        placements = over_ep + ([tp_placement(experts, name, split_over_tp)] if tp_mesh is not None else [])
         sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     if split_over_tp:
@@ -94,8 +97,8 @@ def apply_ep(
     modules, which FSDP shards on their own mesh. Without an ep mesh, expert tensor
     parallelism alone (`split_over_tp`) splits every routed-experts module over `tp_mesh`."""
     if ep_mesh is None:
-        if split_over_tp:
-            apply_etp(model, tp_mesh)
+        for experts in [m for m in model.modules() if split_over_tp and isinstance(m, TensorParallelExperts)]:
+            shard_experts(experts, None, tp_mesh, split_over_tp=True)
         return []
     expert_parallel = ExpertParallel(ep_mesh)
     units = []

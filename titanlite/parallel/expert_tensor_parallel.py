@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
 
 @runtime_checkable
@@ -80,13 +80,3 @@ def exchange_over_tp(experts: nn.Module, tp_mesh: DeviceMesh) -> None:
     group = tp_mesh.get_group()
     experts.register_forward_pre_hook(lambda _, inputs: (_IntoTensorParallel.apply(inputs[0], group), *inputs[1:]))
     experts.register_forward_hook(lambda _, inputs, out: _OutOfTensorParallel.apply(out, group))
-
-
-def apply_etp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Without expert parallelism: split every routed-experts module of `model` over
-    `tp_mesh` (under ep, `expert_parallel.apply_ep` lays them out on (ep, tp) instead)."""
-    for experts in [module for module in model.modules() if isinstance(module, TensorParallelExperts)]:
-        for name, param in list(experts.named_parameters(recurse=False)):
-            split = distribute_tensor(param.data, tp_mesh, [tp_placement(experts, name, True)], src_data_rank=None)
-            experts.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
-        exchange_over_tp(experts, tp_mesh)

@@ -76,12 +76,10 @@ def census(
         layouts[spec] = (view, tuple(placements.get(name, Replicate()) for name in view[0]))
     world_size = math.prod(shape)
     per_rank, summed = [], Counter()
+    ranks = torch.arange(world_size)  # every view's mesh: the world's ranks in its shape
     for rank in range(world_size):
         init_fake_world(world_size, rank)
-        meshes = {
-            v: DeviceMesh("cpu", torch.arange(world_size).view(v[1]), mesh_dim_names=v[0], _init_backend=False)
-            for v in views
-        }
+        meshes = {v: DeviceMesh("cpu", ranks.view(v[1]), mesh_dim_names=v[0], _init_backend=False) for v in views}
         held = 0
         for spec, count in specs.items():
             view, placements = layouts[spec]

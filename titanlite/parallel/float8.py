@@ -52,9 +52,8 @@ _IMPORT_NOISE = ("torchao", "torch.utils._pytree")  # loggers torchao's import w
 
 def torchao_float8() -> Any:
     """`torchao.float8`, imported quietly; a missing torchao is one line."""
-    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
-    levels = [log.level for log in loggers]
-    for log in loggers:
+    levels = {log: log.level for log in map(logging.getLogger, _IMPORT_NOISE)}
+    for log in levels:
         log.setLevel(logging.ERROR)
     try:
         import torchao.float8 as module
@@ -63,18 +62,16 @@ def torchao_float8() -> Any:
             'model.converters: float8 needs torchao (pip install "titanlite[float8]", torchao 0.18)'
         ) from None
     finally:
-        for log, level in zip(loggers, levels):
+        for log, level in levels.items():
             log.setLevel(level)
     return module
 
 
 def has_float8_matmuls(device_type: str) -> bool:
     """Whether `device_type` runs float8 matmuls in hardware (a CUDA GPU of SM >= 8.9)."""
-    return (
-        device_type == "cuda"
-        and torch.cuda.is_available()
-        and torch.cuda.get_device_capability() >= FLOAT8_MATMUL_CAPABILITY
-    )
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= FLOAT8_MATMUL_CAPABILITY
 
 
 def module_filter(recipe_name: str, filter_fqns: Iterable[str]) -> Callable[[nn.Module, str], bool]:
@@ -85,10 +82,8 @@ def module_filter(recipe_name: str, filter_fqns: Iterable[str]) -> Callable[[nn.
         return torchao_float8()._auto_filter_for_recipe(recipe_name, filter_fqns=names)
 
     def convertible(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear):
-            return False
-        out_features, in_features = module.weight.shape
-        return out_features % 16 == 0 and in_features % 16 == 0 and not any(name in fqn for name in names)
+        aligned = isinstance(module, nn.Linear) and all(size % 16 == 0 for size in module.weight.shape)
+        return aligned and not any(name in fqn for name in names)
 
     return convertible
 
@@ -96,11 +91,9 @@ def module_filter(recipe_name: str, filter_fqns: Iterable[str]) -> Callable[[nn.
 def float8_config(settings: Any, *, fsdp: bool, emulate: bool) -> Any:
     """torchao's `Float8LinearConfig` for the `[float8]` section (`settings`): the recipe's,
     emulated off float8 hardware, gathering float8 only where FSDP shards."""
-    float8 = torchao_float8()
-    config = float8.Float8LinearConfig.from_recipe_name(settings.recipe_name)
-    return dataclasses.replace(
-        config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp and settings.enable_fsdp_float8_all_gather
-    )
+    config = torchao_float8().Float8LinearConfig.from_recipe_name(settings.recipe_name)
+    gather = fsdp and settings.enable_fsdp_float8_all_gather
+    return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=gather)
 
 
 def convert_to_float8(model: nn.Module, settings: Any, *, device_type: str, fsdp: bool, compile: bool) -> list[str]:
@@ -118,10 +111,8 @@ def convert_to_float8(model: nn.Module, settings: Any, *, device_type: str, fsdp
     torchao_float8().convert_to_float8_training(model, config=config, module_filter_fn=convertible)
     how = "emulated (no float8 matmuls on this device)" if emulate else "torch._scaled_mm"
     gathered = "float8" if config.enable_fsdp_float8_all_gather else "high precision"
-    logger.info(
-        f"float8: {len(converted)} linears ({settings.recipe_name}, {how})"
-        + (f"; FSDP gathers their weights in {gathered}" if fsdp else "")
-    )
+    under_fsdp = f"; FSDP gathers their weights in {gathered}" if fsdp else ""
+    logger.info(f"float8: {len(converted)} linears ({settings.recipe_name}, {how}){under_fsdp}")
     return converted
 
 
@@ -206,16 +197,11 @@ def float8_tp_style(style: ParallelStyle, module: nn.Module, device_mesh: Device
     from torchao.float8 import float8_tensor_parallel as styles
 
     if isinstance(style, PrepareModuleInput):
-        return styles.PrepareFloat8ModuleInput(
-            input_layouts=style.input_layouts,
-            desired_input_layouts=style.desired_input_layouts,
-            input_kwarg_layouts=style.input_kwarg_layouts or None,
-            desired_input_kwarg_layouts=style.desired_input_kwarg_layouts or None,
-            use_local_output=style.use_local_output,
-        )
-    if linears != [module]:
+        converted = styles.PrepareFloat8ModuleInput()  # torchao's float8 fields; the layouts are `style`'s
+    elif linears == [module]:
+        kind = styles.Float8ColwiseParallel if isinstance(style, ColwiseParallel) else styles.Float8RowwiseParallel
+        converted = kind.__new__(kind)
+    else:
         return None
-    kind = styles.Float8ColwiseParallel if isinstance(style, ColwiseParallel) else styles.Float8RowwiseParallel
-    converted = kind.__new__(kind)
     converted.__dict__.update(style.__dict__)  # the same layouts: the styles differ only in their casts
     return converted

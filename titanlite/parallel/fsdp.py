@@ -36,9 +36,7 @@ def shard_dim(shards: int):
     shards TP parameters along dim 0 only)."""
 
     def placement(param: nn.Parameter) -> Shard | None:
-        if param.shape[0] >= shards or isinstance(param, DTensor):
-            return None
-        return _later_dim(param, shards)
+        return None if param.shape[0] >= shards or isinstance(param, DTensor) else _later_dim(param, shards)
 
     return placement
 
@@ -110,9 +108,8 @@ def shard_model(
     if experts:
         _shard_experts(experts, expert_mesh, mesh.size(), config, reshard_policy(reshard, False, options.pipelined))
     for index, unit in enumerate(units):
-        fully_shard(
-            unit, reshard_after_forward=reshard_policy(reshard, index == len(units) - 1, options.pipelined), **config
-        )
+        policy = reshard_policy(reshard, index == len(units) - 1, options.pipelined)
+        fully_shard(unit, reshard_after_forward=policy, **config)
     fully_shard(model, reshard_after_forward=reshard is True or reshard == "always", **config)
     if options.prefetch_depth > 0:
         set_explicit_prefetch(outermost(units, model), options.prefetch_depth)

@@ -21,11 +21,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titanlite.errors import TitanliteError
 
 
-def _slots(module: nn.Module) -> list[tuple[nn.Module, str, DTensor]]:
-    """(owner, attribute name, sharded parameter) of every DTensor parameter, tied ones once per owner."""
-    return [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if isinstance(p, DTensor)]
-
-
 def _gather(p: DTensor, offload_to_cpu: bool, with_grads: bool) -> nn.Parameter:
     whole = p.full_tensor().detach()
     if whole.untyped_storage().data_ptr() == p.to_local().untyped_storage().data_ptr():
@@ -58,11 +53,11 @@ def summon_full_params(
             "summon_full_params: writeback=True with rank0_only=True (other ranks hold nothing to "
             "write back); pass writeback=False"
         )
-    slots = _slots(module)
+    # (owner, attribute name, sharded parameter) of every DTensor parameter, tied ones once per owner
+    slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if isinstance(p, DTensor)]
     sharded = {id(p): p for _, _, p in slots}  # each tied parameter once, in the model's order
     full = {key: _gather(p, offload_to_cpu, with_grads) for key, p in sharded.items()}
-    swap = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    if swap:
+    if not rank0_only or not dist.is_initialized() or dist.get_rank() == 0:  # swap the whole ones in
         for owner, name, p in slots:
             owner._parameters[name] = full[id(p)]
     try:

@@ -27,8 +27,7 @@ def _replication(grad: torch.Tensor) -> int:
     """How many ranks hold identical copies of this gradient shard."""
     if not isinstance(grad, DTensor):
         return 1
-    mesh = grad.device_mesh
-    return math.prod(mesh.size(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Replicate))
+    return math.prod(grad.device_mesh.size(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Replicate))
 
 
 def align_grads_with_params_(parameters: list[torch.nn.Parameter]) -> None:
@@ -84,12 +83,10 @@ def total_grad_norm(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    device = grads[0].device
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     by_replication: dict[int, list[torch.Tensor]] = {}
     for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        by_replication.setdefault(_replication(g), []).append(local)
+        by_replication.setdefault(_replication(g), []).append(g.to_local() if isinstance(g, DTensor) else g)
     for copies, locals_ in by_replication.items():
         total += _sum_of_squares(locals_) / copies
     if world and dist.is_initialized() and dist.get_world_size(group) > 1:

@@ -33,18 +33,8 @@ GPU_MEMORY_GIB: dict[str, float] = {
     "MI300X": 192,
 }
 DEFAULT_GPU = "H100"
-_UNITS = {
-    "": None,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+# Bytes per unit, lowercase: b, then kb .. tb (powers of 1000) and kib .. tib (of 1024).
+_UNITS = {"b": 1} | {f"{p}{i}b": base**n for i, base in (("", 1000), ("i", 1024)) for n, p in enumerate("kmgt", 1)}
 
 
 def parse_memory(text: str) -> int:
@@ -70,11 +60,8 @@ def check_training_state_fits(
         available, where = torch.cuda.get_device_properties(device).total_memory, f"{device} has"
     else:
         available = host_memory_bytes() / processes_per_host
-        where = (
-            f"each of the {processes_per_host} processes on this host gets"
-            if processes_per_host > 1
-            else "this host has"
-        )
+        each_gets = f"each of the {processes_per_host} processes on this host gets"
+        where = each_gets if processes_per_host > 1 else "this host has"
     if needed > available:
         raise TitanliteError(
             f"parallelism: {n_params / 1e9:,.2f}B parameters sharded {shards} ways need at least "

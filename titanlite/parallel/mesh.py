@@ -51,9 +51,7 @@ class ParallelDims:
         replicate, shard, tp = p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree
         pp, cp, ep = p.pipeline_parallel_degree, p.context_parallel_degree, p.expert_parallel_degree
         etp = getattr(p, "expert_tensor_parallel_degree", 1)
-        with_pp = (f" x context_parallel_degree {cp}" if cp > 1 else "") + (
-            f" x pipeline_parallel_degree {pp}" if pp > 1 else ""
-        )
+        with_pp = "".join(f" x {dim}_parallel_degree {n}" for dim, n in (("context", cp), ("pipeline", pp)) if n > 1)
         others = f"data_parallel_replicate_degree {replicate} x tensor_parallel_degree {tp}{with_pp}"
         model_ranks = tp * pp * cp
         if shard == -1:
@@ -81,17 +79,10 @@ class ParallelDims:
     def check_experts(self, n_experts: list[int], model: str) -> None:
         """ep > 1 needs MoE layers (`n_experts`: each one's routed experts) whose experts it
         divides; etp > 1 needs MoE layers."""
-        if self.etp > 1 and not n_experts:
-            raise TitanliteError(
-                f"parallelism.expert_tensor_parallel_degree: {self.etp} needs a model with MoE layers; {model} has none"
-            )
-        if self.ep == 1:
-            return
-        if not n_experts:
-            raise TitanliteError(
-                f"parallelism.expert_parallel_degree: {self.ep} needs a model with MoE layers; {model} has none"
-            )
-        if uneven := sorted({n for n in n_experts if n % self.ep}):
+        for key, degree in (("expert_tensor_parallel_degree", self.etp), ("expert_parallel_degree", self.ep)):
+            if degree > 1 and not n_experts:
+                raise TitanliteError(f"parallelism.{key}: {degree} needs a model with MoE layers; {model} has none")
+        if uneven := sorted({n for n in n_experts if n % self.ep}):  # none at ep 1
             raise TitanliteError(
                 f"parallelism.expert_parallel_degree: {self.ep} does not divide {model}'s {uneven[0]} experts per layer"
             )
@@ -204,9 +195,8 @@ class ParallelDims:
         replicate = world["dp_replicate"] if self.replicate_only else None
         ep, expert_fsdp = self._expert_views(shard, fsdp) if self.ep_enabled else (None, None)
         views = (world, dp, shard, loss, ep, expert_fsdp)
-        adopt_groups(
-            group for mesh in views if mesh is not None for group in mesh.get_all_groups()
-        )  # the run's timeouts
+        # the run's timeouts
+        adopt_groups(group for mesh in views if mesh is not None for group in mesh.get_all_groups())
         present = {name: world[name] if name in names else None for name in ("tp", "pp", "cp")}
         return Meshes(world, dp, fsdp, loss=loss, ep=ep, expert_fsdp=expert_fsdp, replicate=replicate, **present)
 

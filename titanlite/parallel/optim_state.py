@@ -39,10 +39,7 @@ def clean_name(name: str) -> str:
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its DCP name (the first one, for a tied parameter)."""
-    names: dict[int, str] = {}
-    for name, p in checkpoint_module(model).named_parameters():
-        names.setdefault(id(p), clean_name(name))
-    return names
+    return {id(p): clean_name(name) for name, p in checkpoint_module(model).named_parameters()}  # tied ones once
 
 
 def parameter_order(model: nn.Module, optim: torch.optim.Optimizer | None = None, optim_input: Any = None) -> list[str]:
@@ -56,8 +53,7 @@ def parameter_order(model: nn.Module, optim: torch.optim.Optimizer | None = None
     else:
         params = list(checkpoint_module(model).parameters())
     names = parameter_names(model)
-    missing = [i for i, p in enumerate(params) if id(p) not in names]
-    if missing:
+    if missing := [i for i, p in enumerate(params) if id(p) not in names]:
         raise TitanliteError(f"optimizer state: parameter {missing[0]} of the optimizer is not one of the model's")
     return [names[id(p)] for p in params]
 
@@ -84,12 +80,8 @@ def rekey(state: dict[str, Any], order: list[str], by: str) -> dict[str, Any]:
         mapping = lambda key: order[key] if isinstance(key, int) else key  # noqa: E731
     else:
         raise TitanliteError(f"optim_state_key_type: expected OptimStateKeyType.PARAM_NAME or PARAM_ID, got {by!r}")
-    return {
-        "state": {mapping(key): value for key, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [mapping(key) for key in group["params"]]} for group in state["param_groups"]
-        ],
-    }
+    groups = [{**group, "params": [mapping(key) for key in group["params"]]} for group in state["param_groups"]]
+    return {"state": {mapping(key): value for key, value in state["state"].items()}, "param_groups": groups}
 
 
 def _known(to_id: dict[str, int], name: str) -> int:
@@ -125,11 +117,10 @@ def _laid_out_like(value: Any, param: torch.Tensor, from_rank0: bool) -> Any:
     it is given and steps it in place: two optimizers loaded from one dict would share it."""
     if isinstance(value, _Placeholder):
         value = torch.empty(value.shape, dtype=value.dtype)
-    if not isinstance(param, DTensor) or not _shaped_like(value, param):
+    if not _scattered(value, param):
         return value.clone() if torch.is_tensor(value) and not isinstance(value, DTensor) else value
-    return distribute_tensor(
-        value.to(param.device), param.device_mesh, param.placements, src_data_rank=0 if from_rank0 else None
-    )
+    source = 0 if from_rank0 else None
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=source)
 
 
 class _Placeholder:
@@ -150,22 +141,20 @@ def _broadcast_layout(
         if state is None:
             raise TitanliteError("scatter_full_optim_state_dict: rank 0 has no optimizer state dict to scatter")
         state = rekey(state, order, "name")
-        box[0] = {
-            "state": {
-                name: {
-                    k: _Placeholder(v) if isinstance(params[name], DTensor) and _shaped_like(v, params[name]) else v
-                    for k, v in values.items()
-                }
-                for name, values in state["state"].items()
-            },
-            "param_groups": state["param_groups"],
+        layout = {
+            name: {k: _Placeholder(v) if _scattered(v, params[name]) else v for k, v in values.items()}
+            for name, values in state["state"].items()
         }
+        box[0] = {"state": layout, "param_groups": state["param_groups"]}
     dist.broadcast_object_list(box, src=0, group=group)
     return state if dist.get_rank() == 0 else box[0]
 
 
-def _shaped_like(value: Any, param: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and not isinstance(value, DTensor) and value.shape == param.shape
+def _scattered(value: Any, param: torch.Tensor) -> bool:
+    """Whether `value` is a whole state tensor laid out as its sharded parameter: a plain
+    tensor of the shape of a DTensor `param`."""
+    plain = torch.is_tensor(value) and not isinstance(value, DTensor)
+    return plain and isinstance(param, DTensor) and value.shape == param.shape
 
 
 # --- Parameter groups in a checkpoint (step/optim.py names each group under this key) --------

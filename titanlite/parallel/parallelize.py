@@ -78,7 +78,8 @@ def parallelize(
         from `titanlite.config`: recipe_name, enable_fsdp_float8_all_gather, filter_fqns).
     """
     meshes = as_meshes(mesh)
-    _check(model, meshes, tp_plan, ac, prefetch, reshard_after_forward, expert_tensor_parallel, pipelined)
+    _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)
+    _check_mesh_needs(model, meshes, expert_tensor_parallel, pipelined)
     if float8 is not None:
         convert_to_float8(model, float8, device_type=meshes.device_type, fsdp=meshes.fsdp is not None, compile=compile)
     experts = apply_ep(model, meshes.ep, meshes.tp, expert_tensor_parallel)
@@ -118,16 +119,7 @@ def _units(model: nn.Module, meshes: Meshes, blocks: list[str], fsdp_modules: Se
     return innermost_first(select(model, fsdp_modules, "parallelize: fsdp_modules"))
 
 
-def _check(
-    model: nn.Module,
-    meshes: Meshes,
-    tp_plan: TPPlan,
-    ac: str | int,
-    prefetch: int,
-    reshard: bool | int | str,
-    expert_tensor_parallel: bool,
-    pipelined: bool,
-) -> None:
+def _check(meshes: Meshes, tp_plan: TPPlan, ac: str | int, prefetch: int, reshard: bool | int | str) -> None:
     """One line per impossible setting, before the model is touched."""
     if tp_plan is not None and meshes.tp is None:
         raise TitanliteError("parallelize: tp_plan needs a mesh with a tp dimension (build_mesh(tp=...))")
@@ -152,7 +144,6 @@ def _check(
             raise TitanliteError(
                 f"parallelize: reshard_after_forward {reshard} ranks do not divide the {shards} FSDP shards"
             )
-    _check_mesh_needs(model, meshes, expert_tensor_parallel, pipelined)
 
 
 def _check_mesh_needs(model: nn.Module, meshes: Meshes, expert_tensor_parallel: bool, pipelined: bool) -> None:
@@ -160,11 +151,8 @@ def _check_mesh_needs(model: nn.Module, meshes: Meshes, expert_tensor_parallel: 
     may hold dense blocks only), context-parallel attention for cp; a tp dim for etp."""
     if expert_tensor_parallel and meshes.tp is None:
         raise TitanliteError("parallelize: expert_tensor_parallel needs a mesh with a tp dimension")
-    if (
-        meshes.ep is not None
-        and not pipelined
-        and not any(isinstance(m, ExpertParallelModule) for m in model.modules())
-    ):
+    expert_layers = any(isinstance(m, ExpertParallelModule) for m in model.modules())
+    if meshes.ep is not None and not pipelined and not expert_layers:
         raise TitanliteError(
             "parallelize: the mesh has an ep dimension but the model has no layer with enable_expert_parallel"
         )

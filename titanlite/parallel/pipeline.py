@@ -97,14 +97,12 @@ def build_schedule(
     schedule_class = get_schedule_class(layout.schedule)
     if device.type == "cpu":
         bound_p2p_waits()
-    indices = layout.stage_indices(pp_rank)
     stages = [
-        PipelineStage(part, index, len(layout.stages), device, group=pp_group) for part, index in zip(parts, indices)
+        PipelineStage(part, index, len(layout.stages), device, group=pp_group)
+        for part, index in zip(parts, layout.stage_indices(pp_rank))
     ]
-    single = issubclass(schedule_class, PipelineScheduleSingle)
-    return schedule_class(
-        stages[0] if single else stages, n_microbatches=layout.n_microbatches, loss_fn=loss_fn, scale_grads=False
-    )
+    stage_or_stages = stages[0] if issubclass(schedule_class, PipelineScheduleSingle) else stages
+    return schedule_class(stage_or_stages, n_microbatches=layout.n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def bound_p2p_waits() -> None:

@@ -27,13 +27,9 @@ FIELD = "parallelism.pipeline_parallel"
 # How each schedule places stages on ranks: "single" (one per rank), "loop" (round-robin,
 # two or more per rank), "v" (two per rank, in a V).
 SCHEDULE_STYLES = {
-    "1F1B": "single",
-    "GPipe": "single",
-    "Interleaved1F1B": "loop",
-    "LoopedBFS": "loop",
-    "InterleavedZeroBubble": "loop",
-    "ZBVZeroBubble": "v",
-    "DualPipeV": "v",
+    **dict.fromkeys(("1F1B", "GPipe"), "single"),
+    **dict.fromkeys(("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"), "loop"),
+    **dict.fromkeys(("ZBVZeroBubble", "DualPipeV"), "v"),
 }
 # Schedules that need at least as many microbatches as stages (torch checks it at build).
 _NEEDS_MICROBATCH_PER_STAGE = {"1F1B", "DualPipeV"}
@@ -55,11 +51,8 @@ class StageSpec:
     flops: float | None = None
 
     def describe(self) -> str:
-        blocks = (
-            [f"layers {self.blocks[0]}" + (f"-{self.blocks[-1]}" if len(self.blocks) > 1 else "")]
-            if self.blocks
-            else []
-        )
+        ends = self.blocks[:1] + self.blocks[1:][-1:]  # the first block and, when there are more, the last
+        blocks = [f"layers {'-'.join(ends)}"] if ends else []
         parts = (["input"] if self.first else []) + blocks + (["output"] if self.last else [])
         cost = "" if self.flops is None else f" ({self.flops / 1e6:,.1f} MFLOP/token)"
         return f"stage {self.index}: {' + '.join(parts)}{cost}"
@@ -131,9 +124,8 @@ def _runs(parallelism, n_layers: int, part_costs: Sequence[float] | None) -> tup
         return _split_at(parallelism.pipeline_parallel_split_points, n_layers), None
     first_less = parallelism.pipeline_parallel_first_stage_less_layers
     last_less = parallelism.pipeline_parallel_last_stage_less_layers
-    n_stages = parallelism.pipeline_parallel_degree * (
-        1 if SCHEDULE_STYLES[parallelism.pipeline_parallel_schedule] == "single" else 2
-    )
+    per_rank = 1 if SCHEDULE_STYLES[parallelism.pipeline_parallel_schedule] == "single" else 2
+    n_stages = parallelism.pipeline_parallel_degree * per_rank
     if parallelism.pipeline_parallel_layers_per_stage is not None:
         n_stages = math.ceil((n_layers + first_less + last_less) / parallelism.pipeline_parallel_layers_per_stage)
     if not by_flops:
@@ -199,12 +191,9 @@ class _StageCost:
         self.prefix = list(itertools.accumulate(costs[1:-1], initial=0.0))
 
     def __call__(self, stage: int, start: int, stop: int) -> float:
-        return (
-            self.prefix[stop]
-            - self.prefix[start]
-            + (self.costs[0] if stage == 0 else 0.0)
-            + (self.costs[-1] if stage == self.n_stages - 1 else 0.0)
-        )
+        first = self.costs[0] if stage == 0 else 0.0
+        last = self.costs[-1] if stage == self.n_stages - 1 else 0.0
+        return self.prefix[stop] - self.prefix[start] + first + last
 
 
 def _cheapest_runs(stage_cost: _StageCost) -> Runs:
@@ -217,8 +206,6 @@ def _cheapest_runs(stage_cost: _StageCost) -> Runs:
     n_layers, n_stages = stage_cost.n_layers, stage_cost.n_stages
     if n_layers < n_stages - 2:
         raise TitanliteError(f"{FIELD}_degree: {n_stages} stages for a model of {n_layers} blocks: too many stages")
-    if n_stages == 1:
-        return [(0, n_layers)]
     # best[j]: the smallest largest-stage cost of stages 0..s covering blocks [0, j), with
     # cut[s][j] the start of stage s in that split (dynamic programming over stages).
     best = [stage_cost(0, 0, j) for j in range(n_layers + 1)]
@@ -255,10 +242,8 @@ def part_flops(
     def matmul_flops(module: nn.Module) -> float:
         flops = 0.0
         for sub in module.modules():
-            if isinstance(sub, nn.Linear):
-                flops += 6.0 * sum(p.numel() for p in sub.parameters())
-            elif sub in routed:
-                flops += 6.0 * sum(p.numel() for p in sub.parameters()) * routed[sub]
+            share = 1.0 if isinstance(sub, nn.Linear) else routed.get(sub, 0.0)  # of the tokens it computes
+            flops += 6.0 * sum(p.numel() for p in sub.parameters()) * share
         return flops
 
     names = [name for name, _ in model.named_children()]

@@ -25,9 +25,8 @@ def shard_indices(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[P
     """
     indices = []
     for dim, size in enumerate(shape):
-        along = [
-            p if getattr(p, "dim", None) == dim else Replicate() for p in placements
-        ]  # Shard, _StridedShard have .dim
+        # Shard, _StridedShard have .dim
+        along = [p if getattr(p, "dim", None) == dim else Replicate() for p in placements]
         if all(isinstance(p, Replicate) for p in along):
             indices.append(torch.arange(size))
             continue

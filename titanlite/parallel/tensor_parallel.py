@@ -29,10 +29,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel as _ColwiseParallel
+from torch.distributed.tensor import parallel as torch_tp  # torch's styles, beside the float8-aware ones of their names
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
-from torch.distributed.tensor.parallel import PrepareModuleInput as _PrepareModuleInput
-from torch.distributed.tensor.parallel import RowwiseParallel as _RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
 from titanlite.parallel.float8 import float8_tp_style
@@ -63,15 +61,15 @@ class _Float8Aware(ParallelStyle):
         return super()._apply(module, device_mesh) if float8 is None else float8._apply(module, device_mesh)
 
 
-class ColwiseParallel(_Float8Aware, _ColwiseParallel):
+class ColwiseParallel(_Float8Aware, torch_tp.ColwiseParallel):
     """torch's ColwiseParallel; Float8ColwiseParallel on a tensorwise Float8Linear."""
 
 
-class RowwiseParallel(_Float8Aware, _RowwiseParallel):
+class RowwiseParallel(_Float8Aware, torch_tp.RowwiseParallel):
     """torch's RowwiseParallel; Float8RowwiseParallel on a tensorwise Float8Linear."""
 
 
-class PrepareModuleInput(_Float8Aware, _PrepareModuleInput):
+class PrepareModuleInput(_Float8Aware, torch_tp.PrepareModuleInput):
     """torch's PrepareModuleInput; PrepareFloat8ModuleInput before tensorwise Float8Linears only."""
 
 
@@ -92,7 +90,7 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
-class _WaitedRowwiseParallel(_RowwiseParallel):
+class _WaitedRowwiseParallel(torch_tp.RowwiseParallel):
     """RowwiseParallel whose output collective has completed when the module returns.
 
     For the embedding, whose output enters the first transformer block: under torch.compile
@@ -111,9 +109,7 @@ class _WaitedRowwiseParallel(_RowwiseParallel):
 def sequence_parallel_for(tp_mesh: DeviceMesh, setting: str) -> bool:
     """`parallelism.sequence_parallel`: "on", "off", or "auto" = where the backend
     reduce-scatters natively (not gloo, on CPU)."""
-    if setting == "auto":
-        return tp_mesh.device_type != "cpu"
-    return setting == "on"
+    return tp_mesh.device_type != "cpu" if setting == "auto" else setting == "on"
 
 
 def activations_layout(sequence_parallel: bool) -> Placement:
@@ -121,7 +117,7 @@ def activations_layout(sequence_parallel: bool) -> Placement:
     return Shard(1) if sequence_parallel else Replicate()
 
 
-def vocab_sharded_embedding(sequence_parallel: bool) -> _RowwiseParallel:
+def vocab_sharded_embedding(sequence_parallel: bool) -> torch_tp.RowwiseParallel:
     """Vocab-sharded embedding table whose partial lookups leave in the residual layout."""
     return _WaitedRowwiseParallel(input_layouts=Replicate(), output_layouts=activations_layout(sequence_parallel))
 
@@ -175,11 +171,8 @@ class WholeOnEachRank(ParallelStyle):
     def _residual_output(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
         if isinstance(self.layout, Replicate):
             return output
-        return (
-            DTensor.from_local(output, mesh, (Replicate(),), run_check=False)
-            .redistribute(mesh, (self.layout,))
-            .to_local()
-        )
+        whole = DTensor.from_local(output, mesh, (Replicate(),), run_check=False)
+        return whole.redistribute(mesh, (self.layout,)).to_local()
 
 
 def whole_on_each_rank(sequence_parallel: bool) -> WholeOnEachRank:
@@ -203,10 +196,10 @@ def rowwise_exit(sequence_parallel: bool) -> RowwiseParallel:
     return RowwiseParallel(output_layouts=activations_layout(sequence_parallel))
 
 
-def output_projection(loss_parallel: bool, sequence_parallel: bool) -> _ColwiseParallel:
+def output_projection(loss_parallel: bool, sequence_parallel: bool) -> torch_tp.ColwiseParallel:
     """Vocab-sharded output head. With loss parallel the logits stay a vocab-sharded
     DTensor (never gathered); the loss must then run under `loss_parallel()`."""
-    return _ColwiseParallel(  # torch's: the head keeps the plain style whatever its linear (torchtitan's plan)
+    return torch_tp.ColwiseParallel(  # torch's: the head keeps the plain style whatever its linear (torchtitan's plan)
         input_layouts=activations_layout(sequence_parallel),
         output_layouts=Shard(-1) if loss_parallel else Replicate(),
         use_local_output=not loss_parallel,

@@ -40,9 +40,7 @@ def select(model: nn.Module, selector: Selector, option: str) -> list[tuple[str,
             raise TitanliteError(f"{option}: expected module classes, class names or a predicate, got {selector!r}")
         names = {c for c in chosen if isinstance(c, str)}
         classes = tuple(c for c in chosen if isinstance(c, type))
-        found = {type(m).__name__ for m in model.modules()}
-        missing = sorted(names - found)
-        if missing:
+        if missing := sorted(names - {type(m).__name__ for m in model.modules()}):
             raise TitanliteError(f"{option}: no module of class {', '.join(missing)} in the model")
 
         def wanted(module: nn.Module) -> bool:

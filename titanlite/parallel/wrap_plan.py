@@ -31,12 +31,9 @@ from torch.distributed.fsdp.wrap import _Policy
 from titanlite.errors import TitanliteError
 from titanlite.parallel.units import innermost_first, select
 
+# FULL_SHARD and HYBRID_SHARD reshard after forward; SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 and NO_SHARD keep the weights.
 RESHARDS_AFTER_FORWARD = {
-    ShardingStrategy.FULL_SHARD: True,
-    ShardingStrategy.SHARD_GRAD_OP: False,
-    ShardingStrategy.HYBRID_SHARD: True,
-    ShardingStrategy._HYBRID_SHARD_ZERO2: False,
-    ShardingStrategy.NO_SHARD: False,
+    s: s in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD) for s in ShardingStrategy
 }
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 # The keyword an auto-wrap policy takes for the parameters its units have not taken:
@@ -109,8 +106,7 @@ def build_fsdp_mesh(
     if device_mesh is not None:
         if process_group is not None:
             raise TitanliteError("process_group: pass it or device_mesh, not both")
-        group = device_mesh.get_group() if device_mesh.ndim == 1 else dist.group.WORLD
-        return device_mesh, group
+        return device_mesh, device_mesh.get_group() if device_mesh.ndim == 1 else dist.group.WORLD
     if isinstance(process_group, tuple):
         raise TitanliteError(
             "process_group: an (intra-node, inter-node) pair is not taken; pass fsdp_group_size= "
@@ -125,8 +121,7 @@ def build_fsdp_mesh(
         raise TitanliteError(
             "process_group: hybrid sharding (replicate x shard) runs over all ranks; drop process_group"
         )
-    mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
-    return mesh, group
+    return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard")), group
 
 
 def _shard_group_size(strategy: ShardingStrategy, fsdp_group_size: int | None, world: int) -> int:
@@ -136,12 +131,7 @@ def _shard_group_size(strategy: ShardingStrategy, fsdp_group_size: int | None, w
             raise TitanliteError("fsdp_group_size: NO_SHARD shards nothing; drop one of them")
         return 1
     if fsdp_group_size is not None:
-        if (
-            isinstance(fsdp_group_size, bool)
-            or not isinstance(fsdp_group_size, int)
-            or fsdp_group_size < 1
-            or world % fsdp_group_size
-        ):
+        if type(fsdp_group_size) is not int or fsdp_group_size < 1 or world % fsdp_group_size:  # not a bool
             raise TitanliteError(
                 f"fsdp_group_size: {fsdp_group_size!r} must be a whole number dividing the {world} ranks"
             )
@@ -175,11 +165,9 @@ def precision_of(mixed_precision: MixedPrecision | None) -> MixedPrecisionPolicy
             "mixed_precision: keep_low_precision_grads has no FSDP2 meaning (gradients reach "
             "the optimizer in the parameters' dtype); leave it False"
         )
-    return MixedPrecisionPolicy(
-        param_dtype=mixed_precision.param_dtype,
-        reduce_dtype=mixed_precision.reduce_dtype,
-        cast_forward_inputs=mixed_precision.cast_forward_inputs or mixed_precision.cast_root_forward_inputs,
-    )
+    cast = mixed_precision.cast_forward_inputs or mixed_precision.cast_root_forward_inputs
+    param_dtype, reduce_dtype = mixed_precision.param_dtype, mixed_precision.reduce_dtype
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast)
 
 
 def wrap_units(module: nn.Module, policy: Any, ignored: set[nn.Module]) -> list[nn.Module]:
@@ -221,10 +209,9 @@ def _recursive_units(module: nn.Module, ask: Any, ignored: set[nn.Module], root:
     numel = sum(p.numel() for p in module.parameters())
     if not ask(module, True, numel):
         return []
-    units: list[nn.Module] = []
-    for child in module.children():
-        if child not in ignored:
-            units += _recursive_units(child, ask, ignored)
+    units = [
+        unit for child in module.children() if child not in ignored for unit in _recursive_units(child, ask, ignored)
+    ]
     wrapped = sum(p.numel() for unit in units for p in unit.parameters())
     if not root and ask(module, False, numel - wrapped):
         units.append(module)

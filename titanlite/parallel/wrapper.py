@@ -39,16 +39,19 @@ class ShardedWrapper(nn.Module):
 
     def __init__(self, module: nn.Module, plan: WrapPlan, sync_module_states: bool = False):
         super().__init__()
-        _check_reshard(plan)
+        reshard, shards = plan.reshard_after_forward, plan.mesh.size(plan.mesh.ndim - 1)
+        if not isinstance(reshard, bool) and shards % reshard:
+            raise TitanliteError(
+                f"reshard_after_forward: {reshard} ranks do not divide the {shards} ranks "
+                "each parameter is sharded over"
+            )
         if any(p.device.type != "meta" for p in module.parameters()):
             module.to(plan.device)
         if sync_module_states:
             broadcast_from_first_rank(module, plan.group)
         shard_in_full_precision(plan)
         units = [unit for unit in plan.units if unit not in plan.full_precision_units]
-        options = FsdpOptions(
-            plan.mp_policy, plan.reshard_after_forward, plan.cpu_offload, ignored_params=plan.ignored_params
-        )
+        options = FsdpOptions(plan.mp_policy, reshard, plan.cpu_offload, ignored_params=plan.ignored_params)
         shard_model(module, plan.mesh, units, options)
         set_prefetch(module, plan)
         setattr(self, WRAPPED, module)
@@ -115,15 +118,6 @@ class ShardedWrapper(nn.Module):
         return [m for m in self.module.modules() if m is not self.module and isinstance(m, FSDPModule)]
 
 
-def _check_reshard(plan: WrapPlan) -> None:
-    reshard = plan.reshard_after_forward
-    shards = plan.mesh.size(plan.mesh.ndim - 1)
-    if not isinstance(reshard, bool) and shards % reshard:
-        raise TitanliteError(
-            f"reshard_after_forward: {reshard} ranks do not divide the {shards} ranks each parameter is sharded over"
-        )
-
-
 def shard_in_full_precision(plan: WrapPlan) -> None:
     """`fully_shard` the plan's full-precision units (leaves, so before any other unit) with
     no mixed precision, as FSDP1 wraps them: inputs cast to float32 before their forward and
@@ -149,12 +143,10 @@ def set_prefetch(module: nn.Module, plan: WrapPlan) -> None:
     for index, unit in enumerate(units):
         if plan.forward_prefetch:
             unit.set_modules_to_forward_prefetch(units[index + 1 : index + 2])
-        if plan.backward_prefetch == "off":
-            unit.set_modules_to_backward_prefetch([unit])
-        elif plan.backward_prefetch == "previous":
+        if plan.backward_prefetch == "previous":
             unit.set_modules_to_backward_prefetch(units[index - 1 : index] if index else [])
-    if plan.backward_prefetch == "off":
-        module.set_modules_to_backward_prefetch([module])
+    for unit in [*units, module] if plan.backward_prefetch == "off" else []:
+        unit.set_modules_to_backward_prefetch([unit])
 
 
 @torch.no_grad()
