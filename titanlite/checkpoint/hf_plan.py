@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.errors import TitanliteError
 from titanlite.model_spec import HFAdapter
+from titanlite.parallel.collectives import any_rank
 
 
 def local_chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
@@ -220,20 +221,14 @@ def to_hf_rows(
     rank's shard holds whole heads (one all-reduce decides, so all ranks agree); otherwise
     the tensor is gathered and permuted whole, and saved once (replicated)."""
 
-    def whole_heads(value: torch.Tensor) -> bool:
-        return all(c.offsets[0] % head_dim == 0 and c.sizes[0] % head_dim == 0 for c in local_chunks(value))
-
-    local_ok = all(whole_heads(values[k]) for k in heads)
-    everywhere = torch.tensor([int(local_ok)])
-    if group is not None:
-        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
-    out = {}
-    for key, value in values.items():
-        if key not in heads:
-            out[key] = value
-        elif not isinstance(value, DTensor):
-            out[key] = adapter.interleaved_to_half(value, heads[key])
-        elif everywhere.item():
+    split = any(c.offsets[0] % head_dim or c.sizes[0] % head_dim for k in heads for c in local_chunks(values[k]))
+    per_rank = not any_rank(group, split)
+    out = dict(values)
+    for key, count in heads.items():
+        value = values[key]
+        if not isinstance(value, DTensor):
+            out[key] = adapter.interleaved_to_half(value, count)
+        elif per_rank:
             local = value.to_local()
             permuted = (
                 adapter.interleaved_to_half(local, local.shape[0] // head_dim) if local.numel() else local.clone()
@@ -242,7 +237,7 @@ def to_hf_rows(
                 permuted, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
             )
         else:
-            full = adapter.interleaved_to_half(value.full_tensor(), heads[key])
+            full = adapter.interleaved_to_half(value.full_tensor(), count)
             out[key] = DTensor.from_local(
                 full, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False
             )

@@ -13,14 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from titanlite.checkpoint.commit import (
-    COMMIT_FILE,
-    DCP_METADATA_FILE,
-    CommitRecord,
-    read_commit,
-    scan,
-    step_dir,
-)
+from titanlite.checkpoint.commit import COMMIT_FILE, DCP_METADATA_FILE, CommitRecord, read_commit, scan, step_dir
 from titanlite.errors import TitanliteError
 
 if TYPE_CHECKING:
@@ -114,10 +107,9 @@ def choose_resume(root: str | os.PathLike, load_step: int) -> LoadChoice:
     for step in reversed(inventory.complete):
         path = step_dir(root, step)
         record = read_commit(path)
-        if is_export(record):
-            notes.append(f"checkpoint: skipping {path}: model weights only (an export), nothing to resume from")
-            continue
-        return LoadChoice(step, path, record, tuple(notes))
+        if not is_export(record):
+            return LoadChoice(step, path, record, tuple(notes))
+        notes.append(f"checkpoint: skipping {path}: model weights only (an export), nothing to resume from")
     return LoadChoice(None, None, None, tuple(notes))
 
 
@@ -131,8 +123,7 @@ def retention_victims(complete: tuple[int, ...] | list[int], keep_latest_k: int,
     checkpoint always exists before an older one goes."""
     if keep_latest_k <= 0:
         return []
-    ordered = sorted(s for s in complete if s <= newest_committed)
-    return ordered[:-keep_latest_k] if len(ordered) > keep_latest_k else []
+    return sorted(s for s in complete if s <= newest_committed)[:-keep_latest_k]  # [] when k or fewer
 
 
 def stale_incomplete(incomplete: tuple[int, ...] | list[int], newest_committed: int) -> list[int]:
