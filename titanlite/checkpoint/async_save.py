@@ -204,28 +204,24 @@ class ProcessSaver(ThreadSaver):
     executor = AsyncCheckpointerType.PROCESS
 
     def close(self) -> None:
+        """Also end DCP's writer daemon now rather than at interpreter exit, so a trainer that
+        finished does not keep a process (and its gloo group) alive behind it.
+
+        DCP keeps the daemon in a private module global and stops it only from `__del__` or at
+        exit; this reaches that global (present in torch 2.11 and 2.13) and does what `__del__`
+        does. If a later torch renames it, the daemon still ends at exit (daemon=True).
+        """
+        from torch.distributed.checkpoint import _async_process_executor as executor
+
         super().close()
-        _stop_dcp_checkpoint_process()
-
-
-def _stop_dcp_checkpoint_process() -> None:
-    """End DCP's writer daemon now rather than at interpreter exit, so a trainer that
-    finished does not keep a process (and its gloo group) alive behind it.
-
-    DCP keeps the daemon in a private module global and stops it only from `__del__` or at
-    exit; this reaches that global (present in torch 2.11 and 2.13) and does what `__del__`
-    does. If a later torch renames it, the daemon still ends at exit (daemon=True).
-    """
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
-    process = getattr(executor, "_CHECKPOINT_PROCESS", None)
-    if process is None:
-        return
-    try:
-        process.__del__()
-    except Exception as error:  # a dead daemon is what we wanted anyway
-        logger.warning(f"checkpoint: stopping the checkpoint writer process: {error}")
-    executor._CHECKPOINT_PROCESS = None
+        process = getattr(executor, "_CHECKPOINT_PROCESS", None)
+        if process is None:
+            return
+        try:
+            process.__del__()
+        except Exception as error:  # a dead daemon is what we wanted anyway
+            logger.warning(f"checkpoint: stopping the checkpoint writer process: {error}")
+        executor._CHECKPOINT_PROCESS = None
 
 
 def build_saver(mode: str, process_group: dist.ProcessGroup | None) -> Saver:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
@@ -105,9 +105,7 @@ class Checkpointer:
         # and a background save must never interleave with the training's collectives.
         self.group = new_group(backend="gloo", group_desc="checkpoint") if distributed else None
         self.saver: Saver = build_saver(async_mode, self.group)
-        self.housekeeper = Housekeeper() if self.rank == 0 else None
-        if self.housekeeper is not None:
-            self.housekeeper.delete_leftovers(self.root / commit.TRASH_DIR)
+        self.housekeeper = Housekeeper(leftovers=self.root / commit.TRASH_DIR) if self.rank == 0 else None
         self._pending: _PendingSave | None = None
         self.saved_steps: set[int] = set()  # committed or in flight in this run
 
@@ -140,15 +138,9 @@ class Checkpointer:
         integrity.verify(choice.path, choice.record.checksums, self.group)
         state = self.state()
         dcp_load(state, choice.path, self.group)
-        if self.optimizer is not None:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optimizer"],
-                options=FLAT_OPTIMIZER,
-            )
-        elif self.model is not None:
+        if self.optimizer is not None:  # before the model, as `set_state_dict` does
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FLAT_OPTIMIZER)
+        if self.model is not None:
             set_model_state_dict(self.model, state["model"])
         for key, obj in self.states.items():
             obj.load_state_dict(state[key])

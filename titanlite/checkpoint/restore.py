@@ -82,10 +82,8 @@ class Restorer:
                 self._resume(choice)
                 return
         if self.cfg.initial_load_path:
-            if self.cfg.initial_load_format == "hf":
-                self._load_hf(Path(self.cfg.initial_load_path))
-            else:
-                self._load_initial_dcp(Path(self.cfg.initial_load_path))
+            initialize = self._load_hf if self.cfg.initial_load_format == "hf" else self._load_initial_dcp
+            initialize(Path(self.cfg.initial_load_path))
 
     def _resume(self, choice: policy.LoadChoice) -> None:
         path, record = choice.path, choice.record
@@ -130,17 +128,14 @@ class Restorer:
         """Leave out this rank's RNG entries the checkpoint lacks (saved at a smaller world
         size, or without CUDA); DCP would otherwise fail on the missing key. Returns
         whether any rank found no RNG state at all (collective: every rank calls it)."""
-        train_state = state.get("train_state")
-        none_saved = False
-        if isinstance(train_state, dict):
-            for key in [k for k, v in train_state.items() if k.startswith(RNG_PREFIX) and isinstance(v, dict)]:
-                rng = train_state[key]
-                for device in list(rng):
-                    if f"train_state.{key}.{device}" not in metadata.state_dict_metadata:
-                        del rng[device]
-                if not rng:
-                    del train_state[key]
-                    none_saved = True
+        train_state, none_saved = state["train_state"], False
+        for key in [k for k in train_state if k.startswith(RNG_PREFIX)]:
+            rng = train_state[key]
+            for device in [d for d in rng if f"train_state.{key}.{d}" not in metadata.state_dict_metadata]:
+                del rng[device]
+            if not rng:
+                del train_state[key]
+                none_saved = True
         return any_rank(self.group, none_saved)
 
     def _load_initial_dcp(self, given: Path) -> None:
@@ -211,8 +206,7 @@ def read_checked_metadata(path: Path) -> Metadata:
     metadata = read_dcp_index(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        relative = getattr(info, "relative_path", None)
-        if relative is not None:
+        if (relative := getattr(info, "relative_path", None)) is not None:
             needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
     for relative, size in sorted(needed.items()):
         shard = path / relative
