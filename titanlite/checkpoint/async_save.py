@@ -122,19 +122,14 @@ class BackgroundStager:
         self.stager = self._new_stager()
 
     def _new_stager(self) -> DefaultStager:
-        cuda = torch.cuda.is_available()
+        gpu = torch.cuda.is_available()
         # Pinning and non-blocking copies need CUDA; shared memory lets a writer process
-        # read the staged tensors without another copy.
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=self.shared_memory,
-                use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            )
-        )
+        # read the staged tensors without another copy; use_async_staging (its default, True
+        # in torch 2.11 and 2.13) copies in the stager's own thread.
+        options = StagingOptions(use_pinned_memory=gpu, use_shared_memory=self.shared_memory, use_non_blocking_copy=gpu)
+        stager = DefaultStager(options)
         if isinstance(getattr(stager, "_state_dict_stager", None), StateDictStager):
-            stager._state_dict_stager = GilFreeStateDictStager(pin_memory=cuda, share_memory=self.shared_memory)
+            stager._state_dict_stager = GilFreeStateDictStager(pin_memory=gpu, share_memory=self.shared_memory)
         return stager
 
     def usable(self) -> DefaultStager:

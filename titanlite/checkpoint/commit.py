@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from titanlite.errors import TitanliteError, one_line
 
@@ -165,6 +165,12 @@ def read_dcp_index(folder: str | os.PathLike) -> Metadata:
         raise TitanliteError(f"{folder}: not a DCP checkpoint (no {DCP_METADATA_FILE})") from None
     except Exception as error:
         raise TitanliteError(f"{folder / DCP_METADATA_FILE}: unreadable checkpoint index ({one_line(error)})") from None
+
+
+def dcp_tensors(metadata: Metadata, prefix: str = "") -> dict[str, TensorStorageMetadata]:
+    """The tensors of a DCP index whose keys start with `prefix` (each one's global shape and dtype)."""
+    entries = metadata.state_dict_metadata.items()
+    return {k: v for k, v in entries if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)}
 
 
 @dataclass(frozen=True)

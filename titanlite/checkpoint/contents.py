@@ -80,8 +80,7 @@ class Contents:
 
     def weights_state(self, dtype: str | None) -> dict[str, Any]:
         """Model weights only, cast to `dtype` (a config dtype name) when given."""
-        model_sd = self.model_state()
-        return {"model": cast_floating(model_sd, torch_dtype(dtype)) if dtype is not None else model_sd}
+        return {"model": cast_floating(self.model_state(), torch_dtype(dtype) if dtype is not None else None)}
 
     def model_state(self) -> dict[str, Any]:
         """The model's state dict of plain tensors (float8-gathered weights unwrapped, sharing

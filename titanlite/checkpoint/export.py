@@ -21,10 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite.checkpoint import integrity
-from titanlite.checkpoint.commit import read_commit, read_dcp_index
+from titanlite.checkpoint.commit import dcp_tensors, read_commit, read_dcp_index
 from titanlite.checkpoint.load_progress import ProgressReader
 from titanlite.errors import TitanliteError, user_errors
 from titanlite.logging import logger
@@ -64,11 +63,7 @@ def read_dcp_tensors(folder: str | os.PathLike, prefix: str = "") -> dict[str, t
     metadata = read_dcp_index(folder)
     record = read_commit(folder)
     integrity.verify(folder, record.checksums if record is not None else {}, None)
-    state = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in metadata.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
-    }
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in dcp_tensors(metadata, prefix).items()}
     with user_errors(f"{folder}: cannot read checkpoint"), single_process():
         dcp.load(state, storage_reader=ProgressReader(folder), no_dist=True)
     return state

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from titanlite.checkpoint import hf_io, integrity, policy
-from titanlite.checkpoint.commit import CommitRecord, args_dict, fingerprint, read_dcp_index
+from titanlite.checkpoint.commit import CommitRecord, args_dict, dcp_tensors, fingerprint, read_dcp_index
 from titanlite.checkpoint.contents import Contents
 from titanlite.checkpoint.load_progress import ProgressReader
 from titanlite.checkpoint.train_state import RNG_PREFIX
@@ -65,8 +65,7 @@ class Restorer:
         self.tokenizer = tokenizer or {}  # integrity.tokenizer_record of this run (rank 0)
         self.spec, self.model_args = spec, model_args
         self.fingerprint = fingerprint(spec.name, flavor, model_args)
-        self.contents = contents
-        self.group = group
+        self.contents, self.group = contents, group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
 
@@ -145,11 +144,7 @@ class Restorer:
             path, record = policy.resolve_initial_load(given)
             metadata = read_checked_metadata(path)
             prefix = "model." if any(k.startswith("model.") for k in metadata.state_dict_metadata) else ""
-            saved = {
-                k[len(prefix) :]: tuple(v.size)
-                for k, v in metadata.state_dict_metadata.items()
-                if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
-            }
+            saved = {k[len(prefix) :]: tuple(v.size) for k, v in dcp_tensors(metadata, prefix).items()}
             check_tensor_shapes(path, saved, self.contents.model_shapes())
             return path, prefix, record.checksums if record is not None else {}
 
