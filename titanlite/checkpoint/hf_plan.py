@@ -87,10 +87,7 @@ def stacked_reads(fqn: str, chunk: ChunkStorageMetadata, names: list[str]) -> li
     tensors `names` (one per slice along dim 0): one read per slice the shard covers, of the
     shard's block of that slice. `dest_offsets` is [slot in the shard, 0, ...]; `lengths`
     has the slice's dims (HFReadPlanner.transform_tensor picks the slot)."""
-    first, count = chunk.offsets[0], chunk.sizes[0]
-    if 0 in chunk.sizes[1:]:
-        return []
-    rest = len(chunk.sizes) - 1
+    first, rest = chunk.offsets[0], len(chunk.sizes) - 1
     return [
         ReadItem(
             type=LoadItemType.TENSOR,
@@ -100,7 +97,7 @@ def stacked_reads(fqn: str, chunk: ChunkStorageMetadata, names: list[str]) -> li
             storage_offsets=torch.Size(chunk.offsets[1:]),
             lengths=torch.Size(chunk.sizes[1:]),
         )
-        for e in range(first, first + count)
+        for e in _covered(chunk)
     ]
 
 
@@ -109,9 +106,6 @@ def stacked_writes(
 ) -> list[WriteItem]:
     """The write items of one local shard of a stacked tensor of global `shape` [E, ...]:
     each slice the shard covers, as its block of the HF tensor `names[e]` [...]."""
-    first, count = chunk.offsets[0], chunk.sizes[0]
-    if 0 in chunk.sizes[1:]:
-        return []
     offsets, sizes = torch.Size(chunk.offsets[1:]), torch.Size(chunk.sizes[1:])
     return [
         WriteItem(
@@ -123,8 +117,13 @@ def stacked_writes(
                 size=torch.Size(shape[1:]),
             ),
         )
-        for e in range(first, first + count)
+        for e in _covered(chunk)
     ]
+
+
+def _covered(chunk: ChunkStorageMetadata) -> range:
+    """The slices along dim 0 one local shard of a stacked tensor covers (none if it is empty)."""
+    return range(0) if 0 in chunk.sizes[1:] else range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])
 
 
 class HFReadPlanner(DefaultLoadPlanner):

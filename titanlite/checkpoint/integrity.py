@@ -77,9 +77,8 @@ def verify(folder: str | os.PathLike, sums: dict[str, str], group: dist.ProcessG
     collective when `group` spans several ranks. A mismatch raises on every rank."""
     if not sums:
         return
-    names = sorted(sums)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    raise_first(group, _first_mismatch(Path(folder), names[rank::world], sums))
+    raise_first(group, _first_mismatch(Path(folder), sorted(sums)[rank::world], sums))
 
 
 def tokenizer_record(tokenizer) -> dict[str, object]:

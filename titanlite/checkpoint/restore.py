@@ -98,10 +98,7 @@ class Restorer:
         integrity.verify(path, record.checksums, self.group)
         if record.model_weights_only:  # the step-0 seed: weights only, training starts at 0
             self._load_model_dcp(path, prefix="model.")
-            logger.info(
-                f"checkpoint: initialized the model from the seed checkpoint {path} "
-                f"({time.perf_counter() - started:.2f} s)"
-            )
+            _initialized(f"the seed checkpoint {path}", started)
             return
         state = self.contents.training_state()
         missing_rng = self._drop_missing_rng(state, metadata)
@@ -152,7 +149,7 @@ class Restorer:
         started = time.perf_counter()
         integrity.verify(path, checksums, self.group)
         self._load_model_dcp(path, prefix)
-        logger.info(f"checkpoint: initialized the model from {path} ({time.perf_counter() - started:.2f} s)")
+        _initialized(str(path), started)
 
     def _load_model_dcp(self, path: Path, prefix: str) -> None:
         """Model weights only; `prefix` "" reads checkpoints that keep weights at top level
@@ -180,10 +177,11 @@ class Restorer:
         model_sd = self.contents.model_state()
         hf_io.load_hf_weights(model_sd, folder, adapter, self.model_args, self.group)
         set_model_state_dict(self.contents.model, model_sd)
-        logger.info(
-            f"checkpoint: initialized the model from Hugging Face weights {folder} "
-            f"({time.perf_counter() - started:.2f} s)"
-        )
+        _initialized(f"Hugging Face weights {folder}", started)
+
+
+def _initialized(source: str, started: float) -> None:
+    logger.info(f"checkpoint: initialized the model from {source} ({time.perf_counter() - started:.2f} s)")
 
 
 def dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
