@@ -209,8 +209,7 @@ class ProcessSaver(ThreadSaver):
         from torch.distributed.checkpoint import _async_process_executor as executor
 
         super().close()
-        process = getattr(executor, "_CHECKPOINT_PROCESS", None)
-        if process is None:
+        if (process := getattr(executor, "_CHECKPOINT_PROCESS", None)) is None:
             return
         try:
             process.__del__()

@@ -90,8 +90,7 @@ class Checkpointer:
         if optimizer is not None and model is None:
             raise TitanliteError("Checkpointer: optimizer needs the model it optimizes (model=)")
         self.states = dict(states or {})
-        clash = {"model", "optimizer"} & set(self.states)
-        if clash:
+        if clash := {"model", "optimizer"} & set(self.states):
             raise TitanliteError(
                 f"Checkpointer: states key {sorted(clash)[0]!r} is taken by the model or optimizer; rename it"
             )
@@ -227,8 +226,7 @@ class Checkpointer:
 
     def _retire(self, step: int) -> None:
         """Un-commit and move a step folder aside now; delete it in the background."""
-        retired = commit.retire(self.root, step)
-        if retired is not None:
+        if (retired := commit.retire(self.root, step)) is not None:
             self.housekeeper.delete(retired)
 
     def _prepare_folder(self, step: int) -> Path:

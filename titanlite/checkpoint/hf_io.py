@@ -75,8 +75,7 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
         for name in names:
             if not (folder / name).is_file():
                 raise TitanliteError(f"{folder / name}: missing, but {HF_INDEX_FILE} names it")
-        stray = sorted(p for p in folder.glob("*.safetensors") if p.name not in set(names))
-        if stray:
+        if stray := sorted(p for p in folder.glob("*.safetensors") if p.name not in set(names)):
             raise TitanliteError(
                 f"{stray[0]}: {HF_INDEX_FILE} does not name this file, and every *.safetensors in the "
                 "folder would be read; move it out of the folder"
@@ -105,8 +104,7 @@ def read_hf_shapes(folder: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
                 pieces = {key: (tuple(p.get_shape()), p.get_dtype(), path) for key, p in headers.items()}
         except Exception as error:  # a truncated or foreign file: safetensors' own words
             raise TitanliteError(f"{path}: cannot read safetensors ({' '.join(str(error).split())})") from None
-        twice = next((key for key in pieces if key in found), None)
-        if twice is not None:
+        if (twice := next((key for key in pieces if key in found), None)) is not None:
             raise TitanliteError(
                 f"{path}: tensor {twice} is also in {found[twice][2]}; a Hugging Face folder holds each tensor in "
                 f"one file{_every_file_note(Path(folder))}: move one of them out"
@@ -170,8 +168,7 @@ def check_hf_folder(
     a tensor missing, of the wrong shape, or unknown to this model. `wanted`: our key ->
     global shape. Returns what the headers hold (`read_hf_shapes`)."""
     folder = Path(folder)
-    wrong = adapter.check_hf_config(read_hf_config(folder), args)
-    if wrong:
+    if wrong := adapter.check_hf_config(read_hf_config(folder), args):
         raise TitanliteError(f"{folder / HF_CONFIG_FILE}: describes another model: {', '.join(wrong)}")
     found = read_hf_shapes(folder)
     expected = _expected(wanted, adapter, args)
@@ -185,8 +182,7 @@ def check_hf_folder(
                 f"{path}: tensor {name} has shape {list(shape)}, this model's {key} is {list(wanted[key])}{part}"
             )
     known = set(expected) | {adapter.hf_name(k) for k in wanted if adapter.tied_to(k, args)}
-    unknown = sorted(k for k in found if k not in known and not adapter.ignored_hf_tensor(k, args))
-    if unknown:
+    if unknown := sorted(k for k in found if k not in known and not adapter.ignored_hf_tensor(k, args)):
         raise TitanliteError(
             f"{found[unknown[0]][2]}: tensor {unknown[0]} is not part of this model{_every_file_note(folder)}"
         )
@@ -310,8 +306,8 @@ def save_hf_weights(
     config.json and `extra_files` (the tokenizer). Collective over `group` (None: one
     process); `state_dict` has our keys, plain tensors or this rank's DTensor shards."""
     out_dir = Path(out_dir)
-    problems = adapter.hf_export_problems(args)
-    if problems:  # before any collective: every rank has the same args, and refuses alike
+    # Before any collective: every rank has the same args, and refuses alike.
+    if problems := adapter.hf_export_problems(args):
         raise TitanliteError(f"{out_dir}: Hugging Face's model class cannot hold this model: {', '.join(problems)}")
     partial = out_dir.with_name(out_dir.name + ".partial")
     first = group is None or dist.get_rank(group) == 0

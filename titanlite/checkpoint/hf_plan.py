@@ -137,8 +137,7 @@ class HFReadPlanner(DefaultLoadPlanner):
         self.head_dims, self.stacked = head_dims or {}, stacked or {}
 
     def _whole(self, name: str) -> None:
-        stored = self.metadata.state_dict_metadata.get(name)
-        if stored is None:
+        if (stored := self.metadata.state_dict_metadata.get(name)) is None:
             raise TitanliteError(f"tensor {name} is missing")
         if len(stored.chunks) != 1:
             raise TitanliteError(

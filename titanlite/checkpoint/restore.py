@@ -205,8 +205,7 @@ def read_checked_metadata(path: Path) -> Metadata:
         shard = path / relative
         if not shard.is_file():
             raise TitanliteError(f"{shard}: shard file missing from the checkpoint")
-        actual = shard.stat().st_size
-        if actual < size:
+        if (actual := shard.stat().st_size) < size:
             raise TitanliteError(f"{shard}: shard is truncated ({actual} bytes, the checkpoint index needs {size})")
     return metadata
 
@@ -242,8 +241,7 @@ def check_model(path: Path, record: CommitRecord, built: dict[str, str], model_a
 
 def check_tensor_shapes(path: Path, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:
     """Every tensor the model wants is in the checkpoint, at the same global shape."""
-    missing = [k for k in wanted if k not in saved]
-    if missing:
+    if missing := [k for k in wanted if k not in saved]:
         raise TitanliteError(
             f"{path}: the checkpoint lacks {len(missing)} of the model's tensors (first: {missing[0]})"
         )
