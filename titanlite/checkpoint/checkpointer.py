@@ -158,8 +158,7 @@ class Checkpointer:
                 self.saver.blocking_save(state, path)
             self._commit(step, path, record, time.perf_counter() - started)
         else:
-            future = self.saver.save(state, path)
-            self._pending = _PendingSave(step, path, record, future, started)
+            self._pending = _PendingSave(step, path, record, self.saver.save(state, path), started)
             logger.info(
                 f"checkpoint: step {step} staged in {time.perf_counter() - started:.2f} s, writing {path} in the "
                 f"background ({self.async_mode})"

@@ -95,13 +95,8 @@ class Contents:
         """The dims of the meshes the parameters live on ({} when not distributed), recorded for
         the log: the first parameter's, then those only others use (the experts' ep and efsdp)."""
         dims: dict[str, int] = {}
-        for param in self.model.parameters():
-            if isinstance(param, DTensor):
-                mesh = param.device_mesh
-                names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-                for name, size in zip(names, mesh.shape):
-                    dims.setdefault(name, size)
+        for mesh in (param.device_mesh for param in self.model.parameters() if isinstance(param, DTensor)):
+            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+            for name, size in zip(names, mesh.shape):
+                dims.setdefault(name, size)
         return dims
-
-    def tokens_seen(self) -> int:
-        return int(getattr(self.train_state, "tokens_seen", 0))

@@ -81,8 +81,7 @@ def read_dcp_model(folder: str | os.PathLike, dtype: torch.dtype | None = None) 
     prefix = "model." if any(k.startswith("model.") for k in keys) else ""
     if not prefix and any(k.startswith("optimizer.") for k in keys):
         raise TitanliteError(f"{folder}: checkpoint has no model weights")
-    state = read_dcp_tensors(folder, prefix)
-    return cast_floating({k[len(prefix) :]: v for k, v in state.items()}, dtype)
+    return cast_floating({k[len(prefix) :]: v for k, v in read_dcp_tensors(folder, prefix).items()}, dtype)
 
 
 def dcp_to_full_file(folder: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype | None = None) -> int:

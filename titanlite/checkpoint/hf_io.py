@@ -207,9 +207,8 @@ def load_hf_weights(
     (None: one process). Call `check_hf_folder` first, on one rank."""
     request, stacked, heads = _by_hf_name(state_dict, adapter, args)
     with torch.no_grad():
-        for key, value in state_dict.items():
-            if adapter.zero_in_hf(key, args):
-                value.zero_()
+        for value in [value for key, value in state_dict.items() if adapter.zero_in_hf(key, args)]:
+            value.zero_()
     with user_errors(f"{folder}: cannot load Hugging Face weights"), _quiet(group):
         reader, planner = HFProgressReader(folder), HFReadPlanner(dict.fromkeys(heads, args.head_dim), stacked)
         dcp.load(request, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)

@@ -186,8 +186,7 @@ class HFWritePlanner(DefaultSavePlanner):
         for fqn, names in self.stacked.items():
             obj = self.state_dict[fqn]
             for chunk in local_chunks(obj):
-                properties = TensorProperties.create_from_tensor(_local(obj))
-                written = stacked_writes(names, chunk, obj.shape, properties)
+                written = stacked_writes(names, chunk, obj.shape, TensorProperties.create_from_tensor(_local(obj)))
                 items += written
                 self.slots.update({item.index.fqn: (fqn, slot) for slot, item in enumerate(written)})
         self.plan = dataclasses.replace(plan, items=items)

@@ -81,12 +81,10 @@ class CheckpointManager:
         if last and self.cfg.last_save_in_hf:
             self.pipeline.wait()  # an async save in flight runs DCP's collectives on the same group
             self.save_hf(step)
-        if not self.cfg.enable_checkpoint or not policy.should_save(step, self.cfg.interval, last):
-            return
-        if step in self.pipeline.saved_steps:
-            return
-        self.pipeline.wait()
-        self._save(step, policy.save_kind(self.cfg, last))
+        due = self.cfg.enable_checkpoint and policy.should_save(step, self.cfg.interval, last)
+        if due and step not in self.pipeline.saved_steps:
+            self.pipeline.wait()
+            self._save(step, policy.save_kind(self.cfg, last))
 
     def save_now(self, step: int) -> Path:
         """A blocking save of the whole training state at `step` (a preemption), after the
@@ -134,7 +132,7 @@ class CheckpointManager:
             model_args=self.model_args,
             world_size=self.pipeline.world_size,
             mesh=self.contents.mesh(),
-            tokens_seen=self.contents.tokens_seen(),
+            tokens_seen=int(getattr(self.contents.train_state, "tokens_seen", 0)),
             tokenizer=self.tokenizer,
         )
         self.pipeline.save_state(step, state, record, kind.blocking)

@@ -145,9 +145,8 @@ def resolve_initial_load(
         # DCP writes .metadata only after every rank's shards are on disk, so a folder from
         # another DCP writer (no commit.json) is complete too; ours also carry a fingerprint.
         return path, read_commit(path)
-    inventory = scan(path)
-    if inventory.complete:
-        newest = step_dir(path, inventory.complete[-1])
+    if complete := scan(path).complete:
+        newest = step_dir(path, complete[-1])
         return newest, read_commit(newest)
     raise TitanliteError(
         f"{what}: {path} is not a DCP checkpoint (no {DCP_METADATA_FILE}) and holds no complete step-N checkpoint"

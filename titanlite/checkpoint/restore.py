@@ -213,8 +213,7 @@ def read_checked_metadata(path: Path) -> Metadata:
 def check_tokenizer(path: Path, record: CommitRecord, current: dict[str, Any]) -> None:
     """A resumed run must tokenize as the run that saved it did: the same vocabulary size,
     and the same tokenizer file (by checksum). Records without a tokenizer are not checked."""
-    saved = record.tokenizer
-    if not saved or not current:
+    if not (saved := record.tokenizer) or not current:
         return
     if saved.get("vocab_size") != current["vocab_size"]:
         difference = f"its vocabulary has {current['vocab_size']} tokens, the checkpoint's {saved.get('vocab_size')}"
