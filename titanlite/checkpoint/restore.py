@@ -166,13 +166,12 @@ class Restorer:
         adapter = self.spec.hf_adapter
         if adapter is None:
             raise TitanliteError(f"checkpoint.initial_load_format: model {self.spec.name} has no Hugging Face mapping")
-        # Against the whole model's shapes: a pipeline stage holds only its layers.
-        on_rank0(
-            self.group,
-            lambda: hf_io.check_hf_folder(
-                folder, adapter, self.model_args, hf_io.whole_model_shapes(self.spec.model_class, self.model_args)
-            ),
-        )
+
+        def check() -> None:  # against the whole model's shapes: a pipeline stage holds only its layers
+            wanted = hf_io.whole_model_shapes(self.spec.model_class, self.model_args)
+            hf_io.check_hf_folder(folder, adapter, self.model_args, wanted)
+
+        on_rank0(self.group, check)
         started = time.perf_counter()
         model_sd = self.contents.model_state()
         hf_io.load_hf_weights(model_sd, folder, adapter, self.model_args, self.group)
