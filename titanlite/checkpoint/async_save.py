@@ -122,19 +122,14 @@ class BackgroundStager:
         self.stager = self._new_stager()
 
     def _new_stager(self) -> DefaultStager:
-        cuda = torch.cuda.is_available()
+        gpu = torch.cuda.is_available()
         # Pinning and non-blocking copies need CUDA; shared memory lets a writer process
-        # read the staged tensors without another copy.
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=self.shared_memory,
-                use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            )
-        )
+        # read the staged tensors without another copy; use_async_staging (its default, True
+        # in torch 2.11 and 2.13) copies in the stager's own thread.
+        options = StagingOptions(use_pinned_memory=gpu, use_shared_memory=self.shared_memory, use_non_blocking_copy=gpu)
+        stager = DefaultStager(options)
         if isinstance(getattr(stager, "_state_dict_stager", None), StateDictStager):
-            stager._state_dict_stager = GilFreeStateDictStager(pin_memory=cuda, share_memory=self.shared_memory)
+            stager._state_dict_stager = GilFreeStateDictStager(pin_memory=gpu, share_memory=self.shared_memory)
         return stager
 
     def usable(self) -> DefaultStager:
@@ -204,28 +199,23 @@ class ProcessSaver(ThreadSaver):
     executor = AsyncCheckpointerType.PROCESS
 
     def close(self) -> None:
+        """Also end DCP's writer daemon now rather than at interpreter exit, so a trainer that
+        finished does not keep a process (and its gloo group) alive behind it.
+
+        DCP keeps the daemon in a private module global and stops it only from `__del__` or at
+        exit; this reaches that global (present in torch 2.11 and 2.13) and does what `__del__`
+        does. If a later torch renames it, the daemon still ends at exit (daemon=True).
+        """
+        from torch.distributed.checkpoint import _async_process_executor as executor
+
         super().close()
-        _stop_dcp_checkpoint_process()
-
-
-def _stop_dcp_checkpoint_process() -> None:
-    """End DCP's writer daemon now rather than at interpreter exit, so a trainer that
-    finished does not keep a process (and its gloo group) alive behind it.
-
-    DCP keeps the daemon in a private module global and stops it only from `__del__` or at
-    exit; this reaches that global (present in torch 2.11 and 2.13) and does what `__del__`
-    does. If a later torch renames it, the daemon still ends at exit (daemon=True).
-    """
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
-    process = getattr(executor, "_CHECKPOINT_PROCESS", None)
-    if process is None:
-        return
-    try:
-        process.__del__()
-    except Exception as error:  # a dead daemon is what we wanted anyway
-        logger.warning(f"checkpoint: stopping the checkpoint writer process: {error}")
-    executor._CHECKPOINT_PROCESS = None
+        if (process := getattr(executor, "_CHECKPOINT_PROCESS", None)) is None:
+            return
+        try:
+            process.__del__()
+        except Exception as error:  # a dead daemon is what we wanted anyway
+            logger.warning(f"checkpoint: stopping the checkpoint writer process: {error}")
+        executor._CHECKPOINT_PROCESS = None
 
 
 def build_saver(mode: str, process_group: dist.ProcessGroup | None) -> Saver:

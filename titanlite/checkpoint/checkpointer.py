@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
@@ -90,8 +90,7 @@ class Checkpointer:
         if optimizer is not None and model is None:
             raise TitanliteError("Checkpointer: optimizer needs the model it optimizes (model=)")
         self.states = dict(states or {})
-        clash = {"model", "optimizer"} & set(self.states)
-        if clash:
+        if clash := {"model", "optimizer"} & set(self.states):
             raise TitanliteError(
                 f"Checkpointer: states key {sorted(clash)[0]!r} is taken by the model or optimizer; rename it"
             )
@@ -105,9 +104,7 @@ class Checkpointer:
         # and a background save must never interleave with the training's collectives.
         self.group = new_group(backend="gloo", group_desc="checkpoint") if distributed else None
         self.saver: Saver = build_saver(async_mode, self.group)
-        self.housekeeper = Housekeeper() if self.rank == 0 else None
-        if self.housekeeper is not None:
-            self.housekeeper.delete_leftovers(self.root / commit.TRASH_DIR)
+        self.housekeeper = Housekeeper(leftovers=self.root / commit.TRASH_DIR) if self.rank == 0 else None
         self._pending: _PendingSave | None = None
         self.saved_steps: set[int] = set()  # committed or in flight in this run
 
@@ -140,15 +137,9 @@ class Checkpointer:
         integrity.verify(choice.path, choice.record.checksums, self.group)
         state = self.state()
         dcp_load(state, choice.path, self.group)
-        if self.optimizer is not None:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optimizer"],
-                options=FLAT_OPTIMIZER,
-            )
-        elif self.model is not None:
+        if self.optimizer is not None:  # before the model, as `set_state_dict` does
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FLAT_OPTIMIZER)
+        if self.model is not None:
             set_model_state_dict(self.model, state["model"])
         for key, obj in self.states.items():
             obj.load_state_dict(state[key])
@@ -167,8 +158,7 @@ class Checkpointer:
                 self.saver.blocking_save(state, path)
             self._commit(step, path, record, time.perf_counter() - started)
         else:
-            future = self.saver.save(state, path)
-            self._pending = _PendingSave(step, path, record, future, started)
+            self._pending = _PendingSave(step, path, record, self.saver.save(state, path), started)
             logger.info(
                 f"checkpoint: step {step} staged in {time.perf_counter() - started:.2f} s, writing {path} in the "
                 f"background ({self.async_mode})"
@@ -235,8 +225,7 @@ class Checkpointer:
 
     def _retire(self, step: int) -> None:
         """Un-commit and move a step folder aside now; delete it in the background."""
-        retired = commit.retire(self.root, step)
-        if retired is not None:
+        if (retired := commit.retire(self.root, step)) is not None:
             self.housekeeper.delete(retired)
 
     def _prepare_folder(self, step: int) -> Path:

@@ -23,6 +23,7 @@ process groups; which folder to load or delete is decided in `policy.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from titanlite.errors import TitanliteError, one_line
 
@@ -89,9 +90,7 @@ class CommitRecord:
 
     @classmethod
     def from_json(cls, text: str) -> CommitRecord:
-        data = json.loads(text)
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        return cls(**{k: v for k, v in json.loads(text).items() if k in cls.__dataclass_fields__})
 
 
 def write_commit(folder: str | os.PathLike, record: CommitRecord) -> None:
@@ -120,27 +119,21 @@ def read_commit(folder: str | os.PathLike) -> CommitRecord | None:
     """The commit record of `folder`, or None when it has none (never committed)."""
     marker = Path(folder) / COMMIT_FILE
     try:
-        text = marker.read_text()
+        return CommitRecord.from_json(marker.read_text())
     except FileNotFoundError:
         return None
-    try:
-        return CommitRecord.from_json(text)
     except (ValueError, TypeError) as error:
         raise TitanliteError(f"{marker}: unreadable commit marker ({error})") from None
 
 
 def _fsync_dir(folder: Path) -> None:
     """Make a rename durable; some file systems do not support fsync on folders."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 TRASH_DIR = ".trash"
@@ -174,6 +167,12 @@ def read_dcp_index(folder: str | os.PathLike) -> Metadata:
         raise TitanliteError(f"{folder / DCP_METADATA_FILE}: unreadable checkpoint index ({one_line(error)})") from None
 
 
+def dcp_tensors(metadata: Metadata, prefix: str = "") -> dict[str, TensorStorageMetadata]:
+    """The tensors of a DCP index whose keys start with `prefix` (each one's global shape and dtype)."""
+    entries = metadata.state_dict_metadata.items()
+    return {k: v for k, v in entries if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)}
+
+
 @dataclass(frozen=True)
 class Inventory:
     """The checkpoints under one root: committed steps and interrupted (uncommitted) ones."""
@@ -197,11 +196,7 @@ def scan(root: str | os.PathLike) -> Inventory:
     """List `step-N` folders under `root`, split by whether they were committed."""
     root = Path(root)
     complete, incomplete = [], []
-    if root.is_dir():
-        for entry in root.iterdir():
-            match = _STEP_DIR.match(entry.name)
-            if not match or not entry.is_dir():
-                continue
-            step = int(match.group(1))
-            (complete if (entry / COMMIT_FILE).is_file() else incomplete).append(step)
+    for entry in root.iterdir() if root.is_dir() else ():
+        if (match := _STEP_DIR.match(entry.name)) and entry.is_dir():
+            (complete if (entry / COMMIT_FILE).is_file() else incomplete).append(int(match.group(1)))
     return Inventory(root, tuple(sorted(complete)), tuple(sorted(incomplete)))

@@ -80,8 +80,7 @@ class Contents:
 
     def weights_state(self, dtype: str | None) -> dict[str, Any]:
         """Model weights only, cast to `dtype` (a config dtype name) when given."""
-        model_sd = self.model_state()
-        return {"model": cast_floating(model_sd, torch_dtype(dtype)) if dtype is not None else model_sd}
+        return {"model": cast_floating(self.model_state(), torch_dtype(dtype) if dtype is not None else None)}
 
     def model_state(self) -> dict[str, Any]:
         """The model's state dict of plain tensors (float8-gathered weights unwrapped, sharing
@@ -96,13 +95,8 @@ class Contents:
         """The dims of the meshes the parameters live on ({} when not distributed), recorded for
         the log: the first parameter's, then those only others use (the experts' ep and efsdp)."""
         dims: dict[str, int] = {}
-        for param in self.model.parameters():
-            if isinstance(param, DTensor):
-                mesh = param.device_mesh
-                names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-                for name, size in zip(names, mesh.shape):
-                    dims.setdefault(name, size)
+        for mesh in (param.device_mesh for param in self.model.parameters() if isinstance(param, DTensor)):
+            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+            for name, size in zip(names, mesh.shape):
+                dims.setdefault(name, size)
         return dims
-
-    def tokens_seen(self) -> int:
-        return int(getattr(self.train_state, "tokens_seen", 0))

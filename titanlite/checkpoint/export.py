@@ -21,10 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanlite.checkpoint import integrity
-from titanlite.checkpoint.commit import read_commit, read_dcp_index
+from titanlite.checkpoint.commit import dcp_tensors, read_commit, read_dcp_index
 from titanlite.checkpoint.load_progress import ProgressReader
 from titanlite.errors import TitanliteError, user_errors
 from titanlite.logging import logger
@@ -64,11 +63,7 @@ def read_dcp_tensors(folder: str | os.PathLike, prefix: str = "") -> dict[str, t
     metadata = read_dcp_index(folder)
     record = read_commit(folder)
     integrity.verify(folder, record.checksums if record is not None else {}, None)
-    state = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in metadata.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
-    }
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in dcp_tensors(metadata, prefix).items()}
     with user_errors(f"{folder}: cannot read checkpoint"), single_process():
         dcp.load(state, storage_reader=ProgressReader(folder), no_dist=True)
     return state
@@ -86,8 +81,7 @@ def read_dcp_model(folder: str | os.PathLike, dtype: torch.dtype | None = None) 
     prefix = "model." if any(k.startswith("model.") for k in keys) else ""
     if not prefix and any(k.startswith("optimizer.") for k in keys):
         raise TitanliteError(f"{folder}: checkpoint has no model weights")
-    state = read_dcp_tensors(folder, prefix)
-    return cast_floating({k[len(prefix) :]: v for k, v in state.items()}, dtype)
+    return cast_floating({k[len(prefix) :]: v for k, v in read_dcp_tensors(folder, prefix).items()}, dtype)
 
 
 def dcp_to_full_file(folder: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype | None = None) -> int:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from titanlite.checkpoint.export import single_process
+from titanlite.checkpoint.export import cast_floating, single_process
 from titanlite.checkpoint.hf_plan import HFReadPlanner, HFWritePlanner, to_hf_rows
 from titanlite.checkpoint.load_progress import HFProgressReader, HFProgressWriter
 from titanlite.errors import TitanliteError, user_errors
@@ -46,14 +46,6 @@ HF_CONFIG_FILE = "config.json"
 HF_INDEX_FILE = "model.safetensors.index.json"
 # transformers' default `max_shard_size` for save_pretrained.
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
-
-
-def _safe_open():
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise TitanliteError("Hugging Face weights need the safetensors package: pip install safetensors") from None
-    return safe_open
 
 
 def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -83,8 +75,7 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
         for name in names:
             if not (folder / name).is_file():
                 raise TitanliteError(f"{folder / name}: missing, but {HF_INDEX_FILE} names it")
-        stray = sorted(p for p in folder.glob("*.safetensors") if p.name not in set(names))
-        if stray:
+        if stray := sorted(p for p in folder.glob("*.safetensors") if p.name not in set(names)):
             raise TitanliteError(
                 f"{stray[0]}: {HF_INDEX_FILE} does not name this file, and every *.safetensors in the "
                 "folder would be read; move it out of the folder"
@@ -101,7 +92,10 @@ def read_hf_shapes(folder: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
     """Every tensor's (shape, safetensors dtype, file), from the files' headers only. A
     tensor in two files is refused, naming both: DCP's reader would read both and keep
     either (a folder without an index, where every *.safetensors is read, most often)."""
-    safe_open = _safe_open()
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise TitanliteError("Hugging Face weights need the safetensors package: pip install safetensors") from None
     found = {}
     for path in weight_files(folder):
         try:
@@ -110,8 +104,7 @@ def read_hf_shapes(folder: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
                 pieces = {key: (tuple(p.get_shape()), p.get_dtype(), path) for key, p in headers.items()}
         except Exception as error:  # a truncated or foreign file: safetensors' own words
             raise TitanliteError(f"{path}: cannot read safetensors ({' '.join(str(error).split())})") from None
-        twice = next((key for key in pieces if key in found), None)
-        if twice is not None:
+        if (twice := next((key for key in pieces if key in found), None)) is not None:
             raise TitanliteError(
                 f"{path}: tensor {twice} is also in {found[twice][2]}; a Hugging Face folder holds each tensor in "
                 f"one file{_every_file_note(Path(folder))}: move one of them out"
@@ -122,11 +115,9 @@ def read_hf_shapes(folder: str | os.PathLike) -> dict[str, tuple[tuple[int, ...]
 
 def _every_file_note(folder: Path) -> str:
     """Why a file nobody meant to load is read: without an index every *.safetensors is."""
-    return (
-        ""
-        if (folder / HF_INDEX_FILE).is_file()
-        else f" (the folder has no {HF_INDEX_FILE}, so every *.safetensors in it is read)"
-    )
+    if (folder / HF_INDEX_FILE).is_file():
+        return ""
+    return f" (the folder has no {HF_INDEX_FILE}, so every *.safetensors in it is read)"
 
 
 def hf_names(keys: list[str], adapter: HFAdapter, args: DecoderArgs) -> dict[str, str]:
@@ -144,6 +135,19 @@ def stacked_hf_names(keys: list[str], adapter: HFAdapter, args: DecoderArgs) -> 
     """Our key -> the HF name of each slice along its dim 0, for the tensors we hold stacked
     and HF stores one slice each (an MoE layer's experts)."""
     return {key: names for key in keys if (names := adapter.stacked_hf_names(key, args))}
+
+
+def _by_hf_name(
+    state_dict: dict[str, torch.Tensor], adapter: HFAdapter, args: DecoderArgs
+) -> tuple[dict[str, torch.Tensor], dict[str, list[str]], dict[str, int]]:
+    """What DCP reads or writes, by HF name (a stacked tensor under our key; `stacked` maps it
+    to its slices' names), and the rotary heads of each q/k projection by HF name (its rows
+    are permuted on the way)."""
+    names = hf_names(list(state_dict), adapter, args)
+    stacked = stacked_hf_names(list(state_dict), adapter, args)
+    by_name = {name: state_dict[key] for key, name in names.items()} | {key: state_dict[key] for key in stacked}
+    heads = {name: count for key, name in names.items() if (count := adapter.rotary_heads(key, args))}
+    return by_name, stacked, heads
 
 
 def _expected(
@@ -164,8 +168,7 @@ def check_hf_folder(
     a tensor missing, of the wrong shape, or unknown to this model. `wanted`: our key ->
     global shape. Returns what the headers hold (`read_hf_shapes`)."""
     folder = Path(folder)
-    wrong = adapter.check_hf_config(read_hf_config(folder), args)
-    if wrong:
+    if wrong := adapter.check_hf_config(read_hf_config(folder), args):
         raise TitanliteError(f"{folder / HF_CONFIG_FILE}: describes another model: {', '.join(wrong)}")
     found = read_hf_shapes(folder)
     expected = _expected(wanted, adapter, args)
@@ -179,8 +182,7 @@ def check_hf_folder(
                 f"{path}: tensor {name} has shape {list(shape)}, this model's {key} is {list(wanted[key])}{part}"
             )
     known = set(expected) | {adapter.hf_name(k) for k in wanted if adapter.tied_to(k, args)}
-    unknown = sorted(k for k in found if k not in known and not adapter.ignored_hf_tensor(k, args))
-    if unknown:
+    if unknown := sorted(k for k in found if k not in known and not adapter.ignored_hf_tensor(k, args)):
         raise TitanliteError(
             f"{found[unknown[0]][2]}: tensor {unknown[0]} is not part of this model{_every_file_note(folder)}"
         )
@@ -203,16 +205,12 @@ def load_hf_weights(
     from a Hugging Face folder, each rank reading only its slices; state HF's class has no
     place for is zeroed (where HF's model acts as if it were zero). Collective over `group`
     (None: one process). Call `check_hf_folder` first, on one rank."""
-    names = hf_names(list(state_dict), adapter, args)
-    stacked = stacked_hf_names(list(state_dict), adapter, args)
-    request = {name: state_dict[key] for key, name in names.items()} | {key: state_dict[key] for key in stacked}
-    head_dims = {name: args.head_dim for key, name in names.items() if adapter.rotary_heads(key, args)}
+    request, stacked, heads = _by_hf_name(state_dict, adapter, args)
     with torch.no_grad():
-        for key, value in state_dict.items():
-            if adapter.zero_in_hf(key, args):
-                value.zero_()
+        for value in [value for key, value in state_dict.items() if adapter.zero_in_hf(key, args)]:
+            value.zero_()
     with user_errors(f"{folder}: cannot load Hugging Face weights"), _quiet(group):
-        reader, planner = HFProgressReader(folder), HFReadPlanner(head_dims, stacked)
+        reader, planner = HFProgressReader(folder), HFReadPlanner(dict.fromkeys(heads, args.head_dim), stacked)
         dcp.load(request, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
 
 
@@ -246,10 +244,6 @@ def read_hf_model(
         if (source := adapter.tied_to(key, args)) is not None:
             state[key] = state[source]
     return state
-
-
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if group is not None else 0
 
 
 # Files `AutoTokenizer.from_pretrained` reads beside the tokenizer itself, copied when present.
@@ -311,19 +305,23 @@ def save_hf_weights(
     config.json and `extra_files` (the tokenizer). Collective over `group` (None: one
     process); `state_dict` has our keys, plain tensors or this rank's DTensor shards."""
     out_dir = Path(out_dir)
-    problems = adapter.hf_export_problems(args)
-    if problems:  # before any collective: every rank has the same args, and refuses alike
+    # Before any collective: every rank has the same args, and refuses alike.
+    if problems := adapter.hf_export_problems(args):
         raise TitanliteError(f"{out_dir}: Hugging Face's model class cannot hold this model: {', '.join(problems)}")
     partial = out_dir.with_name(out_dir.name + ".partial")
-    if _rank(group) == 0:
+    first = group is None or dist.get_rank(group) == 0
+    if first:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    values, stacked = _hf_values(state_dict, adapter, args, group, dtype)
+    values, stacked, heads = _by_hf_name(state_dict, adapter, args)
+    values = cast_floating(values, dtype)
+    if heads:  # the same on every rank (the same args): all of them take part, or none
+        values = to_hf_rows(values, heads, args.head_dim, adapter, group)
     mapping = file_indices(_global_sizes(values, stacked, group), max_file_bytes)
     distributed = group is not None and dist.get_world_size(group) > 1
     with user_errors(f"{out_dir}: cannot write Hugging Face weights"), _quiet(group):
         _write_files(values, stacked, partial, mapping, group if distributed else None)
-    if _rank(group) == 0:
+    if first:
         shutil.rmtree(partial / "sharded", ignore_errors=True)
         floating = next((v.dtype for v in values.values() if v.is_floating_point()), torch.float32)
         (partial / HF_CONFIG_FILE).write_text(json.dumps(adapter.hf_config(args, floating), indent=2) + "\n")
@@ -334,27 +332,6 @@ def save_hf_weights(
     if distributed:
         dist.barrier(group=group)
     return out_dir
-
-
-def _hf_values(
-    state_dict: dict[str, torch.Tensor],
-    adapter: HFAdapter,
-    args: DecoderArgs,
-    group: dist.ProcessGroup | None,
-    dtype: torch.dtype | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
-    """What is written, by HF name (a stacked tensor under our key; `stacked` maps it to its
-    slices' names): floating tensors cast to `dtype`, q/k rows in HF's order."""
-    names = hf_names(list(state_dict), adapter, args)
-    stacked = stacked_hf_names(list(state_dict), adapter, args)
-    values = {}
-    for key, name in [*names.items(), *((key, key) for key in stacked)]:
-        value = state_dict[key]
-        values[name] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
-    heads = {name: count for key, name in names.items() if (count := adapter.rotary_heads(key, args))}
-    if heads:  # the same on every rank (the same args): all of them take part, or none
-        values = to_hf_rows(values, heads, args.head_dim, adapter, group)
-    return values, stacked
 
 
 def _write_files(

@@ -31,22 +31,15 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, LoadPlan, ReadItem, SavePlan, WriteItem
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import LoadItemType, TensorWriteData, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
 from titanlite.errors import TitanliteError
 from titanlite.model_spec import HFAdapter
+from titanlite.parallel.collectives import any_rank
 
 
 def local_chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
@@ -94,10 +87,7 @@ def stacked_reads(fqn: str, chunk: ChunkStorageMetadata, names: list[str]) -> li
     tensors `names` (one per slice along dim 0): one read per slice the shard covers, of the
     shard's block of that slice. `dest_offsets` is [slot in the shard, 0, ...]; `lengths`
     has the slice's dims (HFReadPlanner.transform_tensor picks the slot)."""
-    first, count = chunk.offsets[0], chunk.sizes[0]
-    if 0 in chunk.sizes[1:]:
-        return []
-    rest = len(chunk.sizes) - 1
+    first, rest = chunk.offsets[0], len(chunk.sizes) - 1
     return [
         ReadItem(
             type=LoadItemType.TENSOR,
@@ -107,7 +97,7 @@ def stacked_reads(fqn: str, chunk: ChunkStorageMetadata, names: list[str]) -> li
             storage_offsets=torch.Size(chunk.offsets[1:]),
             lengths=torch.Size(chunk.sizes[1:]),
         )
-        for e in range(first, first + count)
+        for e in _covered(chunk)
     ]
 
 
@@ -116,9 +106,6 @@ def stacked_writes(
 ) -> list[WriteItem]:
     """The write items of one local shard of a stacked tensor of global `shape` [E, ...]:
     each slice the shard covers, as its block of the HF tensor `names[e]` [...]."""
-    first, count = chunk.offsets[0], chunk.sizes[0]
-    if 0 in chunk.sizes[1:]:
-        return []
     offsets, sizes = torch.Size(chunk.offsets[1:]), torch.Size(chunk.sizes[1:])
     return [
         WriteItem(
@@ -130,8 +117,13 @@ def stacked_writes(
                 size=torch.Size(shape[1:]),
             ),
         )
-        for e in range(first, first + count)
+        for e in _covered(chunk)
     ]
+
+
+def _covered(chunk: ChunkStorageMetadata) -> range:
+    """The slices along dim 0 one local shard of a stacked tensor covers (none if it is empty)."""
+    return range(0) if 0 in chunk.sizes[1:] else range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])
 
 
 class HFReadPlanner(DefaultLoadPlanner):
@@ -145,8 +137,7 @@ class HFReadPlanner(DefaultLoadPlanner):
         self.head_dims, self.stacked = head_dims or {}, stacked or {}
 
     def _whole(self, name: str) -> None:
-        stored = self.metadata.state_dict_metadata.get(name)
-        if stored is None:
+        if (stored := self.metadata.state_dict_metadata.get(name)) is None:
             raise TitanliteError(f"tensor {name} is missing")
         if len(stored.chunks) != 1:
             raise TitanliteError(
@@ -195,8 +186,7 @@ class HFWritePlanner(DefaultSavePlanner):
         for fqn, names in self.stacked.items():
             obj = self.state_dict[fqn]
             for chunk in local_chunks(obj):
-                properties = TensorProperties.create_from_tensor(_local(obj))
-                written = stacked_writes(names, chunk, obj.shape, properties)
+                written = stacked_writes(names, chunk, obj.shape, TensorProperties.create_from_tensor(_local(obj)))
                 items += written
                 self.slots.update({item.index.fqn: (fqn, slot) for slot, item in enumerate(written)})
         self.plan = dataclasses.replace(plan, items=items)
@@ -220,20 +210,14 @@ def to_hf_rows(
     rank's shard holds whole heads (one all-reduce decides, so all ranks agree); otherwise
     the tensor is gathered and permuted whole, and saved once (replicated)."""
 
-    def whole_heads(value: torch.Tensor) -> bool:
-        return all(c.offsets[0] % head_dim == 0 and c.sizes[0] % head_dim == 0 for c in local_chunks(value))
-
-    local_ok = all(whole_heads(values[k]) for k in heads)
-    everywhere = torch.tensor([int(local_ok)])
-    if group is not None:
-        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
-    out = {}
-    for key, value in values.items():
-        if key not in heads:
-            out[key] = value
-        elif not isinstance(value, DTensor):
-            out[key] = adapter.interleaved_to_half(value, heads[key])
-        elif everywhere.item():
+    split = any(c.offsets[0] % head_dim or c.sizes[0] % head_dim for k in heads for c in local_chunks(values[k]))
+    per_rank = not any_rank(group, split)
+    out = dict(values)
+    for key, count in heads.items():
+        value = values[key]
+        if not isinstance(value, DTensor):
+            out[key] = adapter.interleaved_to_half(value, count)
+        elif per_rank:
             local = value.to_local()
             permuted = (
                 adapter.interleaved_to_half(local, local.shape[0] // head_dim) if local.numel() else local.clone()
@@ -242,7 +226,7 @@ def to_hf_rows(
                 permuted, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
             )
         else:
-            full = adapter.interleaved_to_half(value.full_tensor(), heads[key])
+            full = adapter.interleaved_to_half(value.full_tensor(), count)
             out[key] = DTensor.from_local(
                 full, value.device_mesh, [Replicate()] * value.device_mesh.ndim, run_check=False
             )

@@ -23,20 +23,18 @@ from titanlite.logging import logger
 class Housekeeper:
     """A queue of paths (folders or files) to delete, drained by one daemon thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, leftovers: Path) -> None:
+        """Starts with the deletes an earlier run left under `leftovers` (the `.trash/` folder:
+        it crashed, or was killed)."""
         self._queue: queue.Queue[Path | None] = queue.Queue()
         self._thread = threading.Thread(target=self._drain, name="titanlite-housekeeping", daemon=True)
         self._thread.start()
+        for entry in sorted(leftovers.iterdir()) if leftovers.is_dir() else ():
+            self.delete(entry)
 
     def delete(self, path: str | os.PathLike) -> None:
         """Delete `path` in the background (a folder with everything in it, or a file)."""
         self._queue.put(Path(path))
-
-    def delete_leftovers(self, trash: Path) -> None:
-        """Finish the deletes an earlier run left under `trash` (it crashed, or was killed)."""
-        if trash.is_dir():
-            for entry in sorted(trash.iterdir()):
-                self.delete(entry)
 
     def close(self) -> None:
         """Finish every queued delete, then end the thread."""

@@ -22,7 +22,6 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
@@ -38,8 +37,8 @@ class ChecksummingWriter(FileSystemWriter):
     `delay_s` seconds before reporting them written (a test's save held in flight:
     async_save.py's `SLOW_WRITE_ENV`). Module level so the async process executor can pickle it."""
 
-    def __init__(self, path: str | os.PathLike, delay_s: float = 0.0, **kwargs: Any):
-        super().__init__(path, **kwargs)
+    def __init__(self, path: str | os.PathLike, delay_s: float = 0.0):
+        super().__init__(path)
         self.delay_s = delay_s
 
     def write_data(self, plan, planner):  # type: ignore[override]
@@ -47,8 +46,7 @@ class ChecksummingWriter(FileSystemWriter):
         files = sorted({result.storage_data.relative_path for result in future.wait()})  # a torch Future, already done
         folder = Path(self.path)
         sums = {name: file_crc32(folder / name) for name in files}
-        sidecar = folder / f"{plan.storage_data.prefix}{SIDECAR_SUFFIX}"
-        sidecar.write_text(json.dumps(sums, sort_keys=True))
+        (folder / f"{plan.storage_data.prefix}{SIDECAR_SUFFIX}").write_text(json.dumps(sums, sort_keys=True))
         time.sleep(self.delay_s)
         return future
 
@@ -59,10 +57,7 @@ def sidecars(folder: str | os.PathLike) -> list[Path]:
 
 def collect(folder: str | os.PathLike) -> dict[str, str]:
     """Every rank's checksums of one finished save: shard file name -> CRC-32 hex."""
-    sums: dict[str, str] = {}
-    for sidecar in sidecars(folder):
-        sums.update(json.loads(sidecar.read_text()))
-    return sums
+    return {name: crc for sidecar in sidecars(folder) for name, crc in json.loads(sidecar.read_text()).items()}
 
 
 def _first_mismatch(folder: Path, names: list[str], sums: dict[str, str]) -> str | None:
@@ -82,9 +77,8 @@ def verify(folder: str | os.PathLike, sums: dict[str, str], group: dist.ProcessG
     collective when `group` spans several ranks. A mismatch raises on every rank."""
     if not sums:
         return
-    names = sorted(sums)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    raise_first(group, _first_mismatch(Path(folder), names[rank::world], sums))
+    raise_first(group, _first_mismatch(Path(folder), sorted(sums)[rank::world], sums))
 
 
 def tokenizer_record(tokenizer) -> dict[str, object]:

@@ -80,13 +80,7 @@ class _Reported:
 
 class _Reporting(_Reported):
     """`read_data` for a DCP reader class; the reader says what its stored pieces and read
-    items weigh."""
-
-    def _stored_bytes(self, info: Any) -> int:
-        raise NotImplementedError
-
-    def _item_bytes(self, item: ReadItem) -> int:
-        raise NotImplementedError
+    items weigh (`_stored_bytes(info)`, `_item_bytes(item)`)."""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         stored = self.storage_data.values()

@@ -53,11 +53,9 @@ class CheckpointManager:
     ):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
-        self.fingerprint = commit.fingerprint(spec.name, flavor, model_args)
         self.model_args = commit.args_dict(model_args)
         self.contents = Contents(model, optimizer, lr_scheduler, dataloader, train_state)
         self.pipeline = Checkpointer(self.root, async_mode=cfg.async_mode, keep_latest_k=cfg.keep_latest_k)
-        self.world_size = self.pipeline.world_size
         # `tokenizer` (anything with .path and .vocab_size): recorded, and compared on resume.
         self.tokenizer = (
             integrity.tokenizer_record(tokenizer) if tokenizer is not None and self.pipeline.rank == 0 else {}
@@ -83,12 +81,10 @@ class CheckpointManager:
         if last and self.cfg.last_save_in_hf:
             self.pipeline.wait()  # an async save in flight runs DCP's collectives on the same group
             self.save_hf(step)
-        if not self.cfg.enable_checkpoint or not policy.should_save(step, self.cfg.interval, last):
-            return
-        if step in self.pipeline.saved_steps:
-            return
-        self.pipeline.wait()
-        self._save(step, policy.save_kind(self.cfg, last))
+        due = self.cfg.enable_checkpoint and policy.should_save(step, self.cfg.interval, last)
+        if due and step not in self.pipeline.saved_steps:
+            self.pipeline.wait()
+            self._save(step, policy.save_kind(self.cfg, last))
 
     def save_now(self, step: int) -> Path:
         """A blocking save of the whole training state at `step` (a preemption), after the
@@ -104,15 +100,9 @@ class CheckpointManager:
         its own shards (`hf_io.save_hf_weights`). Blocking and collective."""
         out = self.root / f"step-{step}-hf"
         extra = hf_io.tokenizer_files(self.tokenizer_path) if self.tokenizer_path is not None else []
-        spec, args = self.restorer.spec, self.restorer.model_args
+        spec, args, dtype = self.restorer.spec, self.restorer.model_args, torch_dtype(self.cfg.export_dtype)
         hf_io.save_hf_weights(
-            self.contents.model_state(),
-            out,
-            spec.hf_adapter,
-            args,
-            self.pipeline.group,
-            torch_dtype(self.cfg.export_dtype),
-            extra,
+            self.contents.model_state(), out, spec.hf_adapter, args, self.pipeline.group, dtype, extra
         )
         logger.info(f"checkpoint: step {step} written as a Hugging Face folder {out}")
         return out
@@ -133,18 +123,16 @@ class CheckpointManager:
 
     def _save(self, step: int, kind: policy.SaveKind) -> None:
         state = self.contents.weights_state(kind.export_dtype) if kind.weights_only else self.contents.training_state()
-        self.pipeline.save_state(step, state, self._record(step, state, kind), kind.blocking)
-
-    def _record(self, step: int, state: dict[str, Any], kind: policy.SaveKind) -> commit.CommitRecord:
-        return commit.CommitRecord(
+        record = commit.CommitRecord(
             step=step,
-            fingerprint=self.fingerprint,
+            fingerprint=self.restorer.fingerprint,
             contents=sorted(state),
             model_weights_only=kind.weights_only,
             export_dtype=kind.export_dtype,
             model_args=self.model_args,
-            world_size=self.world_size,
+            world_size=self.pipeline.world_size,
             mesh=self.contents.mesh(),
-            tokens_seen=self.contents.tokens_seen(),
+            tokens_seen=int(getattr(self.contents.train_state, "tokens_seen", 0)),
             tokenizer=self.tokenizer,
         )
+        self.pipeline.save_state(step, state, record, kind.blocking)

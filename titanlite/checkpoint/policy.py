@@ -13,14 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from titanlite.checkpoint.commit import (
-    COMMIT_FILE,
-    DCP_METADATA_FILE,
-    CommitRecord,
-    read_commit,
-    scan,
-    step_dir,
-)
+from titanlite.checkpoint.commit import COMMIT_FILE, DCP_METADATA_FILE, CommitRecord, read_commit, scan, step_dir
 from titanlite.errors import TitanliteError
 
 if TYPE_CHECKING:
@@ -114,10 +107,9 @@ def choose_resume(root: str | os.PathLike, load_step: int) -> LoadChoice:
     for step in reversed(inventory.complete):
         path = step_dir(root, step)
         record = read_commit(path)
-        if is_export(record):
-            notes.append(f"checkpoint: skipping {path}: model weights only (an export), nothing to resume from")
-            continue
-        return LoadChoice(step, path, record, tuple(notes))
+        if not is_export(record):
+            return LoadChoice(step, path, record, tuple(notes))
+        notes.append(f"checkpoint: skipping {path}: model weights only (an export), nothing to resume from")
     return LoadChoice(None, None, None, tuple(notes))
 
 
@@ -131,8 +123,7 @@ def retention_victims(complete: tuple[int, ...] | list[int], keep_latest_k: int,
     checkpoint always exists before an older one goes."""
     if keep_latest_k <= 0:
         return []
-    ordered = sorted(s for s in complete if s <= newest_committed)
-    return ordered[:-keep_latest_k] if len(ordered) > keep_latest_k else []
+    return sorted(s for s in complete if s <= newest_committed)[:-keep_latest_k]  # [] when k or fewer
 
 
 def stale_incomplete(incomplete: tuple[int, ...] | list[int], newest_committed: int) -> list[int]:
@@ -154,9 +145,8 @@ def resolve_initial_load(
         # DCP writes .metadata only after every rank's shards are on disk, so a folder from
         # another DCP writer (no commit.json) is complete too; ours also carry a fingerprint.
         return path, read_commit(path)
-    inventory = scan(path)
-    if inventory.complete:
-        newest = step_dir(path, inventory.complete[-1])
+    if complete := scan(path).complete:
+        newest = step_dir(path, complete[-1])
         return newest, read_commit(newest)
     raise TitanliteError(
         f"{what}: {path} is not a DCP checkpoint (no {DCP_METADATA_FILE}) and holds no complete step-N checkpoint"

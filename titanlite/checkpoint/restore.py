@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from titanlite.checkpoint import hf_io, integrity, policy
-from titanlite.checkpoint.commit import CommitRecord, args_dict, fingerprint, read_dcp_index
+from titanlite.checkpoint.commit import CommitRecord, args_dict, dcp_tensors, fingerprint, read_dcp_index
 from titanlite.checkpoint.contents import Contents
 from titanlite.checkpoint.load_progress import ProgressReader
 from titanlite.checkpoint.train_state import RNG_PREFIX
@@ -65,8 +65,7 @@ class Restorer:
         self.tokenizer = tokenizer or {}  # integrity.tokenizer_record of this run (rank 0)
         self.spec, self.model_args = spec, model_args
         self.fingerprint = fingerprint(spec.name, flavor, model_args)
-        self.contents = contents
-        self.group = group
+        self.contents, self.group = contents, group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
 
@@ -82,10 +81,8 @@ class Restorer:
                 self._resume(choice)
                 return
         if self.cfg.initial_load_path:
-            if self.cfg.initial_load_format == "hf":
-                self._load_hf(Path(self.cfg.initial_load_path))
-            else:
-                self._load_initial_dcp(Path(self.cfg.initial_load_path))
+            initialize = self._load_hf if self.cfg.initial_load_format == "hf" else self._load_initial_dcp
+            initialize(Path(self.cfg.initial_load_path))
 
     def _resume(self, choice: policy.LoadChoice) -> None:
         path, record = choice.path, choice.record
@@ -101,10 +98,7 @@ class Restorer:
         integrity.verify(path, record.checksums, self.group)
         if record.model_weights_only:  # the step-0 seed: weights only, training starts at 0
             self._load_model_dcp(path, prefix="model.")
-            logger.info(
-                f"checkpoint: initialized the model from the seed checkpoint {path} "
-                f"({time.perf_counter() - started:.2f} s)"
-            )
+            _initialized(f"the seed checkpoint {path}", started)
             return
         state = self.contents.training_state()
         missing_rng = self._drop_missing_rng(state, metadata)
@@ -130,17 +124,14 @@ class Restorer:
         """Leave out this rank's RNG entries the checkpoint lacks (saved at a smaller world
         size, or without CUDA); DCP would otherwise fail on the missing key. Returns
         whether any rank found no RNG state at all (collective: every rank calls it)."""
-        train_state = state.get("train_state")
-        none_saved = False
-        if isinstance(train_state, dict):
-            for key in [k for k, v in train_state.items() if k.startswith(RNG_PREFIX) and isinstance(v, dict)]:
-                rng = train_state[key]
-                for device in list(rng):
-                    if f"train_state.{key}.{device}" not in metadata.state_dict_metadata:
-                        del rng[device]
-                if not rng:
-                    del train_state[key]
-                    none_saved = True
+        train_state, none_saved = state["train_state"], False
+        for key in [k for k in train_state if k.startswith(RNG_PREFIX)]:
+            rng = train_state[key]
+            for device in [d for d in rng if f"train_state.{key}.{d}" not in metadata.state_dict_metadata]:
+                del rng[device]
+            if not rng:
+                del train_state[key]
+                none_saved = True
         return any_rank(self.group, none_saved)
 
     def _load_initial_dcp(self, given: Path) -> None:
@@ -150,11 +141,7 @@ class Restorer:
             path, record = policy.resolve_initial_load(given)
             metadata = read_checked_metadata(path)
             prefix = "model." if any(k.startswith("model.") for k in metadata.state_dict_metadata) else ""
-            saved = {
-                k[len(prefix) :]: tuple(v.size)
-                for k, v in metadata.state_dict_metadata.items()
-                if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)
-            }
+            saved = {k[len(prefix) :]: tuple(v.size) for k, v in dcp_tensors(metadata, prefix).items()}
             check_tensor_shapes(path, saved, self.contents.model_shapes())
             return path, prefix, record.checksums if record is not None else {}
 
@@ -162,7 +149,7 @@ class Restorer:
         started = time.perf_counter()
         integrity.verify(path, checksums, self.group)
         self._load_model_dcp(path, prefix)
-        logger.info(f"checkpoint: initialized the model from {path} ({time.perf_counter() - started:.2f} s)")
+        _initialized(str(path), started)
 
     def _load_model_dcp(self, path: Path, prefix: str) -> None:
         """Model weights only; `prefix` "" reads checkpoints that keep weights at top level
@@ -179,21 +166,21 @@ class Restorer:
         adapter = self.spec.hf_adapter
         if adapter is None:
             raise TitanliteError(f"checkpoint.initial_load_format: model {self.spec.name} has no Hugging Face mapping")
-        # Against the whole model's shapes: a pipeline stage holds only its layers.
-        on_rank0(
-            self.group,
-            lambda: hf_io.check_hf_folder(
-                folder, adapter, self.model_args, hf_io.whole_model_shapes(self.spec.model_class, self.model_args)
-            ),
-        )
+
+        def check() -> None:  # against the whole model's shapes: a pipeline stage holds only its layers
+            wanted = hf_io.whole_model_shapes(self.spec.model_class, self.model_args)
+            hf_io.check_hf_folder(folder, adapter, self.model_args, wanted)
+
+        on_rank0(self.group, check)
         started = time.perf_counter()
         model_sd = self.contents.model_state()
         hf_io.load_hf_weights(model_sd, folder, adapter, self.model_args, self.group)
         set_model_state_dict(self.contents.model, model_sd)
-        logger.info(
-            f"checkpoint: initialized the model from Hugging Face weights {folder} "
-            f"({time.perf_counter() - started:.2f} s)"
-        )
+        _initialized(f"Hugging Face weights {folder}", started)
+
+
+def _initialized(source: str, started: float) -> None:
+    logger.info(f"checkpoint: initialized the model from {source} ({time.perf_counter() - started:.2f} s)")
 
 
 def dcp_load(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> None:
@@ -211,15 +198,13 @@ def read_checked_metadata(path: Path) -> Metadata:
     metadata = read_dcp_index(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        relative = getattr(info, "relative_path", None)
-        if relative is not None:
+        if (relative := getattr(info, "relative_path", None)) is not None:
             needed[relative] = max(needed.get(relative, 0), info.offset + info.length)
     for relative, size in sorted(needed.items()):
         shard = path / relative
         if not shard.is_file():
             raise TitanliteError(f"{shard}: shard file missing from the checkpoint")
-        actual = shard.stat().st_size
-        if actual < size:
+        if (actual := shard.stat().st_size) < size:
             raise TitanliteError(f"{shard}: shard is truncated ({actual} bytes, the checkpoint index needs {size})")
     return metadata
 
@@ -227,8 +212,7 @@ def read_checked_metadata(path: Path) -> Metadata:
 def check_tokenizer(path: Path, record: CommitRecord, current: dict[str, Any]) -> None:
     """A resumed run must tokenize as the run that saved it did: the same vocabulary size,
     and the same tokenizer file (by checksum). Records without a tokenizer are not checked."""
-    saved = record.tokenizer
-    if not saved or not current:
+    if not (saved := record.tokenizer) or not current:
         return
     if saved.get("vocab_size") != current["vocab_size"]:
         difference = f"its vocabulary has {current['vocab_size']} tokens, the checkpoint's {saved.get('vocab_size')}"
@@ -255,8 +239,7 @@ def check_model(path: Path, record: CommitRecord, built: dict[str, str], model_a
 
 def check_tensor_shapes(path: Path, saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> None:
     """Every tensor the model wants is in the checkpoint, at the same global shape."""
-    missing = [k for k in wanted if k not in saved]
-    if missing:
+    if missing := [k for k in wanted if k not in saved]:
         raise TitanliteError(
             f"{path}: the checkpoint lacks {len(missing)} of the model's tensors (first: {missing[0]})"
         )

@@ -44,8 +44,7 @@ class TrainState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.tokens_seen = int(state_dict["tokens_seen"])
-        rng = state_dict.get(rng_key(_rank()))
-        if rng is None:
+        if (rng := state_dict.get(rng_key(_rank()))) is None:
             return
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
