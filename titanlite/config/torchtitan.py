@@ -79,17 +79,11 @@ _PREPARE = (
 )
 
 
-def _is_on(value: Any) -> bool:
-    """A TOML value, or an override's text, that switches something on."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("true", "1", "yes", "on")
-    return bool(value) and value is not False
-
-
 def _is_off(value: Any, off: bool | int) -> bool:
     """Whether a TOML value, or an override's text, is an option's off value (a boolean or a number)."""
     if isinstance(off, bool):
-        return _is_on(value) == off
+        on = value.strip().lower() in ("true", "1", "yes", "on") if isinstance(value, str) else bool(value)
+        return on == off
     return not isinstance(value, bool) and str(value).strip() == str(off)
 
 
@@ -121,11 +115,7 @@ class TorchtitanKeys:
             return self._section(section, value, where)
         if (section, key) in ALIASES:
             return section, ALIASES[(section, key)], value
-        if (
-            (section, key) == ("activation_checkpoint", "selective_ac_option")
-            and isinstance(value, int)
-            and not isinstance(value, bool)
-        ):
+        if (section, key) == ("activation_checkpoint", "selective_ac_option") and type(value) is int:
             return section, key, str(value)  # the number form of the string option ('2' in torchtitan's files)
         if (section, key) in OFF_ONLY:
             off, instead = OFF_ONLY[(section, key)]
@@ -204,8 +194,8 @@ class TorchtitanKeys:
         torchtitan file's flavor is torchtitan's; its converter names are ours."""
         converters = cfg.model.converters
         cfg.model.converters = ["float8" if name == ".".join(FLOAT8_SECTION) else name for name in converters]
-        self._torchtitan_groups(cfg)
-        self._torchtitan_flavor(cfg, _COMMAND_LINE if ("model", "flavor") in overridden else self._file)
+        if self._file is not None:
+            self._as_torchtitan(cfg, _COMMAND_LINE if ("model", "flavor") in overridden else self._file)
         for section, (dataset, where) in self._downloaded.items():
             if (section, "dataset") in overridden and where != _COMMAND_LINE:
                 self.notices.append(
@@ -220,29 +210,25 @@ class TorchtitanKeys:
                     f"validation.dataset = {dataset!r}: torchtitan's download, not used while validation is off"
                 )
 
-    def _torchtitan_groups(self, cfg: JobConfig) -> None:
+    def _as_torchtitan(self, cfg: JobConfig, flavor_where: str) -> None:
         """A torchtitan file trains as torchtitan does: one weight decay for every parameter
         (torchtitan has no parameter groups), not titanlite's default that exempts embeddings,
-        norms and biases, unless the file or the command line names groups."""
-        if self._file is None or self._groups_given:
-            return
-        cfg.optimizer.param_groups = []
-        self.notices.append(
-            f"optimizer.param_groups = [] {self._file}: torchtitan decays every parameter alike "
-            "(titanlite's default exempts embeddings, norms and biases; set optimizer.param_groups to use it)"
-        )
-
-    def _torchtitan_flavor(self, cfg: JobConfig, where: str | None) -> None:
-        """A torchtitan file names torchtitan's flavors (a command-line flavor speaks the file's
-        names too): its llama3 and qwen3 flavors are registered under FLAVOR_PREFIX."""
+        norms and biases, unless the file or the command line names groups. And it names
+        torchtitan's flavors (a command-line flavor speaks the file's names too): its llama3 and
+        qwen3 flavors are registered under FLAVOR_PREFIX."""
+        if not self._groups_given:
+            cfg.optimizer.param_groups = []
+            self.notices.append(
+                f"optimizer.param_groups = [] {self._file}: torchtitan decays every parameter alike "
+                "(titanlite's default exempts embeddings, norms and biases; set optimizer.param_groups to use it)"
+            )
         flavor = cfg.model.flavor
-        if self._file is None or cfg.model.name not in SHARED_MODELS or flavor.startswith(FLAVOR_PREFIX):
-            return
-        cfg.model.flavor = FLAVOR_PREFIX + flavor
-        self.notices.append(
-            f"model.flavor = {flavor!r} {where}: the file is torchtitan's, so torchtitan's {flavor} shape "
-            f"({cfg.model.flavor}; titanlite's own flavors are for titanlite's files)"
-        )
+        if cfg.model.name in SHARED_MODELS and not flavor.startswith(FLAVOR_PREFIX):
+            cfg.model.flavor = FLAVOR_PREFIX + flavor
+            self.notices.append(
+                f"model.flavor = {flavor!r} {flavor_where}: the file is torchtitan's, so torchtitan's {flavor} shape "
+                f"({cfg.model.flavor}; titanlite's own flavors are for titanlite's files)"
+            )
 
     def handles_section(self, section: str) -> bool:
         """A section titanlite does not have but torchtitan's files carry."""
