@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,7 +112,6 @@ class RunParts:
     state: TrainState
     metrics: MetricsLogger
     checkpoint: NoCheckpoints  # a Checkpointing when the run saves or loads any
-    validator: Validator | None
     participants: Participants  # every one, in order: the checkpoint and the validator too
 
     @property
@@ -179,28 +179,24 @@ def _join_participants(
     order each point calls them: the expert load before the quorum on the step line, a heal
     before the float8 scales, and after a step validation, then the save, then the collector."""
     cfg = run.cfg
-    manager = _checkpoint_manager(run)
     states = {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
-    group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
-    run.metrics = _metrics(run)
-    run.validator = (
-        Validator(
-            cfg.validation,
-            validation_data,
-            run.model,
-            run.forward_backward,
-            run.steps.reported,
-            run.metrics,
+    manager = None  # when the run neither saves nor loads checkpoints
+    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
+        manager = _checkpoint_manager(
+            run.plan, run.model, optimizer=run.optimizer, tokenizer=run.plan.tokenizer, **states
         )
-        if cfg.validation.enable
-        else None
-    )
+    group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
+    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager else NoCheckpoints()
+    run.metrics = _metrics(run)
+    validator = StepParticipant()
+    if cfg.validation.enable:
+        validator = Validator(
+            cfg.validation, validation_data, run.model, run.forward_backward, run.steps.reported, run.metrics
+        )
     _say_start(run)
-    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager is not None else NoCheckpoints()
     float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
-    members = [run.steps.expert_balance(run.model, experts), group, float8]
-    members += [*([run.validator] if run.validator else []), run.checkpoint, ScheduledGC(cfg.training.gc_freq)]
-    run.participants = Participants([*members, *participants])
+    members = [run.steps.expert_balance(run.model, experts), group, float8, validator, run.checkpoint]
+    run.participants = Participants([*members, ScheduledGC(cfg.training.gc_freq), *participants])
 
 
 def _seed(seed: int, deterministic: bool) -> None:
@@ -228,24 +224,12 @@ def _loaders(plan: RunPlan, steps: StepBuilder) -> tuple[TokenWindowLoader, Toke
     return data, validation
 
 
-def _checkpoint_manager(run: RunParts) -> CheckpointManager | None:
-    """The run's checkpoints over its model, optimizer, schedule, loader and train state; None
-    when it neither saves nor loads any."""
-    cfg = run.cfg
-    if not (cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path):
-        return None
+def _checkpoint_manager(plan: RunPlan, model: nn.Module, **parts: Any) -> CheckpointManager:
+    """The run's checkpoints over its model and the rest they keep (`parts`: a training run's
+    optimizer, schedule, loader, train state and tokenizer)."""
+    cfg = plan.cfg
     return CheckpointManager(
-        cfg.checkpoint,
-        cfg.job.dump_folder,
-        run.plan.spec,
-        cfg.model.flavor,
-        run.plan.model_args,
-        model=run.model,
-        optimizer=run.optimizer,
-        lr_scheduler=run.lr_scheduler,
-        dataloader=run.data,
-        train_state=run.state,
-        tokenizer=run.plan.tokenizer,
+        cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model, **parts
     )
 
 
@@ -303,9 +287,7 @@ def create_seed_checkpoint(plan: RunPlan) -> None:
     torch.manual_seed(cfg.training.seed)
     lock = claim_dump_folder(cfg, lambda: plan.n_params, dist.group.WORLD, weights_only=True)
     model = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size).model
-    manager = CheckpointManager(
-        cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model
-    )
+    manager = _checkpoint_manager(plan, model)
     try:
         manager.save_seed()
     finally:
