@@ -54,14 +54,16 @@ class RunPlan:
     @property
     def precomputes_float8_scales(self) -> bool:
         """Whether each step starts by computing the float8 all-gathers' weight scales in one
-        all-reduce (precompute_float8_dynamic_scale_for_fsdp, where FSDP gathers float8)."""
-        float8 = self.float8
+        all-reduce (precompute_float8_dynamic_scale_for_fsdp, where FSDP gathers float8: the
+        config allows it only with enable_fsdp_float8_all_gather)."""
         return (
-            float8 is not None
-            and self.dims.fsdp_enabled
-            and float8.enable_fsdp_float8_all_gather
-            and float8.precompute_float8_dynamic_scale_for_fsdp
+            self.float8 is not None and self.dims.fsdp_enabled and self.float8.precompute_float8_dynamic_scale_for_fsdp
         )
+
+    @property
+    def cpu_offload(self) -> bool:
+        """Whether FSDP keeps this rank's shards, gradients and optimizer state in host memory."""
+        return self.dims.fsdp_enabled and self.cfg.training.enable_cpu_offload
 
     def with_compute_dtype(self, name: str) -> RunPlan:
         """This plan with `training.mixed_precision_param` made concrete: "auto" is decided
@@ -257,9 +259,8 @@ def build_on_meta(plan: RunPlan, meshes: Meshes) -> torch.nn.Module:
 
 def materialize(model: torch.nn.Module, plan: RunPlan, device: torch.device) -> None:
     """Allocate this rank's shards (on the host with CPU offload) and initialize them."""
-    offload = plan.dims.fsdp_enabled and plan.cfg.training.enable_cpu_offload
     for part in model.parts if isinstance(model, ModelParts) else [model]:
-        part.to_empty(device="cpu" if offload else device)
+        part.to_empty(device="cpu" if plan.cpu_offload else device)
         part.init_weights(seed=plan.cfg.training.seed)
         part.train()
 
@@ -271,8 +272,7 @@ def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_p
     model = local_model(parts)
     n_params = plan.n_params
     size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, cfg.training.seq_len))
-    offload = plan.dims.fsdp_enabled and cfg.training.enable_cpu_offload
-    check_training_state_fits(n_params, plan.dims.shards, device, offload, processes_per_host)
+    check_training_state_fits(n_params, plan.dims.shards, device, plan.cpu_offload, processes_per_host)
     materialize(model, plan, device)
     return BuiltModel(parts, model, size, experts=_experts(plan.spec, model))
 

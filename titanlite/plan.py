@@ -125,12 +125,8 @@ class Report:
     device: tuple[int, str]  # bytes per device and where the figure comes from
 
     @property
-    def offloaded(self) -> bool:
-        return self.plan.dims.fsdp_enabled and self.plan.cfg.training.enable_cpu_offload
-
-    @property
     def total(self) -> float:
-        held = 0 if self.offloaded else self.state.params + self.state.grads + self.state.optimizer
+        held = 0 if self.plan.cpu_offload else self.state.params + self.state.grads + self.state.optimizer
         fsdp = self.fsdp.total if self.fsdp else 0.0
         return held + self.state.buffers + self.activations.total + fsdp + self.autocast_copies
 
@@ -213,7 +209,7 @@ def header(r: Report) -> list[str]:
 
 def holdings(r: Report) -> list[str]:
     """One line per kind of memory; exact ones first, then the estimates and the total."""
-    a, s, place = r.activations, r.state, " (host: CPU offload)" if r.offloaded else ""
+    a, s, place = r.activations, r.state, " (host: CPU offload)" if r.plan.cpu_offload else ""
     activations = (
         f"estimate: {_per_microbatch(a)}, peak extra {gib(a.peak_extra)}"
         + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")
