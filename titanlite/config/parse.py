@@ -66,11 +66,7 @@ def _parse_cli(text: str, tp: Any) -> Any:
         if word in _TRUE or word in _FALSE:
             return word in _TRUE
         raise ValueError
-    if tp is int:
-        return int(text)
-    if tp is float:
-        return float(text)
-    return text
+    return tp(text)  # int, float or str
 
 
 # --------------------------------------------------------------------------------------
