@@ -251,8 +251,7 @@ def _metrics(run: RunParts) -> MetricsLogger:
 
 def _say_start(run: RunParts) -> None:
     """The start-up lines: the model, mesh, accumulation and peak; the pipeline's stages."""
-    plan, cfg, size, peak = run.plan, run.cfg, run.size, run.metrics.peak
-    dims = plan.dims
+    plan, cfg, size, peak, dims = run.plan, run.cfg, run.size, run.metrics.peak, run.plan.dims
     experts = f" (experts: ep {dims.ep} x efsdp {dims.efsdp})" if dims.ep > 1 else ""
     logger.info(
         f"model {cfg.model.name} {cfg.model.flavor}: {size.n_params:,} parameters, "

@@ -166,12 +166,8 @@ def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate 
                 continue
             close = _closest(section, list(by_name))
             raise TitanliteError(f"unknown section [{section}] {where}{_hint(f'[{close}]' if close else None)}")
-        for given_key, given_value in table.items():
-            mapped = (
-                translate(section, given_key, given_value, where)
-                if translate is not None
-                else (section, given_key, given_value)
-            )
+        for key, value in table.items():
+            mapped = translate(section, key, value, where) if translate is not None else (section, key, value)
             if mapped is not None:
                 _set(cfg, section, mapped[1], mapped[2], where)
 

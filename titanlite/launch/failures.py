@@ -41,11 +41,9 @@ def restart_line(failures: dict[int, ProcessFailure], attempt: int, restarts: in
     how = "the worker group became unhealthy"
     if failures:
         rank, first = first_failure(failures)
-        how = f"rank {rank} " + (
-            f"was killed by signal {first.signal_name()}"
-            if first.exitcode < 0
-            else f"failed (exit code {first.exitcode})"
-        )
+        how = f"rank {rank} failed (exit code {first.exitcode})"
+        if first.exitcode < 0:
+            how = f"rank {rank} was killed by signal {first.signal_name()}"
     return (
         f"titanlite: {how}; restarting the job ({attempt} of {restarts} restarts): it resumes from its newest "
         "complete checkpoint"
@@ -97,8 +95,6 @@ def failure_line(
     if user_error := _user_error(failures):
         return user_error, USER_ERROR_EXIT_CODE
     rank, first = first_failure(failures)
-    if first.exitcode == USER_ERROR_EXIT_CODE and _said(first):
-        return _said(first), USER_ERROR_EXIT_CODE
     if consequence(first):
         return _stopped_line(failures, stopped_ranks, stuck), COLLECTIVE_FAILURE_EXIT_CODE
     others = len(failures) - 1
