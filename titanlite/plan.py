@@ -163,15 +163,9 @@ def _activations(plan: RunPlan, model: torch.nn.Module, shape: StepShape, world:
         layout.schedule, layout.degree, layout.n_microbatches, layout.stages_per_rank, pp_rank
     )
     microbatch = dataclasses.replace(shape, batch=plan.cfg.parallelism.pipeline_parallel_microbatch_size)
-    boundaries = sum((index > 0) + (index < len(layout.stages) - 1) for index in held)
-    return estimate_activations(
-        plan.model_args,
-        microbatch,
-        len(model.layers),
-        len(layout.stages) - 1 in held,
-        in_flight,
-        boundaries * layout.n_microbatches,
-    )
+    receives = layout.n_microbatches * sum((index > 0) + (index < len(layout.stages) - 1) for index in held)
+    holds_head = len(layout.stages) - 1 in held  # the last stage's rank
+    return estimate_activations(plan.model_args, microbatch, len(model.layers), holds_head, in_flight, receives)
 
 
 def measure_materialize(model: torch.nn.Module, plan: RunPlan) -> dict[str, float]:
