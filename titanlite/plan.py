@@ -168,16 +168,6 @@ def _activations(plan: RunPlan, model: torch.nn.Module, shape: StepShape, world:
     return estimate_activations(plan.model_args, microbatch, len(model.layers), holds_head, in_flight, receives)
 
 
-def measure_materialize(model: torch.nn.Module, plan: RunPlan) -> dict[str, float]:
-    """Allocate and initialize this rank's shards on the CPU; seconds and resident bytes."""
-    before = rss_bytes()
-    reset_peak_rss()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    materialize(model, plan, torch.device("cpu"))
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "before": before, "peak": peak_rss_bytes()}
-
-
 def gib(n: float) -> str:
     return f"{n / GIB:,.2f} GiB"
 
@@ -273,15 +263,20 @@ def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
     ]
 
 
-def measured_lines(r: Report, measured: dict[str, float] | None) -> list[str]:
-    if measured is None:
-        return []
-    grown = measured["peak"] - measured["before"]
-    estimate = r.state.params + r.state.buffers
+def measured_lines(r: Report, model: torch.nn.Module) -> list[str]:
+    """Allocate and initialize this rank's shards on the CPU; the seconds it took and the
+    resident memory it grew by, against the estimate."""
+    before = rss_bytes()
+    reset_peak_rss()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    materialize(model, r.plan, torch.device("cpu"))
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = peak_rss_bytes()
+    grown, estimate = peak - before, r.state.params + r.state.buffers
     return [
-        f"materialized rank {r.args.rank}: allocated and initialized in {measured['seconds']:.1f} s "
-        f"({measured['cpu_seconds']:.1f} s of CPU); peak resident memory "
-        f"{gib(measured['peak'])}, {gib(grown)} above the {gib(measured['before'])} before, against {gib(estimate)} "
+        f"materialized rank {r.args.rank}: allocated and initialized in {seconds:.1f} s "
+        f"({cpu_seconds:.1f} s of CPU); peak resident memory "
+        f"{gib(peak)}, {gib(grown)} above the {gib(before)} before, against {gib(estimate)} "
         f"estimated for parameters and buffers (ratio {grown / estimate:.2f})"
     ]
 
@@ -296,14 +291,14 @@ def run(argv: list[str]) -> int:
     meshes = plan.dims.build_mesh("cpu")
     model = build_on_meta(plan, meshes)
     report = build_report(plan, args, vocab_note, model, meshes.world)
-    measured = measure_materialize(model, plan) if args.materialize else None
+    measured = measured_lines(report, model) if args.materialize else []
     shards = (  # last: it leaves rank r's world
         census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape), plan.dims.ep)
         if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None
         else None
     )
     lines = header(report) + holdings(report) + verdict(report) + shard_lines(report, shards)
-    print("\n".join(lines + measured_lines(report, measured)))
+    print("\n".join(lines + measured))
     return 0 if report.total <= report.device[0] else 1
 
 

@@ -124,11 +124,34 @@ class RunParts:
 
 
 def build_run(plan: RunPlan, participants: Sequence[StepParticipant] = ()) -> RunParts:
-    """Every part of a run, from its plan; `participants` join every step after the run's own."""
+    """Every part of a run, from its plan; `participants` join every step after the run's own.
+
+    After the process and the training's parts: the checkpoints, fault tolerance, metrics and
+    validation; then every participant in the order each point calls them: the expert load
+    before the quorum on the step line, a heal before the float8 scales, and after a step
+    validation, then the save, then the collector."""
     run = RunParts()
     _start_process(run, plan)
     validation_data, experts = _build_training(run)
-    _join_participants(run, validation_data, experts, participants)
+    cfg = run.cfg
+    states = {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
+    manager = None  # when the run neither saves nor loads checkpoints
+    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
+        manager = _checkpoint_manager(
+            run.plan, run.model, optimizer=run.optimizer, tokenizer=run.plan.tokenizer, **states
+        )
+    group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
+    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager else NoCheckpoints()
+    run.metrics = _metrics(run)
+    validator = StepParticipant()
+    if cfg.validation.enable:
+        validator = Validator(
+            cfg.validation, validation_data, run.model, run.forward_backward, run.steps.reported, run.metrics
+        )
+    _say_start(run)
+    float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
+    members = [run.steps.expert_balance(run.model, experts), group, float8, validator, run.checkpoint]
+    run.participants = Participants([*members, ScheduledGC(cfg.training.gc_freq), *participants])
     return run
 
 
@@ -167,36 +190,6 @@ def _build_training(run: RunParts) -> tuple[TokenWindowLoader | None, ExpertLaye
     run.lr_scheduler = build_lr_scheduler(run.optimizer, cfg.lr_scheduler, cfg.training.steps)
     run.state = TrainState()
     return validation_data, built.experts
-
-
-def _join_participants(
-    run: RunParts,
-    validation_data: TokenWindowLoader | None,
-    experts: ExpertLayers | None,
-    participants: Sequence[StepParticipant],
-) -> None:
-    """The checkpoints, fault tolerance, metrics and validation; then every participant in the
-    order each point calls them: the expert load before the quorum on the step line, a heal
-    before the float8 scales, and after a step validation, then the save, then the collector."""
-    cfg = run.cfg
-    states = {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
-    manager = None  # when the run neither saves nor loads checkpoints
-    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
-        manager = _checkpoint_manager(
-            run.plan, run.model, optimizer=run.optimizer, tokenizer=run.plan.tokenizer, **states
-        )
-    group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
-    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager else NoCheckpoints()
-    run.metrics = _metrics(run)
-    validator = StepParticipant()
-    if cfg.validation.enable:
-        validator = Validator(
-            cfg.validation, validation_data, run.model, run.forward_backward, run.steps.reported, run.metrics
-        )
-    _say_start(run)
-    float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
-    members = [run.steps.expert_balance(run.model, experts), group, float8, validator, run.checkpoint]
-    run.participants = Participants([*members, ScheduledGC(cfg.training.gc_freq), *participants])
 
 
 def _seed(seed: int, deterministic: bool) -> None:
