@@ -63,6 +63,9 @@ OFF_ONLY = {
 NO_EFFECT = {
     ("metrics", "disable_color_printing"): "titanlite prints no colors",
     ("compile", "components"): "compile.enable compiles each transformer block; the loss runs eager",
+    ("quantize.linear.float8", "emulate"): (
+        "titanlite emulates float8 exactly where the device has no float8 matmuls (an SM >= 8.9 GPU)"
+    ),
 }
 DOWNLOADED_DATASETS = ("c4", "c4_test", "c4_validation")
 FLOAT8_SECTION = ("quantize", "linear", "float8")  # torchtitan v0.2's home of the [float8] keys
@@ -137,18 +140,9 @@ class TorchtitanKeys:
                 )
             self._downloaded[section] = (value, where)
             return None
-        if section == ".".join(FLOAT8_SECTION):  # the command line's --quantize.linear.float8.KEY
-            return self._float8_key(key, value, where)
+        if section == ".".join(FLOAT8_SECTION):  # a key of the file's table, or the command line's --quantize...KEY
+            return "float8", key, value
         return section, key, value
-
-    def _float8_key(self, key: str, value: Any, where: str) -> tuple[str, str, Any] | None:
-        if key == "emulate":
-            self.notices.append(
-                f"quantize.linear.float8.emulate {where}: torchtitan's option, no effect here: titanlite "
-                "emulates float8 exactly where the device has no float8 matmuls (an SM >= 8.9 GPU)"
-            )
-            return None
-        return "float8", key, value
 
     def _section(self, section: str, table: Any, where: str) -> list[tuple[str, str, Any]]:
         """torchtitan's nested [quantize.<kind>.<format>] tables: float8 linears' keys for the
@@ -160,7 +154,7 @@ class TorchtitanKeys:
                 if not isinstance(keys, dict):
                     raise TitanliteError(f"[{shown}] {where}: expected a table of keys, got {keys!r}")
                 if (section, kind, name) == FLOAT8_SECTION:
-                    found += [mapped for k, v in keys.items() if (mapped := self._float8_key(k, v, where))]
+                    found += [mapped for k, v in keys.items() if (mapped := self(shown, k, v, where))]
                 elif shown in REFUSED_CONVERTERS:
                     self.notices.append(
                         f"[{shown}] {where}: torchtitan's settings of a conversion titanlite does not have "
