@@ -157,18 +157,15 @@ def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
     """The stages of a pipelined run, from a meta build of the model (no memory)."""
     with torch.device("meta"):
         model = plan.spec.model_class(plan.model_args)
-    shared = shared_parameters(model)
-    if shared:
+    if shared := shared_parameters(model):
         raise TitanliteError(
             f"parallelism.pipeline_parallel_degree: the {plan.cfg.model.flavor} flavor shares one tensor between "
             f"{shared[0]}, which sit on the first and the last stage; pipeline an untied flavor"
         )
     costs = None
     if plan.cfg.parallelism.pipeline_parallel_balance == "flops":
-        flops = plan.spec.flops_per_token
-        attention = (flops(plan.model_args, 0, plan.cfg.training.seq_len) - flops(plan.model_args, 0, 0)) / len(
-            model.layers
-        )
+        flops, args = plan.spec.flops_per_token, plan.model_args
+        attention = (flops(args, 0, plan.cfg.training.seq_len) - flops(args, 0, 0)) / len(model.layers)
         routed = {layer.experts: layer.args.top_k / layer.args.n_experts for layer in moe.moe_layers(model).values()}
         costs = part_flops(model, attention, routed)
     return plan_layout(plan.cfg.parallelism, len(model.layers), plan.cfg.training.local_batch_size, costs)
@@ -237,9 +234,8 @@ def build_parts_on_meta(plan: RunPlan, meshes: Meshes) -> list[torch.nn.Module]:
     stages when there are several, each parallelized for this rank."""
     with torch.device("meta"):
         model = plan.spec.model_class(plan.model_args)
-    if plan.pipeline is None:
-        parts = [model]
-    else:
+    parts = [model]
+    if plan.pipeline is not None:
         indices = plan.pipeline.stage_indices(meshes.pp.get_local_rank())
         parts = [split_stage(model, plan.pipeline.stages[index]) for index in indices]
     for part in parts:
@@ -267,11 +263,10 @@ def materialize(model: torch.nn.Module, plan: RunPlan, device: torch.device) -> 
 
 def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_per_host: int) -> BuiltModel:
     """Build on meta, parallelize, check the training state can fit, then materialize."""
-    cfg = plan.cfg
     parts = build_parts_on_meta(plan, meshes)
     model = local_model(parts)
     n_params = plan.n_params
-    size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, cfg.training.seq_len))
+    size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, plan.cfg.training.seq_len))
     check_training_state_fits(n_params, plan.dims.shards, device, plan.cpu_offload, processes_per_host)
     materialize(model, plan, device)
     return BuiltModel(parts, model, size, experts=_experts(plan.spec, model))
