@@ -90,15 +90,6 @@ def _is_off(value: Any, off: bool | int) -> bool:
     return not isinstance(value, bool) and str(value).strip() == str(off)
 
 
-def _torchtitans(section: str, key: str | None, value: Any) -> bool:
-    """Whether a key is one only torchtitan's files name (key None: a section of theirs)."""
-    return (
-        key is None
-        or any((section, key) in table for table in (ALIASES, OFF_ONLY, NO_EFFECT))
-        or (key == "dataset" and value in DOWNLOADED_DATASETS)
-    )
-
-
 class TorchtitanKeys:
     """The translation `config.parse` applies to each key before looking it up."""
 
@@ -110,7 +101,9 @@ class TorchtitanKeys:
 
     def __call__(self, section: str, key: str | None, value: Any, where: str) -> tuple[str, str, Any] | None:
         """The (section, key, value) to set, or None when this key is handled here."""
-        if where != _COMMAND_LINE and _torchtitans(section, key, value):
+        # A key (key None: a section) only torchtitan's files name makes the file torchtitan's.
+        theirs = key is None or any((section, key) in table for table in (ALIASES, OFF_ONLY, NO_EFFECT))
+        if where != _COMMAND_LINE and (theirs or (key == "dataset" and value in DOWNLOADED_DATASETS)):
             self._file = where
         if (section, key) == ("optimizer", "param_groups"):
             self._groups_given = True
@@ -186,8 +179,7 @@ class TorchtitanKeys:
         """Checks that need the whole config: a file's downloaded dataset is refused unless a
         command-line override replaced it, and for validation only when validation is on; a
         torchtitan file's flavor is torchtitan's; its converter names are ours."""
-        converters = cfg.model.converters
-        cfg.model.converters = ["float8" if name == ".".join(FLOAT8_SECTION) else name for name in converters]
+        cfg.model.converters = ["float8" if n == ".".join(FLOAT8_SECTION) else n for n in cfg.model.converters]
         if self._file is not None:
             self._as_torchtitan(cfg, _COMMAND_LINE if ("model", "flavor") in overridden else self._file)
         for section, (dataset, where) in self._downloaded.items():
