@@ -129,11 +129,9 @@ def read_toml(path: Path, shown: str) -> dict[str, Any]:
     sets nothing is an error too: a config that was meant to say something (a truncated
     copy, the wrong file) must not train on the defaults without a word."""
     try:
-        with open(path, "rb") as f:
-            data = tomllib.loads(f.read().decode("utf-8-sig"))  # a byte-order mark (Windows editors) is not TOML
+        data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a byte-order mark (Windows editors) is not TOML
     except tomllib.TOMLDecodeError as error:
-        message = " ".join(str(error).split())
-        raise TitanliteError(f"invalid TOML in {shown}: {message}") from None
+        raise TitanliteError(f"invalid TOML in {shown}: {' '.join(str(error).split())}") from None
     except UnicodeDecodeError:
         raise TitanliteError(f"invalid TOML in {shown}: the file is not UTF-8 text") from None
     except OSError as error:
