@@ -207,14 +207,11 @@ def _loaders(plan: RunPlan, steps: StepBuilder) -> tuple[TokenWindowLoader, Toke
     cfg = plan.cfg
     dp_rank, dp_degree = data_share(cfg.fault_tolerance, steps.meshes.dp_rank, plan.dims.dp)
     corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
-    batch = cfg.training.local_batch_size
-    data = build_dataloader(corpus.train, batch, dp_rank, dp_degree, steps.device, documents=steps.documents)
+    per_rank = (cfg.training.local_batch_size, dp_rank, dp_degree, steps.device)  # the same for both loaders
+    data = build_dataloader(corpus.train, *per_rank, documents=steps.documents)
     if corpus.validation is None:
         return data, None
-    validation = build_dataloader(
-        corpus.validation, batch, dp_rank, dp_degree, steps.device, prefetch=False, documents=steps.documents
-    )
-    return data, validation
+    return data, build_dataloader(corpus.validation, *per_rank, prefetch=False, documents=steps.documents)
 
 
 def _checkpoint_manager(plan: RunPlan, model: nn.Module, **parts: Any) -> CheckpointManager:
