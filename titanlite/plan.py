@@ -249,14 +249,12 @@ def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
             else "not counted (parameters on part of the mesh)"
         )
         return [f"shards: {why}"]
-    most, least = max(shards.per_rank), min(shards.per_rank)
+    per_rank = shards.per_rank
+    most, least = max(per_rank), min(per_rank)
     check = "=" if shards.covered == r.plan.n_params else "!="
-    held = (
-        f"every rank holds {most:,}"
-        if most == least
-        else f"ranks hold {least:,} (rank {shards.per_rank.index(least)}) to {most:,} (rank "
-        f"{shards.per_rank.index(most)})"
-    )
+    held = f"every rank holds {most:,}"
+    if most != least:
+        held = f"ranks hold {least:,} (rank {per_rank.index(least)}) to {most:,} (rank {per_rank.index(most)})"
     return [
         f"shards: {held} parameters; summed over all {len(shards.per_rank)} ranks, each replicated tensor once: "
         f"{shards.covered:,} {check} the model's {r.plan.n_params:,}"
