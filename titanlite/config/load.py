@@ -215,8 +215,7 @@ def help_text() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m titanlite.config [--config NAME] [overrides]`: print the resolved config."""
     try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv)
-        print(to_toml(cfg), end="")
+        print(to_toml(load_config(sys.argv[1:] if argv is None else argv)), end="")
     except TitanliteError as error:
         print(f"titanlite: error: {error}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

@@ -59,9 +59,8 @@ def restart_can_help(failures: dict[int, ProcessFailure]) -> bool:
 
 def first_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """(global rank, failure) of the rank that failed first (see module doc)."""
-    ordered = list(failures.items())
-    index = min(range(len(ordered)), key=lambda i: (consequence(ordered[i][1]), ordered[i][1].timestamp, i))
-    return ordered[index]
+    # min() keeps the first of equal keys: the order the agent saw them breaks a tie
+    return min(failures.items(), key=lambda item: (consequence(item[1]), item[1].timestamp))
 
 
 def _said(failure: ProcessFailure) -> str | None:
