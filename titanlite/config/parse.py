@@ -6,7 +6,6 @@ declares the fields and checks their values): it names no section either.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import sys
 import typing
@@ -98,14 +97,14 @@ def suggest_key(root: type, section: str, key: str) -> str | None:
     return _closest(f"{section}.{key}" if section else key, everything)
 
 
-def _lookup(root: type, section: str, key: str, where: str) -> tuple[Any, dataclasses.Field]:
-    """The (type, field) of `section.key`, or a TitanliteError naming it and the closest name."""
+def _lookup(root: type, section: str, key: str, where: str) -> Any:
+    """The type of `section.key`, or a TitanliteError naming it and the closest name."""
     by_name = sections(root)
     found = keys(by_name[section]) if section in by_name else {}
     if key not in found:
         shown = f"{section}.{key}" if section else key
         raise TitanliteError(f"unknown key {shown} {where}{_hint(suggest_key(root, section, key))}")
-    return found[key]
+    return found[key][0]
 
 
 # --------------------------------------------------------------------------------------
@@ -172,7 +171,7 @@ def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate 
 
 def _set(cfg: Any, section: str, key: str, value: Any, where: str) -> None:
     """One TOML value set on `cfg`, its name and type checked."""
-    tp, _ = _lookup(type(cfg), section, key, where)
+    tp = _lookup(type(cfg), section, key, where)
     try:
         setattr(getattr(cfg, section), key, _coerce(value, tp))
     except ValueError:
@@ -207,7 +206,7 @@ def parse_override(root: type, name: str, value: str | None, translate: Translat
             return None
         section, key, _ = mapped
         name = f"{section}.{key}"
-    tp, _ = _lookup(root, section, key, "on the command line")
+    tp = _lookup(root, section, key, "on the command line")
     if value is None:
         if tp is not bool:
             raise TitanliteError(f"{section}.{key}: --{name} needs a value ({expected(tp)})")
