@@ -115,12 +115,10 @@ def _lookup(root: type, section: str, key: str, where: str) -> Any:
 class Translate(Protocol):
     """Maps a key before it is looked up: (section, key, value, where) -> the (section, key,
     value) to set, or None when it handled the key itself. Key None: a whole section the
-    config does not have, which `handles_section` claims; then the (section, key, value)
-    triples to set in the config's own sections (or None)."""
+    config does not have; then the (section, key, value) triples to set in the config's own
+    sections, or None when the section is not one it knows either."""
 
     def __call__(self, section: str, key: str | None, value: Any, where: str) -> Any: ...
-
-    def handles_section(self, section: str) -> bool: ...
 
 
 def read_toml(path: Path, shown: str) -> dict[str, Any]:
@@ -157,12 +155,13 @@ def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate 
                 f"unknown key {section} {where} (keys belong in a [section]){_hint(suggest_key(root, '', section))}"
             )
         if section not in by_name:
-            if translate is not None and translate.handles_section(section):
-                for own_section, key, value in translate(section, None, table, where) or ():
-                    _set(cfg, own_section, key, value, where)
-                continue
-            close = _closest(section, list(by_name))
-            raise TitanliteError(f"unknown section [{section}] {where}{_hint(f'[{close}]' if close else None)}")
+            triples = translate(section, None, table, where) if translate is not None else None
+            if triples is None:
+                close = _closest(section, list(by_name))
+                raise TitanliteError(f"unknown section [{section}] {where}{_hint(f'[{close}]' if close else None)}")
+            for own_section, key, value in triples:
+                _set(cfg, own_section, key, value, where)
+            continue
         for key, value in table.items():
             mapped = translate(section, key, value, where) if translate is not None else (section, key, value)
             if mapped is not None:

@@ -107,8 +107,8 @@ class TorchtitanKeys:
             self._file = where
         if (section, key) == ("optimizer", "param_groups"):
             self._groups_given = True
-        if key is None:  # a whole section titanlite does not have
-            return self._section(section, value, where)
+        if key is None:  # a whole section titanlite does not have: torchtitan's [quantize] is the one it knows
+            return self._section(section, value, where) if section == "quantize" else None
         if (section, key) in ALIASES:
             return section, ALIASES[(section, key)], value
         if (section, key) == ("activation_checkpoint", "selective_ac_option") and type(value) is int:
@@ -215,7 +215,3 @@ class TorchtitanKeys:
                 f"model.flavor = {flavor!r} {flavor_where}: the file is torchtitan's, so torchtitan's {flavor} shape "
                 f"({cfg.model.flavor}; titanlite's own flavors are for titanlite's files)"
             )
-
-    def handles_section(self, section: str) -> bool:
-        """A section titanlite does not have but torchtitan's files carry."""
-        return section == "quantize"
