@@ -112,6 +112,7 @@ class RunParts:
     state: TrainState
     metrics: MetricsLogger
     checkpoint: NoCheckpoints  # a Checkpointing when the run saves or loads any
+    validator: Validator | None
     participants: Participants  # every one, in order: the checkpoint and the validator too
 
     @property
@@ -143,13 +144,14 @@ def build_run(plan: RunPlan, participants: Sequence[StepParticipant] = ()) -> Ru
     group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
     run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager else NoCheckpoints()
     run.metrics = _metrics(run)
-    validator = StepParticipant()
+    run.validator = None
     if cfg.validation.enable:
-        validator = Validator(
+        run.validator = Validator(
             cfg.validation, validation_data, run.model, run.forward_backward, run.steps.reported, run.metrics
         )
     _say_start(run)
     float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
+    validator = run.validator or StepParticipant()  # a no-op without validation, as float8's
     members = [run.steps.expert_balance(run.model, experts), group, float8, validator, run.checkpoint]
     run.participants = Participants([*members, ScheduledGC(cfg.training.gc_freq), *participants])
     return run
