@@ -90,6 +90,10 @@ def _is_off(value: Any, off: bool | int) -> bool:
     return not isinstance(value, bool) and str(value).strip() == str(off)
 
 
+def _downloaded_error(section: str, dataset: str) -> TitanliteError:
+    return TitanliteError(f"{section}.dataset: {dataset!r} is a dataset torchtitan downloads at run time; {_PREPARE}")
+
+
 class TorchtitanKeys:
     """The translation `config.parse` applies to each key before looking it up."""
 
@@ -128,9 +132,7 @@ class TorchtitanKeys:
             return None
         if key == "dataset" and section in ("training", "validation") and value in DOWNLOADED_DATASETS:
             if section == "training" and where == _COMMAND_LINE:
-                raise TitanliteError(
-                    f"training.dataset: {value!r} is a dataset torchtitan downloads at run time; {_PREPARE}"
-                )
+                raise _downloaded_error(section, value)
             self._downloaded[section] = (value, where)
             return None
         if section == ".".join(FLOAT8_SECTION):  # a key of the file's table, or the command line's --quantize...KEY
@@ -188,9 +190,7 @@ class TorchtitanKeys:
                     f"{section}.dataset = {dataset!r} {where}: torchtitan's download, replaced by the command line's"
                 )
             elif section == "training" or cfg.validation.enable:
-                raise TitanliteError(
-                    f"{section}.dataset: {dataset!r} is a dataset torchtitan downloads at run time; {_PREPARE}"
-                )
+                raise _downloaded_error(section, dataset)
             else:
                 self.notices.append(
                     f"validation.dataset = {dataset!r}: torchtitan's download, not used while validation is off"
