@@ -239,16 +239,13 @@ def verdict(r: Report) -> list[str]:
 def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
     if shards is None:
         world = r.plan.dims.world_size
-        why = (
-            "one process"
-            if world == 1
-            else f"not counted above {CENSUS_MAX_WORLD} ranks"
-            if world > CENSUS_MAX_WORLD
-            else "each pipeline rank holds other stages: plan them with --rank"
-            if r.plan.pipeline is not None
-            else "not counted (parameters on part of the mesh)"
-        )
-        return [f"shards: {why}"]
+        reasons = {  # the first that applies
+            "one process": world == 1,
+            f"not counted above {CENSUS_MAX_WORLD} ranks": world > CENSUS_MAX_WORLD,
+            "each pipeline rank holds other stages: plan them with --rank": r.plan.pipeline is not None,
+            "not counted (parameters on part of the mesh)": True,
+        }
+        return [f"shards: {next(why for why, applies in reasons.items() if applies)}"]
     per_rank = shards.per_rank
     most, least = max(per_rank), min(per_rank)
     check = "=" if shards.covered == r.plan.n_params else "!="
