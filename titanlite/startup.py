@@ -142,7 +142,7 @@ def build_run(plan: RunPlan, participants: Sequence[StepParticipant] = ()) -> Ru
             run.plan, run.model, optimizer=run.optimizer, tokenizer=run.plan.tokenizer, **states
         )
     group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
-    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager else NoCheckpoints()
+    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager is not None else NoCheckpoints()
     run.metrics = _metrics(run)
     run.validator = None
     if cfg.validation.enable:
