@@ -93,9 +93,8 @@ def set_cpu_worker_defaults(nproc_per_node: str, env: MutableMapping[str, str] =
         env["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGE_TUNABLE}" if tunables else HUGE_PAGE_TUNABLE
 
 
-def _parser() -> argparse.ArgumentParser:
-    """torchrun's flags, plus titanlite's own."""
-    parser = get_args_parser()
+def main(argv: list[str] | None = None) -> int:
+    parser = get_args_parser()  # torchrun's flags, plus titanlite's own
     parser.add_argument(
         "--cpu-bind",
         "--cpu_bind",
@@ -103,11 +102,7 @@ def _parser() -> argparse.ArgumentParser:
         help="CPU workers only: bind each local rank (and the threads it starts) to its own block of this "
         "host's usable cores (titanlite/runtime/cpu_binding.py)",
     )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if problem := _args_problem(args):
         print(f"titanlite: error: {problem}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
