@@ -54,14 +54,16 @@ class RunPlan:
     @property
     def precomputes_float8_scales(self) -> bool:
         """Whether each step starts by computing the float8 all-gathers' weight scales in one
-        all-reduce (precompute_float8_dynamic_scale_for_fsdp, where FSDP gathers float8)."""
-        float8 = self.float8
+        all-reduce (precompute_float8_dynamic_scale_for_fsdp, where FSDP gathers float8: the
+        config allows it only with enable_fsdp_float8_all_gather)."""
         return (
-            float8 is not None
-            and self.dims.fsdp_enabled
-            and float8.enable_fsdp_float8_all_gather
-            and float8.precompute_float8_dynamic_scale_for_fsdp
+            self.float8 is not None and self.dims.fsdp_enabled and self.float8.precompute_float8_dynamic_scale_for_fsdp
         )
+
+    @property
+    def cpu_offload(self) -> bool:
+        """Whether FSDP keeps this rank's shards, gradients and optimizer state in host memory."""
+        return self.dims.fsdp_enabled and self.cfg.training.enable_cpu_offload
 
     def with_compute_dtype(self, name: str) -> RunPlan:
         """This plan with `training.mixed_precision_param` made concrete: "auto" is decided
@@ -155,18 +157,15 @@ def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
     """The stages of a pipelined run, from a meta build of the model (no memory)."""
     with torch.device("meta"):
         model = plan.spec.model_class(plan.model_args)
-    shared = shared_parameters(model)
-    if shared:
+    if shared := shared_parameters(model):
         raise TitanliteError(
             f"parallelism.pipeline_parallel_degree: the {plan.cfg.model.flavor} flavor shares one tensor between "
             f"{shared[0]}, which sit on the first and the last stage; pipeline an untied flavor"
         )
     costs = None
     if plan.cfg.parallelism.pipeline_parallel_balance == "flops":
-        flops = plan.spec.flops_per_token
-        attention = (flops(plan.model_args, 0, plan.cfg.training.seq_len) - flops(plan.model_args, 0, 0)) / len(
-            model.layers
-        )
+        flops, args = plan.spec.flops_per_token, plan.model_args
+        attention = (flops(args, 0, plan.cfg.training.seq_len) - flops(args, 0, 0)) / len(model.layers)
         routed = {layer.experts: layer.args.top_k / layer.args.n_experts for layer in moe.moe_layers(model).values()}
         costs = part_flops(model, attention, routed)
     return plan_layout(plan.cfg.parallelism, len(model.layers), plan.cfg.training.local_batch_size, costs)
@@ -235,9 +234,8 @@ def build_parts_on_meta(plan: RunPlan, meshes: Meshes) -> list[torch.nn.Module]:
     stages when there are several, each parallelized for this rank."""
     with torch.device("meta"):
         model = plan.spec.model_class(plan.model_args)
-    if plan.pipeline is None:
-        parts = [model]
-    else:
+    parts = [model]
+    if plan.pipeline is not None:
         indices = plan.pipeline.stage_indices(meshes.pp.get_local_rank())
         parts = [split_stage(model, plan.pipeline.stages[index]) for index in indices]
     for part in parts:
@@ -257,22 +255,19 @@ def build_on_meta(plan: RunPlan, meshes: Meshes) -> torch.nn.Module:
 
 def materialize(model: torch.nn.Module, plan: RunPlan, device: torch.device) -> None:
     """Allocate this rank's shards (on the host with CPU offload) and initialize them."""
-    offload = plan.dims.fsdp_enabled and plan.cfg.training.enable_cpu_offload
     for part in model.parts if isinstance(model, ModelParts) else [model]:
-        part.to_empty(device="cpu" if offload else device)
+        part.to_empty(device="cpu" if plan.cpu_offload else device)
         part.init_weights(seed=plan.cfg.training.seed)
         part.train()
 
 
 def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_per_host: int) -> BuiltModel:
     """Build on meta, parallelize, check the training state can fit, then materialize."""
-    cfg = plan.cfg
     parts = build_parts_on_meta(plan, meshes)
     model = local_model(parts)
     n_params = plan.n_params
-    size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, cfg.training.seq_len))
-    offload = plan.dims.fsdp_enabled and cfg.training.enable_cpu_offload
-    check_training_state_fits(n_params, plan.dims.shards, device, offload, processes_per_host)
+    size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, plan.cfg.training.seq_len))
+    check_training_state_fits(n_params, plan.dims.shards, device, plan.cpu_offload, processes_per_host)
     materialize(model, plan, device)
     return BuiltModel(parts, model, size, experts=_experts(plan.spec, model))
 

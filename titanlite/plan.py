@@ -122,23 +122,13 @@ class Report:
     activations: Activations
     fsdp: FsdpWorkingSet | None
     autocast_copies: int
-
-    @property
-    def offloaded(self) -> bool:
-        return self.plan.dims.fsdp_enabled and self.plan.cfg.training.enable_cpu_offload
+    device: tuple[int, str]  # bytes per device and where the figure comes from
 
     @property
     def total(self) -> float:
-        state = self.state.params + self.state.grads + self.state.optimizer
+        held = 0 if self.plan.cpu_offload else self.state.params + self.state.grads + self.state.optimizer
         fsdp = self.fsdp.total if self.fsdp else 0.0
-        return (
-            (0 if self.offloaded else state) + self.state.buffers + self.activations.total + fsdp + self.autocast_copies
-        )
-
-    @property
-    def device(self) -> tuple[int, str]:
-        """Bytes per device and where the figure comes from."""
-        return device_memory(self.args)
+        return held + self.state.buffers + self.activations.total + fsdp + self.autocast_copies
 
 
 def build_report(
@@ -147,11 +137,7 @@ def build_report(
     """The figures of this rank's parallelized model (still on meta)."""
     cfg, dims = plan.cfg, plan.dims
     shape = StepShape.from_config(cfg, dims.tp)
-    activations = (
-        estimate_activations(plan.model_args, shape)
-        if plan.pipeline is None
-        else _stage_activations(plan, model, shape, world)
-    )
+    activations = _activations(plan, model, shape, world)
     fsdp = None
     if dims.fsdp_enabled:
         reduce_bytes = torch_dtype(cfg.training.mixed_precision_reduce).itemsize
@@ -159,43 +145,27 @@ def build_report(
     state = state_bytes(model)
     # Without FSDP, bf16 runs under autocast, which keeps a bf16 copy of each weight per step.
     autocast_copies = state.n_params * shape.act_bytes if not dims.fsdp_enabled and shape.act_bytes < 4 else 0
-    coordinate = (
-        ", ".join(f"{n} {c}" for n, c in zip(world.mesh_dim_names, world.get_coordinate()))
-        if world
-        else "the only rank"
-    )
-    return Report(plan, args, vocab_note, coordinate, state, activations, fsdp, autocast_copies)
+    names = zip(world.mesh_dim_names, world.get_coordinate()) if world else ()
+    coordinate = ", ".join(f"{n} {c}" for n, c in names) or "the only rank"
+    return Report(plan, args, vocab_note, coordinate, state, activations, fsdp, autocast_copies, device_memory(args))
 
 
-def _stage_activations(plan: RunPlan, model: torch.nn.Module, shape: StepShape, world: DeviceMesh) -> Activations:
-    """This rank's pipeline stages: their blocks (and the head on the last stage's rank), one
-    pipeline microbatch each, as many microbatches as the schedule holds at its peak."""
+def _activations(plan: RunPlan, model: torch.nn.Module, shape: StepShape, world: DeviceMesh | None) -> Activations:
+    """The whole model's, or with a pipeline this rank's stages: their blocks (and the head on the
+    last stage's rank), one pipeline microbatch each, as many microbatches as the schedule holds
+    at its peak."""
     layout = plan.pipeline
+    if layout is None:
+        return estimate_activations(plan.model_args, shape)
     pp_rank = world.get_coordinate()[world.mesh_dim_names.index("pp")]
     held = layout.stage_indices(pp_rank)
     in_flight = in_flight_microbatches(
         layout.schedule, layout.degree, layout.n_microbatches, layout.stages_per_rank, pp_rank
     )
     microbatch = dataclasses.replace(shape, batch=plan.cfg.parallelism.pipeline_parallel_microbatch_size)
-    boundaries = sum((index > 0) + (index < len(layout.stages) - 1) for index in held)
-    return estimate_activations(
-        plan.model_args,
-        microbatch,
-        len(model.layers),
-        len(layout.stages) - 1 in held,
-        in_flight,
-        boundaries * layout.n_microbatches,
-    )
-
-
-def measure_materialize(model: torch.nn.Module, plan: RunPlan) -> dict[str, float]:
-    """Allocate and initialize this rank's shards on the CPU; seconds and resident bytes."""
-    before = rss_bytes()
-    reset_peak_rss()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    materialize(model, plan, torch.device("cpu"))
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "before": before, "peak": peak_rss_bytes()}
+    receives = layout.n_microbatches * sum((index > 0) + (index < len(layout.stages) - 1) for index in held)
+    holds_head = len(layout.stages) - 1 in held  # the last stage's rank
+    return estimate_activations(plan.model_args, microbatch, len(model.layers), holds_head, in_flight, receives)
 
 
 def gib(n: float) -> str:
@@ -205,12 +175,9 @@ def gib(n: float) -> str:
 def header(r: Report) -> list[str]:
     cfg, dims = r.plan.cfg, r.plan.dims
     degrees = [f"{name} {size}" for name, size in dims.named_degrees()]
-    option = cfg.activation_checkpoint.selective_ac_option
-    ac = cfg.activation_checkpoint.mode + (
-        (" (per op)" if option == "op" else f" (every {option})")
-        if cfg.activation_checkpoint.mode == "selective"
-        else ""
-    )
+    ac, option = cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option
+    if ac == "selective":
+        ac += " (per op)" if option == "op" else f" (every {option})"
     return [
         f"model: {cfg.model.name} {cfg.model.flavor}, {r.plan.n_params:,} parameters ({r.vocab_note})",
         f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}"
@@ -226,28 +193,22 @@ def header(r: Report) -> list[str]:
 
 def holdings(r: Report) -> list[str]:
     """One line per kind of memory; exact ones first, then the estimates and the total."""
-    a, s, place = r.activations, r.state, " (host: CPU offload)" if r.offloaded else ""
+    a, s, place = r.activations, r.state, " (host: CPU offload)" if r.plan.cpu_offload else ""
+    activations = (
+        f"estimate: {_per_microbatch(a)}, peak extra {gib(a.peak_extra)}"
+        + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")
+        + (f", all-to-all buffers {gib(a.all_to_all)}" if a.all_to_all else "")
+    )
     rows = [
         ("parameters", s.params, f"{s.params:,} bytes: {s.n_params:,} elements of the local shards{place}"),
         ("gradients", s.grads, f"{s.grads:,} bytes{place}"),
         ("optimizer", s.optimizer, f"{s.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
         ("buffers", s.buffers, f"{s.buffers:,} bytes"),
-        (
-            "activations",
-            a.total,
-            f"estimate: {_per_microbatch(a)}, peak extra {gib(a.peak_extra)}"
-            + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")
-            + (f", all-to-all buffers {gib(a.all_to_all)}" if a.all_to_all else ""),
-        ),
+        ("activations", a.total, activations),
     ]
     if r.fsdp:
-        rows.append(
-            (
-                "FSDP gathered",
-                r.fsdp.total,
-                f"estimate: root weights and grads {gib(r.fsdp.root)}, blocks {gib(r.fsdp.blocks)}",
-            )
-        )
+        fsdp = f"estimate: root weights and grads {gib(r.fsdp.root)}, blocks {gib(r.fsdp.blocks)}"
+        rows.append(("FSDP gathered", r.fsdp.total, fsdp))
     if r.autocast_copies:
         rows.append(("autocast copies", r.autocast_copies, "estimate: a low-precision copy of each weight"))
     rows.append(("total", r.total, "on the device"))
@@ -265,57 +226,52 @@ def _per_microbatch(a: Activations) -> str:
 def verdict(r: Report) -> list[str]:
     device_bytes, source = r.device
     spare = device_bytes - r.total
-    lines = [f"device: {gib(device_bytes)} ({source})"]
-    if spare >= 0:
-        lines.append(
-            f"verdict: fits: {gib(r.total)} of {gib(device_bytes)}, {gib(spare)} ({spare / device_bytes:.0%}) to spare"
-        )
-    else:
-        lines.append(
-            f"verdict: does not fit: {gib(r.total)} needed, {gib(-spare)} more than the device's "
-            f"{gib(device_bytes)}; "
+    line = f"fits: {gib(r.total)} of {gib(device_bytes)}, {gib(spare)} ({spare / device_bytes:.0%}) to spare"
+    if spare < 0:
+        line = (
+            f"does not fit: {gib(r.total)} needed, {gib(-spare)} more than the device's {gib(device_bytes)}; "
             "add ranks (data_parallel_shard_degree, tensor_parallel_degree), lower training.local_batch_size, "
             "or use activation_checkpoint.mode full"
         )
-    return lines
+    return [f"device: {gib(device_bytes)} ({source})", f"verdict: {line}"]
 
 
 def shard_lines(r: Report, shards: ShardCensus | None) -> list[str]:
     if shards is None:
         world = r.plan.dims.world_size
-        why = (
-            "one process"
-            if world == 1
-            else f"not counted above {CENSUS_MAX_WORLD} ranks"
-            if world > CENSUS_MAX_WORLD
-            else "each pipeline rank holds other stages: plan them with --rank"
-            if r.plan.pipeline is not None
-            else "not counted (parameters on part of the mesh)"
-        )
-        return [f"shards: {why}"]
-    most, least = max(shards.per_rank), min(shards.per_rank)
+        reasons = {  # the first that applies
+            "one process": world == 1,
+            f"not counted above {CENSUS_MAX_WORLD} ranks": world > CENSUS_MAX_WORLD,
+            "each pipeline rank holds other stages: plan them with --rank": r.plan.pipeline is not None,
+            "not counted (parameters on part of the mesh)": True,
+        }
+        return [f"shards: {next(why for why, applies in reasons.items() if applies)}"]
+    per_rank = shards.per_rank
+    most, least = max(per_rank), min(per_rank)
     check = "=" if shards.covered == r.plan.n_params else "!="
-    held = (
-        f"every rank holds {most:,}"
-        if most == least
-        else f"ranks hold {least:,} (rank {shards.per_rank.index(least)}) to {most:,} (rank "
-        f"{shards.per_rank.index(most)})"
-    )
+    held = f"every rank holds {most:,}"
+    if most != least:
+        held = f"ranks hold {least:,} (rank {per_rank.index(least)}) to {most:,} (rank {per_rank.index(most)})"
     return [
         f"shards: {held} parameters; summed over all {len(shards.per_rank)} ranks, each replicated tensor once: "
         f"{shards.covered:,} {check} the model's {r.plan.n_params:,}"
     ]
 
 
-def measured_lines(r: Report, measured: dict[str, float] | None) -> list[str]:
-    if measured is None:
-        return []
-    grown = measured["peak"] - measured["before"]
-    estimate = r.state.params + r.state.buffers
+def measured_lines(r: Report, model: torch.nn.Module) -> list[str]:
+    """Allocate and initialize this rank's shards on the CPU; the seconds it took and the
+    resident memory it grew by, against the estimate."""
+    before = rss_bytes()
+    reset_peak_rss()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    materialize(model, r.plan, torch.device("cpu"))
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = peak_rss_bytes()
+    grown, estimate = peak - before, r.state.params + r.state.buffers
     return [
-        f"materialized rank {r.args.rank}: allocated and initialized in {measured['seconds']:.1f} s "
-        f"({measured['cpu_seconds']:.1f} s of CPU); peak resident memory "
-        f"{gib(measured['peak'])}, {gib(grown)} above the {gib(measured['before'])} before, against {gib(estimate)} "
+        f"materialized rank {r.args.rank}: allocated and initialized in {seconds:.1f} s "
+        f"({cpu_seconds:.1f} s of CPU); peak resident memory "
+        f"{gib(peak)}, {gib(grown)} above the {gib(before)} before, against {gib(estimate)} "
         f"estimated for parameters and buffers (ratio {grown / estimate:.2f})"
     ]
 
@@ -330,21 +286,14 @@ def run(argv: list[str]) -> int:
     meshes = plan.dims.build_mesh("cpu")
     model = build_on_meta(plan, meshes)
     report = build_report(plan, args, vocab_note, model, meshes.world)
-    measured = measure_materialize(model, plan) if args.materialize else None
+    measured = measured_lines(report, model) if args.materialize else []
     shards = (  # last: it leaves rank r's world
         census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape), plan.dims.ep)
         if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None
         else None
     )
-    print(
-        "\n".join(
-            header(report)
-            + holdings(report)
-            + verdict(report)
-            + shard_lines(report, shards)
-            + measured_lines(report, measured)
-        )
-    )
+    lines = header(report) + holdings(report) + verdict(report) + shard_lines(report, shards)
+    print("\n".join(lines + measured))
     return 0 if report.total <= report.device[0] else 1
 
 

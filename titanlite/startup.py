@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,11 +125,35 @@ class RunParts:
 
 
 def build_run(plan: RunPlan, participants: Sequence[StepParticipant] = ()) -> RunParts:
-    """Every part of a run, from its plan; `participants` join every step after the run's own."""
+    """Every part of a run, from its plan; `participants` join every step after the run's own.
+
+    After the process and the training's parts: the checkpoints, fault tolerance, metrics and
+    validation; then every participant in the order each point calls them: the expert load
+    before the quorum on the step line, a heal before the float8 scales, and after a step
+    validation, then the save, then the collector."""
     run = RunParts()
     _start_process(run, plan)
     validation_data, experts = _build_training(run)
-    _join_participants(run, validation_data, experts, participants)
+    cfg = run.cfg
+    states = {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
+    manager = None  # when the run neither saves nor loads checkpoints
+    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
+        manager = _checkpoint_manager(
+            run.plan, run.model, optimizer=run.optimizer, tokenizer=run.plan.tokenizer, **states
+        )
+    group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
+    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager is not None else NoCheckpoints()
+    run.metrics = _metrics(run)
+    run.validator = None
+    if cfg.validation.enable:
+        run.validator = Validator(
+            cfg.validation, validation_data, run.model, run.forward_backward, run.steps.reported, run.metrics
+        )
+    _say_start(run)
+    float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
+    validator = run.validator or StepParticipant()  # a no-op without validation, as float8's
+    members = [run.steps.expert_balance(run.model, experts), group, float8, validator, run.checkpoint]
+    run.participants = Participants([*members, ScheduledGC(cfg.training.gc_freq), *participants])
     return run
 
 
@@ -169,40 +194,6 @@ def _build_training(run: RunParts) -> tuple[TokenWindowLoader | None, ExpertLaye
     return validation_data, built.experts
 
 
-def _join_participants(
-    run: RunParts,
-    validation_data: TokenWindowLoader | None,
-    experts: ExpertLayers | None,
-    participants: Sequence[StepParticipant],
-) -> None:
-    """The checkpoints, fault tolerance, metrics and validation; then every participant in the
-    order each point calls them: the expert load before the quorum on the step line, a heal
-    before the float8 scales, and after a step validation, then the save, then the collector."""
-    cfg = run.cfg
-    manager = _checkpoint_manager(run)
-    states = {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
-    group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
-    run.metrics = _metrics(run)
-    run.validator = (
-        Validator(
-            cfg.validation,
-            validation_data,
-            run.model,
-            run.forward_backward,
-            run.steps.reported,
-            run.metrics,
-        )
-        if cfg.validation.enable
-        else None
-    )
-    _say_start(run)
-    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager is not None else NoCheckpoints()
-    float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
-    members = [run.steps.expert_balance(run.model, experts), group, float8]
-    members += [*([run.validator] if run.validator else []), run.checkpoint, ScheduledGC(cfg.training.gc_freq)]
-    run.participants = Participants([*members, *participants])
-
-
 def _seed(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
     if deterministic:
@@ -218,34 +209,19 @@ def _loaders(plan: RunPlan, steps: StepBuilder) -> tuple[TokenWindowLoader, Toke
     cfg = plan.cfg
     dp_rank, dp_degree = data_share(cfg.fault_tolerance, steps.meshes.dp_rank, plan.dims.dp)
     corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
-    batch = cfg.training.local_batch_size
-    data = build_dataloader(corpus.train, batch, dp_rank, dp_degree, steps.device, documents=steps.documents)
+    per_rank = (cfg.training.local_batch_size, dp_rank, dp_degree, steps.device)  # the same for both loaders
+    data = build_dataloader(corpus.train, *per_rank, documents=steps.documents)
     if corpus.validation is None:
         return data, None
-    validation = build_dataloader(
-        corpus.validation, batch, dp_rank, dp_degree, steps.device, prefetch=False, documents=steps.documents
-    )
-    return data, validation
+    return data, build_dataloader(corpus.validation, *per_rank, prefetch=False, documents=steps.documents)
 
 
-def _checkpoint_manager(run: RunParts) -> CheckpointManager | None:
-    """The run's checkpoints over its model, optimizer, schedule, loader and train state; None
-    when it neither saves nor loads any."""
-    cfg = run.cfg
-    if not (cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path):
-        return None
+def _checkpoint_manager(plan: RunPlan, model: nn.Module, **parts: Any) -> CheckpointManager:
+    """The run's checkpoints over its model and the rest they keep (`parts`: a training run's
+    optimizer, schedule, loader, train state and tokenizer)."""
+    cfg = plan.cfg
     return CheckpointManager(
-        cfg.checkpoint,
-        cfg.job.dump_folder,
-        run.plan.spec,
-        cfg.model.flavor,
-        run.plan.model_args,
-        model=run.model,
-        optimizer=run.optimizer,
-        lr_scheduler=run.lr_scheduler,
-        dataloader=run.data,
-        train_state=run.state,
-        tokenizer=run.plan.tokenizer,
+        cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model, **parts
     )
 
 
@@ -267,8 +243,7 @@ def _metrics(run: RunParts) -> MetricsLogger:
 
 def _say_start(run: RunParts) -> None:
     """The start-up lines: the model, mesh, accumulation and peak; the pipeline's stages."""
-    plan, cfg, size, peak = run.plan, run.cfg, run.size, run.metrics.peak
-    dims = plan.dims
+    plan, cfg, size, peak, dims = run.plan, run.cfg, run.size, run.metrics.peak, run.plan.dims
     experts = f" (experts: ep {dims.ep} x efsdp {dims.efsdp})" if dims.ep > 1 else ""
     logger.info(
         f"model {cfg.model.name} {cfg.model.flavor}: {size.n_params:,} parameters, "
@@ -303,9 +278,7 @@ def create_seed_checkpoint(plan: RunPlan) -> None:
     torch.manual_seed(cfg.training.seed)
     lock = claim_dump_folder(cfg, lambda: plan.n_params, dist.group.WORLD, weights_only=True)
     model = build_model(plan, info.device, plan.dims.build_mesh(info.device.type), info.local_world_size).model
-    manager = CheckpointManager(
-        cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model
-    )
+    manager = _checkpoint_manager(plan, model)
     try:
         manager.save_seed()
     finally:

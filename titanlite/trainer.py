@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
-import torch.distributed as dist
 
 from titanlite.build import RunPlan, plan_run
 from titanlite.config import JobConfig
@@ -205,10 +204,9 @@ def run_checked(cfg: JobConfig) -> int:
     except torch.OutOfMemoryError as error:
         # A config this hardware cannot hold, like a bad input: one line (the allocator's
         # first sentence) and the user-error exit code, which the launcher passes on quietly.
-        rank = dist.get_rank() if dist.is_initialized() else 0
         line = (
-            f"titanlite: error: rank {rank}: {str(error).split('. ')[0]}; lower training.local_batch_size "
-            f"or seq_len, or enable activation_checkpoint"
+            f"titanlite: error: rank {world_from_env()[0]}: {str(error).split('. ')[0]}; lower "
+            f"training.local_batch_size or seq_len, or enable activation_checkpoint"
         )
         if not hand_to_launcher(line):
             say(line)

@@ -109,10 +109,8 @@ def is_type(value: Any, tp: Any) -> bool:
         return value is None or is_type(value, inner)
     if typing.get_origin(tp) is list:
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if tp in (int, float):
+        return isinstance(value, (int, tp)) and not isinstance(value, bool)
     return isinstance(value, tp)
 
 
@@ -176,13 +174,11 @@ def check_values(cfg: Any) -> None:
 def toml_value(value: Any) -> str:
     if value is None:
         return '"none"'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
+    if isinstance(value, float):
+        return repr(value)  # TOML's inf and nan, which JSON spells otherwise
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return json.dumps(value, ensure_ascii=False)
+    return json.dumps(value, ensure_ascii=False)  # booleans, integers and strings as TOML writes them
 
 
 def quoted(value: Any, limit: int = QUOTED_LIMIT) -> str:

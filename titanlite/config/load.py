@@ -128,10 +128,12 @@ def _check_batch_and_data(cfg: JobConfig) -> None:
             f"training.global_batch_size: must be -1 or a multiple of training.local_batch_size "
             f"{training.local_batch_size} (got {training.global_batch_size})"
         )
-    _validate_data(training.dataset, training.dataset_path, "training")
-    if validation.dataset:
-        _validate_data(validation.dataset, validation.dataset_path, "validation")
-    elif validation.enable and validation.holdout_fraction == 0:
+    for name, data in (("training", training), ("validation", validation)):
+        if data.dataset in ("files", "prepared") and not data.dataset_path:
+            raise TitanliteError(f"{name}.dataset_path: dataset {data.dataset!r} needs a path (got '')")
+        if data.dataset == "prepared":
+            parse_blend(data.dataset_path, f"{name}.dataset_path")
+    if not validation.dataset and validation.enable and validation.holdout_fraction == 0:
         raise TitanliteError(
             "validation.holdout_fraction: 0 holds no window out for validation (validation.dataset "
             "is empty, so validation reads the held-out split; got 0)"
@@ -169,13 +171,6 @@ def _check_layout(cfg: JobConfig) -> None:
         raise TitanliteError(
             f"activation_checkpoint.selective_ac_option: must be a whole number >= 1 or op (got {option!r})"
         )
-
-
-def _validate_data(dataset: str, path: str, section: str) -> None:
-    if dataset in ("files", "prepared") and not path:
-        raise TitanliteError(f"{section}.dataset_path: dataset {dataset!r} needs a path (got '')")
-    if dataset == "prepared":
-        parse_blend(path, f"{section}.dataset_path")
 
 
 def parse_blend(value: str, field: str) -> list[tuple[str, float]]:
@@ -220,8 +215,7 @@ def help_text() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m titanlite.config [--config NAME] [overrides]`: print the resolved config."""
     try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv)
-        print(to_toml(cfg), end="")
+        print(to_toml(load_config(sys.argv[1:] if argv is None else argv)), end="")
     except TitanliteError as error:
         print(f"titanlite: error: {error}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

@@ -22,7 +22,6 @@ checked before torch is imported.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import math
 from dataclasses import dataclass
@@ -52,15 +51,10 @@ class GroupSpec:
 def parse_groups(entries: list[str], no_decay: tuple[str, ...] = ()) -> list[GroupSpec]:
     """Every entry parsed, `@no_decay` replaced by `no_decay` (the model's patterns; the config's
     own check knows no model); TitanliteError naming the field, the entry and what is wrong."""
-    groups = [_parse(entry) for entry in entries]
-    return [dataclasses.replace(group, patterns=_expand(group.patterns, no_decay)) for group in groups]
+    return [_parse(entry, no_decay) for entry in entries]
 
 
-def _expand(patterns: tuple[str, ...], no_decay: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(expanded for pattern in patterns for expanded in (no_decay if pattern == NO_DECAY else (pattern,)))
-
-
-def _parse(entry: str) -> GroupSpec:
+def _parse(entry: str, no_decay: tuple[str, ...]) -> GroupSpec:
     def bad(why: str) -> TitanliteError:
         return TitanliteError(f"{FIELD}: entry {entry!r} {why} (expected 'PATTERN [PATTERN ...]: key=value ...')")
 
@@ -86,7 +80,8 @@ def _parse(entry: str) -> GroupSpec:
         settings[key] = value
     if not settings:
         raise bad("sets neither lr_scale nor weight_decay")
-    return GroupSpec(patterns, settings.get("lr_scale"), settings.get("weight_decay"), entry.strip())
+    expanded = tuple(each for pattern in patterns for each in (no_decay if pattern == NO_DECAY else (pattern,)))
+    return GroupSpec(expanded, settings.get("lr_scale"), settings.get("weight_decay"), entry.strip())
 
 
 def group_of(name: str, groups: list[GroupSpec]) -> GroupSpec | None:

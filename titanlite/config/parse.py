@@ -6,7 +6,6 @@ declares the fields and checks their values): it names no section either.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import sys
 import typing
@@ -66,11 +65,7 @@ def _parse_cli(text: str, tp: Any) -> Any:
         if word in _TRUE or word in _FALSE:
             return word in _TRUE
         raise ValueError
-    if tp is int:
-        return int(text)
-    if tp is float:
-        return float(text)
-    return text
+    return tp(text)  # int, float or str
 
 
 # --------------------------------------------------------------------------------------
@@ -102,14 +97,14 @@ def suggest_key(root: type, section: str, key: str) -> str | None:
     return _closest(f"{section}.{key}" if section else key, everything)
 
 
-def _lookup(root: type, section: str, key: str, where: str) -> tuple[Any, dataclasses.Field]:
-    """The (type, field) of `section.key`, or a TitanliteError naming it and the closest name."""
+def _lookup(root: type, section: str, key: str, where: str) -> Any:
+    """The type of `section.key`, or a TitanliteError naming it and the closest name."""
     by_name = sections(root)
     found = keys(by_name[section]) if section in by_name else {}
     if key not in found:
         shown = f"{section}.{key}" if section else key
         raise TitanliteError(f"unknown key {shown} {where}{_hint(suggest_key(root, section, key))}")
-    return found[key]
+    return found[key][0]
 
 
 # --------------------------------------------------------------------------------------
@@ -120,12 +115,10 @@ def _lookup(root: type, section: str, key: str, where: str) -> tuple[Any, datacl
 class Translate(Protocol):
     """Maps a key before it is looked up: (section, key, value, where) -> the (section, key,
     value) to set, or None when it handled the key itself. Key None: a whole section the
-    config does not have, which `handles_section` claims; then the (section, key, value)
-    triples to set in the config's own sections (or None)."""
+    config does not have; then the (section, key, value) triples to set in the config's own
+    sections, or None when the section is not one it knows either."""
 
     def __call__(self, section: str, key: str | None, value: Any, where: str) -> Any: ...
-
-    def handles_section(self, section: str) -> bool: ...
 
 
 def read_toml(path: Path, shown: str) -> dict[str, Any]:
@@ -133,11 +126,9 @@ def read_toml(path: Path, shown: str) -> dict[str, Any]:
     sets nothing is an error too: a config that was meant to say something (a truncated
     copy, the wrong file) must not train on the defaults without a word."""
     try:
-        with open(path, "rb") as f:
-            data = tomllib.loads(f.read().decode("utf-8-sig"))  # a byte-order mark (Windows editors) is not TOML
+        data = tomllib.loads(path.read_bytes().decode("utf-8-sig"))  # a byte-order mark (Windows editors) is not TOML
     except tomllib.TOMLDecodeError as error:
-        message = " ".join(str(error).split())
-        raise TitanliteError(f"invalid TOML in {shown}: {message}") from None
+        raise TitanliteError(f"invalid TOML in {shown}: {' '.join(str(error).split())}") from None
     except UnicodeDecodeError:
         raise TitanliteError(f"invalid TOML in {shown}: the file is not UTF-8 text") from None
     except OSError as error:
@@ -164,25 +155,22 @@ def apply_toml(cfg: Any, data: dict[str, Any], shown: str, translate: Translate 
                 f"unknown key {section} {where} (keys belong in a [section]){_hint(suggest_key(root, '', section))}"
             )
         if section not in by_name:
-            if translate is not None and translate.handles_section(section):
-                for own_section, key, value in translate(section, None, table, where) or ():
-                    _set(cfg, own_section, key, value, where)
-                continue
-            close = _closest(section, list(by_name))
-            raise TitanliteError(f"unknown section [{section}] {where}{_hint(f'[{close}]' if close else None)}")
-        for given_key, given_value in table.items():
-            mapped = (
-                translate(section, given_key, given_value, where)
-                if translate is not None
-                else (section, given_key, given_value)
-            )
+            triples = translate(section, None, table, where) if translate is not None else None
+            if triples is None:
+                close = _closest(section, list(by_name))
+                raise TitanliteError(f"unknown section [{section}] {where}{_hint(f'[{close}]' if close else None)}")
+            for own_section, key, value in triples:
+                _set(cfg, own_section, key, value, where)
+            continue
+        for key, value in table.items():
+            mapped = translate(section, key, value, where) if translate is not None else (section, key, value)
             if mapped is not None:
                 _set(cfg, section, mapped[1], mapped[2], where)
 
 
 def _set(cfg: Any, section: str, key: str, value: Any, where: str) -> None:
     """One TOML value set on `cfg`, its name and type checked."""
-    tp, _ = _lookup(type(cfg), section, key, where)
+    tp = _lookup(type(cfg), section, key, where)
     try:
         setattr(getattr(cfg, section), key, _coerce(value, tp))
     except ValueError:
@@ -217,7 +205,7 @@ def parse_override(root: type, name: str, value: str | None, translate: Translat
             return None
         section, key, _ = mapped
         name = f"{section}.{key}"
-    tp, _ = _lookup(root, section, key, "on the command line")
+    tp = _lookup(root, section, key, "on the command line")
     if value is None:
         if tp is not bool:
             raise TitanliteError(f"{section}.{key}: --{name} needs a value ({expected(tp)})")

@@ -63,6 +63,9 @@ OFF_ONLY = {
 NO_EFFECT = {
     ("metrics", "disable_color_printing"): "titanlite prints no colors",
     ("compile", "components"): "compile.enable compiles each transformer block; the loss runs eager",
+    ("quantize.linear.float8", "emulate"): (
+        "titanlite emulates float8 exactly where the device has no float8 matmuls (an SM >= 8.9 GPU)"
+    ),
 }
 DOWNLOADED_DATASETS = ("c4", "c4_test", "c4_validation")
 FLOAT8_SECTION = ("quantize", "linear", "float8")  # torchtitan v0.2's home of the [float8] keys
@@ -79,27 +82,16 @@ _PREPARE = (
 )
 
 
-def _is_on(value: Any) -> bool:
-    """A TOML value, or an override's text, that switches something on."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("true", "1", "yes", "on")
-    return bool(value) and value is not False
-
-
 def _is_off(value: Any, off: bool | int) -> bool:
     """Whether a TOML value, or an override's text, is an option's off value (a boolean or a number)."""
     if isinstance(off, bool):
-        return _is_on(value) == off
+        on = value.strip().lower() in ("true", "1", "yes", "on") if isinstance(value, str) else bool(value)
+        return on == off
     return not isinstance(value, bool) and str(value).strip() == str(off)
 
 
-def _torchtitans(section: str, key: str | None, value: Any) -> bool:
-    """Whether a key is one only torchtitan's files name (key None: a section of theirs)."""
-    return (
-        key is None
-        or any((section, key) in table for table in (ALIASES, OFF_ONLY, NO_EFFECT))
-        or (key == "dataset" and value in DOWNLOADED_DATASETS)
-    )
+def _downloaded_error(section: str, dataset: str) -> TitanliteError:
+    return TitanliteError(f"{section}.dataset: {dataset!r} is a dataset torchtitan downloads at run time; {_PREPARE}")
 
 
 class TorchtitanKeys:
@@ -113,19 +105,17 @@ class TorchtitanKeys:
 
     def __call__(self, section: str, key: str | None, value: Any, where: str) -> tuple[str, str, Any] | None:
         """The (section, key, value) to set, or None when this key is handled here."""
-        if where != _COMMAND_LINE and _torchtitans(section, key, value):
+        # A key (key None: a section) only torchtitan's files name makes the file torchtitan's.
+        theirs = key is None or any((section, key) in table for table in (ALIASES, OFF_ONLY, NO_EFFECT))
+        if where != _COMMAND_LINE and (theirs or (key == "dataset" and value in DOWNLOADED_DATASETS)):
             self._file = where
         if (section, key) == ("optimizer", "param_groups"):
             self._groups_given = True
-        if key is None:  # a whole section titanlite does not have
-            return self._section(section, value, where)
+        if key is None:  # a whole section titanlite does not have: torchtitan's [quantize] is the one it knows
+            return self._section(section, value, where) if section == "quantize" else None
         if (section, key) in ALIASES:
             return section, ALIASES[(section, key)], value
-        if (
-            (section, key) == ("activation_checkpoint", "selective_ac_option")
-            and isinstance(value, int)
-            and not isinstance(value, bool)
-        ):
+        if (section, key) == ("activation_checkpoint", "selective_ac_option") and type(value) is int:
             return section, key, str(value)  # the number form of the string option ('2' in torchtitan's files)
         if (section, key) in OFF_ONLY:
             off, instead = OFF_ONLY[(section, key)]
@@ -142,23 +132,12 @@ class TorchtitanKeys:
             return None
         if key == "dataset" and section in ("training", "validation") and value in DOWNLOADED_DATASETS:
             if section == "training" and where == _COMMAND_LINE:
-                raise TitanliteError(
-                    f"training.dataset: {value!r} is a dataset torchtitan downloads at run time; {_PREPARE}"
-                )
+                raise _downloaded_error(section, value)
             self._downloaded[section] = (value, where)
             return None
-        if section == ".".join(FLOAT8_SECTION):  # the command line's --quantize.linear.float8.KEY
-            return self._float8_key(key, value, where)
+        if section == ".".join(FLOAT8_SECTION):  # a key of the file's table, or the command line's --quantize...KEY
+            return "float8", key, value
         return section, key, value
-
-    def _float8_key(self, key: str, value: Any, where: str) -> tuple[str, str, Any] | None:
-        if key == "emulate":
-            self.notices.append(
-                f"quantize.linear.float8.emulate {where}: torchtitan's option, no effect here: titanlite "
-                "emulates float8 exactly where the device has no float8 matmuls (an SM >= 8.9 GPU)"
-            )
-            return None
-        return "float8", key, value
 
     def _section(self, section: str, table: Any, where: str) -> list[tuple[str, str, Any]]:
         """torchtitan's nested [quantize.<kind>.<format>] tables: float8 linears' keys for the
@@ -170,7 +149,7 @@ class TorchtitanKeys:
                 if not isinstance(keys, dict):
                     raise TitanliteError(f"[{shown}] {where}: expected a table of keys, got {keys!r}")
                 if (section, kind, name) == FLOAT8_SECTION:
-                    found += [mapped for k, v in keys.items() if (mapped := self._float8_key(k, v, where))]
+                    found += [mapped for k, v in keys.items() if (mapped := self(shown, k, v, where))]
                 elif shown in REFUSED_CONVERTERS:
                     self.notices.append(
                         f"[{shown}] {where}: torchtitan's settings of a conversion titanlite does not have "
@@ -202,48 +181,37 @@ class TorchtitanKeys:
         """Checks that need the whole config: a file's downloaded dataset is refused unless a
         command-line override replaced it, and for validation only when validation is on; a
         torchtitan file's flavor is torchtitan's; its converter names are ours."""
-        converters = cfg.model.converters
-        cfg.model.converters = ["float8" if name == ".".join(FLOAT8_SECTION) else name for name in converters]
-        self._torchtitan_groups(cfg)
-        self._torchtitan_flavor(cfg, _COMMAND_LINE if ("model", "flavor") in overridden else self._file)
+        cfg.model.converters = ["float8" if n == ".".join(FLOAT8_SECTION) else n for n in cfg.model.converters]
+        if self._file is not None:
+            self._as_torchtitan(cfg, _COMMAND_LINE if ("model", "flavor") in overridden else self._file)
         for section, (dataset, where) in self._downloaded.items():
             if (section, "dataset") in overridden and where != _COMMAND_LINE:
                 self.notices.append(
                     f"{section}.dataset = {dataset!r} {where}: torchtitan's download, replaced by the command line's"
                 )
             elif section == "training" or cfg.validation.enable:
-                raise TitanliteError(
-                    f"{section}.dataset: {dataset!r} is a dataset torchtitan downloads at run time; {_PREPARE}"
-                )
+                raise _downloaded_error(section, dataset)
             else:
                 self.notices.append(
                     f"validation.dataset = {dataset!r}: torchtitan's download, not used while validation is off"
                 )
 
-    def _torchtitan_groups(self, cfg: JobConfig) -> None:
+    def _as_torchtitan(self, cfg: JobConfig, flavor_where: str) -> None:
         """A torchtitan file trains as torchtitan does: one weight decay for every parameter
         (torchtitan has no parameter groups), not titanlite's default that exempts embeddings,
-        norms and biases, unless the file or the command line names groups."""
-        if self._file is None or self._groups_given:
-            return
-        cfg.optimizer.param_groups = []
-        self.notices.append(
-            f"optimizer.param_groups = [] {self._file}: torchtitan decays every parameter alike "
-            "(titanlite's default exempts embeddings, norms and biases; set optimizer.param_groups to use it)"
-        )
-
-    def _torchtitan_flavor(self, cfg: JobConfig, where: str | None) -> None:
-        """A torchtitan file names torchtitan's flavors (a command-line flavor speaks the file's
-        names too): its llama3 and qwen3 flavors are registered under FLAVOR_PREFIX."""
+        norms and biases, unless the file or the command line names groups. And it names
+        torchtitan's flavors (a command-line flavor speaks the file's names too): its llama3 and
+        qwen3 flavors are registered under FLAVOR_PREFIX."""
+        if not self._groups_given:
+            cfg.optimizer.param_groups = []
+            self.notices.append(
+                f"optimizer.param_groups = [] {self._file}: torchtitan decays every parameter alike "
+                "(titanlite's default exempts embeddings, norms and biases; set optimizer.param_groups to use it)"
+            )
         flavor = cfg.model.flavor
-        if self._file is None or cfg.model.name not in SHARED_MODELS or flavor.startswith(FLAVOR_PREFIX):
-            return
-        cfg.model.flavor = FLAVOR_PREFIX + flavor
-        self.notices.append(
-            f"model.flavor = {flavor!r} {where}: the file is torchtitan's, so torchtitan's {flavor} shape "
-            f"({cfg.model.flavor}; titanlite's own flavors are for titanlite's files)"
-        )
-
-    def handles_section(self, section: str) -> bool:
-        """A section titanlite does not have but torchtitan's files carry."""
-        return section == "quantize"
+        if cfg.model.name in SHARED_MODELS and not flavor.startswith(FLAVOR_PREFIX):
+            cfg.model.flavor = FLAVOR_PREFIX + flavor
+            self.notices.append(
+                f"model.flavor = {flavor!r} {flavor_where}: the file is torchtitan's, so torchtitan's {flavor} shape "
+                f"({cfg.model.flavor}; titanlite's own flavors are for titanlite's files)"
+            )

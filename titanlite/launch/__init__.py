@@ -54,7 +54,7 @@ _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
 def _args_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the flags torchrun's parser accepts but fails on later."""
+    """What is wrong with the flags torchrun's parser accepts but fails on later, and with ours."""
     nproc = str(args.nproc_per_node)
     if nproc not in _NPROC_WORDS and not (nproc.isdigit() and int(nproc) > 0):
         return (
@@ -63,6 +63,10 @@ def _args_problem(args: argparse.Namespace) -> str | None:
         )
     if args.max_restarts < 0:
         return f"--max-restarts: expected 0 or more (got {args.max_restarts})"
+    if args.cpu_bind and torch.cuda.is_available():
+        return "--cpu-bind: for CPU workers only (this host has GPUs; see torchrun's --numa-binding)"
+    if args.cpu_bind and not nproc.isdigit():
+        return f"--cpu-bind: needs --nproc-per-node as a number (got {nproc!r})"
     return None
 
 
@@ -89,9 +93,8 @@ def set_cpu_worker_defaults(nproc_per_node: str, env: MutableMapping[str, str] =
         env["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGE_TUNABLE}" if tunables else HUGE_PAGE_TUNABLE
 
 
-def _parser() -> argparse.ArgumentParser:
-    """torchrun's flags, plus titanlite's own."""
-    parser = get_args_parser()
+def main(argv: list[str] | None = None) -> int:
+    parser = get_args_parser()  # torchrun's flags, plus titanlite's own
     parser.add_argument(
         "--cpu-bind",
         "--cpu_bind",
@@ -99,26 +102,12 @@ def _parser() -> argparse.ArgumentParser:
         help="CPU workers only: bind each local rank (and the threads it starts) to its own block of this "
         "host's usable cores (titanlite/runtime/cpu_binding.py)",
     )
-    return parser
-
-
-def set_cpu_binding(nproc_per_node: str) -> str | None:
-    """`--cpu-bind`: the workers' core blocks into their environment; what is wrong, if anything."""
-    if torch.cuda.is_available():
-        return "--cpu-bind: for CPU workers only (this host has GPUs; see torchrun's --numa-binding)"
-    if not nproc_per_node.isdigit():
-        return f"--cpu-bind: needs --nproc-per-node as a number (got {nproc_per_node!r})"
-    blocks = core_blocks(sorted(os.sched_getaffinity(0)), int(nproc_per_node))
-    os.environ[CPU_BIND_ENV] = encode(blocks)
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    problem = _args_problem(args) or (set_cpu_binding(str(args.nproc_per_node)) if args.cpu_bind else None)
-    if problem:
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if problem := _args_problem(args):
         print(f"titanlite: error: {problem}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    if args.cpu_bind:  # the workers' core blocks into their environment
+        os.environ[CPU_BIND_ENV] = encode(core_blocks(sorted(os.sched_getaffinity(0)), int(args.nproc_per_node)))
     supervise(args)
     set_cpu_worker_defaults(str(args.nproc_per_node))
     try:

@@ -41,11 +41,9 @@ def restart_line(failures: dict[int, ProcessFailure], attempt: int, restarts: in
     how = "the worker group became unhealthy"
     if failures:
         rank, first = first_failure(failures)
-        how = f"rank {rank} " + (
-            f"was killed by signal {first.signal_name()}"
-            if first.exitcode < 0
-            else f"failed (exit code {first.exitcode})"
-        )
+        how = f"rank {rank} failed (exit code {first.exitcode})"
+        if first.exitcode < 0:
+            how = f"rank {rank} was killed by signal {first.signal_name()}"
     return (
         f"titanlite: {how}; restarting the job ({attempt} of {restarts} restarts): it resumes from its newest "
         "complete checkpoint"
@@ -61,9 +59,8 @@ def restart_can_help(failures: dict[int, ProcessFailure]) -> bool:
 
 def first_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """(global rank, failure) of the rank that failed first (see module doc)."""
-    ordered = list(failures.items())
-    index = min(range(len(ordered)), key=lambda i: (consequence(ordered[i][1]), ordered[i][1].timestamp, i))
-    return ordered[index]
+    # min() keeps the first of equal keys: the order the agent saw them breaks a tie
+    return min(failures.items(), key=lambda item: (consequence(item[1]), item[1].timestamp))
 
 
 def _said(failure: ProcessFailure) -> str | None:
@@ -97,8 +94,6 @@ def failure_line(
     if user_error := _user_error(failures):
         return user_error, USER_ERROR_EXIT_CODE
     rank, first = first_failure(failures)
-    if first.exitcode == USER_ERROR_EXIT_CODE and _said(first):
-        return _said(first), USER_ERROR_EXIT_CODE
     if consequence(first):
         return _stopped_line(failures, stopped_ranks, stuck), COLLECTIVE_FAILURE_EXIT_CODE
     others = len(failures) - 1

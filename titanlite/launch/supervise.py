@@ -18,10 +18,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
@@ -60,8 +63,6 @@ def _say_restarts() -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     monitor = LocalElasticAgent._monitor_workers
-    if getattr(monitor, "says_restarts", False):
-        return
 
     def monitor_saying_restarts(self, worker_group):
         result = monitor(self, worker_group)
@@ -75,8 +76,7 @@ def _say_restarts() -> None:
             STUCK_WORKERS.clear()
         return result
 
-    monitor_saying_restarts.says_restarts = True
-    LocalElasticAgent._monitor_workers = monitor_saying_restarts
+    _wrap_once(LocalElasticAgent, "_monitor_workers", monitor_saying_restarts)
 
 
 def _kill_unresponsive_workers_when_closing() -> None:
@@ -91,21 +91,24 @@ def _kill_unresponsive_workers_when_closing() -> None:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     handler = subprocess_handler.SubprocessHandler
-    if getattr(handler.close, "kills_unresponsive", False):
-        return
     close = handler.close
 
     def close_killing_unresponsive(self, death_sig=None) -> None:
         if _record_unresponsive(self.proc.pid):
             death_sig = signal.SIGKILL
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGCONT)
-        except (ProcessLookupError, PermissionError):
-            pass
         close(self, death_sig)
 
-    close_killing_unresponsive.kills_unresponsive = True
-    handler.close = close_killing_unresponsive
+    _wrap_once(handler, "close", close_killing_unresponsive)
+
+
+def _wrap_once(owner: type, name: str, wrapper: Callable[..., Any]) -> None:
+    """`owner.name = wrapper`, unless one of these wrappers is there already (a second
+    `supervise` in one process, as in tests, keeps the first instead of wrapping it again)."""
+    if not getattr(getattr(owner, name), "titanlite_wrapper", False):
+        wrapper.titanlite_wrapper = True
+        setattr(owner, name, wrapper)
 
 
 def _record_unresponsive(pid: int) -> bool:
@@ -158,20 +161,16 @@ class _Forwarder:
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
         cls.forwarded = True
         for pid in workers:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
 
 
 def _take_stop_signals(args: argparse.Namespace) -> None:
     """Keep SIGTERM/SIGUSR1 out of the agent's hands (it would stop the workers) and
     forward them instead."""
     if hasattr(args, "signals_to_handle"):  # torch >= 2.9; before, the agent takes SIGTERM back at start
-        kept = [
-            name.strip() for name in args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGUSR1")
-        ]
-        args.signals_to_handle = ",".join(kept)
+        names = [name.strip() for name in args.signals_to_handle.split(",")]
+        args.signals_to_handle = ",".join(name for name in names if name not in ("SIGTERM", "SIGUSR1"))
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, _Forwarder.handle)
 
