@@ -79,12 +79,9 @@ class TokenWindowLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.prefetch:
-            batch = self.batch_at(self.windows)
-        else:
-            if self._prefetcher is None:
-                self._prefetcher = Prefetcher.owned_by(self.batch_at, self.windows, self.global_batch, PREFETCH_DEPTH)
-            batch = self._prefetcher.get()
+        if self.prefetch and self._prefetcher is None:
+            self._prefetcher = Prefetcher.owned_by(self.batch_at, self.windows, self.global_batch, PREFETCH_DEPTH)
+        batch = self._prefetcher.get() if self.prefetch else self.batch_at(self.windows)
         self.windows += self.global_batch
         return batch
 

@@ -51,10 +51,6 @@ DEFAULT_TOKENIZER = "assets/tokenizer/titanlite.model"
 DEFAULT_SHARD_CHARS = 64_000_000
 
 
-class WorkerDied(Exception):
-    """A tokenizer worker process ended without finishing its shard (killed, out of memory)."""
-
-
 def open_source(spec: str) -> Source:
     """`builtin`, `hf:NAME[:CONFIG]`, or a local file or folder."""
     if spec == "builtin":
@@ -150,10 +146,7 @@ def _tokenize_all(
     def collect(futures) -> None:
         for future in futures:
             index, size = pending.pop(future)
-            try:
-                entries[index] = future.result()
-            except BrokenProcessPool:
-                raise WorkerDied() from None
+            entries[index] = future.result()
             progress.advance(size)
 
     context = multiprocessing.get_context("spawn")  # never fork a process that holds threads
@@ -268,17 +261,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+# Source and tokenizer errors name the training config keys; here they are arguments.
+CLI_NAMES = {"training.dataset_path": "SOURCE", "training.dataset": "SOURCE", "model.tokenizer_path": "--tokenizer"}
+
+
 def _cli_message(error: TitanliteError) -> str:
-    """Source and tokenizer errors name the training config keys; here they are arguments."""
-    text = str(error)
-    for key, argument in (
-        ("training.dataset_path: ", "SOURCE: "),
-        ("training.dataset: ", "SOURCE: "),
-        ("model.tokenizer_path: ", "--tokenizer: "),
-    ):
-        if text.startswith(key):
-            return argument + text[len(key) :]
-    return text
+    key, _, rest = str(error).partition(": ")
+    return f"{CLI_NAMES[key]}: {rest}" if key in CLI_NAMES else str(error)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     except TitanliteError as error:
         say(f"titanlite: error: {error if args.from_trainer else _cli_message(error)}")
         return USER_ERROR_EXIT_CODE
-    except WorkerDied:
+    except BrokenProcessPool:  # a tokenizer worker ended without finishing its shard (killed, out of memory)
         say(
             "titanlite: error: a tokenizer worker died before finishing its shard; run the same command again "
             f"to resume {args.output}"

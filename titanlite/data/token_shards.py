@@ -41,8 +41,7 @@ class TokenShards:
             self._check_files(entry.name, entry.tokens, entry.documents)
             self.starts.append(self.starts[-1] + entry.tokens)
         self.num_tokens = self.starts[-1]
-        self._maps: dict[int, np.memmap] = {}
-        self._offsets: dict[int, np.memmap] = {}
+        self._maps: dict[tuple[int, str], np.memmap] = {}
         self._unverified = {k for k, entry in enumerate(self.entries) if entry.crc32 is not None} if verify else set()
         if verify and len(self._unverified) < len(self.entries):
             say_notices(
@@ -74,12 +73,13 @@ class TokenShards:
             check_shard(self.folder, entry.name, entry.crc32, self.field)
             self._unverified.discard(shard)
 
-    def _map(self, shard: int) -> np.memmap:
+    def _map(self, shard: int, suffix: str) -> np.memmap:
+        """Shard `shard`'s tokens ("bin") or document offsets ("idx"), mapped on first use."""
         self._verify_once(shard)
-        if shard not in self._maps:
-            path = self.folder / f"{self.names[shard]}.bin"
-            self._maps[shard] = np.memmap(path, dtype=self.dtype, mode="r")
-        return self._maps[shard]
+        if (shard, suffix) not in self._maps:
+            dtype = self.dtype if suffix == "bin" else "<u8"
+            self._maps[shard, suffix] = np.memmap(self.folder / f"{self.names[shard]}.{suffix}", dtype=dtype, mode="r")
+        return self._maps[shard, suffix]
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the stream, as int64 (a copy)."""
@@ -87,7 +87,7 @@ class TokenShards:
             raise IndexError(f"tokens [{start}, {start + length}) outside [0, {self.num_tokens})")
         out = np.empty(length, dtype=np.int64)
         for shard, offset, take, done in self._pieces(start, length):
-            piece = self._map(shard)[offset : offset + take]
+            piece = self._map(shard, "bin")[offset : offset + take]
             self._check_vocab(piece, shard, offset)
             out[done : done + take] = piece
         return out
@@ -116,10 +116,7 @@ class TokenShards:
 
     def document_offsets(self, shard: int) -> np.ndarray:
         """Token offsets of shard `shard`'s documents within it (documents + 1 entries), mapped."""
-        self._verify_once(shard)
-        if shard not in self._offsets:
-            self._offsets[shard] = np.memmap(self.folder / f"{self.names[shard]}.idx", dtype="<u8", mode="r")
-        return self._offsets[shard]
+        return self._map(shard, "idx")
 
     def document_ids(self, start: int, length: int) -> np.ndarray:
         """For tokens [start, start + length): which document each belongs to, numbered from 0
