@@ -248,11 +248,7 @@ def _read_parquet(path: Path) -> Iterator[str | None]:
     if "text" not in schema.names:
         raise TitanliteError(f'training.dataset_path: {path}: no "text" column (columns: {", ".join(schema.names)})')
     kind = schema.field("text").type
-    if not (
-        pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
-        or getattr(pa.types, "is_string_view", lambda _: False)(kind)
-    ):
+    if str(kind) not in ("string", "large_string", "string_view"):  # utf8 and large_utf8 print as these
         raise TitanliteError(f'training.dataset_path: {path}: column "text" is {kind}, expected strings')
     for group in range(pf.num_row_groups):
         yield from pf.read_row_group(group, columns=["text"]).column(0).to_pylist()  # null rows: None

@@ -14,6 +14,7 @@ of them: the run pays one extra read of each shard it touches, and only of those
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,10 +37,9 @@ class TokenShards:
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
         self.entries = manifest["_entries"]
         self.names = [entry.name for entry in self.entries]
-        self.starts = [0]
         for entry in self.entries:
             self._check_files(entry.name, entry.tokens, entry.documents)
-            self.starts.append(self.starts[-1] + entry.tokens)
+        self.starts = list(itertools.accumulate((entry.tokens for entry in self.entries), initial=0))
         self.num_tokens = self.starts[-1]
         self._maps: dict[tuple[int, str], np.memmap] = {}
         self._unverified = {k for k, entry in enumerate(self.entries) if entry.crc32 is not None} if verify else set()
@@ -88,7 +88,12 @@ class TokenShards:
         out = np.empty(length, dtype=np.int64)
         for shard, offset, take, done in self._pieces(start, length):
             piece = self._map(shard, "bin")[offset : offset + take]
-            self._check_vocab(piece, shard, offset)
+            if int(piece.max()) >= self.vocab_size:
+                at = offset + int(np.argmax(piece >= self.vocab_size))
+                raise TitanliteError(
+                    f"{self.field}: {self.folder / self.names[shard]}.bin is corrupted: token {at:,} is id "
+                    f"{int(piece.max()):,}, outside the manifest's vocabulary of {self.vocab_size:,}"
+                )
             out[done : done + take] = piece
         return out
 
@@ -104,15 +109,6 @@ class TokenShards:
                 yield shard, offset, take, done
                 done += take
             shard += 1
-
-    def _check_vocab(self, piece: np.ndarray, shard: int, offset: int) -> None:
-        top = int(piece.max())
-        if top >= self.vocab_size:
-            at = offset + int(np.argmax(piece >= self.vocab_size))
-            raise TitanliteError(
-                f"{self.field}: {self.folder / self.names[shard]}.bin is corrupted: token {at:,} is id {top:,}, "
-                f"outside the manifest's vocabulary of {self.vocab_size:,}"
-            )
 
     def document_offsets(self, shard: int) -> np.ndarray:
         """Token offsets of shard `shard`'s documents within it (documents + 1 entries), mapped."""

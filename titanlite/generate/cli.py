@@ -84,11 +84,6 @@ def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str
     return prompts
 
 
-def is_hf_folder(folder: Path) -> bool:
-    """A Hugging Face model folder: config.json beside safetensors weights."""
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
-
-
 def for_generation(cfg: JobConfig, checkpoint: Path) -> JobConfig:
     """The run's config turned to decoding: the weights come from `checkpoint` through the
     initial-load path (never the run's own resume folder); no compile (every step has new
@@ -102,7 +97,8 @@ def for_generation(cfg: JobConfig, checkpoint: Path) -> JobConfig:
     cfg.checkpoint.enable_checkpoint = False
     cfg.checkpoint.create_seed_checkpoint = False
     cfg.checkpoint.initial_load_path = str(checkpoint)
-    cfg.checkpoint.initial_load_format = "hf" if is_hf_folder(checkpoint) else "dcp"
+    hf = (checkpoint / "config.json").is_file() and any(checkpoint.glob("*.safetensors"))  # a Hugging Face folder
+    cfg.checkpoint.initial_load_format = "hf" if hf else "dcp"
     cfg.compile.enable = False
     cfg.parallelism.sequence_parallel = "off"
     return cfg

@@ -99,14 +99,8 @@ class MetricsLogger:
         with MoE layers the expert load, with fault tolerance the quorum."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tps = self.tokens / elapsed / self.devices_per_replica
-        scalars = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tps": tps,
-            "memory_gib": peak_memory_gib(self.device),
-            "tokens_seen": tokens_seen,
-        }
+        memory = peak_memory_gib(self.device)
+        scalars = dict(loss=loss, grad_norm=grad_norm, lr=lr, tps=tps, memory_gib=memory, tokens_seen=tokens_seen)
         mfu_text = "n/a"
         if self.peak.flops:
             scalars["mfu"] = 100 * tps * self.flops_per_token / self.peak.flops

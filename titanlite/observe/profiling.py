@@ -44,14 +44,11 @@ class Stepper(Protocol):
     def step(self) -> None: ...
 
 
-class _Steppers:
+class _Steppers(list[Stepper]):
     """What the training loop calls once per finished step: every enabled recorder's step."""
 
-    def __init__(self, steppers: list[Stepper]):
-        self.steppers = steppers
-
     def step(self) -> None:
-        for stepper in self.steppers:
+        for stepper in self:
             stepper.step()
 
 
@@ -60,7 +57,7 @@ def maybe_profile(cfg: JobConfig, rank: int, device: torch.device, start_step: i
     """Yield an object whose `.step()` the loop calls after each step. `start_step` is the
     step training resumes from (0 for a fresh run). With both options off it starts
     nothing and `.step()` does nothing."""
-    steppers: list[Stepper] = []
+    steppers = _Steppers()
     with contextlib.ExitStack() as stack:
         if cfg.profiling.enable_profiling:
             steppers.append(stack.enter_context(_traces(cfg, rank, device, start_step)))
@@ -72,7 +69,7 @@ def maybe_profile(cfg: JobConfig, rank: int, device: torch.device, start_step: i
                     f"profiling.enable_memory_snapshot: memory snapshots are CUDA-only; this run is on "
                     f"{device.type}, so none are written"
                 )
-        yield _Steppers(steppers)
+        yield steppers
 
 
 def _trace_schedule(freq: int, start_step: int, last_step: int):

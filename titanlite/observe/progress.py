@@ -39,11 +39,7 @@ class Progress:
 
     def advance(self, amount: float = 1) -> None:
         """Add `amount` to what is done; log a line when `every_s` passed since the last."""
-        self.update(self.done + amount)
-
-    def update(self, done: float) -> None:
-        """Set what is done so far; log a line when `every_s` passed since the last."""
-        self.done = done
+        self.done += amount
         now = time.monotonic()
         if now - self._last >= self.every_s:
             self._last = now
