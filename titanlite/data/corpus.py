@@ -83,7 +83,7 @@ def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer
     datasets = open_datasets(training.dataset, training.dataset_path, tokenizer, training, "training")
     holdout = 0.0 if validation.dataset else validation.holdout_fraction
     seed = training.seed if training.shuffle else None
-    train, held, weights = [], [], []
+    train, held = [], []
     for salt, (shards, weight) in enumerate(datasets):
         count = _windows_of(shards, window, "training.dataset_path")
         kept = count - int(count * holdout)
@@ -93,10 +93,9 @@ def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer
                 "leaves none for training"
             )
         train.append(DatasetWindows(shards, window, 0, kept, seed, salt))
-        weights.append(weight)
         if kept < count:
             held.append((DatasetWindows(shards, window, kept, count, None), weight))
-    stream = WindowStream(train, weights, _name(training.dataset, training.dataset_path, seed))
+    stream = WindowStream(train, [w for _, w in datasets], _name(training.dataset, training.dataset_path, seed))
     if validation.dataset:
         return Corpus(stream, _validation_stream(validation, tokenizer, window, training))
     name = f"held-out {holdout} of {stream.name}"

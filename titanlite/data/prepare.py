@@ -17,7 +17,6 @@ rest and ends with files identical to an uninterrupted run's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import json
 import multiprocessing
@@ -107,17 +106,6 @@ def _tokenize_shard(folder: str, index: int, texts: list[str], dtype_name: str) 
 # --------------------------------------------------------------------------- the job
 
 
-@contextlib.contextmanager
-def exclusive(folder: Path) -> Iterator[None]:
-    """Hold `folder/.lock` (released by the kernel if this process dies)."""
-    with open(folder / ".lock", "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise TitanliteError(f"OUTPUT: another prepare is writing {folder}") from None
-        yield
-
-
 def _check_job(folder: Path, job: dict[str, Any]) -> None:
     """Record what this folder is being prepared from; refuse to resume another job there."""
     path = folder / JOB
@@ -181,7 +169,11 @@ def prepare(
         "dtype": dtype,
         "shard_chars": shard_chars,
     }
-    with exclusive(folder):
+    with open(folder / ".lock", "a+") as lock:  # held until the end; released by the kernel if this process dies
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TitanliteError(f"OUTPUT: another prepare is writing {folder}") from None
         _check_job(folder, job)
         if (folder / MANIFEST).is_file():
             return json.loads((folder / MANIFEST).read_text())

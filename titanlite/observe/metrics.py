@@ -35,14 +35,6 @@ class LineField(NamedTuple):
     scalars: dict[str, float]
 
 
-def tensorboard_dir(metrics_cfg: Metrics, dump_folder: str, rank: int, run_name: str) -> str | None:
-    """`<dump_folder>/<save_tb_folder>/<run name>[-rank<r>]` (the run folder's name), or None
-    where this rank writes no TensorBoard scalars (disabled, or not rank 0 under rank_0_only)."""
-    if not metrics_cfg.enable_tensorboard or (rank != 0 and metrics_cfg.rank_0_only):
-        return None
-    return os.path.join(dump_folder, metrics_cfg.save_tb_folder, run_name + ("" if rank == 0 else f"-rank{rank}"))
-
-
 class MetricsLogger:
     """Accumulates tokens between log steps and writes the log line, TensorBoard scalars
     and (rank 0) one metrics.jsonl record per logged step or validation, and the same
@@ -65,18 +57,19 @@ class MetricsLogger:
         run_dir: Path,
         run_config: dict[str, Any] | None = None,
     ):
-        self.device = device
-        self.flops_per_token = flops_per_token
-        self.peak = peak
-        self.devices_per_replica = devices_per_replica
+        self.device, self.peak = device, peak
+        self.flops_per_token, self.devices_per_replica = flops_per_token, devices_per_replica
         self.tokens = 0
         self.started = self.window_start = time.perf_counter()
         self.file = MetricsFile(run_dir / METRICS_FILE) if rank == 0 else None
         self.writer = None
-        tb_dir = tensorboard_dir(metrics_cfg, dump_folder, rank, run_dir.name)
-        if tb_dir is not None:
+        # TensorBoard: <dump_folder>/<save_tb_folder>/<run folder's name>[-rank<r>], on rank 0 only under rank_0_only
+        if metrics_cfg.enable_tensorboard and (rank == 0 or not metrics_cfg.rank_0_only):
             from torch.utils.tensorboard import SummaryWriter
 
+            tb_dir = os.path.join(
+                dump_folder, metrics_cfg.save_tb_folder, run_dir.name + ("" if rank == 0 else f"-rank{rank}")
+            )
             os.makedirs(tb_dir, exist_ok=True)
             self.writer = SummaryWriter(tb_dir)
         self.wandb_run = start_wandb_run(run_config or {}, run_dir) if rank == 0 and metrics_cfg.enable_wandb else None
