@@ -50,9 +50,7 @@ class TokenWindowLoader:
         documents: bool = False,
     ) -> None:
         """`dp_rank` in [0, dp_degree) from the mesh, a ValueError otherwise (a caller's bug)."""
-        if not (
-            isinstance(dp_degree, int) and dp_degree >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_degree
-        ):
+        if not (isinstance(dp_degree, int) and isinstance(dp_rank, int) and 0 <= dp_rank < dp_degree):
             raise ValueError(f"dp_rank {dp_rank!r} must be in [0, dp_degree {dp_degree!r})")
         self.stream, self.local_batch_size = stream, local_batch_size
         self.seq_len = stream.window - 1

@@ -52,11 +52,9 @@ DEFAULT_SHARD_CHARS = 64_000_000
 
 def open_source(spec: str) -> Source:
     """`builtin`, `hf:NAME[:CONFIG]`, or a local file or folder."""
-    if spec == "builtin":
-        return BuiltinSource()
     if spec.startswith("hf:"):
         return HFSource(spec[3:])
-    return FilesSource(spec)
+    return BuiltinSource() if spec == "builtin" else FilesSource(spec)
 
 
 def units(texts: Iterator[str], shard_chars: int) -> Iterator[tuple[list[str], int]]:

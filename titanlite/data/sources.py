@@ -257,6 +257,4 @@ def _read_parquet(path: Path) -> Iterator[str | None]:
 def build_source(dataset: str, dataset_path: str = "") -> Source:
     """The source named by a validated `training.dataset`: "builtin" or "files" (a Hugging
     Face dataset is read by the prepare command only: hf_source.py)."""
-    if dataset == "builtin":
-        return BuiltinSource()
-    return FilesSource(dataset_path)
+    return BuiltinSource() if dataset == "builtin" else FilesSource(dataset_path)

@@ -123,7 +123,7 @@ def run(cfg: JobConfig, options: argparse.Namespace) -> int:
         prompts = [tokenizer.encode(text, bos=True, eos=False) for text in options.prompts]
         max_len = loaded.plan.model_args.max_seq_len
         sampling = Sampling(options.temperature, options.top_k, options.seed)
-        result = decode(
+        rows = decode(
             StageForward(loaded, info.device),
             prompts,
             options.max_new_tokens,
@@ -132,9 +132,8 @@ def run(cfg: JobConfig, options: argparse.Namespace) -> int:
             tokenizer.eos_id,
             kv_cache=not options.no_kv_cache,
         )
-        logger.info(result.describe())
         if info.rank == 0:
-            for ids in result.rows:
+            for ids in rows:
                 print(tokenizer.decode(ids), flush=True)
         return 0
     except TitanliteError as error:
