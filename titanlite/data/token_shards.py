@@ -37,8 +37,7 @@ class TokenShards:
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
         self.entries = manifest["_entries"]
         self.names = [entry.name for entry in self.entries]
-        for entry in self.entries:
-            self._check_files(entry.name, entry.tokens, entry.documents)
+        self.shard_bytes = [self._check_files(entry.name, entry.tokens, entry.documents) for entry in self.entries]
         self.starts = list(itertools.accumulate((entry.tokens for entry in self.entries), initial=0))
         self.num_tokens = self.starts[-1]
         self._maps: dict[tuple[int, str], np.memmap] = {}
@@ -51,8 +50,10 @@ class TokenShards:
                 ]
             )
 
-    def _check_files(self, name: str, tokens: int, documents: int) -> None:
-        for suffix, size in ((".bin", tokens * self.dtype.itemsize), (".idx", (documents + 1) * 8)):
+    def _check_files(self, name: str, tokens: int, documents: int) -> int:
+        """The shard's .bin and .idx exist with the sizes the manifest implies; returns their sum."""
+        sizes = {".bin": tokens * self.dtype.itemsize, ".idx": (documents + 1) * 8}
+        for suffix, size in sizes.items():
             path = self.folder / f"{name}{suffix}"
             try:
                 actual = path.stat().st_size
@@ -64,6 +65,7 @@ class TokenShards:
                 raise TitanliteError(
                     f"{self.field}: {path} is truncated or altered: {actual:,} bytes, the manifest says {size:,}"
                 )
+        return sum(sizes.values())
 
     def _verify_once(self, shard: int) -> None:
         """Check the shard's CRC-32s if `verify` asked for it and no read has yet. Two threads

@@ -81,9 +81,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`; bos/eos and other special tokens decode to nothing."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        return self.backend.decode(list(ids))
+        return self.backend.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.path!r}, kind={self.kind}, vocab_size={self.vocab_size})"
