@@ -120,15 +120,12 @@ def run(cfg: JobConfig, options: argparse.Namespace) -> int:
     try:
         loaded = load_model(cfg, info.world_size, info.device)
         tokenizer = loaded.plan.tokenizer
-        prompts = [tokenizer.encode(text, bos=True, eos=False) for text in options.prompts]
-        max_len = loaded.plan.model_args.max_seq_len
-        sampling = Sampling(options.temperature, options.top_k, options.seed)
         rows = decode(
             StageForward(loaded, info.device),
-            prompts,
+            [tokenizer.encode(text, bos=True, eos=False) for text in options.prompts],
             options.max_new_tokens,
-            max_len,
-            sampling,
+            loaded.plan.model_args.max_seq_len,
+            Sampling(options.temperature, options.top_k, options.seed),
             tokenizer.eos_id,
             kv_cache=not options.no_kv_cache,
         )

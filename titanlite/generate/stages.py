@@ -63,13 +63,11 @@ class StageForward:
         h = tokens
         autocast = self.autocast_dtype is not None
         with torch.autocast(self.device.type, dtype=self.autocast_dtype) if autocast else contextlib.nullcontext():
-            for stage, holder in enumerate(self.holders):
-                if holder != self.pp_rank:
-                    continue
-                if stage > 0 and self.holders[stage - 1] != holder:
+            for stage in sorted(self.stages):  # this rank's, in stage order
+                if stage > 0 and self.holders[stage - 1] != self.pp_rank:
                     h = self._receive(self.holders[stage - 1])
                 h = self.stages[stage](h)
-                if stage + 1 < len(self.holders) and self.holders[stage + 1] != holder:
+                if stage + 1 < len(self.holders) and self.holders[stage + 1] != self.pp_rank:
                     self._send(h, self.holders[stage + 1])
         for cache in self.caches:
             cache.advance(tokens.shape[1])
