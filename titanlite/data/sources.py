@@ -153,7 +153,6 @@ class FilesSource(LocalSource):
     """
 
     def __init__(self, path: str) -> None:
-        self.path = path
         self.name = f"files:{path}"
         self.files = list_data_files(path)
         self.root = Path(path) if Path(path).is_dir() else Path(path).parent
