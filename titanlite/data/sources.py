@@ -70,12 +70,10 @@ class LocalSource(Source):
             digest.update(len(raw).to_bytes(8, "little") + raw)
         for path in self.files:
             digest.update(str(path.relative_to(self.root)).encode() + b"\0")
-            size = 0
             with open(path, "rb") as f:
                 while chunk := f.read(1 << 20):
                     digest.update(chunk)
-                    size += len(chunk)
-            digest.update(size.to_bytes(8, "little"))
+                digest.update(f.tell().to_bytes(8, "little"))  # the bytes read
         return digest.hexdigest()
 
     def size_bytes(self) -> int:
