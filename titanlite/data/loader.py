@@ -78,7 +78,7 @@ class TokenWindowLoader:
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prefetch and self._prefetcher is None:
-            self._prefetcher = Prefetcher.owned_by(self.batch_at, self.windows, self.global_batch, PREFETCH_DEPTH)
+            self._prefetcher = Prefetcher(self.batch_at, self.windows, self.global_batch, PREFETCH_DEPTH)
         batch = self._prefetcher.get() if self.prefetch else self.batch_at(self.windows)
         self.windows += self.global_batch
         return batch
