@@ -28,16 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
-from titanlite.data.shard_format import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST,
-    complete_shard,
-    remove_temporaries,
-    token_dtype,
-    write_manifest,
-    write_shard,
-)
+from titanlite.data import shard_format
 from titanlite.data.hf_source import HFSource
 from titanlite.data.sources import BuiltinSource, FilesSource, Source
 from titanlite.data.tokenizers import Tokenizer
@@ -98,7 +89,7 @@ def _init_worker(tokenizer_path: str) -> None:
 
 
 def _tokenize_shard(folder: str, index: int, texts: list[str], dtype_name: str) -> dict[str, Any]:
-    return write_shard(Path(folder), index, _TOKENIZER.encode_documents(texts), dtype_name)
+    return shard_format.write_shard(Path(folder), index, _TOKENIZER.encode_documents(texts), dtype_name)
 
 
 # --------------------------------------------------------------------------- the job
@@ -116,7 +107,7 @@ def _check_job(folder: Path, job: dict[str, Any]) -> None:
                 "use the same arguments to resume it, or an empty folder"
             )
         return
-    if any(folder.glob("shard-*")) or (folder / MANIFEST).exists():
+    if any(folder.glob("shard-*")) or (folder / shard_format.MANIFEST).exists():
         raise TitanliteError(f"OUTPUT: {folder} holds files of another preparation; use an empty folder")
     path.write_text(json.dumps(job, indent=1) + "\n")
 
@@ -125,7 +116,7 @@ def _tokenize_all(
     source: Source, tokenizer: Tokenizer, folder: Path, workers: int, shard_chars: int, progress: Progress
 ) -> list[dict[str, Any]]:
     """Every unit of the source as a shard (complete ones kept); manifest entries in order."""
-    dtype = token_dtype(tokenizer.vocab_size)
+    dtype = shard_format.token_dtype(tokenizer.vocab_size)
     entries: dict[int, dict[str, Any]] = {}
     pending: dict[Future, tuple[int, int]] = {}
 
@@ -138,7 +129,7 @@ def _tokenize_all(
     context = multiprocessing.get_context("spawn")  # never fork a process that holds threads
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer.path,)) as pool:
         for index, (texts, size) in enumerate(units(source.one_pass(), shard_chars)):
-            done = complete_shard(folder, index, dtype)
+            done = shard_format.complete_shard(folder, index, dtype)
             if done is not None:
                 entries[index] = done
                 progress.advance(size)
@@ -159,9 +150,9 @@ def prepare(
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TitanliteError(f"OUTPUT: cannot create {folder}: {e.strerror or e}") from None
-    dtype = token_dtype(tokenizer.vocab_size)
+    dtype = shard_format.token_dtype(tokenizer.vocab_size)
     job = {
-        "format_version": FORMAT_VERSION,
+        "format_version": shard_format.FORMAT_VERSION,
         "source": source.name,
         "tokenizer_sha256": tokenizer.sha256,
         "dtype": dtype,
@@ -173,14 +164,14 @@ def prepare(
         except BlockingIOError:
             raise TitanliteError(f"OUTPUT: another prepare is writing {folder}") from None
         _check_job(folder, job)
-        if (folder / MANIFEST).is_file():
-            return json.loads((folder / MANIFEST).read_text())
-        remove_temporaries(folder)
+        if (folder / shard_format.MANIFEST).is_file():
+            return json.loads((folder / shard_format.MANIFEST).read_text())
+        shard_format.remove_temporaries(folder)
         size = source.size_bytes() if hasattr(source, "size_bytes") else None
         progress = Progress(f"prepare {source.name}", total=size, unit="B")
         entries = _tokenize_all(source, tokenizer, folder, workers, shard_chars, progress)
         manifest = _manifest(source, tokenizer, dtype, entries)
-        write_manifest(folder, manifest)
+        shard_format.write_manifest(folder, manifest)
         progress.finish()
         return manifest
 
@@ -188,8 +179,8 @@ def prepare(
 def _manifest(source: Source, tokenizer: Tokenizer, dtype: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
     """manifest.json's content (docs/data.md): the format, what the shards were made from, and the shards."""
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format": shard_format.FORMAT,
+        "format_version": shard_format.FORMAT_VERSION,
         "dtype": dtype,
         "source": source.name,
         "tokens": sum(e["tokens"] for e in entries),
