@@ -65,9 +65,7 @@ class Tokenizer:
         self.kind = detect_kind(content[:256])
         module, backend = BACKENDS[self.kind]
         self.backend: Backend = getattr(importlib.import_module(f"{__name__}.{module}"), backend)(self.path)
-        self.vocab_size: int = self.backend.vocab_size
-        self.bos_id: int = self.backend.bos_id
-        self.eos_id: int = self.backend.eos_id
+        self.vocab_size, self.bos_id, self.eos_id = self.backend.vocab_size, self.backend.bos_id, self.backend.eos_id
         self._bos = [self.bos_id] if self.bos_id >= 0 else []
         self._eos = [self.eos_id] if self.eos_id >= 0 else []
 
