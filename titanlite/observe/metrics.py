@@ -19,6 +19,9 @@ from titanlite.observe.peak_flops import PeakFlops
 from titanlite.observe.run_dir import METRICS_FILE, MetricsFile
 from titanlite.observe.wandb_run import start_wandb_run
 
+# TensorBoard and W&B names of the scalars that metrics.jsonl names otherwise
+TAGS = {"validation_loss": "validation/loss", "validation_perplexity": "validation/perplexity"}
+
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocator memory on CUDA; peak resident set size of the process on CPU."""
@@ -115,9 +118,7 @@ class MetricsLogger:
         and its own metrics.jsonl record (the step's training record is already written)."""
         logger.info(f"validation step {step:>5}  loss {loss:7.4f}  perplexity {perplexity:,.2f}")
         scalars = {"validation_loss": loss, "validation_perplexity": perplexity}
-        self._record(
-            step, scalars, {"validation_loss": "validation/loss", "validation_perplexity": "validation/perplexity"}
-        )
+        self._record(step, scalars)
         return scalars
 
     def log_skipped_steps(self, step: int, skipped: int) -> None:
@@ -125,10 +126,10 @@ class MetricsLogger:
         (`training.max_nan_skips`), at the step that was skipped."""
         self._record(step, {"skipped_steps": float(skipped)})
 
-    def _record(self, step: int, scalars: dict[str, float], tags: dict[str, str] | None = None) -> None:
-        """To TensorBoard and W&B (under `tags[name]`, else the name) and metrics.jsonl, with the
+    def _record(self, step: int, scalars: dict[str, float]) -> None:
+        """To TensorBoard and W&B (under TAGS[name], else the name) and metrics.jsonl, with the
         wall time (Unix seconds) and the seconds since this logger started (the start of training)."""
-        tagged = {(tags or {}).get(name, name): value for name, value in scalars.items()}
+        tagged = {TAGS.get(name, name): value for name, value in scalars.items()}
         if self.writer is not None:
             for tag, value in tagged.items():
                 self.writer.add_scalar(tag, value, step)
