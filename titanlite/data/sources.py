@@ -53,10 +53,10 @@ class Source:
 
 
 class LocalSource(Source):
-    """Texts held in memory (`texts`), then `files` under `root`: read whole by the cache
-    to key their prepared form by content."""
+    """Texts held in memory (`texts`), then `files` under `root`: a source the first-use
+    cache (cache.py) can size and key by content."""
 
-    texts: list[str] = []
+    texts: list[str] = []  # never mutated: BuiltinSource sets its own
     root: Path
     files: list[Path]
 
