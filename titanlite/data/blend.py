@@ -14,13 +14,13 @@ from __future__ import annotations
 PERIOD = 4096
 
 
-def slot_counts(weights: list[float], period: int = PERIOD) -> list[int]:
-    """Each weight's share of `period` slots, largest remainders rounded up (sum = period)."""
+def slot_counts(weights: list[float]) -> list[int]:
+    """Each weight's share of PERIOD slots, largest remainders rounded up (sum = PERIOD)."""
     total = sum(weights)
-    exact = [w / total * period for w in weights]
+    exact = [w / total * PERIOD for w in weights]
     counts = [int(x) for x in exact]
     by_remainder = sorted(range(len(weights)), key=lambda d: (counts[d] - exact[d], d))
-    for d in by_remainder[: period - sum(counts)]:
+    for d in by_remainder[: PERIOD - sum(counts)]:
         counts[d] += 1
     return counts
 
@@ -28,23 +28,22 @@ def slot_counts(weights: list[float], period: int = PERIOD) -> list[int]:
 class BlendPattern:
     """Which dataset, and which of its windows, global window g is."""
 
-    def __init__(self, weights: list[float], period: int = PERIOD) -> None:
+    def __init__(self, weights: list[float]) -> None:
         if not weights or min(weights) < 0 or sum(weights) <= 0:
             raise ValueError(f"blend weights must be >= 0 with a positive sum (got {weights})")
-        self.period = period
-        self.counts = slot_counts(weights, period)
+        self.counts = slot_counts(weights)
         self.dataset_of: list[int] = []
         self.offset_in: list[int] = []
         assigned = [0] * len(weights)
-        for slot in range(period):
+        for slot in range(PERIOD):
             # the dataset furthest behind its share of the slots so far
-            d = max(range(len(weights)), key=lambda i: (self.counts[i] * (slot + 1) - assigned[i] * period, -i))
+            d = max(range(len(weights)), key=lambda i: (self.counts[i] * (slot + 1) - assigned[i] * PERIOD, -i))
             self.dataset_of.append(d)
             self.offset_in.append(assigned[d])
             assigned[d] += 1
 
     def locate(self, g: int) -> tuple[int, int]:
         """(dataset, that dataset's window number) of global window g."""
-        block, slot = divmod(g, self.period)
+        block, slot = divmod(g, PERIOD)
         d = self.dataset_of[slot]
         return d, block * self.counts[d] + self.offset_in[slot]

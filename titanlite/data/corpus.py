@@ -49,21 +49,18 @@ def open_datasets(
         folders = parse_blend(dataset_path, field)
     else:
         folders = [(str(ensure_prepared(dataset, dataset_path, tokenizer, training.dataset_cache_dir)), 1.0)]
-    return [
-        (check_tokenizer(TokenShards(folder, field, training.verify_data), tokenizer, field), weight)
-        for folder, weight in folders
-    ]
-
-
-def check_tokenizer(shards: TokenShards, tokenizer: Tokenizer, field: str) -> TokenShards:
-    made_with = shards.manifest["tokenizer"]
-    if made_with["sha256"] != tokenizer.sha256 or int(made_with["vocab_size"]) != tokenizer.vocab_size:
-        raise TitanliteError(
-            f"{field}: {shards.folder} was prepared with another tokenizer ({made_with.get('file')}, vocab "
-            f"{made_with['vocab_size']:,}, sha256 {made_with['sha256'][:12]}) than model.tokenizer_path "
-            f"{tokenizer.path} (vocab {tokenizer.vocab_size:,}, sha256 {tokenizer.sha256[:12]})"
-        )
-    return shards
+    opened = []
+    for folder, weight in folders:
+        shards = TokenShards(folder, field, training.verify_data)
+        made_with = shards.manifest["tokenizer"]
+        if made_with["sha256"] != tokenizer.sha256 or int(made_with["vocab_size"]) != tokenizer.vocab_size:
+            raise TitanliteError(
+                f"{field}: {shards.folder} was prepared with another tokenizer ({made_with.get('file')}, vocab "
+                f"{made_with['vocab_size']:,}, sha256 {made_with['sha256'][:12]}) than model.tokenizer_path "
+                f"{tokenizer.path} (vocab {tokenizer.vocab_size:,}, sha256 {tokenizer.sha256[:12]})"
+            )
+        opened.append((shards, weight))
+    return opened
 
 
 def _windows_of(shards: TokenShards, window: int, field: str) -> int:
@@ -86,7 +83,7 @@ def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer
     datasets = open_datasets(training.dataset, training.dataset_path, tokenizer, training, "training")
     holdout = 0.0 if validation.dataset else validation.holdout_fraction
     seed = training.seed if training.shuffle else None
-    train, held, weights = [], [], []
+    train, held = [], []
     for salt, (shards, weight) in enumerate(datasets):
         count = _windows_of(shards, window, "training.dataset_path")
         kept = count - int(count * holdout)
@@ -96,10 +93,9 @@ def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer
                 "leaves none for training"
             )
         train.append(DatasetWindows(shards, window, 0, kept, seed, salt))
-        weights.append(weight)
         if kept < count:
             held.append((DatasetWindows(shards, window, kept, count, None), weight))
-    stream = WindowStream(train, weights, _name(training.dataset, training.dataset_path, seed))
+    stream = WindowStream(train, [w for _, w in datasets], _name(training.dataset, training.dataset_path, seed))
     if validation.dataset:
         return Corpus(stream, _validation_stream(validation, tokenizer, window, training))
     name = f"held-out {holdout} of {stream.name}"

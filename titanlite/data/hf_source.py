@@ -33,6 +33,7 @@ class HFSource(Source):
             ) from None
         self.path = path
         self.name = f"hf:{path}"
+        self.empty_message = f"training.dataset_path: no documents in {self.name}"
         with user_errors(f"training.dataset_path: cannot open Hugging Face dataset {path!r}"):
             self.dataset = self._open(datasets, path)
 
@@ -55,5 +56,4 @@ class HFSource(Source):
                     f'training.dataset_path: Hugging Face dataset {self.path!r} has no "text" field (fields: '
                     f"{', '.join(example)})"
                 )
-            if example["text"]:
-                yield example["text"]
+            yield example["text"]

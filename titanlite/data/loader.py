@@ -50,9 +50,7 @@ class TokenWindowLoader:
         documents: bool = False,
     ) -> None:
         """`dp_rank` in [0, dp_degree) from the mesh, a ValueError otherwise (a caller's bug)."""
-        if not (
-            isinstance(dp_degree, int) and dp_degree >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_degree
-        ):
+        if not (isinstance(dp_degree, int) and isinstance(dp_rank, int) and 0 <= dp_rank < dp_degree):
             raise ValueError(f"dp_rank {dp_rank!r} must be in [0, dp_degree {dp_degree!r})")
         self.stream, self.local_batch_size = stream, local_batch_size
         self.seq_len = stream.window - 1
@@ -79,12 +77,9 @@ class TokenWindowLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.prefetch:
-            batch = self.batch_at(self.windows)
-        else:
-            if self._prefetcher is None:
-                self._prefetcher = Prefetcher.owned_by(self.batch_at, self.windows, self.global_batch, PREFETCH_DEPTH)
-            batch = self._prefetcher.get()
+        if self.prefetch and self._prefetcher is None:
+            self._prefetcher = Prefetcher(self.batch_at, self.windows, self.global_batch, PREFETCH_DEPTH)
+        batch = self._prefetcher.get() if self.prefetch else self.batch_at(self.windows)
         self.windows += self.global_batch
         return batch
 

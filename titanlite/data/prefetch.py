@@ -8,8 +8,8 @@ converting with numpy release the GIL for the bulk of the work.
 
 A thread left running after its consumer is gone keeps reading the memory-mapped shards; if
 one of them is then truncated or rewritten, the read faults (SIGBUS) and kills the process.
-So the thread holds its producer's owner only weakly (`owned_by`), and `stop()` is safe to
-call from a finalizer.
+So the thread holds its producer's owner only weakly and stops when the owner is collected,
+and `stop()` is safe to call from a finalizer.
 """
 
 from __future__ import annotations
@@ -26,22 +26,30 @@ T = TypeVar("T")
 class Prefetcher(Generic[T]):
     """Calls `produce(start)`, `produce(start + stride)`, ... on a daemon thread, keeping
     up to `depth` results ready. `get()` returns them in order and re-raises, on the
-    caller's thread, any exception `produce` raised."""
+    caller's thread, any exception `produce` raised. `produce` is a bound method: the thread
+    does not keep its object alive and stops when that object is collected (a consumer
+    dropped without `close()`)."""
 
     def __init__(self, produce: Callable[[int], T], start: int, stride: int, depth: int = 2) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        weak = weakref.WeakMethod(produce)
         self._thread = threading.Thread(
-            target=self._run, args=(produce, start, stride), name="titanlite-prefetch", daemon=True
+            target=self._run, args=(weak, start, stride), name="titanlite-prefetch", daemon=True
         )
+        weakref.finalize(produce.__self__, self.stop)
         self._thread.start()
 
-    def _run(self, produce: Callable[[int], T], position: int, stride: int) -> None:
+    def _run(self, weak: weakref.WeakMethod, position: int, stride: int) -> None:
         while not self._stop.is_set():
+            produce = weak()
+            if produce is None:  # the owner was collected
+                return
             try:
                 item: tuple[bool, object] = (True, produce(position))
             except BaseException as error:  # handed to the consumer, which raises it
                 item = (False, error)
+            del produce  # the owner is held only while producing
             while not self._stop.is_set():
                 try:
                     self._queue.put(item, timeout=0.1)
@@ -65,23 +73,3 @@ class Prefetcher(Generic[T]):
     def close(self) -> None:
         self.stop()
         self._thread.join(timeout=10)
-
-    @classmethod
-    def owned_by(cls, produce: Callable[[int], T], start: int, stride: int, depth: int = 2) -> Prefetcher[T]:
-        """A prefetcher of the bound method `produce` that does not keep its object alive and
-        stops when that object is collected (a consumer dropped without `close()`)."""
-        weak = weakref.WeakMethod(produce)
-
-        def produce_while_owned(position: int) -> T:
-            method = weak()
-            if method is None:
-                raise _OwnerGone
-            return method(position)
-
-        prefetcher = cls(produce_while_owned, start, stride, depth)
-        weakref.finalize(produce.__self__, prefetcher.stop)
-        return prefetcher
-
-
-class _OwnerGone(Exception):
-    """Raised on the thread when the prefetcher's owner was collected: ends the thread."""

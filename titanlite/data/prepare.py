@@ -17,7 +17,6 @@ rest and ends with files identical to an uninterrupted run's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import json
 import multiprocessing
@@ -29,16 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
-from titanlite.data.shard_format import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST,
-    complete_shard,
-    remove_temporaries,
-    token_dtype,
-    write_manifest,
-    write_shard,
-)
+from titanlite.data import shard_format
 from titanlite.data.hf_source import HFSource
 from titanlite.data.sources import BuiltinSource, FilesSource, Source
 from titanlite.data.tokenizers import Tokenizer
@@ -51,17 +41,11 @@ DEFAULT_TOKENIZER = "assets/tokenizer/titanlite.model"
 DEFAULT_SHARD_CHARS = 64_000_000
 
 
-class WorkerDied(Exception):
-    """A tokenizer worker process ended without finishing its shard (killed, out of memory)."""
-
-
 def open_source(spec: str) -> Source:
     """`builtin`, `hf:NAME[:CONFIG]`, or a local file or folder."""
-    if spec == "builtin":
-        return BuiltinSource()
     if spec.startswith("hf:"):
         return HFSource(spec[3:])
-    return FilesSource(spec)
+    return BuiltinSource() if spec == "builtin" else FilesSource(spec)
 
 
 def units(texts: Iterator[str], shard_chars: int) -> Iterator[tuple[list[str], int]]:
@@ -105,21 +89,10 @@ def _init_worker(tokenizer_path: str) -> None:
 
 
 def _tokenize_shard(folder: str, index: int, texts: list[str], dtype_name: str) -> dict[str, Any]:
-    return write_shard(Path(folder), index, _TOKENIZER.encode_documents(texts), dtype_name)
+    return shard_format.write_shard(Path(folder), index, _TOKENIZER.encode_documents(texts), dtype_name)
 
 
 # --------------------------------------------------------------------------- the job
-
-
-@contextlib.contextmanager
-def exclusive(folder: Path) -> Iterator[None]:
-    """Hold `folder/.lock` (released by the kernel if this process dies)."""
-    with open(folder / ".lock", "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise TitanliteError(f"OUTPUT: another prepare is writing {folder}") from None
-        yield
 
 
 def _check_job(folder: Path, job: dict[str, Any]) -> None:
@@ -134,7 +107,7 @@ def _check_job(folder: Path, job: dict[str, Any]) -> None:
                 "use the same arguments to resume it, or an empty folder"
             )
         return
-    if any(folder.glob("shard-*")) or (folder / MANIFEST).exists():
+    if any(folder.glob("shard-*")) or (folder / shard_format.MANIFEST).exists():
         raise TitanliteError(f"OUTPUT: {folder} holds files of another preparation; use an empty folder")
     path.write_text(json.dumps(job, indent=1) + "\n")
 
@@ -143,23 +116,20 @@ def _tokenize_all(
     source: Source, tokenizer: Tokenizer, folder: Path, workers: int, shard_chars: int, progress: Progress
 ) -> list[dict[str, Any]]:
     """Every unit of the source as a shard (complete ones kept); manifest entries in order."""
-    dtype = token_dtype(tokenizer.vocab_size)
+    dtype = shard_format.token_dtype(tokenizer.vocab_size)
     entries: dict[int, dict[str, Any]] = {}
     pending: dict[Future, tuple[int, int]] = {}
 
     def collect(futures) -> None:
         for future in futures:
             index, size = pending.pop(future)
-            try:
-                entries[index] = future.result()
-            except BrokenProcessPool:
-                raise WorkerDied() from None
+            entries[index] = future.result()
             progress.advance(size)
 
     context = multiprocessing.get_context("spawn")  # never fork a process that holds threads
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer.path,)) as pool:
         for index, (texts, size) in enumerate(units(source.one_pass(), shard_chars)):
-            done = complete_shard(folder, index, dtype)
+            done = shard_format.complete_shard(folder, index, dtype)
             if done is not None:
                 entries[index] = done
                 progress.advance(size)
@@ -180,24 +150,28 @@ def prepare(
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TitanliteError(f"OUTPUT: cannot create {folder}: {e.strerror or e}") from None
-    dtype = token_dtype(tokenizer.vocab_size)
+    dtype = shard_format.token_dtype(tokenizer.vocab_size)
     job = {
-        "format_version": FORMAT_VERSION,
+        "format_version": shard_format.FORMAT_VERSION,
         "source": source.name,
         "tokenizer_sha256": tokenizer.sha256,
         "dtype": dtype,
         "shard_chars": shard_chars,
     }
-    with exclusive(folder):
+    with open(folder / ".lock", "a+") as lock:  # held until the end; released by the kernel if this process dies
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TitanliteError(f"OUTPUT: another prepare is writing {folder}") from None
         _check_job(folder, job)
-        if (folder / MANIFEST).is_file():
-            return json.loads((folder / MANIFEST).read_text())
-        remove_temporaries(folder)
+        if (folder / shard_format.MANIFEST).is_file():
+            return json.loads((folder / shard_format.MANIFEST).read_text())
+        shard_format.remove_temporaries(folder)
         size = source.size_bytes() if hasattr(source, "size_bytes") else None
         progress = Progress(f"prepare {source.name}", total=size, unit="B")
         entries = _tokenize_all(source, tokenizer, folder, workers, shard_chars, progress)
         manifest = _manifest(source, tokenizer, dtype, entries)
-        write_manifest(folder, manifest)
+        shard_format.write_manifest(folder, manifest)
         progress.finish()
         return manifest
 
@@ -205,8 +179,8 @@ def prepare(
 def _manifest(source: Source, tokenizer: Tokenizer, dtype: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
     """manifest.json's content (docs/data.md): the format, what the shards were made from, and the shards."""
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format": shard_format.FORMAT,
+        "format_version": shard_format.FORMAT_VERSION,
         "dtype": dtype,
         "source": source.name,
         "tokens": sum(e["tokens"] for e in entries),
@@ -268,17 +242,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+# Source and tokenizer errors name the training config keys; here they are arguments.
+CLI_NAMES = {"training.dataset_path": "SOURCE", "training.dataset": "SOURCE", "model.tokenizer_path": "--tokenizer"}
+
+
 def _cli_message(error: TitanliteError) -> str:
-    """Source and tokenizer errors name the training config keys; here they are arguments."""
-    text = str(error)
-    for key, argument in (
-        ("training.dataset_path: ", "SOURCE: "),
-        ("training.dataset: ", "SOURCE: "),
-        ("model.tokenizer_path: ", "--tokenizer: "),
-    ):
-        if text.startswith(key):
-            return argument + text[len(key) :]
-    return text
+    key, _, rest = str(error).partition(": ")
+    return f"{CLI_NAMES[key]}: {rest}" if key in CLI_NAMES else str(error)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     except TitanliteError as error:
         say(f"titanlite: error: {error if args.from_trainer else _cli_message(error)}")
         return USER_ERROR_EXIT_CODE
-    except WorkerDied:
+    except BrokenProcessPool:  # a tokenizer worker ended without finishing its shard (killed, out of memory)
         say(
             "titanlite: error: a tokenizer worker died before finishing its shard; run the same command again "
             f"to resume {args.output}"

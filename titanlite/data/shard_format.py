@@ -7,8 +7,8 @@ indexes and the manifest; written atomically, read by memory map.
     shard-00000.idx       little-endian uint64 offsets of its documents: documents + 1 entries,
                           0 first, the shard's token count last
 
-A shard is written as `<name>.bin.tmp-<pid>` and `<name>.idx.tmp-<pid>`, flushed to disk,
-then renamed: the .bin first, the .idx last. So a shard counts as complete exactly when its
+A shard is written as `<name>.bin.tmp-<pid>` and `<name>.idx.tmp-<pid>`, each flushed to
+disk, then renamed: the .bin first, the .idx last. So a shard counts as complete exactly when its
 .idx exists and agrees with its .bin's size; anything else is redone by a resumed
 preparation. A folder without manifest.json is not (or not yet) a prepared dataset.
 
@@ -50,12 +50,14 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def _write_durably(path: Path, data: bytes | np.ndarray) -> None:
-    """Write and fsync. Test hook: TITANLITE_TEST_PREPARE_PAUSE_S makes a shard writer stop
-    that long halfway through its tokens, so a test can kill a worker mid-shard."""
+def _write_atomically(path: Path, data: bytes | np.ndarray) -> None:
+    """Write `<path>.tmp-<pid>`, fsync it, rename it to `path`: the file appears complete or
+    not at all. Test hook: TITANLITE_TEST_PREPARE_PAUSE_S makes a shard writer stop that long
+    halfway through its tokens, so a test can kill a worker mid-shard."""
     raw = data if isinstance(data, bytes) else data.tobytes()
-    pause = float(os.environ.get("TITANLITE_TEST_PREPARE_PAUSE_S", "0")) if ".bin.tmp" in path.name else 0.0
-    with open(path, "wb") as f:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    pause = float(os.environ.get("TITANLITE_TEST_PREPARE_PAUSE_S", "0")) if path.suffix == ".bin" else 0.0
+    with open(tmp, "wb") as f:
         if pause:
             f.write(raw[: len(raw) // 2])
             f.flush()
@@ -64,6 +66,7 @@ def _write_durably(path: Path, data: bytes | np.ndarray) -> None:
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class ShardEntry(NamedTuple):
@@ -82,12 +85,8 @@ def write_shard(folder: Path, index: int, documents: list[list[int]], dtype_name
     offsets = np.zeros(len(documents) + 1, dtype=_OFFSET)
     np.cumsum(lengths, out=offsets[1:])
     tokens = np.fromiter((t for d in documents for t in d), dtype=dtype, count=int(offsets[-1]))
-    tmp = f".tmp-{os.getpid()}"
-    bin_tmp, idx_tmp = folder / f"{name}.bin{tmp}", folder / f"{name}.idx{tmp}"
-    _write_durably(bin_tmp, tokens)
-    _write_durably(idx_tmp, offsets)
-    os.replace(bin_tmp, folder / f"{name}.bin")
-    os.replace(idx_tmp, folder / f"{name}.idx")
+    _write_atomically(folder / f"{name}.bin", tokens)
+    _write_atomically(folder / f"{name}.idx", offsets)  # last: a shard with its .idx is complete
     return {"name": name, "tokens": int(offsets[-1]), "documents": len(documents), "crc32": shard_crc32(folder, name)}
 
 
@@ -113,9 +112,7 @@ def remove_temporaries(folder: Path) -> None:
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     """Atomically: manifest.json appears complete or not at all."""
-    tmp = folder / f"{MANIFEST}.tmp-{os.getpid()}"
-    _write_durably(tmp, (json.dumps(manifest, indent=1) + "\n").encode())
-    os.replace(tmp, folder / MANIFEST)
+    _write_atomically(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
 
 
 def read_manifest(folder: Path, field: str) -> dict[str, Any]:

@@ -26,45 +26,64 @@ MAX_PARAGRAPH_CHARS = 1 << 20
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 BUILTIN_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
+# A text file is refused once it holds MIN_TEXT_CHARS characters of which over MAX_BAD_FRACTION
+# (and at least 8) are not valid UTF-8 (U+FFFD), and at its end by the same measure.
+MIN_TEXT_CHARS = 4096
+MAX_BAD_FRACTION = 0.01
 
 
 class Source:
-    """A corpus of text documents. Subclasses implement `_documents`."""
+    """A corpus of text documents. Subclasses implement `_documents` (empty ones may be
+    yielded: `one_pass` leaves them out) and set `empty_message`."""
 
     name: str  # "builtin", "files:<path>", "hf:<name>": recorded in the prepared manifest
+    empty_message: str  # the error when no document is found
 
     def one_pass(self) -> Iterator[str]:
         """Every non-empty document once, in order (what preparation tokenizes)."""
         empty = True
-        for text in self._documents():
-            if text:
-                empty = False
-                yield text
+        for text in filter(None, self._documents()):
+            empty = False
+            yield text
         if empty:
-            raise TitanliteError(self._empty_message())
+            raise TitanliteError(self.empty_message)
 
-    def _documents(self) -> Iterator[str]:
+    def _documents(self) -> Iterator[str | None]:
         raise NotImplementedError
 
-    def _empty_message(self) -> str:
-        return f"training.dataset_path: no documents in {self.name}"
+
+class LocalSource(Source):
+    """Texts held in memory (`texts`), then `files` under `root`: a source the first-use
+    cache (cache.py) can size and key by content."""
+
+    texts: list[str] = []  # never mutated: BuiltinSource sets its own
+    root: Path
+    files: list[Path]
+
+    def content_digest(self) -> str:
+        """SHA-256 of everything this source reads (each text with its length, then each file's
+        path relative to `root`, bytes and byte count): the cache key of its prepared form,
+        which changes with the files, or when another Python ships other text."""
+        digest = hashlib.sha256()
+        for text in self.texts:
+            raw = text.encode()
+            digest.update(len(raw).to_bytes(8, "little") + raw)
+        for path in self.files:
+            digest.update(str(path.relative_to(self.root)).encode() + b"\0")
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+                digest.update(f.tell().to_bytes(8, "little"))  # the bytes read
+        return digest.hexdigest()
+
+    def size_bytes(self) -> int:
+        return sum(len(t.encode()) for t in self.texts) + sum(f.stat().st_size for f in self.files)
 
 
 # --------------------------------------------------------------------------- builtin
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's .py files, in a fixed order (sorted walk, tests and
-    third-party packages left out)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in BUILTIN_SKIP_DIRS)
-        found.extend(Path(folder) / f for f in sorted(files) if f.endswith(".py"))
-    return found
-
-
-class BuiltinSource(Source):
+class BuiltinSource(LocalSource):
     """Real text that ships with Python: every `pydoc_data.topics` entry (sorted by topic),
     then every standard-library `.py` file (sorted walk, skipping site-packages and the
     test/tests/idlelib/lib2to3 folders), one document each. Files that are not valid
@@ -72,38 +91,25 @@ class BuiltinSource(Source):
     version ships other text). Stdlib files are small, so each is read whole."""
 
     name = "builtin"
+    empty_message = "training.dataset: the builtin corpus is empty (no pydoc topics or stdlib sources found)"
 
     def __init__(self) -> None:
         from pydoc_data.topics import topics
 
-        self._topics = [topics[k] for k in sorted(topics)]
-        self._files = stdlib_files()
+        self.texts = [topics[k] for k in sorted(topics)]
+        self.root = Path(sysconfig.get_paths()["stdlib"])
+        self.files = []
+        for folder, dirs, files in os.walk(self.root):
+            dirs[:] = sorted(d for d in dirs if d not in BUILTIN_SKIP_DIRS)
+            self.files.extend(Path(folder) / f for f in sorted(files) if f.endswith(".py"))
 
     def _documents(self) -> Iterator[str]:
-        yield from self._topics
-        for path in self._files:
+        yield from self.texts
+        for path in self.files:
             try:
                 yield path.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
                 continue
-
-    def content_digest(self) -> str:
-        """SHA-256 of everything this source reads: the cache key of its prepared form,
-        which changes when another Python ships other text."""
-        digest = hashlib.sha256()
-        for text in self._topics:
-            raw = text.encode()
-            digest.update(len(raw).to_bytes(8, "little") + raw)
-        root = Path(sysconfig.get_paths()["stdlib"])
-        for path in self._files:
-            _hash_file(digest, str(path.relative_to(root)), path)
-        return digest.hexdigest()
-
-    def size_bytes(self) -> int:
-        return sum(len(t.encode()) for t in self._topics) + sum(f.stat().st_size for f in self._files)
-
-    def _empty_message(self) -> str:
-        return "training.dataset: the builtin corpus is empty (no pydoc topics or stdlib sources found)"
 
 
 # --------------------------------------------------------------------------- files
@@ -131,7 +137,7 @@ def list_data_files(path: str) -> list[Path]:
     return sorted(found, key=lambda f: f.relative_to(p).parts)
 
 
-class FilesSource(Source):
+class FilesSource(LocalSource):
     """Local files, in sorted order, read line by line (row group by row group for parquet):
 
     - `.txt`: one document per paragraph (lines up to a blank line; like `datasets`'
@@ -145,40 +151,18 @@ class FilesSource(Source):
     """
 
     def __init__(self, path: str) -> None:
-        self.path = path
         self.name = f"files:{path}"
         self.files = list_data_files(path)
+        self.root = Path(path) if Path(path).is_dir() else Path(path).parent
+        self.empty_message = (
+            f"training.dataset_path: no documents in {path} (all {len(self.files)} data files are empty)"
+        )
         if any(f.suffix == ".parquet" for f in self.files):
             _import_pyarrow(self.files)
 
-    def content_digest(self) -> str:
-        """SHA-256 over the files' relative paths and bytes."""
-        digest = hashlib.sha256()
-        root = Path(self.path) if Path(self.path).is_dir() else Path(self.path).parent
-        for f in self.files:
-            _hash_file(digest, str(f.relative_to(root)), f)
-        return digest.hexdigest()
-
-    def size_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.files)
-
-    def _documents(self) -> Iterator[str]:
+    def _documents(self) -> Iterator[str | None]:
         for f in self.files:
             yield from {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}[f.suffix](f)
-
-    def _empty_message(self) -> str:
-        return f"training.dataset_path: no documents in {self.path} (all {len(self.files)} data files are empty)"
-
-
-def _hash_file(digest: Any, name: str, path: Path) -> None:
-    """Feed `name`, the bytes of `path` and their count into `digest`."""
-    digest.update(name.encode() + b"\0")
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-            size += len(chunk)
-    digest.update(size.to_bytes(8, "little"))
 
 
 def _lines(path: Path) -> Iterator[tuple[str, int]]:
@@ -187,41 +171,29 @@ def _lines(path: Path) -> Iterator[tuple[str, int]]:
     A file that is not text is refused rather than trained on: a NUL byte anywhere, or more
     than 1% of its characters undecodable (U+FFFD) once a few KB were read. Both checks
     run on bytes and strings the reader holds anyway (no second pass)."""
-    check = _TextCheck(path)
+    chars = bad = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
+            if b"\0" in raw:
+                raise TitanliteError(f"training.dataset_path: {path} is not text (a NUL byte on line {number})")
             text = raw.decode("utf-8", errors="replace")
-            check.add(raw, text, number)
+            chars, bad = chars + len(text), bad + text.count("\ufffd")
+            if chars >= MIN_TEXT_CHARS:
+                _check_utf8(path, chars, bad)
             yield text, number
-    check.finish()
+    _check_utf8(path, chars, bad)
 
 
-class _TextCheck:
-    """Counts of what a text file should not hold; raises on the first sign it is binary."""
-
-    MIN_CHARS = 4096
-    MAX_BAD_FRACTION = 0.01
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.chars, self.bad = path, 0, 0
-
-    def add(self, raw: bytes, text: str, line: int) -> None:
-        if b"\0" in raw:
-            raise TitanliteError(f"training.dataset_path: {self.path} is not text (a NUL byte on line {line})")
-        self.chars += len(text)
-        self.bad += text.count("\ufffd")
-        if self.chars >= self.MIN_CHARS:
-            self.finish()
-
-    def finish(self) -> None:
-        if self.bad > self.MAX_BAD_FRACTION * max(self.chars, 1) and self.bad >= 8:
-            raise TitanliteError(
-                f"training.dataset_path: {self.path} is not UTF-8 text ({self.bad:,} of its first {self.chars:,} "
-                "characters are not valid UTF-8)"
-            )
+def _check_utf8(path: Path, chars: int, bad: int) -> None:
+    if bad > MAX_BAD_FRACTION * max(chars, 1) and bad >= 8:
+        raise TitanliteError(
+            f"training.dataset_path: {path} is not UTF-8 text ({bad:,} of its first {chars:,} "
+            "characters are not valid UTF-8)"
+        )
 
 
 def _read_txt(path: Path) -> Iterator[str]:
+    """Paragraphs; an empty one (between two blank lines) is left out by `one_pass`."""
     parts: list[str] = []
     size = 0
     for text, _ in _lines(path):
@@ -229,11 +201,10 @@ def _read_txt(path: Path) -> Iterator[str]:
         if not blank:
             parts.append(text)
             size += len(text)
-        if parts and (blank or size >= MAX_PARAGRAPH_CHARS):
+        if blank or size >= MAX_PARAGRAPH_CHARS:
             yield "".join(parts).rstrip("\r\n")
             parts, size = [], 0
-    if parts:
-        yield "".join(parts).rstrip("\r\n")
+    yield "".join(parts).rstrip("\r\n")
 
 
 def _read_jsonl(path: Path) -> Iterator[str]:
@@ -250,8 +221,7 @@ def _read_jsonl(path: Path) -> Iterator[str]:
         text = record["text"]
         if not isinstance(text, str):
             raise TitanliteError(f'training.dataset_path: {where}: "text" is {type(text).__name__}, expected a string')
-        if text:
-            yield text
+        yield text
 
 
 def _import_pyarrow(files: list[Path]) -> Any:
@@ -263,7 +233,7 @@ def _import_pyarrow(files: list[Path]) -> Any:
     return pq
 
 
-def _read_parquet(path: Path) -> Iterator[str]:
+def _read_parquet(path: Path) -> Iterator[str | None]:
     import pyarrow as pa
 
     pq = _import_pyarrow([path])
@@ -275,19 +245,13 @@ def _read_parquet(path: Path) -> Iterator[str]:
     if "text" not in schema.names:
         raise TitanliteError(f'training.dataset_path: {path}: no "text" column (columns: {", ".join(schema.names)})')
     kind = schema.field("text").type
-    if not (
-        pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
-        or getattr(pa.types, "is_string_view", lambda _: False)(kind)
-    ):
+    if str(kind) not in ("string", "large_string", "string_view"):  # utf8 and large_utf8 print as these
         raise TitanliteError(f'training.dataset_path: {path}: column "text" is {kind}, expected strings')
     for group in range(pf.num_row_groups):
-        yield from (text for text in pf.read_row_group(group, columns=["text"]).column(0).to_pylist() if text)
+        yield from pf.read_row_group(group, columns=["text"]).column(0).to_pylist()  # null rows: None
 
 
 def build_source(dataset: str, dataset_path: str = "") -> Source:
     """The source named by a validated `training.dataset`: "builtin" or "files" (a Hugging
     Face dataset is read by the prepare command only: hf_source.py)."""
-    if dataset == "builtin":
-        return BuiltinSource()
-    return FilesSource(dataset_path)
+    return BuiltinSource() if dataset == "builtin" else FilesSource(dataset_path)

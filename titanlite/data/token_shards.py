@@ -14,6 +14,7 @@ of them: the run pays one extra read of each shard it touches, and only of those
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,13 +37,10 @@ class TokenShards:
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
         self.entries = manifest["_entries"]
         self.names = [entry.name for entry in self.entries]
-        self.starts = [0]
-        for entry in self.entries:
-            self._check_files(entry.name, entry.tokens, entry.documents)
-            self.starts.append(self.starts[-1] + entry.tokens)
+        self.shard_bytes = [self._check_files(entry.name, entry.tokens, entry.documents) for entry in self.entries]
+        self.starts = list(itertools.accumulate((entry.tokens for entry in self.entries), initial=0))
         self.num_tokens = self.starts[-1]
-        self._maps: dict[int, np.memmap] = {}
-        self._offsets: dict[int, np.memmap] = {}
+        self._maps: dict[tuple[int, str], np.memmap] = {}
         self._unverified = {k for k, entry in enumerate(self.entries) if entry.crc32 is not None} if verify else set()
         if verify and len(self._unverified) < len(self.entries):
             say_notices(
@@ -52,8 +50,10 @@ class TokenShards:
                 ]
             )
 
-    def _check_files(self, name: str, tokens: int, documents: int) -> None:
-        for suffix, size in ((".bin", tokens * self.dtype.itemsize), (".idx", (documents + 1) * 8)):
+    def _check_files(self, name: str, tokens: int, documents: int) -> int:
+        """The shard's .bin and .idx exist with the sizes the manifest implies; returns their sum."""
+        sizes = {".bin": tokens * self.dtype.itemsize, ".idx": (documents + 1) * 8}
+        for suffix, size in sizes.items():
             path = self.folder / f"{name}{suffix}"
             try:
                 actual = path.stat().st_size
@@ -65,6 +65,7 @@ class TokenShards:
                 raise TitanliteError(
                     f"{self.field}: {path} is truncated or altered: {actual:,} bytes, the manifest says {size:,}"
                 )
+        return sum(sizes.values())
 
     def _verify_once(self, shard: int) -> None:
         """Check the shard's CRC-32s if `verify` asked for it and no read has yet. Two threads
@@ -74,12 +75,13 @@ class TokenShards:
             check_shard(self.folder, entry.name, entry.crc32, self.field)
             self._unverified.discard(shard)
 
-    def _map(self, shard: int) -> np.memmap:
+    def _map(self, shard: int, suffix: str) -> np.memmap:
+        """Shard `shard`'s tokens ("bin") or document offsets ("idx"), mapped on first use."""
         self._verify_once(shard)
-        if shard not in self._maps:
-            path = self.folder / f"{self.names[shard]}.bin"
-            self._maps[shard] = np.memmap(path, dtype=self.dtype, mode="r")
-        return self._maps[shard]
+        if (shard, suffix) not in self._maps:
+            dtype = self.dtype if suffix == "bin" else "<u8"
+            self._maps[shard, suffix] = np.memmap(self.folder / f"{self.names[shard]}.{suffix}", dtype=dtype, mode="r")
+        return self._maps[shard, suffix]
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the stream, as int64 (a copy)."""
@@ -87,8 +89,13 @@ class TokenShards:
             raise IndexError(f"tokens [{start}, {start + length}) outside [0, {self.num_tokens})")
         out = np.empty(length, dtype=np.int64)
         for shard, offset, take, done in self._pieces(start, length):
-            piece = self._map(shard)[offset : offset + take]
-            self._check_vocab(piece, shard, offset)
+            piece = self._map(shard, "bin")[offset : offset + take]
+            if int(piece.max()) >= self.vocab_size:
+                at = offset + int(np.argmax(piece >= self.vocab_size))
+                raise TitanliteError(
+                    f"{self.field}: {self.folder / self.names[shard]}.bin is corrupted: token {at:,} is id "
+                    f"{int(piece.max()):,}, outside the manifest's vocabulary of {self.vocab_size:,}"
+                )
             out[done : done + take] = piece
         return out
 
@@ -105,21 +112,9 @@ class TokenShards:
                 done += take
             shard += 1
 
-    def _check_vocab(self, piece: np.ndarray, shard: int, offset: int) -> None:
-        top = int(piece.max())
-        if top >= self.vocab_size:
-            at = offset + int(np.argmax(piece >= self.vocab_size))
-            raise TitanliteError(
-                f"{self.field}: {self.folder / self.names[shard]}.bin is corrupted: token {at:,} is id {top:,}, "
-                f"outside the manifest's vocabulary of {self.vocab_size:,}"
-            )
-
     def document_offsets(self, shard: int) -> np.ndarray:
         """Token offsets of shard `shard`'s documents within it (documents + 1 entries), mapped."""
-        self._verify_once(shard)
-        if shard not in self._offsets:
-            self._offsets[shard] = np.memmap(self.folder / f"{self.names[shard]}.idx", dtype="<u8", mode="r")
-        return self._offsets[shard]
+        return self._map(shard, "idx")
 
     def document_ids(self, start: int, length: int) -> np.ndarray:
         """For tokens [start, start + length): which document each belongs to, numbered from 0

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from titanlite.data.checksums import SHARD_FILES, check_shard
+from titanlite.data.checksums import check_shard
 from titanlite.data.shard_format import MANIFEST
 from titanlite.data.token_shards import TokenShards
 from titanlite.errors import INTERRUPTED_EXIT_CODE, USER_ERROR_EXIT_CODE, OneLineArgumentParser, TitanliteError, say
@@ -42,10 +42,7 @@ def verify(folder: str | Path) -> str:
             f"{shards.folder / MANIFEST} records no checksums for {unrecorded} (prepared before titanlite wrote "
             "them), so nothing can be verified; prepare it again to add them"
         )
-    sizes = [
-        sum((shards.folder / f"{entry.name}.{suffix}").stat().st_size for suffix in SHARD_FILES)
-        for entry in shards.entries
-    ]
+    sizes = shards.shard_bytes
     progress = Progress(f"verify {shards.folder}", total=sum(sizes), unit="B")
     for entry, size in zip(shards.entries, sizes):
         check_shard(shards.folder, entry.name, entry.crc32, FIELD)

@@ -84,11 +84,6 @@ def read_prompts(prompts: list[str] | None, prompt_file: str | None) -> list[str
     return prompts
 
 
-def is_hf_folder(folder: Path) -> bool:
-    """A Hugging Face model folder: config.json beside safetensors weights."""
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
-
-
 def for_generation(cfg: JobConfig, checkpoint: Path) -> JobConfig:
     """The run's config turned to decoding: the weights come from `checkpoint` through the
     initial-load path (never the run's own resume folder); no compile (every step has new
@@ -102,7 +97,8 @@ def for_generation(cfg: JobConfig, checkpoint: Path) -> JobConfig:
     cfg.checkpoint.enable_checkpoint = False
     cfg.checkpoint.create_seed_checkpoint = False
     cfg.checkpoint.initial_load_path = str(checkpoint)
-    cfg.checkpoint.initial_load_format = "hf" if is_hf_folder(checkpoint) else "dcp"
+    hf = (checkpoint / "config.json").is_file() and any(checkpoint.glob("*.safetensors"))  # a Hugging Face folder
+    cfg.checkpoint.initial_load_format = "hf" if hf else "dcp"
     cfg.compile.enable = False
     cfg.parallelism.sequence_parallel = "off"
     return cfg
@@ -124,21 +120,17 @@ def run(cfg: JobConfig, options: argparse.Namespace) -> int:
     try:
         loaded = load_model(cfg, info.world_size, info.device)
         tokenizer = loaded.plan.tokenizer
-        prompts = [tokenizer.encode(text, bos=True, eos=False) for text in options.prompts]
-        max_len = loaded.plan.model_args.max_seq_len
-        sampling = Sampling(options.temperature, options.top_k, options.seed)
-        result = decode(
+        rows = decode(
             StageForward(loaded, info.device),
-            prompts,
+            [tokenizer.encode(text, bos=True, eos=False) for text in options.prompts],
             options.max_new_tokens,
-            max_len,
-            sampling,
+            loaded.plan.model_args.max_seq_len,
+            Sampling(options.temperature, options.top_k, options.seed),
             tokenizer.eos_id,
             kv_cache=not options.no_kv_cache,
         )
-        logger.info(result.describe())
         if info.rank == 0:
-            for ids in result.rows:
+            for ids in rows:
                 print(tokenizer.decode(ids), flush=True)
         return 0
     except TitanliteError as error:

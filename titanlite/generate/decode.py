@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from titanlite.errors import TitanliteError
 from titanlite.generate.stages import StageForward
+from titanlite.logging import logger
 
 
 @dataclass(frozen=True)
@@ -28,24 +29,6 @@ class Sampling:
     temperature: float
     top_k: int
     seed: int
-
-
-@dataclass(frozen=True)
-class Decoded:
-    """Each prompt's ids followed by what it generated, and how long that took."""
-
-    rows: list[list[int]]
-    new_tokens: int
-    forwards: int
-    seconds: float
-    cached: bool
-
-    def describe(self) -> str:
-        how = "KV cache" if self.cached else "no KV cache: every forward recomputes the whole rows"
-        return (
-            f"generate: {self.new_tokens} new tokens for {len(self.rows)} prompt(s) in {self.seconds:.2f} s: "
-            f"{self.new_tokens / max(self.seconds, 1e-9):,.1f} tokens/s ({self.forwards} forwards, {how})"
-        )
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
@@ -68,9 +51,10 @@ def decode(
     sampling: Sampling,
     eos_id: int | None,
     kv_cache: bool,
-) -> Decoded:
-    """Up to `max_new_tokens` more ids for each prompt, a row stopping early at the
-    end-of-text token (not kept) or at `max_len` tokens (the model's max_seq_len)."""
+) -> list[list[int]]:
+    """Each prompt's ids followed by up to `max_new_tokens` more, a row stopping early at the
+    end-of-text token (not kept) or at `max_len` tokens (the model's max_seq_len); logs how
+    long that took."""
     ends = _ends(prompts, max_new_tokens, max_len)
     cached = kv_cache and forward.enable_kv_cache(max(ends))
     generators = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
@@ -95,8 +79,13 @@ def decode(
                 token, active[i] = rows[i][-1], False
             rows[i].append(token)
         length += 1
-    new_tokens = sum(len(text) - len(prompt) for text, prompt in zip(texts, prompts))
-    return Decoded(texts, new_tokens, forwards, time.perf_counter() - started, cached)
+    seconds, new_tokens = time.perf_counter() - started, sum(len(t) - len(p) for t, p in zip(texts, prompts))
+    how = "KV cache" if cached else "no KV cache: every forward recomputes the whole rows"
+    logger.info(
+        f"generate: {new_tokens} new tokens for {len(texts)} prompt(s) in {seconds:.2f} s: "
+        f"{new_tokens / max(seconds, 1e-9):,.1f} tokens/s ({forwards} forwards, {how})"
+    )
+    return texts
 
 
 def _ends(prompts: list[list[int]], max_new_tokens: int, max_len: int | None) -> list[int]:

@@ -28,7 +28,7 @@ class StageForward:
 
     def __init__(self, loaded: LoadedModel, device: torch.device):
         plan, layout, meshes = loaded.plan, loaded.plan.pipeline, loaded.meshes
-        self.model_name, self.device = plan.spec.name, device
+        self.spec, self.device = plan.spec, device
         if layout is None:
             self.pp_rank, self.group, self.holders, self.output_rank = 0, None, [0], 0
             held = (0,)
@@ -44,14 +44,13 @@ class StageForward:
         self.stages = dict(zip(held, loaded.parts))
         # as the trainer does
         self.autocast_dtype = autocast_dtype(plan.cfg.training.mixed_precision_param, plan.dims.fsdp_enabled)
-        self.kv_cache_supported = plan.spec.supports("kv_cache")
         self.caches: list[KVCache] = []
 
     def enable_kv_cache(self, max_len: int) -> bool:
         """Give each of this rank's stages a KV cache of `max_len` tokens per row; False (and a
         log line) for a model that has none."""
-        if not self.kv_cache_supported:
-            logger.info(f"generate: model {self.model_name} has no KV cache; each token recomputes the whole sequence")
+        if not self.spec.supports("kv_cache"):
+            logger.info(f"generate: model {self.spec.name} has no KV cache; each token recomputes the whole sequence")
             return False
         for part in self.stages.values():
             self.caches.append(KVCache(max_len))
@@ -63,13 +62,11 @@ class StageForward:
         h = tokens
         autocast = self.autocast_dtype is not None
         with torch.autocast(self.device.type, dtype=self.autocast_dtype) if autocast else contextlib.nullcontext():
-            for stage, holder in enumerate(self.holders):
-                if holder != self.pp_rank:
-                    continue
-                if stage > 0 and self.holders[stage - 1] != holder:
+            for stage in sorted(self.stages):  # this rank's, in stage order
+                if stage > 0 and self.holders[stage - 1] != self.pp_rank:
                     h = self._receive(self.holders[stage - 1])
                 h = self.stages[stage](h)
-                if stage + 1 < len(self.holders) and self.holders[stage + 1] != holder:
+                if stage + 1 < len(self.holders) and self.holders[stage + 1] != self.pp_rank:
                     self._send(h, self.holders[stage + 1])
         for cache in self.caches:
             cache.advance(tokens.shape[1])

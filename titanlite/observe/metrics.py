@@ -19,6 +19,9 @@ from titanlite.observe.peak_flops import PeakFlops
 from titanlite.observe.run_dir import METRICS_FILE, MetricsFile
 from titanlite.observe.wandb_run import start_wandb_run
 
+# TensorBoard and W&B names of the scalars that metrics.jsonl names otherwise
+TAGS = {"validation_loss": "validation/loss", "validation_perplexity": "validation/perplexity"}
+
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocator memory on CUDA; peak resident set size of the process on CPU."""
@@ -33,14 +36,6 @@ class LineField(NamedTuple):
 
     text: str
     scalars: dict[str, float]
-
-
-def tensorboard_dir(metrics_cfg: Metrics, dump_folder: str, rank: int, run_name: str) -> str | None:
-    """`<dump_folder>/<save_tb_folder>/<run name>[-rank<r>]` (the run folder's name), or None
-    where this rank writes no TensorBoard scalars (disabled, or not rank 0 under rank_0_only)."""
-    if not metrics_cfg.enable_tensorboard or (rank != 0 and metrics_cfg.rank_0_only):
-        return None
-    return os.path.join(dump_folder, metrics_cfg.save_tb_folder, run_name + ("" if rank == 0 else f"-rank{rank}"))
 
 
 class MetricsLogger:
@@ -65,18 +60,19 @@ class MetricsLogger:
         run_dir: Path,
         run_config: dict[str, Any] | None = None,
     ):
-        self.device = device
-        self.flops_per_token = flops_per_token
-        self.peak = peak
-        self.devices_per_replica = devices_per_replica
+        self.device, self.peak = device, peak
+        self.flops_per_token, self.devices_per_replica = flops_per_token, devices_per_replica
         self.tokens = 0
         self.started = self.window_start = time.perf_counter()
         self.file = MetricsFile(run_dir / METRICS_FILE) if rank == 0 else None
         self.writer = None
-        tb_dir = tensorboard_dir(metrics_cfg, dump_folder, rank, run_dir.name)
-        if tb_dir is not None:
+        # TensorBoard: <dump_folder>/<save_tb_folder>/<run folder's name>[-rank<r>], on rank 0 only under rank_0_only
+        if metrics_cfg.enable_tensorboard and (rank == 0 or not metrics_cfg.rank_0_only):
             from torch.utils.tensorboard import SummaryWriter
 
+            tb_dir = os.path.join(
+                dump_folder, metrics_cfg.save_tb_folder, run_dir.name + ("" if rank == 0 else f"-rank{rank}")
+            )
             os.makedirs(tb_dir, exist_ok=True)
             self.writer = SummaryWriter(tb_dir)
         self.wandb_run = start_wandb_run(run_config or {}, run_dir) if rank == 0 and metrics_cfg.enable_wandb else None
@@ -99,14 +95,8 @@ class MetricsLogger:
         with MoE layers the expert load, with fault tolerance the quorum."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)
         tps = self.tokens / elapsed / self.devices_per_replica
-        scalars = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tps": tps,
-            "memory_gib": peak_memory_gib(self.device),
-            "tokens_seen": tokens_seen,
-        }
+        memory = peak_memory_gib(self.device)
+        scalars = dict(loss=loss, grad_norm=grad_norm, lr=lr, tps=tps, memory_gib=memory, tokens_seen=tokens_seen)
         mfu_text = "n/a"
         if self.peak.flops:
             scalars["mfu"] = 100 * tps * self.flops_per_token / self.peak.flops
@@ -128,9 +118,7 @@ class MetricsLogger:
         and its own metrics.jsonl record (the step's training record is already written)."""
         logger.info(f"validation step {step:>5}  loss {loss:7.4f}  perplexity {perplexity:,.2f}")
         scalars = {"validation_loss": loss, "validation_perplexity": perplexity}
-        self._record(
-            step, scalars, {"validation_loss": "validation/loss", "validation_perplexity": "validation/perplexity"}
-        )
+        self._record(step, scalars)
         return scalars
 
     def log_skipped_steps(self, step: int, skipped: int) -> None:
@@ -138,10 +126,10 @@ class MetricsLogger:
         (`training.max_nan_skips`), at the step that was skipped."""
         self._record(step, {"skipped_steps": float(skipped)})
 
-    def _record(self, step: int, scalars: dict[str, float], tags: dict[str, str] | None = None) -> None:
-        """To TensorBoard and W&B (under `tags[name]`, else the name) and metrics.jsonl, with the
+    def _record(self, step: int, scalars: dict[str, float]) -> None:
+        """To TensorBoard and W&B (under TAGS[name], else the name) and metrics.jsonl, with the
         wall time (Unix seconds) and the seconds since this logger started (the start of training)."""
-        tagged = {(tags or {}).get(name, name): value for name, value in scalars.items()}
+        tagged = {TAGS.get(name, name): value for name, value in scalars.items()}
         if self.writer is not None:
             for tag, value in tagged.items():
                 self.writer.add_scalar(tag, value, step)

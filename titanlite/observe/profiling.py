@@ -44,14 +44,11 @@ class Stepper(Protocol):
     def step(self) -> None: ...
 
 
-class _Steppers:
+class _Steppers(list[Stepper]):
     """What the training loop calls once per finished step: every enabled recorder's step."""
 
-    def __init__(self, steppers: list[Stepper]):
-        self.steppers = steppers
-
     def step(self) -> None:
-        for stepper in self.steppers:
+        for stepper in self:
             stepper.step()
 
 
@@ -60,19 +57,19 @@ def maybe_profile(cfg: JobConfig, rank: int, device: torch.device, start_step: i
     """Yield an object whose `.step()` the loop calls after each step. `start_step` is the
     step training resumes from (0 for a fresh run). With both options off it starts
     nothing and `.step()` does nothing."""
-    steppers: list[Stepper] = []
+    steppers = _Steppers()
     with contextlib.ExitStack() as stack:
         if cfg.profiling.enable_profiling:
             steppers.append(stack.enter_context(_traces(cfg, rank, device, start_step)))
         if cfg.profiling.enable_memory_snapshot:
             if device.type == "cuda":
-                steppers.append(stack.enter_context(_memory_snapshots(cfg, rank, start_step)))
+                steppers.append(stack.enter_context(_MemorySnapshots(cfg, rank, start_step)))
             elif rank == 0:
                 logger.warning(
                     f"profiling.enable_memory_snapshot: memory snapshots are CUDA-only; this run is on "
                     f"{device.type}, so none are written"
                 )
-        yield _Steppers(steppers)
+        yield steppers
 
 
 def _trace_schedule(freq: int, start_step: int, last_step: int):
@@ -112,10 +109,21 @@ def _traces(cfg: JobConfig, rank: int, device: torch.device, start_step: int) ->
 
 
 class _MemorySnapshots:
-    """Dumps the CUDA allocator's recorded history every `freq` steps."""
+    """Records the CUDA allocator's history while training (the `with` block); dumps it every
+    `freq` steps, and once more on an out-of-memory error in the block."""
 
-    def __init__(self, folder: str, rank: int, freq: int, step: int):
-        self.folder, self.rank, self.freq, self.step_num = folder, rank, freq, step
+    def __init__(self, cfg: JobConfig, rank: int, step: int):
+        self.folder = os.path.join(cfg.job.dump_folder, cfg.profiling.save_memory_snapshot_folder)
+        self.rank, self.freq, self.step_num = rank, cfg.profiling.profile_freq, step
+
+    def __enter__(self) -> _MemorySnapshots:
+        torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None and issubclass(kind, torch.OutOfMemoryError):
+            self.dump(f"iteration_{self.step_num + 1}_oom")  # the step that ran out
+        torch.cuda.memory._record_memory_history(enabled=None)
 
     def step(self) -> None:
         self.step_num += 1
@@ -127,18 +135,3 @@ class _MemorySnapshots:
         os.makedirs(step_folder, exist_ok=True)
         torch.cuda.memory._dump_snapshot(os.path.join(step_folder, f"rank{self.rank}_memory_snapshot.pickle"))
         logger.info(f"profiler: memory snapshot written to {step_folder}")
-
-
-@contextlib.contextmanager
-def _memory_snapshots(cfg: JobConfig, rank: int, start_step: int) -> Iterator[Stepper]:
-    """Record the allocator's history while training; dump it on schedule and on OOM."""
-    folder = os.path.join(cfg.job.dump_folder, cfg.profiling.save_memory_snapshot_folder)
-    snapshots = _MemorySnapshots(folder, rank, cfg.profiling.profile_freq, start_step)
-    torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
-    try:
-        yield snapshots
-    except torch.OutOfMemoryError:
-        snapshots.dump(f"iteration_{snapshots.step_num + 1}_oom")  # the step that ran out
-        raise
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)

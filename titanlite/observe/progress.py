@@ -39,11 +39,7 @@ class Progress:
 
     def advance(self, amount: float = 1) -> None:
         """Add `amount` to what is done; log a line when `every_s` passed since the last."""
-        self.update(self.done + amount)
-
-    def update(self, done: float) -> None:
-        """Set what is done so far; log a line when `every_s` passed since the last."""
-        self.done = done
+        self.done += amount
         now = time.monotonic()
         if now - self._last >= self.every_s:
             self._last = now
@@ -62,8 +58,7 @@ class Progress:
         if not self.total:
             return f"{self.what}: {self._amount(self.done)}, {self._amount(rate)}/s, {_duration(elapsed)} elapsed"
         fraction = min(self.done / self.total, 1.0)
-        left = (self.total - self.done) / rate if rate > 0 else float("inf")
-        eta = f"about {_duration(left)} left" if left != float("inf") else "time left unknown"
+        eta = f"about {_duration((self.total - self.done) / rate)} left" if rate > 0 else "time left unknown"
         return (
             f"{self.what}: {100 * fraction:.0f}% ({self._amount(self.done)} of {self._amount(self.total)}), "
             f"{_duration(elapsed)} elapsed, {eta}"

@@ -66,11 +66,6 @@ def start_run_dir(cfg: JobConfig) -> Path:
     return on_rank0(group, lambda: create_run_dir(cfg))
 
 
-def _finite_or_none(value: Any) -> Any:
-    """JSON has no NaN or infinity: a diverged loss is written as null."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
 class MetricsFile:
     """`metrics.jsonl`, appended one object per line and flushed at once.
 
@@ -83,7 +78,9 @@ class MetricsFile:
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
+        # JSON has no NaN or infinity: a diverged loss is written as null
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self._file.write(json.dumps(finite) + "\n")
         self._file.flush()
 
     def close(self) -> None:

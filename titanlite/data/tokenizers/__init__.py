@@ -15,6 +15,7 @@ by another tokenizer is refused instead of training on the wrong ids.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import re
 from pathlib import Path
 
@@ -22,7 +23,12 @@ from titanlite.data.tokenizers.base import FIELD, Backend
 from titanlite.errors import TitanliteError
 
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=* \d+\r?\n")
-KINDS = ("sentencepiece", "tiktoken", "tokenizer.json")
+# kind -> (module of this package, its backend class), imported only when a file of that kind is read
+BACKENDS = {
+    "sentencepiece": ("sentencepiece_model", "SentencePieceModel"),
+    "tiktoken": ("tiktoken_bpe", "TiktokenBPE"),
+    "tokenizer.json": ("hf_json", "HFTokenizerJSON"),
+}
 
 
 def detect_kind(head: bytes) -> str:
@@ -35,50 +41,31 @@ def detect_kind(head: bytes) -> str:
     return "sentencepiece"
 
 
-def _load_backend(kind: str, path: str) -> Backend:
-    if kind == "tiktoken":
-        from titanlite.data.tokenizers.tiktoken_bpe import TiktokenBPE
-
-        return TiktokenBPE(path)
-    if kind == "tokenizer.json":
-        from titanlite.data.tokenizers.hf_json import HFTokenizerJSON
-
-        return HFTokenizerJSON(path)
-    from titanlite.data.tokenizers.sentencepiece_model import SentencePieceModel
-
-    return SentencePieceModel(path)
-
-
-def _read(path: str) -> bytes:
-    p = Path(path)
-    if not p.exists():
-        raise TitanliteError(f"{FIELD}: tokenizer file not found: {path}")
-    if p.is_dir():
-        raise TitanliteError(
-            f"{FIELD}: {path} is a directory, expected a tokenizer file "
-            "(sentencepiece .model, tiktoken tokenizer.model or tokenizer.json)"
-        )
-    try:
-        return p.read_bytes()
-    except OSError as e:
-        raise TitanliteError(f"{FIELD}: cannot read {path}: {e.strerror or e}") from None
-
-
 class Tokenizer:
     """`encode` adds bos/eos by default (one document = bos ... eos); a tokenizer without a
     bos or eos token (id -1) simply adds nothing for it. `decode` drops special tokens."""
 
     def __init__(self, path: str) -> None:
         self.path = str(path)
-        content = _read(self.path)
+        p = Path(path)
+        if not p.exists():
+            raise TitanliteError(f"{FIELD}: tokenizer file not found: {path}")
+        if p.is_dir():
+            raise TitanliteError(
+                f"{FIELD}: {path} is a directory, expected a tokenizer file "
+                "(sentencepiece .model, tiktoken tokenizer.model or tokenizer.json)"
+            )
+        try:
+            content = p.read_bytes()
+        except OSError as e:
+            raise TitanliteError(f"{FIELD}: cannot read {path}: {e.strerror or e}") from None
         if not content:
             raise TitanliteError(f"{FIELD}: {path} is empty, expected a tokenizer file")
         self.sha256 = hashlib.sha256(content).hexdigest()
         self.kind = detect_kind(content[:256])
-        self.backend = _load_backend(self.kind, self.path)
-        self.vocab_size: int = self.backend.vocab_size
-        self.bos_id: int = self.backend.bos_id
-        self.eos_id: int = self.backend.eos_id
+        module, backend = BACKENDS[self.kind]
+        self.backend: Backend = getattr(importlib.import_module(f"{__name__}.{module}"), backend)(self.path)
+        self.vocab_size, self.bos_id, self.eos_id = self.backend.vocab_size, self.backend.bos_id, self.backend.eos_id
         self._bos = [self.bos_id] if self.bos_id >= 0 else []
         self._eos = [self.eos_id] if self.eos_id >= 0 else []
 
@@ -92,9 +79,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`; bos/eos and other special tokens decode to nothing."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        return self.backend.decode(list(ids))
+        return self.backend.decode(ids.tolist() if hasattr(ids, "tolist") else list(ids))
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.path!r}, kind={self.kind}, vocab_size={self.vocab_size})"

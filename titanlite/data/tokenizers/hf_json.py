@@ -22,22 +22,13 @@ BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
 
 
-def _token_name(value: Any) -> str | None:
-    """A tokenizer_config.json token entry: a string or {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _configured_names(path: str) -> tuple[str | None, str | None]:
-    config = Path(path).with_name("tokenizer_config.json")
+def _tokenizer_config(path: str) -> dict[str, Any]:
+    """The `tokenizer_config.json` beside `path`, {} when there is none or it is not an object."""
     try:
-        data = json.loads(config.read_text())
+        data = json.loads(Path(path).with_name("tokenizer_config.json").read_text())
     except (OSError, ValueError):
-        return None, None
-    if not isinstance(data, dict):
-        return None, None
-    return _token_name(data.get("bos_token")), _token_name(data.get("eos_token"))
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class HFTokenizerJSON:
@@ -57,12 +48,15 @@ class HFTokenizerJSON:
         if hasattr(self.tok, "encode_special_tokens"):
             self.tok.encode_special_tokens = True
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        bos_name, eos_name = _configured_names(path)
-        self.bos_id = self._find(bos_name, BOS_NAMES)
-        self.eos_id = self._find(eos_name, EOS_NAMES)
+        config = _tokenizer_config(path)
+        self.bos_id = self._find(config.get("bos_token"), BOS_NAMES)
+        self.eos_id = self._find(config.get("eos_token"), EOS_NAMES)
 
-    def _find(self, configured: str | None, usual: tuple[str, ...]) -> int:
-        for name in ([configured] if configured else []) + list(usual):
+    def _find(self, configured: Any, usual: tuple[str, ...]) -> int:
+        """The configured token (a string or {"content": ...}) if the vocabulary has it, else the first usual name."""
+        if isinstance(configured, dict):
+            configured = configured.get("content")
+        for name in ([configured] if isinstance(configured, str) and configured else []) + list(usual):
             token_id = self.tok.token_to_id(name)
             if token_id is not None:
                 return token_id

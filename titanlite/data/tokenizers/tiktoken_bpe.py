@@ -11,7 +11,7 @@ characters, never the special token.
 from __future__ import annotations
 
 import base64
-import binascii
+import itertools
 import re
 
 from titanlite.data.tokenizers.base import FIELD, missing_extra
@@ -56,7 +56,7 @@ def read_ranks(path: str) -> dict[bytes, int]:
             try:
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
-            except (ValueError, binascii.Error):
+            except ValueError:  # binascii.Error is one
                 raise TitanliteError(
                     f"{FIELD}: {path}:{number}: not a tiktoken rank line (expected 'base64 rank')"
                 ) from None
@@ -66,10 +66,7 @@ def read_ranks(path: str) -> dict[bytes, int]:
 def split_long_runs(text: str) -> list[str]:
     """`text` cut inside any run of MAX_RUN_CHARS whitespace or non-whitespace characters."""
     cuts = [m.end() for m in _LONG_RUN.finditer(text)]
-    if not cuts:
-        return [text]
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)]) if b > a] or [text]
 
 
 class TiktokenBPE:
