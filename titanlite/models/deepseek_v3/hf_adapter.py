@@ -107,20 +107,10 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
             "num_nextn_predict_layers": 0,
         }
         if args.moe is not None:
-            config.update(
-                n_routed_experts=args.moe.n_experts,
-                num_experts_per_tok=args.moe.top_k,
-                moe_intermediate_size=args.moe.hidden_dim,
-                n_shared_experts=args.moe.n_shared_experts,
-                norm_topk_prob=args.moe.renormalize,
-                routed_scaling_factor=args.moe.route_scale,
-                n_group=args.moe.n_group,
-                topk_group=args.moe.topk_group,
-                # DeepSeek's keys, which transformers does not read (its router is this one):
-                # a flavor with another router (hf_export_problems) is told from HF's by them.
-                scoring_func=args.moe.score_func,
-                topk_method="noaux_tc",
-            )
+            config.update({hf: getattr(args.moe, field) for field, hf in _MOE_FIELDS.items()})
+            # DeepSeek's keys, which transformers does not read (its router is this one):
+            # a flavor with another router (hf_export_problems) is told from HF's by them.
+            config.update(scoring_func=args.moe.score_func, topk_method="noaux_tc")
         return config
 
     def described(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -146,7 +136,9 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
             "quantization_config": (config.get("quantization_config") or {}).get("quant_method"),
         }
         dense = _value(config, "first_k_dense_replace") >= (layers or 0)
-        described.update({key: None if dense else _value(config, key) for key in _MOE_KEYS})
+        described.update(
+            {key: None if dense else _value(config, key) for key in (*_MOE_FIELDS.values(), "first_k_dense_replace")}
+        )
         return described
 
     def compared(self, expected: dict[str, Any], got: dict[str, Any], args: DeepSeekV3Args) -> dict[str, Any]:
@@ -188,11 +180,7 @@ _SHAPES = {
     "dim": "hidden_size",
     "n_layers": "num_hidden_layers",
     "n_heads": "num_attention_heads",
-    "vocab_size": "vocab_size",
-    "kv_lora_rank": "kv_lora_rank",
-    "qk_nope_head_dim": "qk_nope_head_dim",
-    "qk_rope_head_dim": "qk_rope_head_dim",
-    "v_head_dim": "v_head_dim",
+    **{key: key for key in ("vocab_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     "hidden_dim": "intermediate_size",
 }
 
@@ -227,17 +215,17 @@ def _value(config: dict[str, Any], key: str) -> Any:
 
 _YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
-_MOE_KEYS = (
-    "n_routed_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "n_shared_experts",
-    "norm_topk_prob",
-    "routed_scaling_factor",
-    "n_group",
-    "topk_group",
-    "first_k_dense_replace",
-)
+# MoEArgs' routing fields <-> config.json's keys, in the order config.json has them.
+_MOE_FIELDS = {
+    "n_experts": "n_routed_experts",
+    "top_k": "num_experts_per_tok",
+    "hidden_dim": "moe_intermediate_size",
+    "n_shared_experts": "n_shared_experts",
+    "renormalize": "norm_topk_prob",
+    "route_scale": "routed_scaling_factor",
+    "n_group": "n_group",
+    "topk_group": "topk_group",
+}
 
 
 def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
@@ -282,23 +270,12 @@ def _refuse_what_this_model_lacks(described: dict[str, Any]) -> None:
 def _moe_from_hf_config(described: dict[str, Any], base: DeepSeekV3Args | None) -> MoEArgs:
     """DeepSeek-V3's MoE layer with the config's sizes and routing (`_described`); the
     training settings (bias step, aux loss) those of `base`'s MoE, or MoEArgs' defaults."""
-    missing = [
-        key for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size") if not described[key]
-    ]
+    missing = [hf for hf in list(_MOE_FIELDS.values())[:3] if not described[hf]]  # the sizes
     if missing:
         raise KeyError(missing[0])
-    sizes = dict(
-        n_experts=described["n_routed_experts"],
-        top_k=described["num_experts_per_tok"],
-        hidden_dim=described["moe_intermediate_size"],
-        n_shared_experts=described["n_shared_experts"],
-        renormalize=bool(described["norm_topk_prob"]),
-        route_scale=float(described["routed_scaling_factor"]),
-        n_group=described["n_group"],
-        topk_group=described["topk_group"],
-        score_func="sigmoid",
-        use_expert_bias=True,
-    )
+    sizes = {field: described[hf] for field, hf in _MOE_FIELDS.items()}
+    sizes.update(renormalize=bool(sizes["renormalize"]), route_scale=float(sizes["route_scale"]))
+    sizes.update(score_func="sigmoid", use_expert_bias=True)
     base_moe = getattr(base, "moe", None)
     return dataclasses.replace(base_moe, **sizes) if base_moe is not None else MoEArgs(**sizes)
 
