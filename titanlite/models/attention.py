@@ -30,7 +30,6 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from titanlite.models.chunked_attention import ChunkPlan, chunked_attention
 
-MASK_TYPES = ("causal", "block_causal")
 Mask = Union[torch.Tensor, BlockMask, ChunkPlan, None]
 
 _compiled_flex = None
@@ -76,20 +75,13 @@ def _block_mask(docs: torch.Tensor | None, q_positions: torch.Tensor, k_position
     def block_causal(b, h, q, k):
         return (q_positions[q] >= k_positions[k]) & (docs[b, q_positions[q]] == docs[b, k_positions[k]])
 
-    batch = docs.shape[0] if docs is not None else None
+    batch, mask_mod = (None, causal) if docs is None else (docs.shape[0], block_causal)
     make = create_block_mask
     if q_positions.is_cuda:
         global _compiled_block_mask
         _compiled_block_mask = _compiled_block_mask or torch.compile(create_block_mask)
         make = _compiled_block_mask
-    return make(
-        causal if docs is None else block_causal,
-        batch,
-        None,
-        len(q_positions),
-        len(k_positions),
-        device=q_positions.device,
-    )
+    return make(mask_mod, batch, None, len(q_positions), len(k_positions), device=q_positions.device)
 
 
 def attend(

@@ -144,13 +144,9 @@ class _ChunkedAttention(torch.autograd.Function):
             rows = slice(chunk.first, chunk.first + chunk.length)
             merged_out = merged_lse = None
             for piece in chunk.pieces:
+                keys = slice(piece.start, piece.stop)
                 part, part_lse, state = attention_lse.forward(
-                    q[:, :, rows],
-                    k[:, :, piece.start : piece.stop],
-                    v[:, :, piece.start : piece.stop],
-                    piece.causal,
-                    piece.bias,
-                    scale,
+                    q[:, :, rows], k[:, :, keys], v[:, :, keys], piece.causal, piece.bias, scale
                 )
                 saved.append(state)
                 merged_out, merged_lse = _merge(merged_out, merged_lse, part, part_lse)
@@ -166,9 +162,7 @@ class _ChunkedAttention(torch.autograd.Function):
         qk_dim, v_dim = ctx.dims
         if v_dim < out.shape[-1]:  # the padded output columns are zero and take no gradient
             grad = torch.nn.functional.pad(grad, (0, out.shape[-1] - v_dim))
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
         states = iter(ctx.states)
         for chunk in ctx.plan.chunks:
             rows = slice(chunk.first, chunk.first + chunk.length)

@@ -32,18 +32,12 @@ def apply_edges(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequ
     style swaps in its own DTensor parameter, so the tie is restored on the embedding's.
     """
     sp = sequence_parallel
-    parallelize_module(
-        model,
-        tp_mesh,
-        tp.present(
-            model,
-            {
-                "tok_embeddings": tp.vocab_sharded_embedding(sp),
-                "norm": tp.norm(sp),
-                "output": tp.output_projection(loss_parallel, sp),
-            },
-        ),
-    )
+    edges = {
+        "tok_embeddings": tp.vocab_sharded_embedding(sp),
+        "norm": tp.norm(sp),
+        "output": tp.output_projection(loss_parallel, sp),
+    }
+    parallelize_module(model, tp_mesh, tp.present(model, edges))
     if model.args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.sequence_shards = tp_mesh.size() if sp else 1
