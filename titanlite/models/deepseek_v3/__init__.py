@@ -107,10 +107,4 @@ deepseek_v3_spec = ModelSpec(
     flops_per_token=flops_per_token,
 )
 
-__all__ = [
-    "DeepSeekV3",
-    "DeepSeekV3Args",
-    "deepseek_v3_flavors",
-    "deepseek_v3_hf",
-    "deepseek_v3_spec",
-]
+__all__ = ["DeepSeekV3", "DeepSeekV3Args", "deepseek_v3_flavors", "deepseek_v3_hf", "deepseek_v3_spec"]

@@ -99,11 +99,4 @@ qwen3_spec = ModelSpec(
     flops_per_token=decoder_flops_per_token,
 )
 
-__all__ = [
-    "Qwen3",
-    "Qwen3Args",
-    "qwen3_flavors",
-    "qwen3_hf",
-    "qwen3_spec",
-    "qwen3_torchtitan_flavors",
-]
+__all__ = ["Qwen3", "Qwen3Args", "qwen3_flavors", "qwen3_hf", "qwen3_spec", "qwen3_torchtitan_flavors"]
