@@ -75,15 +75,12 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
         moe = args.moe
         if moe is None:
             return []
-        return [
-            what
-            for what, present in (
-                (f"{moe.score_func} router scores (DeepSeek-V3's are a sigmoid)", moe.score_func != "sigmoid"),
-                ("no expert bias (DeepSeek-V3's router has e_score_correction_bias)", not moe.use_expert_bias),
-                ("no shared experts (DeepSeek-V3's MoE blocks have n_shared_experts >= 1)", moe.n_shared_experts == 0),
-            )
-            if present
-        ]
+        problems = {
+            f"{moe.score_func} router scores (DeepSeek-V3's are a sigmoid)": moe.score_func != "sigmoid",
+            "no expert bias (DeepSeek-V3's router has e_score_correction_bias)": not moe.use_expert_bias,
+            "no shared experts (DeepSeek-V3's MoE blocks have n_shared_experts >= 1)": moe.n_shared_experts == 0,
+        }
+        return [what for what, present in problems.items() if present]
 
     def hf_config(self, args: DeepSeekV3Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """`config.json` for DeepseekV3ForCausalLM. RoPE is written both where transformers >= 5
@@ -156,17 +153,13 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
             raise ValueError(f"model_type {config.get('model_type')!r} is not DeepSeek-V3's ('deepseek_v3')")
         described = self.described(config)
         _refuse_what_this_model_lacks(described)
-        yarn = (
-            None
-            if described["rope_type"] == "default"
-            else {k: described[f"rope_parameters.{k}"] for k in _YARN_FIELDS}
-        )
+        yarn = {k: described[f"rope_parameters.{k}"] for k in _YARN_FIELDS}
         values = dict(
             **{key: config[hf] for key, hf in _SHAPES.items()},
             q_lora_rank=described["q_lora_rank"],
             norm_eps=described["rms_norm_eps"],
             rope_theta=described["rope_theta"],
-            rope_scaling=YaRN(**yarn) if yarn else None,
+            rope_scaling=None if described["rope_type"] == "default" else YaRN(**yarn),
             max_seq_len=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=described["tie_word_embeddings"],
             moe=None if described["first_k_dense_replace"] is None else _moe_from_hf_config(described, base),

@@ -49,11 +49,9 @@ class LlamaHFAdapter(HFAdapterBase):
         """`config.json` for LlamaForCausalLM with these hyperparameters. RoPE is written both
         where transformers >= 5 reads it (`rope_parameters`) and where older versions do
         (top-level `rope_theta`, `rope_scaling`), so either loads the same model."""
-        scaling = (
-            None
-            if args.rope_scaling is None
-            else {"rope_type": "llama3", **dict(zip(_LLAMA3_FIELDS, args.rope_scaling))}
-        )
+        scaling = None
+        if args.rope_scaling is not None:
+            scaling = {"rope_type": "llama3", **dict(zip(_LLAMA3_FIELDS, args.rope_scaling))}
         return {
             **decoder_hf_config(args, dtype, "LlamaForCausalLM", "llama"),
             "rope_scaling": scaling,

@@ -59,15 +59,12 @@ class Qwen3HFAdapter(MoEHFAdapterBase):
         moe = args.moe
         if moe is None:
             return []
-        problems = [
-            f"{what} (Qwen3-MoE has none)"
-            for what, present in (
-                ("an expert bias (DeepSeek-V3's balancing; MoEArgs.use_expert_bias)", moe.use_expert_bias),
-                (f"{moe.n_shared_experts} shared experts", moe.n_shared_experts > 0),
-                (f"routed_scaling_factor {moe.route_scale}", moe.route_scale != 1.0),
-            )
-            if present
-        ]
+        absent = {
+            "an expert bias (DeepSeek-V3's balancing; MoEArgs.use_expert_bias)": moe.use_expert_bias,
+            f"{moe.n_shared_experts} shared experts": moe.n_shared_experts > 0,
+            f"routed_scaling_factor {moe.route_scale}": moe.route_scale != 1.0,
+        }
+        problems = [f"{what} (Qwen3-MoE has none)" for what, present in absent.items() if present]
         if moe.score_func != "softmax":
             problems.append(f"{moe.score_func} router scores (Qwen3-MoE's are a softmax)")
         return problems
