@@ -262,6 +262,5 @@ def active_parameters(args: DecoderArgs, n_params: int) -> int:
 
 def decoder_flops_per_token(args: DecoderArgs, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token of a GQA decoder (Llama's, Qwen3's) from its active parameters."""
-    return transformer_flops_per_token(
-        active_parameters(args, n_params), args.n_layers, args.n_heads * args.head_dim, seq_len
-    )
+    active = active_parameters(args, n_params)
+    return transformer_flops_per_token(active, args.n_layers, args.n_heads * args.head_dim, seq_len)

@@ -65,9 +65,8 @@ def run_experts_grouped(
     """SwiGLU of each group of rows of `x` [n, dim] through its expert, in three grouped
     matmuls; `counts` [E] rows per expert, in expert order (zero allowed). No host sync."""
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    hidden = F.silu(_grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) * _grouped_mm(
-        x, w3.transpose(-2, -1), offs=offsets
-    )
+    gate = _grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+    hidden = F.silu(gate) * _grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
     return _grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
 
 

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
-from titanlite.models.hf_names import DECODER_NAMES, ROUTER_NAMES, MoEHFAdapterBase, decoder_hf_config
+from titanlite.models.hf_names import DECODER_NAMES, ROUTER_NAMES, MoEHFAdapterBase, decoder_hf_config, swiglu_names
 from titanlite.models.moe import MoEArgs
 from titanlite.models.rope import YaRN
 
@@ -57,9 +57,7 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
         "layers.{i}.attention.wkv_b.weight": f"{_ATTENTION}.kv_b_proj.weight",
         "layers.{i}.attention.wo.weight": f"{_ATTENTION}.o_proj.weight",
         "layers.{i}.feed_forward.expert_bias": f"{_MLP}.gate.e_score_correction_bias",
-        "layers.{i}.feed_forward.shared_experts.w1.weight": f"{_MLP}.shared_experts.gate_proj.weight",
-        "layers.{i}.feed_forward.shared_experts.w2.weight": f"{_MLP}.shared_experts.down_proj.weight",
-        "layers.{i}.feed_forward.shared_experts.w3.weight": f"{_MLP}.shared_experts.up_proj.weight",
+        **swiglu_names("layers.{i}.feed_forward.shared_experts", f"{_MLP}.shared_experts"),
     }
 
     def ignored_hf_tensor(self, name: str, args: DeepSeekV3Args) -> bool:
@@ -242,20 +240,18 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, float] | Non
 
 
 def _refuse_what_this_model_lacks(described: dict[str, Any]) -> None:
-    checks = (
-        (described["num_key_value_heads"] == described["num_attention_heads"], "num_key_value_heads != heads"),
-        (described["rope_interleave"], "rope_interleave false (this model's RoPE rotates interleaved pairs)"),
-        (not described["attention_bias"], "attention_bias true (this model's projections have no bias)"),
-        (described["hidden_act"] == "silu", f"hidden_act {described['hidden_act']!r} (this model's MLPs are SwiGLU)"),
-        (described["scoring_func"] == "sigmoid", f"scoring_func {described['scoring_func']!r} (sigmoid here)"),
-        (described["topk_method"] == "noaux_tc", f"topk_method {described['topk_method']!r} (noaux_tc here)"),
-        (described["moe_layer_freq"] == 1, f"moe_layer_freq {described['moe_layer_freq']} (1 here)"),
-        (
-            described["quantization_config"] is None,
-            f"{described['quantization_config']} quantized weights (dequantize them to bf16 first)",
-        ),
-    )
-    wrong = [what for ok, what in checks if not ok]
+    quantized = described["quantization_config"]
+    checks = {
+        "num_key_value_heads != heads": described["num_key_value_heads"] == described["num_attention_heads"],
+        "rope_interleave false (this model's RoPE rotates interleaved pairs)": described["rope_interleave"],
+        "attention_bias true (this model's projections have no bias)": not described["attention_bias"],
+        f"hidden_act {described['hidden_act']!r} (this model's MLPs are SwiGLU)": described["hidden_act"] == "silu",
+        f"scoring_func {described['scoring_func']!r} (sigmoid here)": described["scoring_func"] == "sigmoid",
+        f"topk_method {described['topk_method']!r} (noaux_tc here)": described["topk_method"] == "noaux_tc",
+        f"moe_layer_freq {described['moe_layer_freq']} (1 here)": described["moe_layer_freq"] == 1,
+        f"{quantized} quantized weights (dequantize them to bf16 first)": quantized is None,
+    }
+    wrong = [what for what, ok in checks.items() if not ok]
     if wrong:
         raise ValueError(f"this DeepSeek-V3 cannot hold: {', '.join(wrong)}")
 

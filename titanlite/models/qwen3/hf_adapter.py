@@ -103,9 +103,9 @@ class Qwen3HFAdapter(MoEHFAdapterBase):
             "use_sliding_window": bool(config.get("use_sliding_window", False)),
         }
         if config.get("model_type") == "qwen3_moe":
-            described.update({key: config.get(key) for key in ("num_experts_per_tok", "moe_intermediate_size")})
-            described["num_experts"] = _expert_count(config)
             described.update(
+                {key: config.get(key) for key in ("num_experts_per_tok", "moe_intermediate_size")},
+                num_experts=_expert_count(config),
                 norm_topk_prob=bool(config.get("norm_topk_prob", False)),
                 decoder_sparse_step=config.get("decoder_sparse_step", 1),
                 mlp_only_layers=sorted(config.get("mlp_only_layers") or []),
