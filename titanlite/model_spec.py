@@ -231,9 +231,7 @@ class ModelSpec:
 
     def supports(self, capability: Capability) -> bool:
         """Whether the model declares `capability` (an HF mapping: whether it has an adapter)."""
-        if capability == "hf_adapter":
-            return self.hf_adapter is not None
-        return getattr(self.capabilities, capability)
+        return self.hf_adapter is not None if capability == "hf_adapter" else getattr(self.capabilities, capability)
 
     def lacks(self, capability: Capability) -> str:
         """The end of a refusal line: what the model has not, and what it would need."""

@@ -162,7 +162,7 @@ class _ChunkedAttention(torch.autograd.Function):
         qk_dim, v_dim = ctx.dims
         if v_dim < out.shape[-1]:  # the padded output columns are zero and take no gradient
             grad = torch.nn.functional.pad(grad, (0, out.shape[-1] - v_dim))
-        dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+        dq, dk, dv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
         states = iter(ctx.states)
         for chunk in ctx.plan.chunks:
             rows = slice(chunk.first, chunk.first + chunk.length)

@@ -82,9 +82,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k, v = [w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv)]
         q, k = self.rotate(q, k, cos_sin)
         if self.context_parallel is not None:  # every cp rank's keys and values, in one collective,
             k, v = self.context_parallel.gather((k, v), dim=1, memory_order=(0, 2, 1, 3))  # each head's contiguous

@@ -48,9 +48,7 @@ def use_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     """True where torch's grouped matmul is one native kernel: bfloat16 on a CUDA device of
     compute capability 8.0 (Ampere) or newer, as torch documents it. Elsewhere the experts
     run as a loop, which gives the same numbers."""
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _aligned(*weights: torch.Tensor) -> bool:
