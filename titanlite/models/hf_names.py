@@ -182,6 +182,21 @@ class HFAdapterBase(HFAdapter):
         """The expected values check_hf_config compares (a family leaves out what says nothing)."""
         return expected
 
+    @staticmethod
+    def decoder_values(config: dict[str, Any], described: dict[str, Any], max_seq_len: int) -> dict[str, Any]:
+        """The shared decoder's args from a GQA config.json and its `decoder_described` values
+        (`max_seq_len` the family's context when the config has none); KeyError for a missing shape."""
+        return dict(
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=config["num_attention_heads"],
+            n_kv_heads=described["num_key_value_heads"],
+            norm_eps=described["rms_norm_eps"],
+            rope_theta=described["rope_theta"],
+            max_seq_len=config.get("max_position_embeddings", max_seq_len),
+            tie_word_embeddings=described["tie_word_embeddings"],
+        )
+
 
 # A stacked expert weight of ours is one HF tensor per expert: w1 [E, hidden, dim] <-> expert e's gate_proj (SWIGLU).
 ROUTER_NAMES = {"layers.{i}.feed_forward.router.gate.weight": "model.layers.{i}.mlp.gate.weight"}

@@ -95,18 +95,11 @@ class LlamaHFAdapter(HFAdapterBase):
         dim, hidden = config["hidden_size"], config["intermediate_size"]
         default = int(2 * (4 * dim) / 3)
         values = dict(
-            dim=dim,
-            n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"],
-            n_kv_heads=described["num_key_value_heads"],
+            **self.decoder_values(config, described, 8192),
             vocab_size=config["vocab_size"],
             multiple_of=hidden,
             ffn_dim_multiplier=None if default <= hidden else hidden / default,
-            norm_eps=described["rms_norm_eps"],
-            rope_theta=described["rope_theta"],
             rope_scaling=described["rope_scaling"],
-            max_seq_len=config.get("max_position_embeddings", 8192),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
         args = dataclasses.replace(base, **values) if base is not None else LlamaArgs(**values)
         unsupported = [key for key in ("attention_bias", "mlp_bias") if described[key]]

@@ -124,17 +124,10 @@ class Qwen3HFAdapter(MoEHFAdapterBase):
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)} true: this Qwen3 has bias-free, full attention")
         values = dict(
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"],
-            n_kv_heads=described["num_key_value_heads"],
+            **self.decoder_values(config, described, 40960),
             head_dim=described["head_dim"],
             hidden_dim=config["intermediate_size"],
             vocab_size=config["vocab_size"],
-            norm_eps=described["rms_norm_eps"],
-            rope_theta=described["rope_theta"],
-            max_seq_len=config.get("max_position_embeddings", 40960),
-            tie_word_embeddings=described["tie_word_embeddings"],
             moe=None,
         )
         if config["model_type"] == "qwen3_moe":
