@@ -101,9 +101,7 @@ class _Documents:
         first = self.doc_start[:, start]
         lo = int(first.min())  # no query of the chunk sees a key before its earliest document
         one_document = bool((first == lo).all()) and bool((self.host[:, stop - 1] == self.host[:, start]).all())
-        if one_document:
-            return _causal_pieces(lo, start, chunk_len)
-        return (self._masked(lo, start, stop, dtype),)
+        return _causal_pieces(lo, start, chunk_len) if one_document else (self._masked(lo, start, stop, dtype),)
 
     def _masked(self, lo: int, start: int, stop: int, dtype: torch.dtype) -> Piece:
         """Queries [start, stop) over keys [lo, stop) under the block-causal rule, as an additive mask."""

@@ -37,9 +37,7 @@ class LlamaHFAdapter(HFAdapterBase):
         k: kv_heads), or None for a tensor HF stores in our layout."""
         if key.endswith("attention.wq.weight"):
             return args.n_heads
-        if key.endswith("attention.wk.weight"):
-            return args.kv_heads
-        return None
+        return args.kv_heads if key.endswith("attention.wk.weight") else None
 
     def ignored_hf_tensor(self, name: str, args: LlamaArgs) -> bool:
         """Old exports' RoPE buffers, and a tied model's duplicate head."""
