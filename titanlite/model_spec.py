@@ -231,9 +231,7 @@ class ModelSpec:
 
     def supports(self, capability: Capability) -> bool:
         """Whether the model declares `capability` (an HF mapping: whether it has an adapter)."""
-        if capability == "hf_adapter":
-            return self.hf_adapter is not None
-        return getattr(self.capabilities, capability)
+        return self.hf_adapter is not None if capability == "hf_adapter" else getattr(self.capabilities, capability)
 
     def lacks(self, capability: Capability) -> str:
         """The end of a refusal line: what the model has not, and what it would need."""
@@ -262,6 +260,5 @@ def active_parameters(args: DecoderArgs, n_params: int) -> int:
 
 def decoder_flops_per_token(args: DecoderArgs, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token of a GQA decoder (Llama's, Qwen3's) from its active parameters."""
-    return transformer_flops_per_token(
-        active_parameters(args, n_params), args.n_layers, args.n_heads * args.head_dim, seq_len
-    )
+    active = active_parameters(args, n_params)
+    return transformer_flops_per_token(active, args.n_layers, args.n_heads * args.head_dim, seq_len)

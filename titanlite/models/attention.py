@@ -22,6 +22,7 @@ which is what makes long packed windows affordable). Both compute the same atten
 
 from __future__ import annotations
 
+import functools
 from typing import Union
 
 import torch
@@ -30,11 +31,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from titanlite.models.chunked_attention import ChunkPlan, chunked_attention
 
-MASK_TYPES = ("causal", "block_causal")
 Mask = Union[torch.Tensor, BlockMask, ChunkPlan, None]
-
-_compiled_flex = None
-_compiled_block_mask = None
 
 
 def build_mask(
@@ -76,20 +73,9 @@ def _block_mask(docs: torch.Tensor | None, q_positions: torch.Tensor, k_position
     def block_causal(b, h, q, k):
         return (q_positions[q] >= k_positions[k]) & (docs[b, q_positions[q]] == docs[b, k_positions[k]])
 
-    batch = docs.shape[0] if docs is not None else None
-    make = create_block_mask
-    if q_positions.is_cuda:
-        global _compiled_block_mask
-        _compiled_block_mask = _compiled_block_mask or torch.compile(create_block_mask)
-        make = _compiled_block_mask
-    return make(
-        causal if docs is None else block_causal,
-        batch,
-        None,
-        len(q_positions),
-        len(k_positions),
-        device=q_positions.device,
-    )
+    batch, mask_mod = (None, causal) if docs is None else (docs.shape[0], block_causal)
+    make = _compiled(create_block_mask) if q_positions.is_cuda else create_block_mask
+    return make(mask_mod, batch, None, len(q_positions), len(k_positions), device=q_positions.device)
 
 
 def attend(
@@ -111,8 +97,10 @@ def attend(
 def _flex(q: torch.Tensor):
     """Compiled flex_attention on CUDA (torchtitan's use; eager flex is a slow reference);
     eager elsewhere, which unit tests use to check the kernel against SDPA."""
-    if not q.is_cuda:
-        return flex_attention
-    global _compiled_flex
-    _compiled_flex = _compiled_flex or torch.compile(flex_attention)
-    return _compiled_flex
+    return _compiled(flex_attention) if q.is_cuda else flex_attention
+
+
+@functools.cache
+def _compiled(function):
+    """`function` compiled, once per process (flex_attention, create_block_mask on CUDA)."""
+    return torch.compile(function)

@@ -101,9 +101,7 @@ class _Documents:
         first = self.doc_start[:, start]
         lo = int(first.min())  # no query of the chunk sees a key before its earliest document
         one_document = bool((first == lo).all()) and bool((self.host[:, stop - 1] == self.host[:, start]).all())
-        if one_document:
-            return _causal_pieces(lo, start, chunk_len)
-        return (self._masked(lo, start, stop, dtype),)
+        return _causal_pieces(lo, start, chunk_len) if one_document else (self._masked(lo, start, stop, dtype),)
 
     def _masked(self, lo: int, start: int, stop: int, dtype: torch.dtype) -> Piece:
         """Queries [start, stop) over keys [lo, stop) under the block-causal rule, as an additive mask."""
@@ -144,13 +142,9 @@ class _ChunkedAttention(torch.autograd.Function):
             rows = slice(chunk.first, chunk.first + chunk.length)
             merged_out = merged_lse = None
             for piece in chunk.pieces:
+                keys = slice(piece.start, piece.stop)
                 part, part_lse, state = attention_lse.forward(
-                    q[:, :, rows],
-                    k[:, :, piece.start : piece.stop],
-                    v[:, :, piece.start : piece.stop],
-                    piece.causal,
-                    piece.bias,
-                    scale,
+                    q[:, :, rows], k[:, :, keys], v[:, :, keys], piece.causal, piece.bias, scale
                 )
                 saved.append(state)
                 merged_out, merged_lse = _merge(merged_out, merged_lse, part, part_lse)
@@ -166,9 +160,7 @@ class _ChunkedAttention(torch.autograd.Function):
         qk_dim, v_dim = ctx.dims
         if v_dim < out.shape[-1]:  # the padded output columns are zero and take no gradient
             grad = torch.nn.functional.pad(grad, (0, out.shape[-1] - v_dim))
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        dq, dk, dv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
         states = iter(ctx.states)
         for chunk in ctx.plan.chunks:
             rows = slice(chunk.first, chunk.first + chunk.length)

@@ -82,9 +82,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k, v = [w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv)]
         q, k = self.rotate(q, k, cos_sin)
         if self.context_parallel is not None:  # every cp rank's keys and values, in one collective,
             k, v = self.context_parallel.gather((k, v), dim=1, memory_order=(0, 2, 1, 3))  # each head's contiguous
@@ -202,11 +200,9 @@ class Decoder(nn.Module):
         seq = tokens.shape[1] if self.tok_embeddings is not None else h.shape[1] * self.sequence_shards
         if self.kv_cache is not None:  # generation: these tokens follow the cached ones
             cos_sin, mask = self.rope_cache[self.kv_cache.positions(seq, h.device)], self.kv_cache.mask(seq, h.device)
-        elif self.context_parallel is not None:  # this rank's two chunks, attended per chunk
-            cos_sin = self.rope_cache[self.context_parallel.positions(seq, h.device)]
-            mask = plan_chunks(
-                self.args.attn_mask_type, document_ids, self.context_parallel.chunk_starts(seq), seq // 2, h.dtype
-            )
+        elif (cp := self.context_parallel) is not None:  # this rank's two chunks, attended per chunk
+            cos_sin = self.rope_cache[cp.positions(seq, h.device)]
+            mask = plan_chunks(self.args.attn_mask_type, document_ids, cp.chunk_starts(seq), seq // 2, h.dtype)
         else:
             cos_sin = self.rope_cache[:seq]
             mask = build_mask(self.args.attn_mask_type, document_ids, None, None, flex=h.is_cuda)

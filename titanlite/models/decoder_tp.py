@@ -9,8 +9,6 @@ blocks with `norms_plan`, its own entries and `feed_forward_plan` (or `attention
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -18,22 +16,12 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from titanlite.parallel import tensor_parallel as tp
 
 
-def apply_tp(
-    model: nn.Module,
-    tp_mesh: DeviceMesh,
-    loss_parallel: bool,
-    sequence_parallel: bool,
-    skip_feed_forward: Collection[str] = (),
-) -> None:
-    """The edges (`apply_edges`), then each block's norms, GQA attention and SwiGLU over
-    `tp_mesh`. `skip_feed_forward`: blocks (keys of `model.layers`) whose feed-forward another
-    plan lays out (an MoE layer)."""
-    apply_edges(model, tp_mesh, loss_parallel, sequence_parallel)
-    for name, block in model.layers.items():
-        plan = {**norms_plan(sequence_parallel), **attention_plan(sequence_parallel)}
-        if name not in skip_feed_forward:
-            plan.update(feed_forward_plan(sequence_parallel))
-        parallelize_module(block, tp_mesh, plan)
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """The edges (`apply_edges`), then each block's norms, GQA attention and SwiGLU over `tp_mesh`."""
+    sp = sequence_parallel
+    apply_edges(model, tp_mesh, loss_parallel, sp)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {**norms_plan(sp), **attention_plan(sp), **feed_forward_plan(sp)})
 
 
 def apply_edges(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
@@ -44,18 +32,12 @@ def apply_edges(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequ
     style swaps in its own DTensor parameter, so the tie is restored on the embedding's.
     """
     sp = sequence_parallel
-    parallelize_module(
-        model,
-        tp_mesh,
-        tp.present(
-            model,
-            {
-                "tok_embeddings": tp.vocab_sharded_embedding(sp),
-                "norm": tp.norm(sp),
-                "output": tp.output_projection(loss_parallel, sp),
-            },
-        ),
-    )
+    edges = {
+        "tok_embeddings": tp.vocab_sharded_embedding(sp),
+        "norm": tp.norm(sp),
+        "output": tp.output_projection(loss_parallel, sp),
+    }
+    parallelize_module(model, tp_mesh, tp.present(model, edges))
     if model.args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.sequence_shards = tp_mesh.size() if sp else 1

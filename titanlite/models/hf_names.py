@@ -50,6 +50,15 @@ def _rename(key: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
     raise KeyError(key)
 
 
+# A SwiGLU's weights (models/decoder.py's FeedForward, and each routed expert's) -> HF's MLP projections.
+SWIGLU = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def swiglu_names(ours: str, hf: str) -> dict[str, str]:
+    """The three weights of our SwiGLU module `ours` <-> those of HF's MLP module `hf`."""
+    return {f"{ours}.{w}.weight": f"{hf}.{proj}.weight" for w, proj in SWIGLU.items()}
+
+
 # The shared decoder's names (models/decoder.py) in HF's Llama-shaped layout, and its GQA attention's.
 DECODER_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -57,9 +66,7 @@ DECODER_NAMES = {
     "output.weight": "lm_head.weight",
     "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
     "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+    **swiglu_names("layers.{i}.feed_forward", "model.layers.{i}.mlp"),
 }
 GQA_NAMES = {f"layers.{{i}}.attention.w{x}.weight": f"model.layers.{{i}}.self_attn.{x}_proj.weight" for x in "qkvo"}
 
@@ -175,9 +182,23 @@ class HFAdapterBase(HFAdapter):
         """The expected values check_hf_config compares (a family leaves out what says nothing)."""
         return expected
 
+    @staticmethod
+    def decoder_values(config: dict[str, Any], described: dict[str, Any], max_seq_len: int) -> dict[str, Any]:
+        """The shared decoder's args from a GQA config.json and its `decoder_described` values
+        (`max_seq_len` the family's context when the config has none); KeyError for a missing shape."""
+        return dict(
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=config["num_attention_heads"],
+            n_kv_heads=described["num_key_value_heads"],
+            norm_eps=described["rms_norm_eps"],
+            rope_theta=described["rope_theta"],
+            max_seq_len=config.get("max_position_embeddings", max_seq_len),
+            tie_word_embeddings=described["tie_word_embeddings"],
+        )
 
-# A stacked expert weight of ours, one HF tensor per expert: w1 [E, hidden, dim] <-> expert e's gate_proj.
-_EXPERTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+# A stacked expert weight of ours is one HF tensor per expert: w1 [E, hidden, dim] <-> expert e's gate_proj (SWIGLU).
 ROUTER_NAMES = {"layers.{i}.feed_forward.router.gate.weight": "model.layers.{i}.mlp.gate.weight"}
 _STACKED = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
@@ -198,14 +219,14 @@ class MoEHFAdapterBase(HFAdapterBase):
         if match is None:
             return None
         layer, weight = match.groups()
-        return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[weight]}.weight" for e in range(args.moe.n_experts)]
+        return [f"model.layers.{layer}.mlp.experts.{e}.{SWIGLU[weight]}.weight" for e in range(args.moe.n_experts)]
 
     def stacked_key(self, name: str) -> tuple[str, int] | None:
         match = _EXPERT.match(name)
         if match is None:
             return None
         layer, e, kind = match.groups()
-        weight = next(w for w, k in _EXPERTS.items() if k == kind)
+        weight = next(w for w, k in SWIGLU.items() if k == kind)
         return f"layers.{layer}.feed_forward.experts.{weight}", int(e)
 
     def zero_in_hf(self, key: str, args: DecoderArgs) -> bool:

@@ -43,9 +43,8 @@ class KVCache:
         would recompile for every new key length."""
         if self.length == 0:
             return None
-        return build_mask(
-            "causal", None, self.positions(seq, device), torch.arange(self.length + seq, device=device), flex=False
-        )
+        keys = torch.arange(self.length + seq, device=device)
+        return build_mask("causal", None, self.positions(seq, device), keys, flex=False)
 
     def advance(self, seq: int) -> None:
         """Count the `seq` tokens the last forward wrote into every layer."""

@@ -282,9 +282,7 @@ class MoE(nn.Module):
         init.trunc_normal(self.experts.w2, std=std)
         init.trunc_normal(self.experts.w3, std=std)
         if self.shared_experts is not None:
-            init.trunc_normal(self.shared_experts.w1.weight, std=0.02)
-            init.trunc_normal(self.shared_experts.w2.weight, std=std)
-            init.trunc_normal(self.shared_experts.w3.weight, std=std)
+            self.shared_experts.init_weights(init, std)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
         self.tokens_per_expert.zero_()

@@ -48,9 +48,7 @@ def use_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     """True where torch's grouped matmul is one native kernel: bfloat16 on a CUDA device of
     compute capability 8.0 (Ampere) or newer, as torch documents it. Elsewhere the experts
     run as a loop, which gives the same numbers."""
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _aligned(*weights: torch.Tensor) -> bool:
@@ -65,9 +63,8 @@ def run_experts_grouped(
     """SwiGLU of each group of rows of `x` [n, dim] through its expert, in three grouped
     matmuls; `counts` [E] rows per expert, in expert order (zero allowed). No host sync."""
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    hidden = F.silu(_grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) * _grouped_mm(
-        x, w3.transpose(-2, -1), offs=offsets
-    )
+    gate = _grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+    hidden = F.silu(gate) * _grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
     return _grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
 
 

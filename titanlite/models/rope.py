@@ -83,13 +83,11 @@ def rope_frequencies(args: RopeArgs, rotary_dim: int | None = None) -> torch.Ten
 def _llama31(freqs: torch.Tensor, scaling: Llama31Scaling) -> torch.Tensor:
     """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
     factor, low_freq_factor, high_freq_factor, old_context = scaling
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
     wavelen = 2 * math.pi / freqs
     smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     interpolated = (1 - smooth) * freqs / factor + smooth * freqs
-    scaled = torch.where(wavelen > low_freq_wavelen, freqs / factor, interpolated)
-    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+    scaled = torch.where(wavelen > old_context / low_freq_factor, freqs / factor, interpolated)
+    return torch.where(wavelen < old_context / high_freq_factor, freqs, scaled)
 
 
 def _yarn(freqs: torch.Tensor, dim: int, theta: float, yarn: YaRN) -> torch.Tensor:

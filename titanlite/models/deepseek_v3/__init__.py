@@ -65,17 +65,8 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
         n_heads=16,
         q_lora_rank=0,
         hidden_dim=10944,
-        moe=MoEArgs(
-            n_experts=64,
-            top_k=6,
-            hidden_dim=1408,
-            n_shared_experts=2,
-            score_func="softmax",
-            renormalize=False,
-            route_scale=1.0,
-            use_expert_bias=True,
-            bias_update_rate=1e-3,
-        ),
+        # MoEArgs' defaults: softmax scores, not renormalized, route scale 1, bias step 1e-3.
+        moe=MoEArgs(n_experts=64, top_k=6, hidden_dim=1408, n_shared_experts=2, use_expert_bias=True),
         n_dense_layers=1,
         rope_scaling=YaRN(factor=40.0, original_max_position_embeddings=4096, mscale=0.70, mscale_all_dim=0.70),
         max_seq_len=4096 * 4,
@@ -89,14 +80,7 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
         moe=_sigmoid_moe(n_experts=256, top_k=8, hidden_dim=2048, bias_update_rate=1e-3, n_group=8, topk_group=4),
         n_dense_layers=3,
         norm_eps=1e-6,
-        rope_scaling=YaRN(
-            factor=40.0,
-            original_max_position_embeddings=4096,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
+        rope_scaling=YaRN(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0),
         max_seq_len=163840,
     ),
 }
@@ -123,10 +107,4 @@ deepseek_v3_spec = ModelSpec(
     flops_per_token=flops_per_token,
 )
 
-__all__ = [
-    "DeepSeekV3",
-    "DeepSeekV3Args",
-    "deepseek_v3_flavors",
-    "deepseek_v3_hf",
-    "deepseek_v3_spec",
-]
+__all__ = ["DeepSeekV3", "DeepSeekV3Args", "deepseek_v3_flavors", "deepseek_v3_hf", "deepseek_v3_spec"]

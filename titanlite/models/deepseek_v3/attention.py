@@ -91,9 +91,7 @@ class MLA(nn.Module):
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """Every head's [q_nope | q_pe], flat: [batch, seq, heads * qk_head_dim]."""
-        if hasattr(self, "wq"):
-            return self.wq(x)
-        return self.wq_b(self.q_norm(self.wq_a(x)))
+        return self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
 
     def keys_and_values(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[normalized latent | rotated k_pe] [batch, seq, kv_lora_rank + qk_rope_head_dim] ->

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
-from titanlite.models.hf_names import DECODER_NAMES, ROUTER_NAMES, MoEHFAdapterBase, decoder_hf_config
+from titanlite.models.hf_names import DECODER_NAMES, ROUTER_NAMES, MoEHFAdapterBase, decoder_hf_config, swiglu_names
 from titanlite.models.moe import MoEArgs
 from titanlite.models.rope import YaRN
 
@@ -57,9 +57,7 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
         "layers.{i}.attention.wkv_b.weight": f"{_ATTENTION}.kv_b_proj.weight",
         "layers.{i}.attention.wo.weight": f"{_ATTENTION}.o_proj.weight",
         "layers.{i}.feed_forward.expert_bias": f"{_MLP}.gate.e_score_correction_bias",
-        "layers.{i}.feed_forward.shared_experts.w1.weight": f"{_MLP}.shared_experts.gate_proj.weight",
-        "layers.{i}.feed_forward.shared_experts.w2.weight": f"{_MLP}.shared_experts.down_proj.weight",
-        "layers.{i}.feed_forward.shared_experts.w3.weight": f"{_MLP}.shared_experts.up_proj.weight",
+        **swiglu_names("layers.{i}.feed_forward.shared_experts", f"{_MLP}.shared_experts"),
     }
 
     def ignored_hf_tensor(self, name: str, args: DeepSeekV3Args) -> bool:
@@ -75,15 +73,12 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
         moe = args.moe
         if moe is None:
             return []
-        return [
-            what
-            for what, present in (
-                (f"{moe.score_func} router scores (DeepSeek-V3's are a sigmoid)", moe.score_func != "sigmoid"),
-                ("no expert bias (DeepSeek-V3's router has e_score_correction_bias)", not moe.use_expert_bias),
-                ("no shared experts (DeepSeek-V3's MoE blocks have n_shared_experts >= 1)", moe.n_shared_experts == 0),
-            )
-            if present
-        ]
+        problems = {
+            f"{moe.score_func} router scores (DeepSeek-V3's are a sigmoid)": moe.score_func != "sigmoid",
+            "no expert bias (DeepSeek-V3's router has e_score_correction_bias)": not moe.use_expert_bias,
+            "no shared experts (DeepSeek-V3's MoE blocks have n_shared_experts >= 1)": moe.n_shared_experts == 0,
+        }
+        return [what for what, present in problems.items() if present]
 
     def hf_config(self, args: DeepSeekV3Args, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """`config.json` for DeepseekV3ForCausalLM. RoPE is written both where transformers >= 5
@@ -107,20 +102,10 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
             "num_nextn_predict_layers": 0,
         }
         if args.moe is not None:
-            config.update(
-                n_routed_experts=args.moe.n_experts,
-                num_experts_per_tok=args.moe.top_k,
-                moe_intermediate_size=args.moe.hidden_dim,
-                n_shared_experts=args.moe.n_shared_experts,
-                norm_topk_prob=args.moe.renormalize,
-                routed_scaling_factor=args.moe.route_scale,
-                n_group=args.moe.n_group,
-                topk_group=args.moe.topk_group,
-                # DeepSeek's keys, which transformers does not read (its router is this one):
-                # a flavor with another router (hf_export_problems) is told from HF's by them.
-                scoring_func=args.moe.score_func,
-                topk_method="noaux_tc",
-            )
+            config.update({hf: getattr(args.moe, field) for field, hf in _MOE_FIELDS.items()})
+            # DeepSeek's keys, which transformers does not read (its router is this one):
+            # a flavor with another router (hf_export_problems) is told from HF's by them.
+            config.update(scoring_func=args.moe.score_func, topk_method="noaux_tc")
         return config
 
     def described(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -146,7 +131,9 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
             "quantization_config": (config.get("quantization_config") or {}).get("quant_method"),
         }
         dense = _value(config, "first_k_dense_replace") >= (layers or 0)
-        described.update({key: None if dense else _value(config, key) for key in _MOE_KEYS})
+        described.update(
+            {key: None if dense else _value(config, key) for key in (*_MOE_FIELDS.values(), "first_k_dense_replace")}
+        )
         return described
 
     def compared(self, expected: dict[str, Any], got: dict[str, Any], args: DeepSeekV3Args) -> dict[str, Any]:
@@ -164,17 +151,13 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
             raise ValueError(f"model_type {config.get('model_type')!r} is not DeepSeek-V3's ('deepseek_v3')")
         described = self.described(config)
         _refuse_what_this_model_lacks(described)
-        yarn = (
-            None
-            if described["rope_type"] == "default"
-            else {k: described[f"rope_parameters.{k}"] for k in _YARN_FIELDS}
-        )
+        yarn = {k: described[f"rope_parameters.{k}"] for k in _YARN_FIELDS}
         values = dict(
             **{key: config[hf] for key, hf in _SHAPES.items()},
             q_lora_rank=described["q_lora_rank"],
             norm_eps=described["rms_norm_eps"],
             rope_theta=described["rope_theta"],
-            rope_scaling=YaRN(**yarn) if yarn else None,
+            rope_scaling=None if described["rope_type"] == "default" else YaRN(**yarn),
             max_seq_len=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=described["tie_word_embeddings"],
             moe=None if described["first_k_dense_replace"] is None else _moe_from_hf_config(described, base),
@@ -188,11 +171,7 @@ _SHAPES = {
     "dim": "hidden_size",
     "n_layers": "num_hidden_layers",
     "n_heads": "num_attention_heads",
-    "vocab_size": "vocab_size",
-    "kv_lora_rank": "kv_lora_rank",
-    "qk_nope_head_dim": "qk_nope_head_dim",
-    "qk_rope_head_dim": "qk_rope_head_dim",
-    "v_head_dim": "v_head_dim",
+    **{key: key for key in ("vocab_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     "hidden_dim": "intermediate_size",
 }
 
@@ -227,17 +206,17 @@ def _value(config: dict[str, Any], key: str) -> Any:
 
 _YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
-_MOE_KEYS = (
-    "n_routed_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "n_shared_experts",
-    "norm_topk_prob",
-    "routed_scaling_factor",
-    "n_group",
-    "topk_group",
-    "first_k_dense_replace",
-)
+# MoEArgs' routing fields <-> config.json's keys, in the order config.json has them.
+_MOE_FIELDS = {
+    "n_experts": "n_routed_experts",
+    "top_k": "num_experts_per_tok",
+    "hidden_dim": "moe_intermediate_size",
+    "n_shared_experts": "n_shared_experts",
+    "renormalize": "norm_topk_prob",
+    "route_scale": "routed_scaling_factor",
+    "n_group": "n_group",
+    "topk_group": "topk_group",
+}
 
 
 def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
@@ -261,20 +240,18 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, float] | Non
 
 
 def _refuse_what_this_model_lacks(described: dict[str, Any]) -> None:
-    checks = (
-        (described["num_key_value_heads"] == described["num_attention_heads"], "num_key_value_heads != heads"),
-        (described["rope_interleave"], "rope_interleave false (this model's RoPE rotates interleaved pairs)"),
-        (not described["attention_bias"], "attention_bias true (this model's projections have no bias)"),
-        (described["hidden_act"] == "silu", f"hidden_act {described['hidden_act']!r} (this model's MLPs are SwiGLU)"),
-        (described["scoring_func"] == "sigmoid", f"scoring_func {described['scoring_func']!r} (sigmoid here)"),
-        (described["topk_method"] == "noaux_tc", f"topk_method {described['topk_method']!r} (noaux_tc here)"),
-        (described["moe_layer_freq"] == 1, f"moe_layer_freq {described['moe_layer_freq']} (1 here)"),
-        (
-            described["quantization_config"] is None,
-            f"{described['quantization_config']} quantized weights (dequantize them to bf16 first)",
-        ),
-    )
-    wrong = [what for ok, what in checks if not ok]
+    quantized = described["quantization_config"]
+    checks = {
+        "num_key_value_heads != heads": described["num_key_value_heads"] == described["num_attention_heads"],
+        "rope_interleave false (this model's RoPE rotates interleaved pairs)": described["rope_interleave"],
+        "attention_bias true (this model's projections have no bias)": not described["attention_bias"],
+        f"hidden_act {described['hidden_act']!r} (this model's MLPs are SwiGLU)": described["hidden_act"] == "silu",
+        f"scoring_func {described['scoring_func']!r} (sigmoid here)": described["scoring_func"] == "sigmoid",
+        f"topk_method {described['topk_method']!r} (noaux_tc here)": described["topk_method"] == "noaux_tc",
+        f"moe_layer_freq {described['moe_layer_freq']} (1 here)": described["moe_layer_freq"] == 1,
+        f"{quantized} quantized weights (dequantize them to bf16 first)": quantized is None,
+    }
+    wrong = [what for what, ok in checks.items() if not ok]
     if wrong:
         raise ValueError(f"this DeepSeek-V3 cannot hold: {', '.join(wrong)}")
 
@@ -282,23 +259,12 @@ def _refuse_what_this_model_lacks(described: dict[str, Any]) -> None:
 def _moe_from_hf_config(described: dict[str, Any], base: DeepSeekV3Args | None) -> MoEArgs:
     """DeepSeek-V3's MoE layer with the config's sizes and routing (`_described`); the
     training settings (bias step, aux loss) those of `base`'s MoE, or MoEArgs' defaults."""
-    missing = [
-        key for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size") if not described[key]
-    ]
+    missing = [hf for hf in list(_MOE_FIELDS.values())[:3] if not described[hf]]  # the sizes
     if missing:
         raise KeyError(missing[0])
-    sizes = dict(
-        n_experts=described["n_routed_experts"],
-        top_k=described["num_experts_per_tok"],
-        hidden_dim=described["moe_intermediate_size"],
-        n_shared_experts=described["n_shared_experts"],
-        renormalize=bool(described["norm_topk_prob"]),
-        route_scale=float(described["routed_scaling_factor"]),
-        n_group=described["n_group"],
-        topk_group=described["topk_group"],
-        score_func="sigmoid",
-        use_expert_bias=True,
-    )
+    sizes = {field: described[hf] for field, hf in _MOE_FIELDS.items()}
+    sizes.update(renormalize=bool(sizes["renormalize"]), route_scale=float(sizes["route_scale"]))
+    sizes.update(score_func="sigmoid", use_expert_bias=True)
     base_moe = getattr(base, "moe", None)
     return dataclasses.replace(base_moe, **sizes) if base_moe is not None else MoEArgs(**sizes)
 

@@ -74,10 +74,10 @@ class _HeadsShareIt(ParallelStyle):
         return module
 
 
-def attention_plan(attention: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """MLA's entries (the module has wq, or wq_a / q_norm / wq_b)."""
+def attention_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """MLA's entries, for wq and for wq_a / q_norm / wq_b (`apply_tp` keeps those the module has)."""
     whole_sequence = tp.activations_layout(sequence_parallel)
-    plan: dict[str, ParallelStyle] = {
+    return {
         # x handed over as a plain tensor, the whole sequence (cos_sin and the mask pass through)
         "attention": PrepareModuleInput(
             input_layouts=(whole_sequence, None, None),
@@ -89,27 +89,22 @@ def attention_plan(attention: nn.Module, sequence_parallel: bool) -> dict[str, P
         "attention.wkv_b": ColwiseParallel(),
         "attention.rope_key": _HeadsShareIt(),
         "attention.wo": tp.rowwise_exit(sequence_parallel),
+        "attention.wq": ColwiseParallel(),
+        "attention.wq_a": _Replicated(),
+        "attention.q_norm": _Replicated(),
+        "attention.wq_b": ColwiseParallel(),
     }
-    if hasattr(attention, "wq"):
-        plan["attention.wq"] = ColwiseParallel()
-    else:
-        plan.update(
-            {"attention.wq_a": _Replicated(), "attention.q_norm": _Replicated(), "attention.wq_b": ColwiseParallel()}
-        )
-    return plan
 
 
-def moe_plan(moe: MoE, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The MoE layer whole on each rank, its shared experts (if any) split first."""
-    plan: dict[str, ParallelStyle] = {}
-    if moe.shared_experts is not None:
-        plan = {
-            "feed_forward.shared_experts.w1": ColwiseParallel(),
-            "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
-            "feed_forward.shared_experts.w3": ColwiseParallel(),
-        }
-    plan["feed_forward"] = tp.whole_on_each_rank(sequence_parallel)
-    return plan
+def moe_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The MoE layer whole on each rank, its shared experts (if any: `apply_tp` keeps the entries
+    of those the layer has) split first."""
+    return {
+        "feed_forward.shared_experts.w1": ColwiseParallel(),
+        "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
+        "feed_forward.shared_experts.w3": ColwiseParallel(),
+        "feed_forward": tp.whole_on_each_rank(sequence_parallel),
+    }
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
@@ -118,12 +113,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     sp = sequence_parallel
     decoder_tp.apply_edges(model, tp_mesh, loss_parallel, sp)
     for block in model.layers.values():
-        plan = {**decoder_tp.norms_plan(sp), **attention_plan(block.attention, sp)}
+        plan = {**decoder_tp.norms_plan(sp), **attention_plan(sp)}
         if isinstance(block.feed_forward, MoE):
-            plan.update(moe_plan(block.feed_forward, sp))
+            plan.update(moe_plan(sp))
         else:
             plan.update(decoder_tp.feed_forward_plan(sp))
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, tp.present(block, plan))
 
 
 def tp_problems(args: DeepSeekV3Args, tp_degree: int) -> list[str]:

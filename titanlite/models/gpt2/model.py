@@ -32,7 +32,7 @@ from titanlite.models.init import ShardInit
 class GPT2Args(DecoderArgs):
     """Hyperparameters of one GPT-2 flavor; `vocab_size` is replaced by the tokenizer's. The rest
     the planner reads is DecoderArgs' default: head_dim dim / n_heads, no GQA, no QK norms, an
-    untied head, no MoE."""
+    untied head, no MoE, and GPT-2's MLP width, 4 x dim (`ffn_hidden_dim`)."""
 
     dim: int = 768
     n_layers: int = 12
@@ -42,10 +42,6 @@ class GPT2Args(DecoderArgs):
     norm_eps: float = 1e-5
     # "causal" or "block_causal" (each token sees only its own document): models/attention.py.
     attn_mask_type: str = "causal"
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        return 4 * self.dim  # GPT-2's MLP
 
 
 class Embeddings(nn.Module):

@@ -29,40 +29,29 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     the residual layout, the token table and the head by vocab; replicate the position table."""
     sp = sequence_parallel
     stream = tp.activations_layout(sp)
-    parallelize_module(
-        model,
-        tp_mesh,
-        tp.present(
-            model,
-            {
-                # wte: vocab-sharded lookup leaving in the residual layout, kept a DTensor so adding
-                # the replicated wpe output works (and slices it under sequence parallelism); the
-                # sum leaves as a local tensor.
-                "embeddings": PrepareModuleOutput(output_layouts=stream, desired_output_layouts=stream),
-                "embeddings.wte": RowwiseParallel(
-                    input_layouts=Replicate(), output_layouts=stream, use_local_output=False
-                ),
-                "embeddings.wpe": tp.ReplicateParallel(),
-                "ln_f": tp.norm(sp),
-                "lm_head": tp.output_projection(loss_parallel, sp),
-            },
-        ),
-    )
+    edges = {
+        # wte: vocab-sharded lookup leaving in the residual layout, kept a DTensor so adding
+        # the replicated wpe output works (and slices it under sequence parallelism); the
+        # sum leaves as a local tensor.
+        "embeddings": PrepareModuleOutput(output_layouts=stream, desired_output_layouts=stream),
+        "embeddings.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=False),
+        "embeddings.wpe": tp.ReplicateParallel(),
+        "ln_f": tp.norm(sp),
+        "lm_head": tp.output_projection(loss_parallel, sp),
+    }
+    parallelize_module(model, tp_mesh, tp.present(model, edges))
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "ln_1": tp.norm(sp),
-                "attn": tp.block_entry(sp, extra_inputs=1),  # (x, mask)
-                "attn.c_attn": tp.ColwiseParallel(),  # per-head [q k v] rows: whole heads per rank
-                "attn.c_proj": tp.rowwise_exit(sp),
-                "ln_2": tp.norm(sp),
-                "mlp": tp.block_entry(sp),
-                "mlp.c_fc": tp.ColwiseParallel(),
-                "mlp.c_proj": tp.rowwise_exit(sp),
-            },
-        )
+        plan = {
+            "ln_1": tp.norm(sp),
+            "attn": tp.block_entry(sp, extra_inputs=1),  # (x, mask)
+            "attn.c_attn": tp.ColwiseParallel(),  # per-head [q k v] rows: whole heads per rank
+            "attn.c_proj": tp.rowwise_exit(sp),
+            "ln_2": tp.norm(sp),
+            "mlp": tp.block_entry(sp),
+            "mlp.c_fc": tp.ColwiseParallel(),
+            "mlp.c_proj": tp.rowwise_exit(sp),
+        }
+        parallelize_module(block, tp_mesh, plan)
 
 
 def tp_problems(args: GPT2Args, tp_degree: int) -> list[str]:

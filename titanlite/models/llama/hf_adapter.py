@@ -37,9 +37,7 @@ class LlamaHFAdapter(HFAdapterBase):
         k: kv_heads), or None for a tensor HF stores in our layout."""
         if key.endswith("attention.wq.weight"):
             return args.n_heads
-        if key.endswith("attention.wk.weight"):
-            return args.kv_heads
-        return None
+        return args.kv_heads if key.endswith("attention.wk.weight") else None
 
     def ignored_hf_tensor(self, name: str, args: LlamaArgs) -> bool:
         """Old exports' RoPE buffers, and a tied model's duplicate head."""
@@ -49,11 +47,9 @@ class LlamaHFAdapter(HFAdapterBase):
         """`config.json` for LlamaForCausalLM with these hyperparameters. RoPE is written both
         where transformers >= 5 reads it (`rope_parameters`) and where older versions do
         (top-level `rope_theta`, `rope_scaling`), so either loads the same model."""
-        scaling = (
-            None
-            if args.rope_scaling is None
-            else {"rope_type": "llama3", **dict(zip(_LLAMA3_FIELDS, args.rope_scaling))}
-        )
+        scaling = None
+        if args.rope_scaling is not None:
+            scaling = {"rope_type": "llama3", **dict(zip(_LLAMA3_FIELDS, args.rope_scaling))}
         return {
             **decoder_hf_config(args, dtype, "LlamaForCausalLM", "llama"),
             "rope_scaling": scaling,
@@ -97,18 +93,11 @@ class LlamaHFAdapter(HFAdapterBase):
         dim, hidden = config["hidden_size"], config["intermediate_size"]
         default = int(2 * (4 * dim) / 3)
         values = dict(
-            dim=dim,
-            n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"],
-            n_kv_heads=described["num_key_value_heads"],
+            **self.decoder_values(config, described, 8192),
             vocab_size=config["vocab_size"],
             multiple_of=hidden,
             ffn_dim_multiplier=None if default <= hidden else hidden / default,
-            norm_eps=described["rms_norm_eps"],
-            rope_theta=described["rope_theta"],
             rope_scaling=described["rope_scaling"],
-            max_seq_len=config.get("max_position_embeddings", 8192),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
         args = dataclasses.replace(base, **values) if base is not None else LlamaArgs(**values)
         unsupported = [key for key in ("attention_bias", "mlp_bias") if described[key]]

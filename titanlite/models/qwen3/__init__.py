@@ -12,6 +12,7 @@ true, router_aux_loss_coef 0.001, decoder_sparse_step 1, mlp_only_layers []. voc
 """
 
 import dataclasses
+import functools
 
 from titanlite.models.decoder import NO_DECAY
 from titanlite.models.moe import MoEArgs
@@ -49,18 +50,12 @@ qwen3_flavors: dict[str, Qwen3Args] = {
 }
 
 
-def _torchtitan_moe(n_experts: int, top_k: int, hidden_dim: int) -> MoEArgs:
-    """torchtitan's Qwen3-MoE layer: softmax router, top-k renormalized (route_norm), no shared
-    experts, balanced by the expert bias alone (load_balance_coeff 1e-3, its default): no aux loss."""
-    return MoEArgs(
-        n_experts=n_experts,
-        top_k=top_k,
-        hidden_dim=hidden_dim,
-        score_func="softmax",
-        renormalize=True,
-        use_expert_bias=True,
-        bias_update_rate=1e-3,
-    )
+# torchtitan's Qwen3-MoE layer (n_experts, top_k, hidden_dim): softmax router, top-k renormalized
+# (route_norm), no shared experts, balanced by the expert bias alone (load_balance_coeff 1e-3, its
+# default): no aux loss.
+_torchtitan_moe = functools.partial(
+    MoEArgs, score_func="softmax", renormalize=True, use_expert_bias=True, bias_update_rate=1e-3
+)
 
 
 # torchtitan v0.2.2's qwen3 flavors (torchtitan/models/qwen3/__init__.py), which a torchtitan TOML file
@@ -104,11 +99,4 @@ qwen3_spec = ModelSpec(
     flops_per_token=decoder_flops_per_token,
 )
 
-__all__ = [
-    "Qwen3",
-    "Qwen3Args",
-    "qwen3_flavors",
-    "qwen3_hf",
-    "qwen3_spec",
-    "qwen3_torchtitan_flavors",
-]
+__all__ = ["Qwen3", "Qwen3Args", "qwen3_flavors", "qwen3_hf", "qwen3_spec", "qwen3_torchtitan_flavors"]

@@ -59,15 +59,12 @@ class Qwen3HFAdapter(MoEHFAdapterBase):
         moe = args.moe
         if moe is None:
             return []
-        problems = [
-            f"{what} (Qwen3-MoE has none)"
-            for what, present in (
-                ("an expert bias (DeepSeek-V3's balancing; MoEArgs.use_expert_bias)", moe.use_expert_bias),
-                (f"{moe.n_shared_experts} shared experts", moe.n_shared_experts > 0),
-                (f"routed_scaling_factor {moe.route_scale}", moe.route_scale != 1.0),
-            )
-            if present
-        ]
+        absent = {
+            "an expert bias (DeepSeek-V3's balancing; MoEArgs.use_expert_bias)": moe.use_expert_bias,
+            f"{moe.n_shared_experts} shared experts": moe.n_shared_experts > 0,
+            f"routed_scaling_factor {moe.route_scale}": moe.route_scale != 1.0,
+        }
+        problems = [f"{what} (Qwen3-MoE has none)" for what, present in absent.items() if present]
         if moe.score_func != "softmax":
             problems.append(f"{moe.score_func} router scores (Qwen3-MoE's are a softmax)")
         return problems
@@ -106,9 +103,9 @@ class Qwen3HFAdapter(MoEHFAdapterBase):
             "use_sliding_window": bool(config.get("use_sliding_window", False)),
         }
         if config.get("model_type") == "qwen3_moe":
-            described.update({key: config.get(key) for key in ("num_experts_per_tok", "moe_intermediate_size")})
-            described["num_experts"] = _expert_count(config)
             described.update(
+                {key: config.get(key) for key in ("num_experts_per_tok", "moe_intermediate_size")},
+                num_experts=_expert_count(config),
                 norm_topk_prob=bool(config.get("norm_topk_prob", False)),
                 decoder_sparse_step=config.get("decoder_sparse_step", 1),
                 mlp_only_layers=sorted(config.get("mlp_only_layers") or []),
@@ -127,17 +124,10 @@ class Qwen3HFAdapter(MoEHFAdapterBase):
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)} true: this Qwen3 has bias-free, full attention")
         values = dict(
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=config["num_attention_heads"],
-            n_kv_heads=described["num_key_value_heads"],
+            **self.decoder_values(config, described, 40960),
             head_dim=described["head_dim"],
             hidden_dim=config["intermediate_size"],
             vocab_size=config["vocab_size"],
-            norm_eps=described["rms_norm_eps"],
-            rope_theta=described["rope_theta"],
-            max_seq_len=config.get("max_position_embeddings", 40960),
-            tie_word_embeddings=described["tie_word_embeddings"],
             moe=None,
         )
         if config["model_type"] == "qwen3_moe":

@@ -28,14 +28,17 @@ from titanlite.parallel import tensor_parallel as tp
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
-    """The shared decoder's plan (tied embeddings and pipeline stages included), then the QK
-    norms of every block and, in MoE blocks, the MoE layer in place of the SwiGLU entries."""
-    moe_blocks = {name for name, block in model.layers.items() if isinstance(block.feed_forward, MoE)}
-    decoder_tp.apply_tp(model, tp_mesh, loss_parallel, sequence_parallel, skip_feed_forward=moe_blocks)
-    for name, block in model.layers.items():
-        plan = {"attention.q_norm": tp.norm_over_heads(), "attention.k_norm": tp.norm_over_heads()}
-        if name in moe_blocks:
-            plan["feed_forward"] = tp.whole_on_each_rank(sequence_parallel)
+    """The shared decoder's edges (tied embeddings and pipeline stages included), then every block:
+    its norms, attention and QK norms, and the SwiGLU or, in MoE blocks, the MoE layer."""
+    sp = sequence_parallel
+    decoder_tp.apply_edges(model, tp_mesh, loss_parallel, sp)
+    for block in model.layers.values():
+        plan = {**decoder_tp.norms_plan(sp), **decoder_tp.attention_plan(sp)}
+        plan.update({"attention.q_norm": tp.norm_over_heads(), "attention.k_norm": tp.norm_over_heads()})
+        if isinstance(block.feed_forward, MoE):
+            plan["feed_forward"] = tp.whole_on_each_rank(sp)
+        else:
+            plan.update(decoder_tp.feed_forward_plan(sp))
         parallelize_module(block, tp_mesh, plan)
 
 
