@@ -261,10 +261,8 @@ class _Plan:
 
     @classmethod
     def build(cls, params: list[tuple[str, DTensor]]) -> _Plan:
-        mine = []
-        for key, param in params:
-            chunk = param.__create_chunk_list__()[0]
-            mine.append((key, tuple(param.shape), tuple(chunk.offsets), tuple(chunk.sizes)))
+        chunks = [(key, param.shape, param.__create_chunk_list__()[0]) for key, param in params]
+        mine = [(key, tuple(shape), tuple(chunk.offsets), tuple(chunk.sizes)) for key, shape, chunk in chunks]
         rank, world = dist.get_rank(), dist.get_world_size()
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
