@@ -35,13 +35,12 @@ def build_optimizer(named_params: NamedParams, optimizer_cfg, *, no_decay: tuple
     (name as the model names it, parameter) for every trained parameter; `no_decay`: the model's
     no-decay patterns (`ModelSpec.no_decay`), which a `@no_decay` in the groups stands for."""
     groups = param_groups(named_params, optimizer_cfg, no_decay)
+    betas = (optimizer_cfg.beta1, optimizer_cfg.beta2)
+    common = dict(lr=optimizer_cfg.lr, betas=betas, eps=optimizer_cfg.eps, weight_decay=optimizer_cfg.weight_decay)
     if optimizer_cfg.name == "Muon":
         return Muon(
             groups,
-            lr=optimizer_cfg.lr,
-            betas=(optimizer_cfg.beta1, optimizer_cfg.beta2),
-            eps=optimizer_cfg.eps,
-            weight_decay=optimizer_cfg.weight_decay,
+            **common,
             momentum=optimizer_cfg.muon_momentum,
             nesterov=optimizer_cfg.muon_nesterov,
             ns_steps=optimizer_cfg.muon_newton_schulz_steps,
@@ -49,15 +48,7 @@ def build_optimizer(named_params: NamedParams, optimizer_cfg, *, no_decay: tuple
             names={id(param): name for name, param in named_params},
         )
     impl = optimizer_cfg.implementation
-    return torch.optim.AdamW(
-        groups,
-        lr=optimizer_cfg.lr,
-        betas=(optimizer_cfg.beta1, optimizer_cfg.beta2),
-        eps=optimizer_cfg.eps,
-        weight_decay=optimizer_cfg.weight_decay,
-        fused=impl == "fused",
-        foreach=impl == "foreach",
-    )
+    return torch.optim.AdamW(groups, **common, fused=impl == "fused", foreach=impl == "foreach")
 
 
 def param_groups(named_params: NamedParams, optimizer_cfg, no_decay: tuple[str, ...]) -> list[dict]:
