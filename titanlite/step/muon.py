@@ -135,7 +135,15 @@ class Muon(torch.optim.Optimizer):
             if param.grad is not None:
                 buffer.lerp_(grad, 1 - group["momentum"])
             updates[id(param)] = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-        orthogonal = self._orthogonalize(params, updates)
+        # Each parameter's local block of its orthogonalized update: plain tensors here, DTensors'
+        # matrices on their owners through the exchange.
+        orthogonal = {
+            id(p): _orthogonal(updates[id(p)], group["ns_steps"]) for group, p in params if not isinstance(p, DTensor)
+        }
+        self.last_owned = sum(u.shape[0] if u.ndim == 3 else 1 for u in orthogonal.values())
+        self.last_gathered_bytes = 0
+        if dist.is_initialized():  # every rank takes part in the exchange, holding DTensors or not
+            orthogonal.update(self._exchange([(g, p) for g, p in params if isinstance(p, DTensor)], updates))
         for group, param in params:
             if param.grad is None:
                 continue
@@ -143,20 +151,6 @@ class Muon(torch.optim.Optimizer):
             value = _local(param)
             value.mul_(1 - lr * group["weight_decay"])
             value.add_(orthogonal[id(param)], alpha=-lr * _lr_scale(group["adjust_lr_fn"], *param.shape[-2:]))
-
-    def _orthogonalize(
-        self, params: list[tuple[dict, torch.Tensor]], updates: dict[int, torch.Tensor]
-    ) -> dict[int, torch.Tensor]:
-        """Each parameter's local block of its orthogonalized update: plain tensors here, DTensors'
-        matrices on their owners through the exchange."""
-        distributed = [(group, p) for group, p in params if isinstance(p, DTensor)]
-        result = {
-            id(p): _orthogonal(updates[id(p)], group["ns_steps"]) for group, p in params if not isinstance(p, DTensor)
-        }
-        self.last_owned, self.last_gathered_bytes = sum(u.shape[0] if u.ndim == 3 else 1 for u in result.values()), 0
-        if dist.is_initialized():  # every rank takes part in the exchange, holding DTensors or not
-            result.update(self._exchange(distributed, updates))
-        return result
 
     def _exchange(
         self, params: list[tuple[dict, DTensor]], updates: dict[int, torch.Tensor]
