@@ -172,12 +172,10 @@ class _OptimStateDicts:
             )
         settings = FullyShardedDataParallel.get_state_dict_type(model)
         _refuse_local(settings, "optim_state_dict_to_load")
-        from_rank0 = (
-            settings.state_dict_type == StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only
-        )
-        result = optim_state.loadable(
-            optim_state_dict, model, optim_state.parameter_order(model, optim), from_rank0, group
-        )
+        full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
+        from_rank0 = full and settings.optim_state_dict_config.rank0_only
+        order = optim_state.parameter_order(model, optim)
+        result = optim_state.loadable(optim_state_dict, model, order, from_rank0, group)
         if load_directly:
             optim.load_state_dict(result)
         return result
