@@ -311,6 +311,5 @@ def _assign_owners(matrices: dict[MatrixKey, _Matrix]) -> None:
     load: dict[int, float] = {}
     for key in sorted(matrices, key=lambda k: (-math.prod(matrices[k].shape), k[0], k[1] or 0)):
         matrix = matrices[key]
-        ranks = sorted({block[0] for block in matrix.holders})
-        matrix.owner = min(ranks, key=lambda r: (load.get(r, 0.0), r))
+        matrix.owner = min({block[0] for block in matrix.holders}, key=lambda r: (load.get(r, 0.0), r))
         load[matrix.owner] = load.get(matrix.owner, 0.0) + math.prod(matrix.shape) * min(matrix.shape)

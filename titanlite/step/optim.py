@@ -57,16 +57,14 @@ def param_groups(named_params: NamedParams, optimizer_cfg, no_decay: tuple[str, 
     Under Muon each rule splits into the matrices Muon updates and the rest, which AdamW updates."""
     specs = parse_groups(optimizer_cfg.param_groups, no_decay)
     muon = optimizer_cfg.name == "Muon"
-    buckets: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
+    buckets: dict[tuple[int, bool], tuple[GroupSpec | None, list[torch.nn.Parameter]]] = {}
     for name, param in named_params:
         spec = group_of(name, specs)
         index = len(specs) if spec is None else specs.index(spec)
-        buckets.setdefault((index, muon and takes_muon(name, param)), []).append(param)
-    groups = []
-    for (index, on_muon), params in sorted(buckets.items()):
-        spec = specs[index] if index < len(specs) else None
-        groups.append(_group(params, spec, optimizer_cfg, on_muon, muon))
-    return groups
+        buckets.setdefault((index, muon and takes_muon(name, param)), (spec, []))[1].append(param)
+    return [
+        _group(params, spec, optimizer_cfg, on_muon, muon) for (_, on_muon), (spec, params) in sorted(buckets.items())
+    ]
 
 
 def _group(params: list, spec: GroupSpec | None, cfg, on_muon: bool, muon: bool) -> dict:
