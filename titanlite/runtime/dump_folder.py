@@ -130,8 +130,7 @@ def _holder_text(holder: dict) -> str:
 
 
 def _read_holder(fd: int) -> dict:
-    os.lseek(fd, 0, os.SEEK_SET)
-    text = os.read(fd, 4096).decode(errors="replace").strip()
+    text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     try:
         holder = json.loads(text) if text else {}
     except ValueError:
