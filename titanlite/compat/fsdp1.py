@@ -84,6 +84,8 @@ _CONFIGS = {
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
 
+_KEY_TYPES = {OptimStateKeyType.PARAM_NAME: "name", OptimStateKeyType.PARAM_ID: "id"}
+
 _NO_PARAM_INIT_FN = (
     "param_init_fn: FSDP2 has no per-unit init hook; build the model on meta, wrap it, "
     "then call module.to_empty(device=...) and your init (it fills each rank's shard)"
@@ -139,9 +141,7 @@ class _OptimStateDicts:
         optim: torch.optim.Optimizer | None = None,
     ) -> dict[str, Any]:
         """Keys by name (PARAM_NAME, a wrapped model's) or by id (PARAM_ID, a plain optimizer's)."""
-        by = {OptimStateKeyType.PARAM_NAME: "name", OptimStateKeyType.PARAM_ID: "id"}.get(
-            optim_state_key_type, optim_state_key_type
-        )
+        by = _KEY_TYPES.get(optim_state_key_type, optim_state_key_type)  # anything else: optim_state.rekey refuses it
         return optim_state.rekey(optim_state_dict, optim_state.parameter_order(model, optim, optim_input), by)
 
     @staticmethod
@@ -172,12 +172,10 @@ class _OptimStateDicts:
             )
         settings = FullyShardedDataParallel.get_state_dict_type(model)
         _refuse_local(settings, "optim_state_dict_to_load")
-        from_rank0 = (
-            settings.state_dict_type == StateDictType.FULL_STATE_DICT and settings.optim_state_dict_config.rank0_only
-        )
-        result = optim_state.loadable(
-            optim_state_dict, model, optim_state.parameter_order(model, optim), from_rank0, group
-        )
+        full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
+        from_rank0 = full and settings.optim_state_dict_config.rank0_only
+        order = optim_state.parameter_order(model, optim)
+        result = optim_state.loadable(optim_state_dict, model, order, from_rank0, group)
         if load_directly:
             optim.load_state_dict(result)
         return result

@@ -77,9 +77,7 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
         recompute = getattr(config, "recompute_granularity", None) is not None
         plan = wrap_plan.WrapPlan(
             **placement(process_group or _megatron_data_parallel_group()),
-            units=[u for u in wrap_plan.wrap_units(module, classes, set()) if not _hands_out_bias(u)]
-            if classes
-            else [],
+            units=[u for u in wrap_plan.wrap_units(module, classes, set()) if not _hands_out_bias(u)],
             reshard_after_forward=wrap_plan.reshard_of(getattr(ddp_config, "reshard_after_forward", True)),
             mp_policy=wrap_plan.precision_of(None),
             cpu_offload=False,
@@ -87,9 +85,11 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
             forward_prefetch=False,
             ignored_params=set(),
         )
-        attributes = _parameter_attributes(module)
+        attributes = {name: dict(vars(p)) for name, p in module.named_parameters()}  # FSDP2 makes new parameters
         super().__init__(module, plan)
-        _restore_parameter_attributes(module, attributes)
+        for name, p in module.named_parameters():
+            for key, value in attributes.get(name, {}).items():
+                setattr(p, key, value)
         self.config, self.ddp_config, self.process_group, self.device_mesh = config, ddp_config, plan.group, plan.mesh
 
     def start_grad_sync(self, *unused: Any) -> None:
@@ -163,14 +163,3 @@ def _megatron_data_parallel_group() -> dist.ProcessGroup | None:
     if not parallel_state.model_parallel_is_initialized():
         return None
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
-
-
-def _parameter_attributes(module: nn.Module) -> dict[str, dict[str, Any]]:
-    """The attributes set on each parameter (FSDP2 replaces the parameters with new DTensors)."""
-    return {name: dict(vars(p)) for name, p in module.named_parameters()}
-
-
-def _restore_parameter_attributes(module: nn.Module, attributes: dict[str, dict[str, Any]]) -> None:
-    for name, p in module.named_parameters():
-        for key, value in attributes.get(name, {}).items():
-            setattr(p, key, value)

@@ -59,12 +59,13 @@ def _why_not_writable(error: OSError) -> str:
     return error.strerror or str(error)
 
 
-def _file_in_the_way(path: Path) -> Path | None:
-    """`path` or its nearest ancestor that exists, when that is not a folder."""
-    for candidate in (path, *path.parents):
+def _refuse_file_in_the_way(folder: Path, field: str) -> None:
+    """Refuse `folder` when it or its nearest ancestor that exists is not a folder."""
+    for candidate in (folder, *folder.parents):
         if candidate.exists() or candidate.is_symlink():
-            return None if candidate.is_dir() else candidate
-    return None
+            if not candidate.is_dir():
+                raise TitanliteError(f"{field}: cannot create the folder {folder}: {candidate} is a file")
+            return
 
 
 def _probe_write(folder: Path, field: str) -> None:
@@ -79,9 +80,7 @@ def _probe_write(folder: Path, field: str) -> None:
 
 def make_writable_folder(folder: Path, field: str) -> None:
     """Create `folder` (and its parents) and check a file can be written in it."""
-    in_the_way = _file_in_the_way(folder)
-    if in_the_way is not None:
-        raise TitanliteError(f"{field}: cannot create the folder {folder}: {in_the_way} is a file")
+    _refuse_file_in_the_way(folder, field)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -93,9 +92,7 @@ def check_creatable_folder(folder: Path, field: str) -> Path:
     """`folder`, or the nearest ancestor it would be created in, is a writable folder
     (nothing is created: an absent checkpoint folder means something to a resume).
     Returns that existing folder."""
-    in_the_way = _file_in_the_way(folder)
-    if in_the_way is not None:
-        raise TitanliteError(f"{field}: cannot create the folder {folder}: {in_the_way} is a file")
+    _refuse_file_in_the_way(folder, field)
     existing = next(p for p in (folder, *folder.parents) if p.is_dir())
     _probe_write(existing, field)
     return existing
@@ -133,8 +130,7 @@ def _holder_text(holder: dict) -> str:
 
 
 def _read_holder(fd: int) -> dict:
-    os.lseek(fd, 0, os.SEEK_SET)
-    text = os.read(fd, 4096).decode(errors="replace").strip()
+    text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     try:
         holder = json.loads(text) if text else {}
     except ValueError:
@@ -169,17 +165,14 @@ def _pid_alive(pid: object) -> bool:
 
 def _refusal(path: Path, holder: dict, flocked: bool | None) -> str | None:
     """Why the lock cannot be taken, or None when it is free (or stale)."""
-    folder = path.parent
-    if flocked is False:
+    folder, unknown = path.parent, flocked is None and bool(holder)  # no flock: the holder's record decides
+    if unknown and holder.get("host") != socket.gethostname():
+        return (
+            f"job.dump_folder: {folder} is locked by a run on another host ({_holder_text(holder)}) and this "
+            f"file system cannot tell whether it still runs; delete {path} if it does not"
+        )
+    if flocked is False or (unknown and _pid_alive(holder.get("pid"))):
         return f"job.dump_folder: {folder} is in use by another run ({_holder_text(holder)}; lock file {path})"
-    if flocked is None and holder:
-        if holder.get("host") != socket.gethostname():
-            return (
-                f"job.dump_folder: {folder} is locked by a run on another host ({_holder_text(holder)}) and this "
-                f"file system cannot tell whether it still runs; delete {path} if it does not"
-            )
-        if _pid_alive(holder.get("pid")):
-            return f"job.dump_folder: {folder} is in use by another run ({_holder_text(holder)}; lock file {path})"
     return None
 
 

@@ -97,6 +97,11 @@ def _like_param(value: Any, param: torch.Tensor) -> Any:
     return value.clone()
 
 
+def _first_line(error: BaseException) -> str:
+    """The start of an error's message (torchft wraps a peer's failure: the original's)."""
+    return str(getattr(error, "original_exception", error)).splitlines()[0][:200]
+
+
 class LoneGroup(StepParticipant):
     """Fault tolerance off: this job is the only group; it joins no step and saves its checkpoints."""
 
@@ -134,10 +139,8 @@ class ReplicaGroup(StepParticipant):
 
     def _state(self) -> dict[str, Any]:
         optimizer = self.optimizer.state_dict()
-        optimizer["state"] = {
-            index: {key: _local(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
-            for index, state in optimizer["state"].items()
-        }
+        # new dicts of local shards: the optimizer's own state stays as it is
+        optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         return {
             "model": {name: _local(p.detach()) for name, p in self.model.named_parameters()},
             "optimizer": optimizer,
@@ -151,10 +154,8 @@ class ReplicaGroup(StepParticipant):
             for name, p in self.model.named_parameters():
                 _local(p.detach()).copy_(state["model"][name])
         optimizer = state["optimizer"]
-        optimizer["state"] = {
-            index: {key: _like_param(value, self.params[int(index)]) for key, value in values.items()}
-            for index, values in optimizer["state"].items()
-        }
+        for index, values in optimizer["state"].items():
+            values.update({key: _like_param(value, self.params[int(index)]) for key, value in values.items()})
         self.optimizer.load_state_dict(optimizer)
         for name, piece in self.states.items():
             piece.load_state_dict(state[name])
@@ -182,8 +183,8 @@ class ReplicaGroup(StepParticipant):
             self.step_start = {name: piece.state_dict() for name, piece in self.states.items()}
         deadline = time.monotonic() + self.ft.quorum_timeout_ms / 1000
         self._quorum()
-        while self.manager.errored() is not None:  # a heal or a reconfiguration failed: a peer died meanwhile
-            logger.info(f"fault_tolerance: step {step}: the quorum failed ({self._first_line()}); asking again")
+        while (error := self.manager.errored()) is not None:  # a heal or a reconfiguration failed: a peer died
+            logger.info(f"fault_tolerance: step {step}: the quorum failed ({_first_line(error)}); asking again")
             self._quorum(step, deadline)
         while self.manager.num_participants() < self.ft.min_replica_size:
             if not self.waiting:
@@ -196,10 +197,6 @@ class ReplicaGroup(StepParticipant):
             self._quorum(step, deadline)
         self._say_quorum(step)
 
-    def _first_line(self) -> str:
-        error = self.manager.errored()
-        return str(getattr(error, "original_exception", error)).splitlines()[0][:200]
-
     def _quorum(self, step: int | None = None, deadline: float = math.inf) -> None:
         """Ask for the quorum (again, `step` given: once more unless past `deadline`)."""
         if time.monotonic() > deadline:
@@ -207,7 +204,7 @@ class ReplicaGroup(StepParticipant):
         try:
             self.manager.start_quorum()
         except Exception as error:  # the lighthouse's deadline (a Rust error) or a lost lighthouse
-            raise TitanliteError(f"{self._timeout_line(None)} ({str(error).splitlines()[0][:200]})") from None
+            raise TitanliteError(f"{self._timeout_line(None)} ({_first_line(error)})") from None
 
     def _timeout_line(self, step: int | None) -> str:
         at = f" at step {step}" if step is not None else ""
@@ -240,20 +237,15 @@ class ReplicaGroup(StepParticipant):
         if not self.per_step:
             return loss
         grads = [_local(p.grad) if p.grad is not None else None for p in params]
-        flat = torch.cat(
-            [
-                (g if g is not None else _local(p.detach()).new_zeros(_local(p).numel())).reshape(-1).float()
-                for g, p in zip(grads, params)
-            ]
-            + [(loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().reshape(1).float()]  # loss parallel
-        )
+        pieces = [
+            (g if g is not None else torch.zeros_like(_local(p.detach()))).reshape(-1) for g, p in zip(grads, params)
+        ]
+        whole_loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel
+        flat = torch.cat([*(piece.float() for piece in pieces), whole_loss.detach().reshape(1).float()])
         self.manager.allreduce(flat).wait()
-        offset = 0
-        for g, p in zip(grads, params):
-            n = _local(p).numel()
+        for g, averaged in zip(grads, flat[:-1].split([piece.numel() for piece in pieces])):
             if g is not None:
-                g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n
+                g.copy_(averaged.view_as(g))
         return flat[-1].to(loss.dtype)
 
     def commit(self, step: int) -> bool:

@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from types import FrameType
 from typing import NamedTuple
@@ -80,22 +81,15 @@ def _in(frame: FrameType, folder: str) -> bool:
 
 def _where(frame: FrameType) -> str:
     """The innermost frame outside Python's standard library (a lock's wait is the caller's)."""
-    first = frame
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_STDLIB):
-        frame = frame.f_back
-    if frame.f_code.co_filename.startswith(_STDLIB):
-        frame = first
+    outside = (f for f, _ in traceback.walk_stack(frame) if not f.f_code.co_filename.startswith(_STDLIB))
+    frame = next(outside, frame)
     return f"{frame.f_code.co_name}, {os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-def _stack_keys(frame: FrameType | None) -> list[tuple[int, object]]:
+def _stack_keys(frame: FrameType) -> list[tuple[int, object]]:
     """The stack's frames as (id, code): kept between samples without keeping a frame (and its
     tensors) alive."""
-    keys = []
-    while frame is not None:
-        keys.append((id(frame), frame.f_code))
-        frame = frame.f_back
-    return keys
+    return [(id(f), f.f_code) for f, _ in traceback.walk_stack(frame)]
 
 
 class _Watcher(threading.Thread):

@@ -75,9 +75,7 @@ class StepBuilder:
     def loss_rank(self) -> int:
         """The global rank the NaN fault goes to: 0, or under pipeline parallelism the lowest
         rank that computes a loss (holds the last stage)."""
-        if self.pipeline is None:
-            return 0
-        return self.pipeline.output_rank(self.meshes.world)
+        return 0 if self.pipeline is None else self.pipeline.output_rank(self.meshes.world)
 
     @functools.cached_property
     def pp_group(self) -> dist.ProcessGroup | None:

@@ -92,13 +92,12 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        muon_params = []
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw(group)
-            else:
-                muon_params += [(group, p) for p in group["params"]]
-        self._muon(muon_params)
+        self._muon(
+            [(group, p) for group in self.param_groups if group["algorithm"] != "adamw" for p in group["params"]]
+        )
         return loss
 
     def _adamw(self, group: dict) -> None:
@@ -135,7 +134,15 @@ class Muon(torch.optim.Optimizer):
             if param.grad is not None:
                 buffer.lerp_(grad, 1 - group["momentum"])
             updates[id(param)] = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-        orthogonal = self._orthogonalize(params, updates)
+        # Each parameter's local block of its orthogonalized update: plain tensors here, DTensors'
+        # matrices on their owners through the exchange.
+        orthogonal = {
+            id(p): _orthogonal(updates[id(p)], group["ns_steps"]) for group, p in params if not isinstance(p, DTensor)
+        }
+        self.last_owned = sum(u.shape[0] if u.ndim == 3 else 1 for u in orthogonal.values())
+        self.last_gathered_bytes = 0
+        if dist.is_initialized():  # every rank takes part in the exchange, holding DTensors or not
+            orthogonal.update(self._exchange([(g, p) for g, p in params if isinstance(p, DTensor)], updates))
         for group, param in params:
             if param.grad is None:
                 continue
@@ -144,34 +151,14 @@ class Muon(torch.optim.Optimizer):
             value.mul_(1 - lr * group["weight_decay"])
             value.add_(orthogonal[id(param)], alpha=-lr * _lr_scale(group["adjust_lr_fn"], *param.shape[-2:]))
 
-    def _orthogonalize(
-        self, params: list[tuple[dict, torch.Tensor]], updates: dict[int, torch.Tensor]
-    ) -> dict[int, torch.Tensor]:
-        """Each parameter's local block of its orthogonalized update: plain tensors here, DTensors'
-        matrices on their owners through the exchange."""
-        result, distributed = {}, []
-        for group, param in params:
-            if isinstance(param, DTensor):
-                distributed.append((group, param))
-            else:
-                result[id(param)] = _orthogonal(updates[id(param)], group["ns_steps"])
-        self.last_owned, self.last_gathered_bytes = sum(u.shape[0] if u.ndim == 3 else 1 for u in result.values()), 0
-        if dist.is_initialized():  # every rank takes part in the exchange, holding DTensors or not
-            result.update(self._exchange(distributed, updates))
-        return result
-
     def _exchange(
         self, params: list[tuple[dict, DTensor]], updates: dict[int, torch.Tensor]
     ) -> dict[int, torch.Tensor]:
         if self._plan is None:
             self._plan = _Plan.build([(self._keys[id(p)], p) for _, p in params])
         plan = self._plan
-        blocks = {}  # this rank's block of each matrix it holds
-        for _, param in params:
-            key, update = self._keys[id(param)], updates[id(param)]
-            first = plan.first_expert.get(key)
-            for index in [None] if first is None else range(first, first + update.shape[0]):
-                blocks[(key, index)] = update if index is None else update[index - first]
+        held = {id(p): _matrices(self._keys[id(p)], updates[id(p)], plan.first_expert) for _, p in params}
+        blocks = {key: block for pairs in held.values() for key, block in pairs}  # this rank's block of each matrix
         ns_steps = {self._keys[id(p)]: group["ns_steps"] for group, p in params}
         # Gather: every rank sends each owner the distinct blocks it holds of the owner's matrices.
         outgoing = [[blocks[key] for key, _ in sends] for sends in plan.gather_out]
@@ -189,17 +176,18 @@ class Muon(torch.optim.Optimizer):
         ]
         scattered = {key: piece for key, _, piece in _all_to_all(outgoing, plan.scatter_in)[0]}
         out = {}
-        for _, param in params:
-            key, update = self._keys[id(param)], updates[id(param)]
-            first = plan.first_expert.get(key)
-            if update.numel() == 0:
-                out[id(param)] = update.clone()
-            elif first is None:
-                out[id(param)] = scattered[(key, None)].view_as(update)
-            else:
-                experts = range(first, first + update.shape[0])
-                out[id(param)] = torch.stack([scattered[(key, e)].view_as(update[0]) for e in experts])
+        for i, pairs in held.items():  # an empty shard holds no block: nothing was sent to it
+            whole = [scattered[key].view_as(block) for key, block in pairs]
+            out[i] = torch.stack(whole).view_as(updates[i]) if updates[i].numel() else updates[i].clone()
         return out
+
+
+def _matrices(key: str, update: torch.Tensor, first_expert: dict[str, int]) -> list[tuple[MatrixKey, torch.Tensor]]:
+    """(matrix, this rank's block of it) of each matrix in a parameter's update: the update
+    itself, or each expert of a stacked weight (`first_expert`: this rank's first of each)."""
+    if key not in first_expert:
+        return [((key, None), update)]
+    return [((key, first_expert[key] + index), matrix) for index, matrix in enumerate(update)]
 
 
 def _like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -257,28 +245,17 @@ class _Plan:
         self.matrices = matrices
         self.first_expert = first_expert  # this rank's first expert of each stacked weight it holds
         self.owned = [key for key, matrix in matrices.items() if matrix.owner == rank]
-        self.gather_out: Route = [[] for _ in range(world)]
-        self.gather_in: Route = [[] for _ in range(world)]
-        self.scatter_out: Route = [[] for _ in range(world)]
-        self.scatter_in: Route = [[] for _ in range(world)]
-        for key, matrix in matrices.items():
-            for block in matrix.senders:
-                if block[0] == rank:
-                    self.gather_out[matrix.owner].append((key, block))
-                if matrix.owner == rank:
-                    self.gather_in[block[0]].append((key, block))
-            for block in matrix.holders:
-                if matrix.owner == rank:
-                    self.scatter_out[block[0]].append((key, block))
-                if block[0] == rank:
-                    self.scatter_in[matrix.owner].append((key, block))
+        # The gather moves each distinct block from its holder to the owner; the scatter, every
+        # holder's block from the owner to it: (matrix, block, from rank, to rank).
+        gather = [(key, block, block[0], m.owner) for key, m in matrices.items() for block in m.senders]
+        scatter = [(key, block, m.owner, block[0]) for key, m in matrices.items() for block in m.holders]
+        self.gather_out, self.gather_in = _routes(gather, rank, world)
+        self.scatter_out, self.scatter_in = _routes(scatter, rank, world)
 
     @classmethod
     def build(cls, params: list[tuple[str, DTensor]]) -> _Plan:
-        mine = []
-        for key, param in params:
-            chunk = param.__create_chunk_list__()[0]
-            mine.append((key, tuple(param.shape), tuple(chunk.offsets), tuple(chunk.sizes)))
+        chunks = [(key, param.shape, param.__create_chunk_list__()[0]) for key, param in params]
+        mine = [(key, tuple(shape), tuple(chunk.offsets), tuple(chunk.sizes)) for key, shape, chunk in chunks]
         rank, world = dist.get_rank(), dist.get_world_size()
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
@@ -296,10 +273,19 @@ class _Plan:
                         matrix.senders.append(block)
         _assign_owners(matrices)
         first = {key: offsets[0] for key, shape, offsets, _ in everyone[rank] if len(shape) == 3}
-        ordered = dict(
-            sorted(matrices.items(), key=lambda item: (item[0][0], -1 if item[0][1] is None else item[0][1]))
-        )
-        return cls(ordered, rank, world, first)
+        return cls(matrices, rank, world, first)  # every rank built `matrices` in one order, from `everyone`
+
+
+def _routes(moves: list[tuple[MatrixKey, Block, int, int]], rank: int, world: int) -> tuple[Route, Route]:
+    """What this rank sends to each rank, and receives from each, of `moves`, in their order."""
+    out: Route = [[] for _ in range(world)]
+    into: Route = [[] for _ in range(world)]
+    for key, block, source, target in moves:
+        if source == rank:
+            out[target].append((key, block))
+        if target == rank:
+            into[source].append((key, block))
+    return out, into
 
 
 def _all_to_all(
@@ -314,11 +300,9 @@ def _all_to_all(
     flat = [piece.reshape(-1).float() for pieces in outgoing for piece in pieces]
     buffer = torch.empty(sum(sizes))
     dist.all_to_all_single(buffer, torch.cat(flat) if flat else torch.empty(0), sizes, sent)
-    received = []
-    for expected, part in zip(incoming, buffer.split(sizes)):
-        pieces = part.split([block[3] * block[4] for _, block in expected])
-        received += [(key, block, piece) for (key, block), piece in zip(expected, pieces)]
-    return received, 4 * (sum(sizes) - sizes[rank])
+    expected = [(key, block) for blocks in incoming for key, block in blocks]
+    pieces = buffer.split([block[3] * block[4] for _, block in expected])
+    return [(key, block, piece) for (key, block), piece in zip(expected, pieces)], 4 * (sum(sizes) - sizes[rank])
 
 
 def _assign_owners(matrices: dict[MatrixKey, _Matrix]) -> None:
@@ -326,6 +310,5 @@ def _assign_owners(matrices: dict[MatrixKey, _Matrix]) -> None:
     load: dict[int, float] = {}
     for key in sorted(matrices, key=lambda k: (-math.prod(matrices[k].shape), k[0], k[1] or 0)):
         matrix = matrices[key]
-        ranks = sorted({block[0] for block in matrix.holders})
-        matrix.owner = min(ranks, key=lambda r: (load.get(r, 0.0), r))
+        matrix.owner = min({block[0] for block in matrix.holders}, key=lambda r: (load.get(r, 0.0), r))
         load[matrix.owner] = load.get(matrix.owner, 0.0) + math.prod(matrix.shape) * min(matrix.shape)

@@ -41,14 +41,11 @@ class NonFiniteSteps:
         when no skip is left."""
         if agreement.finite:
             return True
-        what = " and ".join(
-            name
-            for name, bad in (
-                ("loss", agreement.loss_nonfinite),
-                (f"grad_norm ({grad_norm.item():g})", agreement.grad_norm_nonfinite),
-            )
-            if bad
-        )
+        found = [
+            ("loss", agreement.loss_nonfinite),
+            (f"grad_norm ({grad_norm.item():g})", agreement.grad_norm_nonfinite),
+        ]
+        what = " and ".join(name for name, bad in found if bad)
         if self.skipped >= self.max_skips:
             raise NonFiniteError(
                 f"step {step}: non-finite {what}; stopped before the optimizer step, nothing of this step was saved "

@@ -35,13 +35,12 @@ def build_optimizer(named_params: NamedParams, optimizer_cfg, *, no_decay: tuple
     (name as the model names it, parameter) for every trained parameter; `no_decay`: the model's
     no-decay patterns (`ModelSpec.no_decay`), which a `@no_decay` in the groups stands for."""
     groups = param_groups(named_params, optimizer_cfg, no_decay)
+    betas = (optimizer_cfg.beta1, optimizer_cfg.beta2)
+    common = dict(lr=optimizer_cfg.lr, betas=betas, eps=optimizer_cfg.eps, weight_decay=optimizer_cfg.weight_decay)
     if optimizer_cfg.name == "Muon":
         return Muon(
             groups,
-            lr=optimizer_cfg.lr,
-            betas=(optimizer_cfg.beta1, optimizer_cfg.beta2),
-            eps=optimizer_cfg.eps,
-            weight_decay=optimizer_cfg.weight_decay,
+            **common,
             momentum=optimizer_cfg.muon_momentum,
             nesterov=optimizer_cfg.muon_nesterov,
             ns_steps=optimizer_cfg.muon_newton_schulz_steps,
@@ -49,15 +48,7 @@ def build_optimizer(named_params: NamedParams, optimizer_cfg, *, no_decay: tuple
             names={id(param): name for name, param in named_params},
         )
     impl = optimizer_cfg.implementation
-    return torch.optim.AdamW(
-        groups,
-        lr=optimizer_cfg.lr,
-        betas=(optimizer_cfg.beta1, optimizer_cfg.beta2),
-        eps=optimizer_cfg.eps,
-        weight_decay=optimizer_cfg.weight_decay,
-        fused=impl == "fused",
-        foreach=impl == "foreach",
-    )
+    return torch.optim.AdamW(groups, **common, fused=impl == "fused", foreach=impl == "foreach")
 
 
 def param_groups(named_params: NamedParams, optimizer_cfg, no_decay: tuple[str, ...]) -> list[dict]:
@@ -66,16 +57,14 @@ def param_groups(named_params: NamedParams, optimizer_cfg, no_decay: tuple[str, 
     Under Muon each rule splits into the matrices Muon updates and the rest, which AdamW updates."""
     specs = parse_groups(optimizer_cfg.param_groups, no_decay)
     muon = optimizer_cfg.name == "Muon"
-    buckets: dict[tuple[int, bool], list[torch.nn.Parameter]] = {}
+    buckets: dict[tuple[int, bool], tuple[GroupSpec | None, list[torch.nn.Parameter]]] = {}
     for name, param in named_params:
         spec = group_of(name, specs)
         index = len(specs) if spec is None else specs.index(spec)
-        buckets.setdefault((index, muon and takes_muon(name, param)), []).append(param)
-    groups = []
-    for (index, on_muon), params in sorted(buckets.items()):
-        spec = specs[index] if index < len(specs) else None
-        groups.append(_group(params, spec, optimizer_cfg, on_muon, muon))
-    return groups
+        buckets.setdefault((index, muon and takes_muon(name, param)), (spec, []))[1].append(param)
+    return [
+        _group(params, spec, optimizer_cfg, on_muon, muon) for (_, on_muon), (spec, params) in sorted(buckets.items())
+    ]
 
 
 def _group(params: list, spec: GroupSpec | None, cfg, on_muon: bool, muon: bool) -> dict:
