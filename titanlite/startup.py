@@ -33,7 +33,7 @@ from titanlite.observe.run_dir import start_run_dir
 from titanlite.observe.wandb_run import require_wandb
 from titanlite.parallel.distributed import DistInfo, init_distributed
 from titanlite.runtime.dump_folder import RunLock, claim_dump_folder
-from titanlite.runtime.fault_tolerance import build_replica_group, data_share, prepare_replica_group
+from titanlite.runtime.fault_tolerance import LoneGroup, ReplicaGroup, data_share, prepare_replica_group
 from titanlite.runtime.gc_schedule import ScheduledGC
 from titanlite.runtime.preemption import received
 from titanlite.step.builder import StepBuilder
@@ -141,7 +141,8 @@ def build_run(plan: RunPlan, participants: Sequence[StepParticipant] = ()) -> Ru
         manager = _checkpoint_manager(
             run.plan, run.model, optimizer=run.optimizer, tokenizer=run.plan.tokenizer, **states
         )
-    group = build_replica_group(cfg.fault_tolerance, run.model, run.optimizer, states, run.dist)
+    ft = cfg.fault_tolerance
+    group = ReplicaGroup(ft, run.model, run.optimizer, states, run.dist) if ft.enable else LoneGroup()
     run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager is not None else NoCheckpoints()
     run.metrics = _metrics(run)
     run.validator = None

@@ -79,11 +79,7 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
             **placement(process_group or _megatron_data_parallel_group()),
             units=[u for u in wrap_plan.wrap_units(module, classes, set()) if not _hands_out_bias(u)],
             reshard_after_forward=wrap_plan.reshard_of(getattr(ddp_config, "reshard_after_forward", True)),
-            mp_policy=wrap_plan.precision_of(None),
-            cpu_offload=False,
             backward_prefetch="previous" if recompute else "default",
-            forward_prefetch=False,
-            ignored_params=set(),
         )
         attributes = {name: dict(vars(p)) for name, p in module.named_parameters()}  # FSDP2 makes new parameters
         super().__init__(module, plan)

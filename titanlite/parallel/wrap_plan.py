@@ -54,12 +54,12 @@ class WrapPlan:
     group: dist.ProcessGroup  # every rank of the mesh: the gradient norm's all-reduce
     units: list[nn.Module]  # innermost first; the root comes after them
     reshard_after_forward: bool | int
-    mp_policy: MixedPrecisionPolicy
-    cpu_offload: bool
     backward_prefetch: BackwardPrefetchMode
-    forward_prefetch: bool
-    ignored_params: set[nn.Parameter]
     device: torch.device
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    cpu_offload: bool = False
+    forward_prefetch: bool = False
+    ignored_params: set[nn.Parameter] = field(default_factory=set)
     # Units sharded without mixed precision, their inputs cast up and outputs back (FSDP1's
     # `MixedPrecision._module_classes_to_ignore`, BatchNorm by default); also in `units`.
     full_precision_units: list[nn.Module] = field(default_factory=list)

@@ -8,8 +8,8 @@ joins late (model, optimizer, lr schedule, data position, step and RNG sent from
 by torchft's checkpoint transport). Nothing here is a quorum, heartbeat or transfer of our own.
 
 The trainer touches it as a step participant (step/participants.py), always there:
-`build_replica_group` gives a `ReplicaGroup`, or without fault tolerance a `LoneGroup` that
-does nothing. A `ReplicaGroup` joins a step at four points: `before_step`, before a step draws
+the start-up (startup.py) builds a `ReplicaGroup`, or without fault tolerance a `LoneGroup`
+that does nothing. A `ReplicaGroup` joins a step at four points: `before_step`, before a step draws
 its batches (the quorum; a joining group is healed there, so it draws from the live group's
 data position), `after_backward` (the gradients averaged over the groups, before clipping),
 `commit` before the optimizer step, and `log_fields` (the quorum on the step line); `resume`
@@ -311,14 +311,3 @@ def _semi_sync(ft: FaultTolerance, manager: Any, model: torch.nn.Module, optimiz
         semi_sync = DiLoCo(manager, [model], optimizer, outer, sync_every=ft.sync_steps, pin_memory=False)
     semi_sync.__enter__()
     return semi_sync
-
-
-def build_replica_group(
-    ft: FaultTolerance,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    states: dict[str, Any],
-    dist_info: DistInfo,
-) -> ReplicaGroup | LoneGroup:
-    """The run's ReplicaGroup when `fault_tolerance.enable`, else a LoneGroup (see ReplicaGroup)."""
-    return ReplicaGroup(ft, model, optimizer, states, dist_info) if ft.enable else LoneGroup()

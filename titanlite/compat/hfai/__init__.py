@@ -62,11 +62,8 @@ class FullyShardedDataParallel(ShardedWrapper):
             **placement(process_group, fsdp_group_size=fsdp_group_size),
             units=wrap_plan.wrap_units(module, auto_wrap_policy, set()),
             reshard_after_forward=wrap_plan.reshard_of(reshard_after_forward),
-            mp_policy=wrap_plan.precision_of(None),
-            cpu_offload=False,
             backward_prefetch=wrap_plan.backward_prefetch_of(backward_prefetch),
             forward_prefetch=wrap_plan.forward_prefetch_of(forward_prefetch),
-            ignored_params=set(),
         )
         super().__init__(module, plan)
         self._whole = False
