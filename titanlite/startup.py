@@ -127,29 +127,23 @@ class RunParts:
 def build_run(plan: RunPlan, participants: Sequence[StepParticipant] = ()) -> RunParts:
     """Every part of a run, from its plan; `participants` join every step after the run's own.
 
-    After the process and the training's parts: the checkpoints, fault tolerance, metrics and
+    After the process and the training's parts: fault tolerance, the checkpoints, metrics and
     validation; then every participant in the order each point calls them: the expert load
     before the quorum on the step line, a heal before the float8 scales, and after a step
     validation, then the save, then the collector."""
     run = RunParts()
     _start_process(run, plan)
     validation_data, experts = _build_training(run)
-    cfg = run.cfg
-    states = {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
-    manager = None  # when the run neither saves nor loads checkpoints
-    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
-        manager = _checkpoint_manager(
-            run.plan, run.model, optimizer=run.optimizer, tokenizer=run.plan.tokenizer, **states
-        )
+    cfg, states = run.cfg, {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
     ft = cfg.fault_tolerance
     group = ReplicaGroup(ft, run.model, run.optimizer, states, run.dist) if ft.enable else LoneGroup()
-    run.checkpoint = Checkpointing(manager, group.saves_checkpoints) if manager is not None else NoCheckpoints()
+    run.checkpoint = NoCheckpoints()  # when the run neither saves nor loads checkpoints
+    if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
+        parts = {"optimizer": run.optimizer, "tokenizer": run.plan.tokenizer, **states}
+        run.checkpoint = Checkpointing(_checkpoint_manager(run.plan, run.model, **parts), group.saves_checkpoints)
     run.metrics = _metrics(run)
-    run.validator = None
-    if cfg.validation.enable:
-        run.validator = Validator(
-            cfg.validation, validation_data, run.model, run.forward_backward, run.steps.reported, run.metrics
-        )
+    evaluates = (validation_data, run.model, run.forward_backward, run.steps.reported, run.metrics)
+    run.validator = Validator(cfg.validation, *evaluates) if cfg.validation.enable else None
     _say_start(run)
     float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
     validator = run.validator or StepParticipant()  # a no-op without validation, as float8's

@@ -43,6 +43,7 @@ from titanlite.config.dtypes import torch_dtype
 from titanlite.parallel.float8 import plain_tensors
 
 FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+STATEFUL = ("lr_scheduler", "dataloader", "train_state")  # saved and restored through their own state_dict
 
 
 @dataclass
@@ -62,21 +63,15 @@ class Contents:
         every module); the separate model and optimizer calls each did it, inside the loop's
         stall of an async save."""
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=FLAT_OPTIMIZER)
-        return {
-            "model": plain_tensors(model_state),
-            "optimizer": optimizer_state,
-            "lr_scheduler": self.lr_scheduler.state_dict(),
-            "dataloader": self.dataloader.state_dict(),
-            "train_state": self.train_state.state_dict(),
-        }
+        pieces = {name: getattr(self, name).state_dict() for name in STATEFUL}
+        return {"model": plain_tensors(model_state), "optimizer": optimizer_state, **pieces}
 
     def apply_training_state(self, state: dict[str, Any]) -> None:
         """Put a loaded `training_state()` back into the live objects."""
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FLAT_OPTIMIZER)
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.dataloader.load_state_dict(state["dataloader"])
-        self.train_state.load_state_dict(state["train_state"])
+        for name in STATEFUL:
+            getattr(self, name).load_state_dict(state[name])
 
     def weights_state(self, dtype: str | None) -> dict[str, Any]:
         """Model weights only, cast to `dtype` (a config dtype name) when given."""

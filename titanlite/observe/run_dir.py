@@ -19,6 +19,7 @@ the checkpoint's.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -46,11 +47,9 @@ def create_run_dir(cfg: JobConfig) -> Path:
         parent.mkdir(parents=True, exist_ok=True)
         for attempt in itertools.count(1):
             path = parent / (stamp if attempt == 1 else f"{stamp}-{attempt}")
-            try:
+            with contextlib.suppress(FileExistsError):
                 path.mkdir()
                 break
-            except FileExistsError:
-                continue
         temporary = path / f".{CONFIG_FILE}.tmp"
         temporary.write_text(to_toml(cfg))
         os.replace(temporary, path / CONFIG_FILE)  # a reader never sees half a config
