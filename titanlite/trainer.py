@@ -124,8 +124,10 @@ class Trainer:
                     history.append({"step": step, **self.log(step, loss, grad_norm)})
                 run.participants.after_step(step, last)
                 profiler.step()
-                if agreement.stop:
-                    self._stop_on_signal(step, agreement.stop_signal_name())
+                if agreement.stop:  # SIGTERM/SIGUSR1 reached a rank; all agreed: a blocking save, rank 0 says where
+                    outcome = run.checkpoint.save_now(step)
+                    if run.dist.rank == 0:
+                        say(f"titanlite: stopped by {agreement.stop_signal_name()} after step {step}; {outcome}")
                     break
         steps, tokens = run.state.step - first_step + 1, run.state.tokens_seen - tokens_before
         final_loss = history[-1]["loss"] if history else None
@@ -138,13 +140,6 @@ class Trainer:
         tokens = run.cfg.training.local_batch_size * run.cfg.training.seq_len * microbatches
         run.state.tokens_seen += tokens * run.data.dp_degree
         run.metrics.add_tokens(tokens)
-
-    def _stop_on_signal(self, step: int, signal_name: str) -> None:
-        """Every rank agreed to stop (SIGTERM or SIGUSR1 reached at least one): a blocking
-        checkpoint of the step just finished, and one line on rank 0 saying where."""
-        outcome = self.run.checkpoint.save_now(step)
-        if self.run.dist.rank == 0:
-            say(f"titanlite: stopped by {signal_name} after step {step}; {outcome}")
 
     def close(self) -> None:
         run = self.run

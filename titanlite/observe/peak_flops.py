@@ -39,8 +39,7 @@ def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, budget_s: flo
     """Best rate of `F.linear` (the op nn.Linear runs) on this process's threads: the CPU's
     practical peak. Repeats until `budget_s` is spent (at least twice), so a CPU without
     fast bf16 (where one product takes a quarter second) does not stall start-up."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    a, b = (torch.randn(size, size, dtype=dtype) for _ in range(2))
     torch.nn.functional.linear(a, b)  # warm up the kernel choice
     best, spent, runs = float("inf"), 0.0, 0
     while runs < 2 or spent < budget_s:
@@ -67,9 +66,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> P
                 return PeakFlops(bf16_peak, f"{name}, dense bf16 peak from the table")
         return PeakFlops(None, f"{name} is not in the peak table; set metrics.peak_flops for MFU")
     if device.type == "cpu":
-        measured = measure_cpu_matmul_flops(dtype)
         threads = torch.get_num_threads()
-        return PeakFlops(
-            measured, f"{str(dtype).removeprefix('torch.')} matmul measured at start-up on {threads} thread(s)"
-        )
+        source = f"{str(dtype).removeprefix('torch.')} matmul measured at start-up on {threads} thread(s)"
+        return PeakFlops(measure_cpu_matmul_flops(dtype), source)
     return PeakFlops(None, f"no peak known for device type {device.type}; set metrics.peak_flops for MFU")

@@ -62,14 +62,8 @@ class StepBuilder:
         rank: int,
     ) -> StepBuilder:
         """From the run's config (compute dtype already concrete), degrees, stages and meshes."""
-        return cls(
-            meshes,
-            pipeline,
-            device,
-            rank,
-            documents=cfg.model.attn_mask_type == "block_causal",
-            autocast=autocast_dtype(cfg.training.mixed_precision_param, dims.fsdp_enabled),
-        )
+        autocast = autocast_dtype(cfg.training.mixed_precision_param, dims.fsdp_enabled)
+        return cls(meshes, pipeline, device, rank, cfg.model.attn_mask_type == "block_causal", autocast)
 
     @property
     def loss_rank(self) -> int:
