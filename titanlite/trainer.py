@@ -118,7 +118,10 @@ class Trainer:
                 loss, grad_norm, agreement = self.train_step(microbatches)
                 if step == first_step:  # start-up is over: compile, first all-gathers, load
                     set_collective_timeout(cfg.comm.train_timeout_seconds)
-                self._count_tokens(len(microbatches))
+                # this step's tokens: every dp rank's in the train state, this rank's for throughput
+                step_tokens = cfg.training.local_batch_size * cfg.training.seq_len * len(microbatches)
+                run.state.tokens_seen += step_tokens * run.data.dp_degree
+                run.metrics.add_tokens(step_tokens)
                 last = step == cfg.training.steps
                 if step == 1 or step % cfg.metrics.log_freq == 0 or last:
                     history.append({"step": step, **self.log(step, loss, grad_norm)})
@@ -133,13 +136,6 @@ class Trainer:
         final_loss = history[-1]["loss"] if history else None
         run.metrics.log_summary(steps, tokens, time.perf_counter() - started, final_loss, run.checkpoint.last_saved())
         return history
-
-    def _count_tokens(self, microbatches: int) -> None:
-        """This step's tokens: every dp rank's in the train state, this rank's for throughput."""
-        run = self.run
-        tokens = run.cfg.training.local_batch_size * run.cfg.training.seq_len * microbatches
-        run.state.tokens_seen += tokens * run.data.dp_degree
-        run.metrics.add_tokens(tokens)
 
     def close(self) -> None:
         run = self.run
