@@ -32,7 +32,6 @@ from titanlite.config import load_config
 from titanlite.config.dtypes import torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, OneLineArgumentParser, TitanliteError, say_notices
 from titanlite.parallel.estimate import (
-    GIB,
     Activations,
     FsdpWorkingSet,
     StateBytes,
@@ -45,6 +44,7 @@ from titanlite.parallel.estimate import (
 from titanlite.parallel.fake_world import ShardCensus, census, init_fake_world, shard_specs
 from titanlite.parallel.memory import (
     DEFAULT_GPU,
+    GIB,
     GPU_MEMORY_GIB,
     parse_memory,
     peak_rss_bytes,
