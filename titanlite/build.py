@@ -264,14 +264,9 @@ def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_p
     size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, plan.cfg.training.seq_len))
     check_training_state_fits(n_params, plan.dims.shards, device, plan.cpu_offload, processes_per_host)
     materialize(model, plan, device)
-    return BuiltModel(parts, model, size, experts=_experts(plan.spec, model))
-
-
-def _experts(spec: ModelSpec, model: torch.nn.Module) -> Any:
-    """models/moe.py's layer functions when `model` has MoE layers, which its spec must
-    declare (`Capabilities.moe`: the planner and MFU count such a model's active parameters)."""
-    if not moe.moe_layers(model):
-        return None
-    if not spec.supports("moe"):
-        raise ValueError(f"model {spec.name} has MoE layers but does not declare ModelSpec.capabilities.moe")
-    return moe
+    # experts: models/moe.py's layer functions when the model has MoE layers, which its spec must
+    # declare (`Capabilities.moe`: the planner and MFU count such a model's active parameters).
+    has_moe = bool(moe.moe_layers(model))
+    if has_moe and not plan.spec.supports("moe"):
+        raise ValueError(f"model {plan.spec.name} has MoE layers but does not declare ModelSpec.capabilities.moe")
+    return BuiltModel(parts, model, size, experts=moe if has_moe else None)

@@ -48,7 +48,6 @@ __all__ = [
     "rowwise_exit",
     "sequence_parallel_for",
     "vocab_sharded_embedding",
-    "whole_on_each_rank",
 ]
 
 
@@ -184,11 +183,6 @@ class WholeOnEachRank(ParallelStyle):
             return output
         whole = DTensor.from_local(output, mesh, (Replicate(),), run_check=False)
         return whole.redistribute(mesh, (self.layout,)).to_local()
-
-
-def whole_on_each_rank(sequence_parallel: bool) -> WholeOnEachRank:
-    """See `WholeOnEachRank`: a module run in full on every tp rank, between residual layouts."""
-    return WholeOnEachRank(sequence_parallel)
 
 
 def block_entry(sequence_parallel: bool, extra_inputs: int = 0) -> PrepareModuleInput:

@@ -14,7 +14,7 @@ MLA (attention.py) takes the whole sequence as a plain tensor on every tp rank, 
 
 Every gradient that reaches a replicated module is thereby the whole one, the same on every
 rank. An MoE block's routing and routed experts run whole on each rank
-(`tp.whole_on_each_rank`, as Qwen3's); its shared experts are a SwiGLU split Megatron-style
+(`tp.WholeOnEachRank`, as Qwen3's); its shared experts are a SwiGLU split Megatron-style
 inside it (w1/w3 by columns, w2 by rows all-reduced back to the whole sequence).
 """
 
@@ -83,7 +83,7 @@ def moe_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "feed_forward.shared_experts.w1": ColwiseParallel(),
         "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
         "feed_forward.shared_experts.w3": ColwiseParallel(),
-        "feed_forward": tp.whole_on_each_rank(sequence_parallel),
+        "feed_forward": tp.WholeOnEachRank(sequence_parallel),
     }
 
 
