@@ -111,7 +111,9 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
     if dims.ep_enabled or dims.etp_enabled:
-        dims.check_experts(_experts_per_layer(spec, args), f"model {spec.name} flavor {cfg.model.flavor}")
+        with torch.device("meta"):  # the routed experts of each MoE layer, from a meta build (no memory)
+            n_experts = [layer.args.n_experts for layer in moe.moe_layers(spec.model_class(args)).values()]
+        dims.check_experts(n_experts, f"model {spec.name} flavor {cfg.model.flavor}")
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if reshard.isdigit() and (not dims.fsdp_enabled or (dims.dp_shard * dims.cp) % int(reshard)):
         raise TitanliteError(
@@ -144,13 +146,6 @@ def check_capabilities(spec: ModelSpec, cfg: JobConfig) -> None:
     for needed, option, capability in needs:
         if needed and not spec.supports(capability):
             raise TitanliteError(f"{option}: {spec.lacks(capability)}")
-
-
-def _experts_per_layer(spec: ModelSpec, args: DecoderArgs) -> list[int]:
-    """The routed experts of each MoE layer, from a meta build of the model (no memory)."""
-    with torch.device("meta"):
-        model = spec.model_class(args)
-    return [layer.args.n_experts for layer in moe.moe_layers(model).values()]
 
 
 def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
@@ -269,14 +264,9 @@ def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_p
     size = ModelSize(n_params, plan.spec.flops_per_token(plan.model_args, n_params, plan.cfg.training.seq_len))
     check_training_state_fits(n_params, plan.dims.shards, device, plan.cpu_offload, processes_per_host)
     materialize(model, plan, device)
-    return BuiltModel(parts, model, size, experts=_experts(plan.spec, model))
-
-
-def _experts(spec: ModelSpec, model: torch.nn.Module) -> Any:
-    """models/moe.py's layer functions when `model` has MoE layers, which its spec must
-    declare (`Capabilities.moe`: the planner and MFU count such a model's active parameters)."""
-    if not moe.moe_layers(model):
-        return None
-    if not spec.supports("moe"):
-        raise ValueError(f"model {spec.name} has MoE layers but does not declare ModelSpec.capabilities.moe")
-    return moe
+    # experts: models/moe.py's layer functions when the model has MoE layers, which its spec must
+    # declare (`Capabilities.moe`: the planner and MFU count such a model's active parameters).
+    has_moe = bool(moe.moe_layers(model))
+    if has_moe and not plan.spec.supports("moe"):
+        raise ValueError(f"model {plan.spec.name} has MoE layers but does not declare ModelSpec.capabilities.moe")
+    return BuiltModel(parts, model, size, experts=moe if has_moe else None)

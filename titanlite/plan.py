@@ -32,7 +32,6 @@ from titanlite.config import load_config
 from titanlite.config.dtypes import torch_dtype
 from titanlite.errors import USER_ERROR_EXIT_CODE, OneLineArgumentParser, TitanliteError, say_notices
 from titanlite.parallel.estimate import (
-    GIB,
     Activations,
     FsdpWorkingSet,
     StateBytes,
@@ -45,6 +44,7 @@ from titanlite.parallel.estimate import (
 from titanlite.parallel.fake_world import ShardCensus, census, init_fake_world, shard_specs
 from titanlite.parallel.memory import (
     DEFAULT_GPU,
+    GIB,
     GPU_MEMORY_GIB,
     parse_memory,
     peak_rss_bytes,
@@ -194,8 +194,13 @@ def header(r: Report) -> list[str]:
 def holdings(r: Report) -> list[str]:
     """One line per kind of memory; exact ones first, then the estimates and the total."""
     a, s, place = r.activations, r.state, " (host: CPU offload)" if r.plan.cpu_offload else ""
+    blocks = (
+        f"{a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} checkpointed x "
+        f"{gib(a.checkpointed_block)}, head {gib(a.head)}"
+    )
+    per_microbatch = f"{a.in_flight} microbatches in flight x ({blocks})" if a.in_flight > 1 else blocks
     activations = (
-        f"estimate: {_per_microbatch(a)}, peak extra {gib(a.peak_extra)}"
+        f"estimate: {per_microbatch}, peak extra {gib(a.peak_extra)}"
         + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")
         + (f", all-to-all buffers {gib(a.all_to_all)}" if a.all_to_all else "")
     )
@@ -213,14 +218,6 @@ def holdings(r: Report) -> list[str]:
         rows.append(("autocast copies", r.autocast_copies, "estimate: a low-precision copy of each weight"))
     rows.append(("total", r.total, "on the device"))
     return [f"rank {r.args.rank} holds"] + [f"  {name:<16}{gib(size):>14}   {note}" for name, size, note in rows]
-
-
-def _per_microbatch(a: Activations) -> str:
-    blocks = (
-        f"{a.n_blocks - a.n_checkpointed} blocks x {gib(a.block)} + {a.n_checkpointed} checkpointed x "
-        f"{gib(a.checkpointed_block)}, head {gib(a.head)}"
-    )
-    return f"{a.in_flight} microbatches in flight x ({blocks})" if a.in_flight > 1 else blocks
 
 
 def verdict(r: Report) -> list[str]:

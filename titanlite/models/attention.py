@@ -90,14 +90,11 @@ def attend(
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped, scale=scale)
     if isinstance(mask, BlockMask):
-        return _flex(q)(q, k, v, block_mask=mask, enable_gqa=grouped, scale=scale)
+        # Compiled flex_attention on CUDA (torchtitan's use; eager flex is a slow reference);
+        # eager elsewhere, which unit tests use to check the kernel against SDPA.
+        flex = _compiled(flex_attention) if q.is_cuda else flex_attention
+        return flex(q, k, v, block_mask=mask, enable_gqa=grouped, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped, scale=scale)
-
-
-def _flex(q: torch.Tensor):
-    """Compiled flex_attention on CUDA (torchtitan's use; eager flex is a slow reference);
-    eager elsewhere, which unit tests use to check the kernel against SDPA."""
-    return _compiled(flex_attention) if q.is_cuda else flex_attention
 
 
 @functools.cache

@@ -26,22 +26,6 @@ def _compile(table: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
     return [(re.compile("^" + re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst) for src, dst in table.items()]
 
 
-class NameTable:
-    """Our state-dict key <-> its Hugging Face name, for every pattern of `ours_to_hf`."""
-
-    def __init__(self, ours_to_hf: dict[str, str]):
-        self._to_hf = _compile(ours_to_hf)
-        self._from_hf = _compile({hf: ours for ours, hf in ours_to_hf.items()})
-
-    def to_hf(self, key: str) -> str:
-        """Our key -> its HF name (KeyError for a key the table has no pattern for)."""
-        return _rename(key, self._to_hf)
-
-    def from_hf(self, name: str) -> str:
-        """An HF name -> our key (KeyError for a name the table has no pattern for)."""
-        return _rename(name, self._from_hf)
-
-
 def _rename(key: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
     for pattern, target in rules:
         match = pattern.match(key)
@@ -79,7 +63,9 @@ class HFAdapterBase(HFAdapter):
     UNREADABLE: ClassVar[str] = "settings"  # what check_hf_config calls a config.json `described` cannot read
 
     def __init__(self) -> None:
-        self._table = NameTable(self.NAMES)
+        # Our state-dict key <-> its Hugging Face name, for every pattern of NAMES, both ways.
+        self._to_hf = _compile(self.NAMES)
+        self._from_hf = _compile({hf: ours for ours, hf in self.NAMES.items()})
 
     def described(self, config: dict[str, Any]) -> dict[str, Any]:
         """The values of a config.json that decide the model's function (its `model_type`
@@ -87,7 +73,8 @@ class HFAdapterBase(HFAdapter):
         raise NotImplementedError
 
     def hf_name(self, key: str) -> str:
-        return self._table.to_hf(key)
+        """Our key -> its HF name (KeyError for a key the table has no pattern for)."""
+        return _rename(key, self._to_hf)
 
     def tied_to(self, key: str, args: DecoderArgs) -> str | None:
         """A tied model's head is its embedding table: HF stores it once, as `embed_tokens`."""
@@ -155,7 +142,7 @@ class HFAdapterBase(HFAdapter):
             if stacked := self.stacked_key(name):
                 slices.setdefault(stacked[0], {})[stacked[1]] = value
                 continue
-            key = self._table.from_hf(name)
+            key = _rename(name, self._from_hf)  # KeyError for a name the table has no pattern for
             heads = self.rotary_heads(key, args)
             out[key] = self.half_to_interleaved(value, heads).contiguous() if heads else value
         for key, parts in slices.items():

@@ -52,8 +52,6 @@ from titanlite.config.dtypes import torch_dtype
 if TYPE_CHECKING:  # parallel/ imports no model code: the args' type only
     from titanlite.model_spec import DecoderArgs
 
-GIB = 1024**3
-
 
 @dataclass(frozen=True)
 class StateBytes:
@@ -175,7 +173,10 @@ def estimate_activations(
     head = n * d / r * p + n * d * p + n * vocab * 4 if holds_head else 0.0
     extra = max(n * vocab * p if holds_head else 0.0, recompute)
     buffers = boundary_buffers * n * d / r * p
-    all_to_all = all_to_all_bytes(args, n, p) if shape.ep > 1 else 0.0
+    # Expert parallelism's buffers for one MoE layer of `n` tokens: the routed copies received
+    # (n top_k rows of dim, balanced) and the outputs sent back; 0 without MoE.
+    moe = shape.ep > 1 and args.moe is not None and args.n_moe_layers
+    all_to_all = 2 * n * args.moe.top_k * args.dim * p if moe else 0.0
     return Activations(block, n * d / r * p, n_ckpt, n_blocks, head, extra, in_flight, buffers, all_to_all)
 
 
@@ -187,12 +188,6 @@ def attention_per_token(args: DecoderArgs, shape: StepShape) -> float:
     q, k, v = widths.q, widths.k, widths.v
     norm_inputs = (q + k) / t * p if args.qk_norm else 0
     return (q + k) / t * 4 + (q + widths.out + (k + v) * shape.cp) / t * p + norm_inputs + widths.latent * p
-
-
-def all_to_all_bytes(args: DecoderArgs, n: float, p: int) -> float:
-    """Expert parallelism's buffers for one MoE layer of `n` tokens: the routed copies
-    received (n top_k rows of dim, balanced) and the outputs sent back; 0 without MoE."""
-    return 2 * n * args.moe.top_k * args.dim * p if args.moe is not None and args.n_moe_layers else 0.0
 
 
 def feed_forward_per_token(args: DecoderArgs, t: int, p: int, etp: int = 1) -> float:

@@ -37,11 +37,6 @@ def clean_name(name: str) -> str:
     return name
 
 
-def parameter_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its DCP name (the first one, for a tied parameter)."""
-    return {id(p): clean_name(name) for name, p in checkpoint_module(model).named_parameters()}  # tied ones once
-
-
 def parameter_order(model: nn.Module, optim: torch.optim.Optimizer | None = None, optim_input: Any = None) -> list[str]:
     """The names of the parameters in id order: the optimizer's param groups, else FSDP1's
     `optim_input` (parameters, or param-group dicts), else `model.parameters()`."""
@@ -52,7 +47,7 @@ def parameter_order(model: nn.Module, optim: torch.optim.Optimizer | None = None
         params = [p for g in items for p in g["params"]] if items and isinstance(items[0], dict) else items
     else:
         params = list(checkpoint_module(model).parameters())
-    names = parameter_names(model)
+    names = {id(p): clean_name(name) for name, p in checkpoint_module(model).named_parameters()}  # tied ones once
     if missing := [i for i, p in enumerate(params) if id(p) not in names]:
         raise TitanliteError(f"optimizer state: parameter {missing[0]} of the optimizer is not one of the model's")
     return [names[id(p)] for p in params]

@@ -32,10 +32,6 @@ def checkpoint_module(model: nn.Module) -> nn.Module:
     return model.module if getattr(model, "wraps_for_checkpoints", False) else model
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     """This rank's shards (DTensors) under the model's own names (wrappers' prefixes removed)."""
     return get_model_state_dict(checkpoint_module(model))
@@ -59,7 +55,8 @@ def load_full_state_dict(model: nn.Module, state: dict[str, Any], strict: bool =
     is read (others may pass {}) and broadcast; otherwise every rank passes the same dict.
     Returns the missing and unexpected keys. (A copy of the dict goes in: DCP's broadcast
     replaces its values with this rank's shards, and the caller's dict stays whole.)"""
-    options = StateDictOptions(full_state_dict=True, strict=strict, broadcast_from_rank0=from_rank0 and _distributed())
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    options = StateDictOptions(full_state_dict=True, strict=strict, broadcast_from_rank0=from_rank0 and distributed)
     return set_model_state_dict(checkpoint_module(model), dict(state), options=options)
 
 

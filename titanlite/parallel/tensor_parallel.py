@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor import parallel as torch_tp  # torch's styles, beside the float8-aware ones of their names
@@ -48,7 +48,6 @@ __all__ = [
     "rowwise_exit",
     "sequence_parallel_for",
     "vocab_sharded_embedding",
-    "whole_on_each_rank",
 ]
 
 
@@ -75,19 +74,30 @@ class PrepareModuleInput(_Float8Aware, torch_tp.PrepareModuleInput):
 
 class ReplicateParallel(ParallelStyle):
     """Every parameter a Replicate DTensor on the tp mesh, inputs read as replicated, the
-    output left a DTensor. For a module every rank computes in full: norms without sequence
-    parallelism, GPT-2's position table. The backward of reading a plain input as Replicate
+    output left a DTensor (or, with `use_local_output`, this rank's plain tensor). For a module
+    every rank computes in full: norms without sequence parallelism, GPT-2's position table,
+    DeepSeek-V3's compressed latents. The backward of reading a plain input as Replicate
     all-reduces its Partial gradient, which is Megatron's entry all-reduce."""
 
+    def __init__(self, use_local_output: bool = False) -> None:
+        self.use_local_output = use_local_output
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, input_fn=self._replicate_inputs)
+        output_fn = self._local_output if self.use_local_output else None
+        return distribute_module(module, device_mesh, input_fn=self._replicate_inputs, output_fn=output_fn)
 
     @staticmethod
     def _replicate_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
         return tuple(
-            x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+            x
+            if isinstance(x, DTensor) or not isinstance(x, Tensor)
+            else DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
             for x in inputs
         )
+
+    @staticmethod
+    def _local_output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+        return output.to_local()
 
 
 class _WaitedRowwiseParallel(torch_tp.RowwiseParallel):
@@ -173,11 +183,6 @@ class WholeOnEachRank(ParallelStyle):
             return output
         whole = DTensor.from_local(output, mesh, (Replicate(),), run_check=False)
         return whole.redistribute(mesh, (self.layout,)).to_local()
-
-
-def whole_on_each_rank(sequence_parallel: bool) -> WholeOnEachRank:
-    """See `WholeOnEachRank`: a module run in full on every tp rank, between residual layouts."""
-    return WholeOnEachRank(sequence_parallel)
 
 
 def block_entry(sequence_parallel: bool, extra_inputs: int = 0) -> PrepareModuleInput:

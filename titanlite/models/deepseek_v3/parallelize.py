@@ -6,14 +6,15 @@ MLA (attention.py) takes the whole sequence as a plain tensor on every tp rank, 
 - the per-head up-projections `wq` (or `wq_b`) and `wkv_b` are split by columns (whole heads
   per rank), `wo` by rows (its partial sums reduced onto the residual layout);
 - the compressed latents stay whole on every rank: `wq_a`, `q_norm`, `wkv_a`, `kv_norm` have
-  Replicate parameters on the tp mesh and compute in full (`_Replicated`);
+  Replicate parameters on the tp mesh and compute in full (`tp.ReplicateParallel`, handing
+  back plain tensors);
 - the rotary key k_pe, whole on every rank, meets this rank's heads in `rope_key`; each
   rank's gradient there holds only its heads' part, so it is summed over the tp ranks
   (`_HeadsShareIt`), as the column-split projections sum their inputs' gradients.
 
 Every gradient that reaches a replicated module is thereby the whole one, the same on every
 rank. An MoE block's routing and routed experts run whole on each rank
-(`tp.whole_on_each_rank`, as Qwen3's); its shared experts are a SwiGLU split Megatron-style
+(`tp.WholeOnEachRank`, as Qwen3's); its shared experts are a SwiGLU split Megatron-style
 inside it (w1/w3 by columns, w2 by rows all-reduced back to the whole sequence).
 """
 
@@ -21,10 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -37,26 +37,6 @@ from titanlite.models import decoder_tp
 from titanlite.models.deepseek_v3.model_args import DeepSeekV3Args
 from titanlite.models.moe import MoE
 from titanlite.parallel import tensor_parallel as tp
-
-
-class _Replicated(ParallelStyle):
-    """A module every tp rank computes in full from the same plain input: its parameters
-    Replicate DTensors on the tp mesh (one mesh for every parameter, as the grad norm and FSDP
-    want), its output a plain tensor."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, input_fn=self._inputs, output_fn=self._output)
-
-    @staticmethod
-    def _inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        return tuple(
-            DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if isinstance(x, torch.Tensor) else x
-            for x in inputs
-        )
-
-    @staticmethod
-    def _output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-        return output.to_local()
 
 
 class _HeadsShareIt(ParallelStyle):
@@ -84,14 +64,14 @@ def attention_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
             desired_input_layouts=(Replicate(), None, None),
             use_local_output=True,
         ),
-        "attention.wkv_a": _Replicated(),
-        "attention.kv_norm": _Replicated(),
+        "attention.wkv_a": tp.ReplicateParallel(use_local_output=True),
+        "attention.kv_norm": tp.ReplicateParallel(use_local_output=True),
         "attention.wkv_b": ColwiseParallel(),
         "attention.rope_key": _HeadsShareIt(),
         "attention.wo": tp.rowwise_exit(sequence_parallel),
         "attention.wq": ColwiseParallel(),
-        "attention.wq_a": _Replicated(),
-        "attention.q_norm": _Replicated(),
+        "attention.wq_a": tp.ReplicateParallel(use_local_output=True),
+        "attention.q_norm": tp.ReplicateParallel(use_local_output=True),
         "attention.wq_b": ColwiseParallel(),
     }
 
@@ -103,7 +83,7 @@ def moe_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "feed_forward.shared_experts.w1": ColwiseParallel(),
         "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
         "feed_forward.shared_experts.w3": ColwiseParallel(),
-        "feed_forward": tp.whole_on_each_rank(sequence_parallel),
+        "feed_forward": tp.WholeOnEachRank(sequence_parallel),
     }
 
 

@@ -8,7 +8,7 @@ plus the QK norms and the MoE feed-forward.
   dim (`tp.norm_over_heads`): the weight a Replicate DTensor, the local heads a Shard(2)
   DTensor, so the weight's gradient is the sum over the ranks' heads (Partial, summed before
   the grad norm as for any sequence-parallel norm).
-- An MoE feed-forward runs whole on every tp rank (`tp.whole_on_each_rank`): its router and
+- An MoE feed-forward runs whole on every tp rank (`tp.WholeOnEachRank`): its router and
   routed experts are replicated, it is handed the whole sequence as a plain tensor and hands
   back the residual layout. Routing is the same on every rank (same tokens, same weights),
   so splitting experts across ranks is expert parallelism's job (parallel/expert_parallel.py,
@@ -36,7 +36,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
         plan = {**decoder_tp.norms_plan(sp), **decoder_tp.attention_plan(sp)}
         plan.update({"attention.q_norm": tp.norm_over_heads(), "attention.k_norm": tp.norm_over_heads()})
         if isinstance(block.feed_forward, MoE):
-            plan["feed_forward"] = tp.whole_on_each_rank(sp)
+            plan["feed_forward"] = tp.WholeOnEachRank(sp)
         else:
             plan.update(decoder_tp.feed_forward_plan(sp))
         parallelize_module(block, tp_mesh, plan)
