@@ -118,24 +118,33 @@ class Trainer:
                 loss, grad_norm, agreement = self.train_step(microbatches)
                 if step == first_step:  # start-up is over: compile, first all-gathers, load
                     set_collective_timeout(cfg.comm.train_timeout_seconds)
-                # this step's tokens: every dp rank's in the train state, this rank's for throughput
-                step_tokens = cfg.training.local_batch_size * cfg.training.seq_len * len(microbatches)
-                run.state.tokens_seen += step_tokens * run.data.dp_degree
-                run.metrics.add_tokens(step_tokens)
+                self._count_tokens(len(microbatches))
                 last = step == cfg.training.steps
                 if step == 1 or step % cfg.metrics.log_freq == 0 or last:
                     history.append({"step": step, **self.log(step, loss, grad_norm)})
                 run.participants.after_step(step, last)
                 profiler.step()
-                if agreement.stop:  # SIGTERM/SIGUSR1 reached a rank; all agreed: a blocking save, rank 0 says where
-                    outcome = run.checkpoint.save_now(step)
-                    if run.dist.rank == 0:
-                        say(f"titanlite: stopped by {agreement.stop_signal_name()} after step {step}; {outcome}")
+                if agreement.stop:
+                    self._stop_on_signal(step, agreement.stop_signal_name())
                     break
         steps, tokens = run.state.step - first_step + 1, run.state.tokens_seen - tokens_before
         final_loss = history[-1]["loss"] if history else None
         run.metrics.log_summary(steps, tokens, time.perf_counter() - started, final_loss, run.checkpoint.last_saved())
         return history
+
+    def _count_tokens(self, microbatches: int) -> None:
+        """This step's tokens: every dp rank's in the train state, this rank's for throughput."""
+        run = self.run
+        tokens = run.cfg.training.local_batch_size * run.cfg.training.seq_len * microbatches
+        run.state.tokens_seen += tokens * run.data.dp_degree
+        run.metrics.add_tokens(tokens)
+
+    def _stop_on_signal(self, step: int, signal_name: str) -> None:
+        """Every rank agreed to stop (SIGTERM or SIGUSR1 reached at least one): a blocking
+        checkpoint of the step just finished, and one line on rank 0 saying where."""
+        outcome = self.run.checkpoint.save_now(step)
+        if self.run.dist.rank == 0:
+            say(f"titanlite: stopped by {signal_name} after step {step}; {outcome}")
 
     def close(self) -> None:
         run = self.run

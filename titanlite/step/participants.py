@@ -68,16 +68,13 @@ class Participants(StepParticipant):
     def __init__(self, members: Iterable[StepParticipant]) -> None:
         self.members = list(members)
 
-    def _each(self, point: str, *args: object) -> None:
-        """Call `point` on every member, in order (the points that return nothing)."""
-        for member in self.members:
-            getattr(member, point)(*args)
-
     def resume(self, step: int) -> None:
-        self._each("resume", step)
+        for member in self.members:
+            member.resume(step)
 
     def before_step(self, step: int, redo: bool = False) -> None:
-        self._each("before_step", step, redo)
+        for member in self.members:
+            member.before_step(step, redo)
 
     def after_backward(self, params: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
         for member in self.members:
@@ -88,16 +85,19 @@ class Participants(StepParticipant):
         return all([member.commit(step) for member in self.members])  # each asked: a decision may be collective
 
     def after_optimizer_step(self, updated: bool) -> None:
-        self._each("after_optimizer_step", updated)
+        for member in self.members:
+            member.after_optimizer_step(updated)
 
     def log_fields(self) -> list[LineField]:
         return [field for member in self.members for field in member.log_fields()]
 
     def after_step(self, step: int, last: bool) -> None:
-        self._each("after_step", step, last)
+        for member in self.members:
+            member.after_step(step, last)
 
     def close(self) -> None:
-        self._each("close")
+        for member in self.members:
+            member.close()
 
 
 class Float8Scales(StepParticipant):
