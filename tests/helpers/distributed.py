@@ -185,10 +185,25 @@ def run_mains(
     argparse exit's, or 1 and the traceback for an exception) and its share of stdout and
     stderr; a run that did not finish (in `timeout` x `timeout_scale()`) fails the test with the
     driver's output."""
-    command = [sys.executable, "-c", MAINS_DRIVER, module, json.dumps(argvs)]
     result = subprocess.run(
-        command, cwd=REPO, env=env or run_env(), capture_output=True, text=True, timeout=timeout * timeout_scale()
+        mains_command(module, argvs),
+        cwd=REPO,
+        env=env or run_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout * timeout_scale(),
     )
+    return split_mains(module, argvs, result)
+
+
+def mains_command(module: str, argvs: list[list[str]]) -> list[str]:
+    """The one interpreter `run_mains` starts, for a caller that runs it its own way."""
+    return [sys.executable, "-c", MAINS_DRIVER, module, json.dumps(argvs)]
+
+
+def split_mains(module: str, argvs: list[list[str]], result) -> list[subprocess.CompletedProcess]:
+    """`mains_command`'s output (any result with stdout, stderr and returncode) as one
+    CompletedProcess per argv; a run that did not finish fails the test."""
     outs, errs = _cases(result.stdout), _cases(result.stderr)
     missing = [index for index in range(len(argvs)) if index not in errs or index not in outs]
     assert not missing, f"{module}: runs {missing} did not finish (exit {result.returncode}):\n{result.stderr[-4000:]}"

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.commands import LAUNCHER_ENV, Run, run_command
-from tests.helpers.distributed import REPO, run_env, run_mains
+from tests.helpers.distributed import REPO, mains_command, run_env, split_mains
 from tests.helpers.token_data import SHIPPED, change_a_token_inside_the_vocabulary, make_prepared
 
 SMALL_RUN = {
@@ -429,7 +429,7 @@ def command_of(case: Case, argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 def in_one_interpreter(case: Case) -> bool:
     """A plain one-process case runs with the other plain ones through `titanlite.train.main`
-    in one interpreter (`run_mains`: each its own exit code, stdout and stderr), which pays the
+    in one interpreter (`mains_command`, as `run_mains` does: each its own exit code, stdout and stderr), which pays the
     imports once; launcher runs, a world size from the environment and a shell prefix (a ulimit)
     need their own process."""
     return case.nproc == 1 and case.world_size == 1 and not case.shell_prefix
@@ -438,17 +438,20 @@ def in_one_interpreter(case: Case) -> bool:
 def run_plain_cases(pool: ThreadPoolExecutor, argvs: dict[str, list[str]]) -> dict[str, Future]:
     """name -> a Future of its Run, all resolved when the one interpreter running them ends."""
     env = {k: v for k, v in run_env().items() if k not in LAUNCHER_ENV}
-    batch = pool.submit(run_mains, "titanlite.train", list(argvs.values()), PLAIN_TIMEOUT_S, env)
+    # run_command: a hang is killed, and a process the cases leave behind fails them
+    batch = pool.submit(run_command, mains_command("titanlite.train", list(argvs.values())), env, PLAIN_TIMEOUT_S)
     futures = {name: Future() for name in argvs}
 
     def resolve(done: Future) -> None:
-        for index, (name, argv) in enumerate(argvs.items()):
-            if done.exception() is not None:
-                futures[name].set_exception(done.exception())
-            else:
-                result = done.result()[index]
-                command = [sys.executable, "-m", "titanlite.train", *argv]
-                futures[name].set_result(Run(command, result.returncode, result.stdout, result.stderr, 0.0))
+        try:
+            results = split_mains("titanlite.train", list(argvs.values()), done.result())
+        except BaseException as error:  # a hang, a process left behind, a case that did not finish: each fails
+            for future in futures.values():
+                future.set_exception(error)
+            return
+        for (name, argv), result in zip(argvs.items(), results):
+            command = [sys.executable, "-m", "titanlite.train", *argv]
+            futures[name].set_result(Run(command, result.returncode, result.stdout, result.stderr, 0.0))
 
     batch.add_done_callback(resolve)
     return futures
