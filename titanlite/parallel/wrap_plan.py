@@ -31,9 +31,12 @@ from torch.distributed.fsdp.wrap import _Policy
 from titanlite.errors import TitanliteError
 from titanlite.parallel.units import innermost_first, select
 
-# FULL_SHARD and HYBRID_SHARD reshard after forward; SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 and NO_SHARD keep the weights.
 RESHARDS_AFTER_FORWARD = {
-    s: s in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD) for s in ShardingStrategy
+    ShardingStrategy.FULL_SHARD: True,
+    ShardingStrategy.SHARD_GRAD_OP: False,
+    ShardingStrategy.HYBRID_SHARD: True,
+    ShardingStrategy._HYBRID_SHARD_ZERO2: False,
+    ShardingStrategy.NO_SHARD: False,
 }
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 # The keyword an auto-wrap policy takes for the parameters its units have not taken:
