@@ -92,12 +92,13 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        muon_params = []
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw(group)
-        self._muon(
-            [(group, p) for group in self.param_groups if group["algorithm"] != "adamw" for p in group["params"]]
-        )
+            else:
+                muon_params += [(group, p) for p in group["params"]]
+        self._muon(muon_params)
         return loss
 
     def _adamw(self, group: dict) -> None:
