@@ -16,9 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
-
-from titanlite.parallel.placement import shard_indices
 
 
 def init_fake_world(world_size: int, rank: int) -> None:
@@ -57,13 +56,13 @@ class ShardCensus:
 def census(
     specs: Counter[ShardSpec], names: tuple[str, ...], shape: tuple[int, ...], ep: int = 1
 ) -> ShardCensus | None:
-    """Every rank's local parameter count, from DTensor's own split of each layout
-    (`shard_indices` on small CPU tensors), for parameters laid out on the whole world mesh
+    """Every rank's local parameter count, from DTensor's own local shape of each layout
+    (`compute_local_shape_and_global_offset`, which DCP also plans by), for parameters laid out on the whole world mesh
     (`names`, `shape`) or, with expert parallelism (`ep` > 1), on its experts' view of it
     (`expert_view`); None if some parameter lives on another part of it.
 
-    Joins the fake world as each rank in turn (milliseconds a rank; its mesh is made without
-    process groups, which splitting a tensor does not use), so the process group and meshes
+    Joins the fake world as each rank in turn (a millisecond a rank; its mesh is made without
+    process groups, which a local shape does not need), so the process group and meshes
     this process had are gone afterwards.
     """
     views = [(names, shape)] + ([expert_view(names, shape, ep)] if ep > 1 else [])
@@ -83,7 +82,9 @@ def census(
         held = 0
         for spec, count in specs.items():
             view, placements = layouts[spec]
-            local = math.prod(len(index) for index in shard_indices(spec.shape, meshes[view], placements))
+            local = math.prod(
+                compute_local_shape_and_global_offset(spec.shape, meshes[view], placements, skip_offset=True)[0]
+            )
             summed[spec] += local
             held += local * count
         per_rank.append(held)

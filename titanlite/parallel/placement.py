@@ -1,8 +1,8 @@
 """Which global indices a rank's shard of a DTensor holds, asked of DTensor itself.
 
-Shared by the shard-sized initialization (`models/init.py`: generate only the values this
-rank holds) and the planner's shard census (`parallel/fake_world.py`: what every rank of a
-large world holds), so both read a layout exactly as the training run lays it out.
+For the shard-sized initialization (`models/init.py`: generate only the values this rank
+holds), so it reads a layout exactly as the training run lays it out. (The planner's census
+needs only shard sizes: `parallel/fake_world.py` asks DTensor's local-shape helper.)
 """
 
 from __future__ import annotations
