@@ -1,6 +1,8 @@
 """The docs against the code they describe: every module of titanlite/ named in
 docs/architecture.md, every repository path the README and docs/ mention there, and the
-parallelize order stated in one place (docs/parallelism.md), the others pointing to it."""
+parallelize order stated in one place (docs/parallelism.md), the others pointing to it; the
+README's introduction against the model registry and its layout against the tree; the float8
+tolerances the docs give against the test's."""
 
 from __future__ import annotations
 
