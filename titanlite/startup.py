@@ -229,7 +229,7 @@ def _metrics(run: RunParts) -> MetricsLogger:
         run.dist.rank,
         run.device,
         run.size.flops_per_token,
-        peak_flops(run.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops),
+        peak_flops(run.device, DTYPES[cfg.training.mixed_precision_param], cfg.metrics.peak_flops, run.dist.local_rank),
         run.plan.dims.non_data_parallel_size,
         run.run_dir,
         run_config=to_dict(cfg),

@@ -4,8 +4,8 @@ returns the same record. References are computed on each rank from the same seed
 wrapper, on the whole global batch, so no second launch is needed.
 
 - `megatron_gpt` (2 ranks): megatron-core's real `GPTModel` (local layer spec) wrapped by
-  `titanlite.compat.megatron` under both `transformer_impl` values, trained in Megatron's own
-  order with megatron-core's own `finalize_model_grads`, against the unwrapped model;
+  `titanlite.compat.megatron` under both `transformer_impl` values, trained by megatron-core's
+  own no-pipelining schedule (which calls its `finalize_model_grads`), against the unwrapped model;
 - `fsdp1_nested_prefetch` (2 ranks): `backward_prefetch=None` and `forward_prefetch` under a
   nested wrap policy, as the profiler sees FSDP2's all-gathers;
 - `fsdp1_clip_with_ignored_modules` (4 ranks): `clip_grad_norm_` with an ignored module, against
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 STEPS, MICROBATCHES, ROWS, SEQ, VOCAB = 3, 2, 4, 8, 64
 
@@ -80,39 +81,81 @@ def gpt_batches(step: int, rows: slice) -> list[torch.Tensor]:
 
 def gpt_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Megatron's forward with labels: per-token losses, averaged over this microbatch."""
+    return gpt_token_losses(model, tokens).mean() / MICROBATCHES
+
+
+def gpt_token_losses(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     rows = tokens.shape[0]
     positions = torch.arange(SEQ).expand(rows, SEQ)
     causal = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]
-    return model(tokens[:, :-1], positions, causal, labels=tokens[:, 1:]).mean() / MICROBATCHES
+    return model(tokens[:, :-1], positions, causal, labels=tokens[:, 1:])
 
 
-def train_megatron_order(wrapped: nn.Module, rank: int, world: int) -> list[float]:
-    """Megatron's step: `zero_grad_buffer`, every microbatch but the last under the config's
-    `no_sync_func`, the last outside it, megatron-core's `finalize_model_grads([model])` (its
-    schedule's default `finalize_model_grads_func`), then the optimizer step."""
+class CudaCounterOnCpu(TorchFunctionMode):
+    """megatron-core's no-pipelining schedule counts tokens in a tensor it makes with
+    `device="cuda"` (schedules.py, `total_num_tokens`), the one CUDA-only line on its path:
+    that tensor is made on the CPU instead. Everything else runs as megatron-core wrote it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(kwargs.get("device")) == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def megatron_forward_step(data_iterator, model: nn.Module):
+    """A Megatron `forward_step_func`: the next microbatch's per-token losses and the loss
+    function the schedule reduces them with (the mean; the schedule divides by the microbatches)."""
+    output = gpt_token_losses(model, next(data_iterator))
+
+    def loss_func(losses: torch.Tensor):
+        loss = losses.mean()
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+    return output, loss_func
+
+
+def train_megatron_order(wrapped: nn.Module, rank: int, world: int) -> tuple[list[float], list[dict]]:
+    """Megatron's train step: `zero_grad_buffer`, then megatron-core's own schedule
+    (`get_forward_backward_func()`: `forward_backward_no_pipelining` at pp 1) runs every
+    microbatch but the last under the config's `no_sync_func` and calls its
+    `finalize_model_grads_func` (megatron-core's `finalize_model_grads`) with the arguments it
+    passes (`pg_collection`, `force_all_reduce`), then the optimizer step. Returns the losses
+    and, for each finalize call, the keywords it got and whether its data-parallel group is
+    the wrapper's."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+    calls = []
+
+    def finalize(model: list[nn.Module], num_tokens: torch.Tensor | None = None, **keywords) -> None:
+        group = keywords["pg_collection"].dp_cp
+        calls.append({"keywords": sorted(keywords), "wrapper_group": group is wrapped.process_group})
+        finalize_model_grads(model, num_tokens, **keywords)
 
     wrapped.config.no_sync_func = wrapped.no_sync
-    wrapped.config.finalize_model_grads_func = finalize_model_grads
+    wrapped.config.finalize_model_grads_func = finalize
+    forward_backward = get_forward_backward_func()
+    assert forward_backward.__name__ == "forward_backward_no_pipelining", forward_backward
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     losses = []
     for step in range(1, STEPS + 1):
         wrapped.zero_grad_buffer()
-        *first, last = gpt_batches(step, slice(rank * ROWS // world, (rank + 1) * ROWS // world))
-        total = torch.zeros(())
-        with wrapped.config.no_sync_func():
-            for tokens in first:
-                loss = gpt_loss(wrapped, tokens)
-                loss.backward()
-                total += loss.detach()
-        loss = gpt_loss(wrapped, last)
-        loss.backward()
-        total += loss.detach()
-        wrapped.config.finalize_model_grads_func([wrapped])
+        batches = gpt_batches(step, slice(rank * ROWS // world, (rank + 1) * ROWS // world))
+        with CudaCounterOnCpu():
+            reduced = forward_backward(
+                forward_step_func=megatron_forward_step,
+                data_iterator=iter(batches),
+                model=wrapped,
+                num_microbatches=MICROBATCHES,
+                seq_length=SEQ,
+                micro_batch_size=len(batches[0]),
+            )
         optimizer.step()
+        total = sum(r["lm loss"] for r in reduced) / MICROBATCHES
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return losses
+    return losses, calls
 
 
 def train_unwrapped(model: nn.Module) -> list[float]:
@@ -149,7 +192,7 @@ def megatron_gpt() -> dict:
         model = gpt(impl)
         wrapped = TorchFullyShardedDataParallel(model.config, TorchFullyShardedDataParallelConfig(), model)
         units = [name for name, m in model.named_modules() if name and isinstance(m, FSDPModule)]
-        losses = train_megatron_order(wrapped, rank, world)
+        losses, finalized = train_megatron_order(wrapped, rank, world)
         expected = dict(reference.named_parameters())
         difference = max(
             ((p.full_tensor() if isinstance(p, DTensor) else p) - expected[name]).abs().max().item()
@@ -158,6 +201,7 @@ def megatron_gpt() -> dict:
         results[model.config.transformer_impl] = {
             "units": units,
             "losses": losses,
+            "finalized": finalized,
             "reference_losses": reference_losses,
             "weights_vs_reference": difference,
             "weights_compared": len(expected),

@@ -1,7 +1,8 @@
 """The compat wrappers on several gloo ranks (tests/helpers/compat_checks.py), one session per
 world size. On 2 ranks: FSDP1's prefetch options under a nested wrap policy, and megatron-core's
-real GPTModel under `titanlite.compat.megatron` for both `transformer_impl` values, trained in
-Megatron's order with its own `finalize_model_grads`, against the unwrapped model. On 4 ranks:
+real GPTModel under `titanlite.compat.megatron` for both `transformer_impl` values, trained by
+megatron-core's own no-pipelining schedule (which calls its `finalize_model_grads` with the
+schedule's arguments), against the unwrapped model. On 4 ranks:
 FSDP1's `clip_grad_norm_` with an ignored module. (The wrappers' strategies and options are
 checked on 4 ranks in test_parallel_equivalence.py; their documents' programs in test_examples.py.)"""
 
@@ -35,9 +36,11 @@ def four_ranks(tmp_path_factory) -> SessionResult:
 
 @pytest.mark.timeout(TIMEOUT_S[2] + 60)
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
-def test_megatron_gpt_model_trains_in_megatrons_order_like_the_unwrapped_model(two_ranks, impl):
+def test_megatron_gpt_model_trains_in_megatrons_schedule_like_the_unwrapped_model(two_ranks, impl):
     """transformer_engine is TransformerConfig's default: ColumnParallelLinear joins the units,
-    except the local spec's linear_fc1, which hands its bias to its caller (skip_bias_add)."""
+    except the local spec's linear_fc1, which hands its bias to its caller (skip_bias_add).
+    megatron-core's schedule finalizes each step once, passing `pg_collection` (whose
+    data-parallel group is the one the wrapper shards over) and `force_all_reduce`."""
     result = two_ranks["megatron_gpt"]["checks"][impl]
     layers = ["decoder.layers.0", "decoder.layers.1"]
     if impl == "local":
@@ -45,6 +48,8 @@ def test_megatron_gpt_model_trains_in_megatrons_order_like_the_unwrapped_model(t
     else:
         qkv = [f"{layer}.self_attention.linear_qkv" for layer in layers]
         assert result["units"] == ["embedding", layers[0], qkv[0], layers[1], qkv[1], "output_layer"]
+    once_a_step = [{"keywords": ["force_all_reduce", "pg_collection"], "wrapper_group": True}] * len(result["losses"])
+    assert result["finalized"] == once_a_step
     assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5)
     assert result["weights_compared"] > 20 and result["weights_vs_reference"] <= 1e-5, result
 

@@ -1,6 +1,8 @@
 """The docs against the code they describe: every module of titanlite/ named in
 docs/architecture.md, every repository path the README and docs/ mention there, and the
-parallelize order stated in one place (docs/parallelism.md), the others pointing to it."""
+parallelize order stated in one place (docs/parallelism.md), the others pointing to it; the
+README's introduction against the model registry and its layout against the tree; the float8
+tolerances the docs give against the test's."""
 
 from __future__ import annotations
 
@@ -283,3 +285,71 @@ def test_the_readme_layout_lists_every_package_and_top_level_module():
     names = [f"titanlite/{p.name}/" for p in (REPO / "titanlite").iterdir() if (p / "__init__.py").exists()]
     names += [p.name for p in (REPO / "titanlite").glob("*.py")]
     assert not [name for name in names if name not in layout], names
+
+
+def readme_introduction() -> str:
+    readme = (REPO / "README.md").read_text()
+    return readme[: readme.index("\n## ")]
+
+
+def test_the_readme_introduction_names_every_registered_model_family():
+    """`deepseek_v3` trained for a while before the introduction named it: each `model.name` of
+    the registry, its letters and digits (deepseek_v3: DeepSeek-V3, gpt2: GPT-2), is in the text."""
+    from titanlite.models import model_names
+
+    def letters(text: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", text.lower())
+
+    unnamed = [name for name in model_names() if letters(name) not in letters(readme_introduction())]
+    assert not unnamed, f"README.md's introduction does not name the model families {unnamed}"
+
+
+def layout_lines() -> dict[str, list[str]]:
+    """The README layout's lines by the folder of their first path (`titanlite/models/`, `docs/`, ...)."""
+    lines: dict[str, list[str]] = {}
+    for line in readme_layout().splitlines():
+        first = line.split()[0] if line.strip() else ""
+        if "/" in first:
+            lines.setdefault(first[: first.rindex("/") + 1], []).append(line)
+    return lines
+
+
+def test_every_path_and_file_the_readme_layout_names_exists():
+    """A path from the repository's root, or a bare file name on a line, under the folder of that
+    line's first path (`decoder.py` on a `titanlite/models/` line)."""
+    missing = []
+    for folder, lines in layout_lines().items():
+        for line in lines:
+            missing += [p for p in PATH.findall(line) if not (REPO / p.rstrip("/")).exists()]
+            bare = re.findall(r"(?<![\w/])(\w+\.(?:py|md|toml))\b", line)
+            missing += [f"{folder}{n}" for n in bare if not any((REPO / folder).rglob(n))]
+    assert not missing, f"README.md's layout names what does not exist: {missing}"
+
+
+def test_the_readme_layout_names_every_runtime_module_and_every_doc():
+    lines = layout_lines()
+    runtime = " ".join(lines["titanlite/runtime/"])
+    docs = " ".join(lines["docs/"])
+    modules = [p.name for p in (REPO / "titanlite" / "runtime").glob("*.py") if p.name != "__init__.py"]
+    unnamed = [f"titanlite/runtime/{name}" for name in modules if name not in runtime]
+    unnamed += [f"docs/{p.name}" for p in (REPO / "docs").glob("*.md") if p.name not in docs]
+    assert not unnamed, f"README.md's layout does not name {unnamed}"
+
+
+def test_the_float8_layout_tolerances_docs_give_are_the_tests():
+    """docs/recipes.md and docs/float8.md give the float8 layouts' tolerances the equivalence
+    test allows (recipes.md once said 1e-4 for all of them, and the grad norm is allowed 1e-3)."""
+    from tests.runs.equivalence_checks import FLOAT8_FIRST_STEP_REL, FLOAT8_REL
+
+    def short(x: float) -> str:
+        return re.sub(r"e-0*", "e-", f"{x:.0e}")
+
+    first, later = (
+        [short(tolerances[k]) for k in ("loss", "grad_norm")] for tolerances in (FLOAT8_FIRST_STEP_REL, FLOAT8_REL)
+    )
+    recipes = " ".join((REPO / "docs" / "recipes.md").read_text().split())
+    float8 = " ".join((REPO / "docs" / "float8.md").read_text().split())
+    assert f"within {later[0]} on the loss and {later[1]} on the grad norm" in recipes, later
+    assert f"({first[0]} and {first[1]} at the first step)" in recipes, first
+    assert f"within {first[0]} on the loss and {first[1]} on the grad norm" in float8, first
+    assert f"later steps within {later[0]} and {later[1]}" in float8, later

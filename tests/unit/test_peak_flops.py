@@ -1,6 +1,7 @@
 """titanlite/observe/peak_flops.py: the peak MFU divides by. metrics.peak_flops wins; a GPU's
 name finds its dense bf16 entry in the table (the most specific first, half of it for float32);
-an unknown GPU or device gives no peak and says what to set; on CPU a matmul is measured."""
+an unknown GPU or device gives no peak and says what to set; on CPU a matmul is measured (once
+per host: tests/runs/test_precision.py's 2-process run checks that its ranks use one figure)."""
 
 from __future__ import annotations
 
@@ -72,4 +73,7 @@ def test_on_cpu_a_matmul_is_measured(monkeypatch):
     assert measure_cpu_matmul_flops(torch.float32, size=64, budget_s=0.0) > 0
     monkeypatch.setattr(module, "measure_cpu_matmul_flops", lambda dtype: 4.0e11)
     peak = peak_flops(torch.device("cpu"), torch.float32, 0.0)
-    assert peak == PeakFlops(4.0e11, f"float32 matmul measured at start-up on {torch.get_num_threads()} thread(s)")
+    threads = torch.get_num_threads()
+    assert peak == PeakFlops(
+        4.0e11, f"torch.float32 matmul on {threads} thread(s), measured at start-up by local rank 0"
+    )

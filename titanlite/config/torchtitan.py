@@ -69,8 +69,9 @@ NO_EFFECT = {
 }
 DOWNLOADED_DATASETS = ("c4", "c4_test", "c4_validation")
 FLOAT8_SECTION = ("quantize", "linear", "float8")  # torchtitan v0.2's home of the [float8] keys
-# torchtitan v0.2.2's model families (torchtitan/models/__init__.py): those titanlite has, whose
-# torchtitan flavors are registered as FLAVOR_PREFIX + name, and those it does not have.
+# torchtitan v0.2.2's model families (torchtitan/models/__init__.py): those titanlite has, those of
+# them whose torchtitan flavors are registered as FLAVOR_PREFIX + name, and those it does not have.
+PRESENT_MODELS = ("deepseek_v3", "llama3", "qwen3")
 SHARED_MODELS = ("llama3", "qwen3")
 ABSENT_MODELS = ("flux", "gpt_oss", "llama3_ft", "llama4")
 FLAVOR_PREFIX = "torchtitan:"
@@ -164,8 +165,8 @@ class TorchtitanKeys:
 
     def refuse_absent_model(self, data: dict[str, Any], shown: str, overrides: Sequence[Override]) -> None:
         """Before a file's keys are read: its model, or the command line's, is not a torchtitan
-        family titanlite lacks (whose files name options of that family, such as
-        expert_tensor_parallel_degree, that would otherwise be the first error)."""
+        family titanlite lacks (a key or the flavor of that family's file would otherwise be the
+        first error, and a misleading one)."""
         model = data.get("model")
         name, where = (model.get("name") if isinstance(model, dict) else None), f"in {shown}"
         for section, key, value in overrides:
@@ -174,7 +175,7 @@ class TorchtitanKeys:
         if name in ABSENT_MODELS:
             raise TitanliteError(
                 f"model.name: {name!r} {where} is a torchtitan model family titanlite does not have; "
-                f"torchtitan's {' and '.join(SHARED_MODELS)} files run here"
+                f"torchtitan's {', '.join(PRESENT_MODELS[:-1])} and {PRESENT_MODELS[-1]} files run here"
             )
 
     def finish(self, cfg: JobConfig, overridden: set[tuple[str, str]]) -> None:

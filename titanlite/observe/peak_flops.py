@@ -1,5 +1,8 @@
 """The peak FLOP/s that MFU divides by: a table of known GPUs, or on CPU a matmul measured on
-this process's threads (also what `step/precision.py` compares bf16 with float32 by).
+one process's threads, once per host: its local rank 0 measures while the host's other ranks
+wait, and they all divide by that figure. Measured by every process at once, each figure
+depended on what the others were doing at that moment (MFU 13% on one rank, 94% on another
+of the same run).
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name substring, most specific first.
 GPU_BF16_PEAK_FLOPS: list[tuple[str, float]] = [
@@ -50,8 +54,21 @@ def measure_cpu_matmul_flops(dtype: torch.dtype, size: int = 1024, budget_s: flo
     return 2 * size**3 / best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> PeakFlops:
-    """`metrics.peak_flops` when set; else the GPU table; else on CPU a measured matmul.
+def host_cpu_matmul_flops(dtype: torch.dtype, local_rank: int) -> float:
+    """`measure_cpu_matmul_flops` on this host's local rank 0, the figure every rank of the
+    host uses: the others wait in a barrier while it measures (collectives over every rank;
+    torchrun numbers a host's ranks on from its local rank 0)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return measure_cpu_matmul_flops(dtype)
+    dist.barrier()
+    figures = [None] * dist.get_world_size()
+    dist.all_gather_object(figures, measure_cpu_matmul_flops(dtype) if local_rank == 0 else None)
+    return figures[dist.get_rank() - local_rank]
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, configured: float, local_rank: int = 0) -> PeakFlops:
+    """`metrics.peak_flops` when set; else the GPU table; else on CPU a matmul measured once
+    per host (`host_cpu_matmul_flops`).
 
     An unknown GPU gives no MFU (and says so) rather than borrowing another chip's peak.
     """
@@ -66,7 +83,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype, configured: float) -> P
                 return PeakFlops(bf16_peak, f"{name}, dense bf16 peak from the table")
         return PeakFlops(None, f"{name} is not in the peak table; set metrics.peak_flops for MFU")
     if device.type == "cpu":
-        threads = torch.get_num_threads()
-        source = f"{str(dtype).removeprefix('torch.')} matmul measured at start-up on {threads} thread(s)"
-        return PeakFlops(measure_cpu_matmul_flops(dtype), source)
+        source = f"{dtype} matmul on {torch.get_num_threads()} thread(s), measured at start-up by local rank 0"
+        return PeakFlops(host_cpu_matmul_flops(dtype, local_rank), source)
     return PeakFlops(None, f"no peak known for device type {device.type}; set metrics.peak_flops for MFU")
