@@ -6,7 +6,7 @@ On the debug model, fp32, the global batch 8: an uninterrupted 6-step run per la
 step 3 (and 6); each resume starts from a copy of step 3 and must log steps 4-6
 - equal (==) to the uninterrupted run of its own layout: pp 2 and cp 2 resumed at pp 2 and cp 2;
 - within 1e-6 (relative) of it when the checkpoint came from another layout: pp 2 -> 1 process,
-  pp 2 -> FSDP 2 x TP 2, cp 2 -> 1 process, and the reverse, 1 process -> pp 2 and
+  pp 2 -> FSDP 2 x TP 2, pp 2 -> pp 4, cp 2 -> 1 process, and the reverse, 1 process -> pp 2 and
   FSDP 2 x TP 2 -> pp 2.
 The same for Qwen3-MoE's debug flavor, whose expert biases are buffers every step moves:
 pp 2 resumed at pp 2 (==) and a one-process checkpoint resumed at pp 2 (1e-6); and with its
@@ -56,6 +56,7 @@ LAYOUTS = {
     "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
     "cp2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
     "fsdp2_tp2": (4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+    "pp4": (4, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "4"]),
     "moe_single": (1, ["--training.local_batch_size", "8", *QWEN3_MOE]),
     "moe_pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2", *QWEN3_MOE]),
     "moe_ep2": (2, ["--training.local_batch_size", "4", EP, "2", *QWEN3_MOE]),
@@ -106,6 +107,7 @@ RESUMES = {
     "single_from_cp2": ("single", "cp2"),
     "pp2_from_single": ("pp2", "single"),
     "pp2_from_fsdp2_tp2": ("pp2", "fsdp2_tp2"),
+    "pp4_from_pp2": ("pp4", "pp2"),
     "moe_pp2_from_moe_pp2": ("moe_pp2", "moe_pp2"),
     "moe_pp2_from_moe_single": ("moe_pp2", "moe_single"),
     "moe_ep2_from_moe_ep2": ("moe_ep2", "moe_ep2"),
@@ -164,6 +166,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
             4,
             [
                 uninterrupted("fsdp2_tp2"),
+                uninterrupted("pp4"),
                 uninterrupted("moe_ep4"),
                 uninterrupted("moe_ep2_hsdp2x2"),
                 uninterrupted("dsv3_pp2_tp2"),
