@@ -9,7 +9,7 @@ from titanlite.config.param_groups import DEFAULT_GROUPS, parse_groups
 from titanlite.config.sections import Optimizer
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
-from titanlite.step.optim import build_optimizer, trained_parameters
+from titanlite.step.optim import build_optimizer, param_groups, trained_parameters
 
 
 def named_model(name: str = "qwen3", flavor: str = "debugmodel_moe") -> list[tuple[str, torch.nn.Parameter]]:
@@ -62,9 +62,8 @@ def test_each_models_no_decay_patterns_group_what_the_former_default_grouped(mod
     for muon in (False, True):
         cfg = Optimizer(name="Muon" if muon else "AdamW")
         groups = build_optimizer(named, cfg, no_decay=spec.no_decay).param_groups
-        before = build_optimizer(
-            named, Optimizer(name=cfg.name, param_groups=[FORMER_DEFAULT]), no_decay=()
-        ).param_groups
+        # the torch groups unchecked: some of the former patterns match nothing in each model
+        before = param_groups(named, Optimizer(name=cfg.name, param_groups=[FORMER_DEFAULT]), ())
         assert [[id(p) for p in g["params"]] for g in groups] == [[id(p) for p in g["params"]] for g in before]
         assert [(g["lr"], g["weight_decay"]) for g in groups] == [(g["lr"], g["weight_decay"]) for g in before]
     assert DEFAULT_GROUPS == ("@no_decay: weight_decay=0.0",) and " ".join(new.patterns) == " ".join(spec.no_decay)
@@ -123,6 +122,8 @@ def test_the_resolved_config_shows_the_default_groups():
         ("layers.*: lr_scale=-1", "has lr_scale=-1: must be a finite number >= 0"),
         ("layers.*: lr_scale=nan", "must be a finite number >= 0"),
         ("@norms: weight_decay=0", "has '@norms': the one named pattern is @no_decay"),
+        ("layers.*: lr_scale=0.5 lr_scale=2", "sets lr_scale twice"),
+        ("layers.*: weight_decay=0 lr_scale=1 weight_decay=0", "sets weight_decay twice"),
     ],
 )
 def test_bad_entries_are_one_line_naming_the_field(entry, message):
@@ -163,3 +164,31 @@ def test_wrapped_blocks_keep_the_models_names():
     optimizer = build_optimizer(named, Optimizer(), no_decay=spec.no_decay)
     exempt = next(g for g in optimizer.param_groups if g["weight_decay"] == 0.0)
     assert {id(p) for p in exempt["params"]} == {id(p) for n, p in named if "norm" in n or "embeddings" in n}
+
+
+def test_a_pattern_that_matches_no_parameter_of_the_model_is_one_line_naming_it():
+    named = named_model("llama3", "debugmodel")
+    spec = get_model_spec("llama3")
+    for groups, pattern, closest in (
+        (["nothing.*: lr_scale=0.5"], "nothing.*", None),
+        (["layers.*.atention.wq.weight output.*: lr_scale=0.5"], "layers.*.atention.wq.weight", "attention.wq"),
+    ):
+        with pytest.raises(TitanliteError) as error:
+            build_optimizer(named, Optimizer(param_groups=groups), no_decay=spec.no_decay)
+        text = str(error.value)
+        assert text.startswith(f"optimizer.param_groups: entry {groups[0]!r} has {pattern!r}, which matches no"), text
+        assert "\n" not in text and (closest is None or closest in text.split("closest name")[1]), text
+    # @no_decay is the model's own patterns: one that matches nothing here (no biases) is no error
+    build_optimizer(named, Optimizer(), no_decay=(*spec.no_decay, "*.bias"))
+
+
+def test_a_pattern_is_matched_against_the_whole_model_not_this_pipeline_stage():
+    """A first stage holds no output head: its patterns are checked against the whole model's names."""
+    named = named_model("llama3", "debugmodel")
+    first_stage = [(name, param) for name, param in named if not name.startswith(("layers.5", "norm", "output"))]
+    cfg = Optimizer(param_groups=["output.*: lr_scale=0.5", "@no_decay: weight_decay=0.0"])
+    with pytest.raises(TitanliteError, match="'output.*', which matches no parameter"):
+        build_optimizer(first_stage, cfg, no_decay=get_model_spec("llama3").no_decay)
+    whole = [name for name, _ in named]
+    groups = build_optimizer(first_stage, cfg, no_decay=get_model_spec("llama3").no_decay, model_names=whole)
+    assert [g["group"] for g in groups.param_groups][0].startswith("tok_embeddings.* *norm.weight")

@@ -22,8 +22,10 @@ checked before torch is imported.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from titanlite.errors import TitanliteError
@@ -71,6 +73,8 @@ def _parse(entry: str, no_decay: tuple[str, ...]) -> GroupSpec:
         key, equals, text = item.partition("=")
         if not equals or key not in _KEYS:
             raise bad(f"has {item!r}: settings are {' and '.join(f'{k}=NUMBER' for k in _KEYS)}")
+        if key in settings:
+            raise bad(f"sets {key} twice")
         try:
             value = float(text)
         except ValueError:
@@ -82,6 +86,20 @@ def _parse(entry: str, no_decay: tuple[str, ...]) -> GroupSpec:
         raise bad("sets neither lr_scale nor weight_decay")
     expanded = tuple(each for pattern in patterns for each in (no_decay if pattern == NO_DECAY else (pattern,)))
     return GroupSpec(expanded, settings.get("lr_scale"), settings.get("weight_decay"), entry.strip())
+
+
+def check_matched(entries: list[str], names: Collection[str]) -> None:
+    """Every pattern an entry names matches one of `names`, the whole model's parameter names (a
+    pipeline stage holds only some): a typo would otherwise train under the optimizer's settings
+    without a word. `@no_decay` is the model's own and not checked (a model may have no biases)."""
+    for spec in parse_groups(entries):  # no no_decay patterns: @no_decay stands for none here
+        for pattern in spec.patterns:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                closest = difflib.get_close_matches(pattern, list(names), n=1, cutoff=0.0)
+                raise TitanliteError(
+                    f"{FIELD}: entry {spec.text!r} has {pattern!r}, which matches no parameter of the model"
+                    + (f" (the closest name: {closest[0]!r})" if closest else "")
+                )
 
 
 def group_of(name: str, groups: list[GroupSpec]) -> GroupSpec | None:
