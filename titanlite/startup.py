@@ -183,9 +183,7 @@ def _build_training(run: RunParts) -> tuple[TokenWindowLoader | None, ExpertLaye
     run.forward_backward = run.steps.forward_backward(run.model, run.model_parts, built.experts)
     named_params = trained_parameters(run.model)
     run.params = [p for _, p in named_params]
-    with torch.device("meta"):  # the whole model's names, which param_groups' patterns match (a stage has some)
-        names = [name for name, _ in plan.spec.model_class(plan.model_args).named_parameters()]
-    run.optimizer = build_optimizer(named_params, cfg.optimizer, no_decay=plan.spec.no_decay, model_names=names)
+    run.optimizer = build_optimizer(named_params, cfg.optimizer, no_decay=plan.spec.no_decay)
     run.lr_scheduler = build_lr_scheduler(run.optimizer, cfg.lr_scheduler, cfg.training.steps)
     run.state = TrainState()
     return validation_data, built.experts

@@ -4,12 +4,13 @@ entries parse to one-line errors; the groups reach the optimizer (and a step) as
 import pytest
 import torch
 
+from titanlite.build import plan_run
 from titanlite.config import load_config
-from titanlite.config.param_groups import DEFAULT_GROUPS, parse_groups
+from titanlite.config.param_groups import DEFAULT_GROUPS, check_matched, parse_groups
 from titanlite.config.sections import Optimizer
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
-from titanlite.step.optim import build_optimizer, param_groups, trained_parameters
+from titanlite.step.optim import build_optimizer, trained_parameters
 
 
 def named_model(name: str = "qwen3", flavor: str = "debugmodel_moe") -> list[tuple[str, torch.nn.Parameter]]:
@@ -62,8 +63,9 @@ def test_each_models_no_decay_patterns_group_what_the_former_default_grouped(mod
     for muon in (False, True):
         cfg = Optimizer(name="Muon" if muon else "AdamW")
         groups = build_optimizer(named, cfg, no_decay=spec.no_decay).param_groups
-        # the torch groups unchecked: some of the former patterns match nothing in each model
-        before = param_groups(named, Optimizer(name=cfg.name, param_groups=[FORMER_DEFAULT]), ())
+        before = build_optimizer(
+            named, Optimizer(name=cfg.name, param_groups=[FORMER_DEFAULT]), no_decay=()
+        ).param_groups
         assert [[id(p) for p in g["params"]] for g in groups] == [[id(p) for p in g["params"]] for g in before]
         assert [(g["lr"], g["weight_decay"]) for g in groups] == [(g["lr"], g["weight_decay"]) for g in before]
     assert DEFAULT_GROUPS == ("@no_decay: weight_decay=0.0",) and " ".join(new.patterns) == " ".join(spec.no_decay)
@@ -166,29 +168,31 @@ def test_wrapped_blocks_keep_the_models_names():
     assert {id(p) for p in exempt["params"]} == {id(p) for n, p in named if "norm" in n or "embeddings" in n}
 
 
-def test_a_pattern_that_matches_no_parameter_of_the_model_is_one_line_naming_it():
-    named = named_model("llama3", "debugmodel")
-    spec = get_model_spec("llama3")
-    for groups, pattern, closest in (
-        (["nothing.*: lr_scale=0.5"], "nothing.*", None),
-        (["layers.*.atention.wq.weight output.*: lr_scale=0.5"], "layers.*.atention.wq.weight", "attention.wq"),
+def planned(*argv: str, world_size: int = 1):
+    return plan_run(load_config(["--config", "debug_model", *argv]), world_size, vocab_size=64)
+
+
+def test_a_pattern_that_matches_no_parameter_of_the_model_is_one_line_naming_it_when_planned():
+    for entry, pattern, closest in (
+        ("nothing.*: lr_scale=0.5", "nothing.*", None),
+        ("layers.*.atention.wq.weight output.*: lr_scale=0.5", "layers.*.atention.wq.weight", ".attention.wq.weight"),
     ):
         with pytest.raises(TitanliteError) as error:
-            build_optimizer(named, Optimizer(param_groups=groups), no_decay=spec.no_decay)
+            planned("--optimizer.param_groups", f'["{entry}"]')
         text = str(error.value)
-        assert text.startswith(f"optimizer.param_groups: entry {groups[0]!r} has {pattern!r}, which matches no"), text
-        assert "\n" not in text and (closest is None or closest in text.split("closest name")[1]), text
-    # @no_decay is the model's own patterns: one that matches nothing here (no biases) is no error
-    build_optimizer(named, Optimizer(), no_decay=(*spec.no_decay, "*.bias"))
+        assert text.startswith(f"optimizer.param_groups: entry {entry!r} has {pattern!r}, which matches no"), text
+        assert "\n" not in text and (closest is None or closest in text.split("(closest: ")[1]), text
+    # @no_decay, the model's own patterns, is not checked: one that matches nothing here is no error
+    check_matched(["@no_decay: weight_decay=0", "*norm.weight: lr_scale=2"], ["norm.weight"])
 
 
-def test_a_pattern_is_matched_against_the_whole_model_not_this_pipeline_stage():
-    """A first stage holds no output head: its patterns are checked against the whole model's names."""
-    named = named_model("llama3", "debugmodel")
-    first_stage = [(name, param) for name, param in named if not name.startswith(("layers.5", "norm", "output"))]
-    cfg = Optimizer(param_groups=["output.*: lr_scale=0.5", "@no_decay: weight_decay=0.0"])
-    with pytest.raises(TitanliteError, match="'output.*', which matches no parameter"):
-        build_optimizer(first_stage, cfg, no_decay=get_model_spec("llama3").no_decay)
-    whole = [name for name, _ in named]
-    groups = build_optimizer(first_stage, cfg, no_decay=get_model_spec("llama3").no_decay, model_names=whole)
-    assert [g["group"] for g in groups.param_groups][0].startswith("tok_embeddings.* *norm.weight")
+def test_a_pattern_is_matched_against_the_whole_model_not_one_pipeline_stage():
+    """The first of two stages holds no output head; the pattern is checked on the whole model."""
+    plan = planned(
+        "--optimizer.param_groups",
+        '["output.*: lr_scale=0.5"]',
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        world_size=2,
+    )
+    assert [stage.last for stage in plan.pipeline.stages] == [False, True]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
-from collections.abc import Collection
 from dataclasses import dataclass
 
 from titanlite.errors import TitanliteError
@@ -88,18 +87,16 @@ def _parse(entry: str, no_decay: tuple[str, ...]) -> GroupSpec:
     return GroupSpec(expanded, settings.get("lr_scale"), settings.get("weight_decay"), entry.strip())
 
 
-def check_matched(entries: list[str], names: Collection[str]) -> None:
-    """Every pattern an entry names matches one of `names`, the whole model's parameter names (a
-    pipeline stage holds only some): a typo would otherwise train under the optimizer's settings
-    without a word. `@no_decay` is the model's own and not checked (a model may have no biases)."""
-    for spec in parse_groups(entries):  # no no_decay patterns: @no_decay stands for none here
-        for pattern in spec.patterns:
-            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-                closest = difflib.get_close_matches(pattern, list(names), n=1, cutoff=0.0)
-                raise TitanliteError(
-                    f"{FIELD}: entry {spec.text!r} has {pattern!r}, which matches no parameter of the model"
-                    + (f" (the closest name: {closest[0]!r})" if closest else "")
-                )
+def check_matched(entries: list[str], names: list[str]) -> None:
+    """Every pattern an entry names matches one of `names`, the whole model's parameter names (not
+    one pipeline stage's), checked when the run is planned: a typo would otherwise train under the
+    optimizer's settings without a word. `@no_decay`, the model's own patterns, is not checked."""
+    for spec in parse_groups(entries):  # no no_decay patterns given: @no_decay stands for none here
+        for pattern in (pattern for pattern in spec.patterns if not fnmatch.filter(names, pattern)):
+            closest = difflib.get_close_matches(pattern, names, n=1, cutoff=0.0)
+            raise TitanliteError(
+                f"{FIELD}: entry {spec.text!r} has {pattern!r}, which matches no parameter (closest: {closest[0]!r})"
+            )
 
 
 def group_of(name: str, groups: list[GroupSpec]) -> GroupSpec | None:

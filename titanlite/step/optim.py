@@ -12,12 +12,11 @@ a resume under other rules).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from titanlite.config.param_groups import GroupSpec, check_matched, group_of, parse_groups
+from titanlite.config.param_groups import GroupSpec, group_of, parse_groups
 from titanlite.parallel.optim_state import GROUP_KEY, clean_name
 from titanlite.step.muon import Muon, takes_muon
 
@@ -30,20 +29,11 @@ def trained_parameters(model: torch.nn.Module) -> NamedParams:
     return [(clean_name(name), param) for name, param in model.named_parameters() if param.requires_grad]
 
 
-def build_optimizer(
-    named_params: NamedParams,
-    optimizer_cfg,
-    *,
-    no_decay: tuple[str, ...],
-    model_names: Collection[str] = (),
-) -> torch.optim.Optimizer:
+def build_optimizer(named_params: NamedParams, optimizer_cfg, *, no_decay: tuple[str, ...]) -> torch.optim.Optimizer:
     """AdamW with torchtitan's knobs (`implementation` picks fused, foreach or for-loop kernels),
     or Muon (`step/muon.py`) for the hidden matrices with AdamW for the rest. `named_params`:
     (name as the model names it, parameter) for every trained parameter; `no_decay`: the model's
-    no-decay patterns (`ModelSpec.no_decay`), which a `@no_decay` in the groups stands for;
-    `model_names`: the whole model's parameter names, each group's patterns must match one of
-    (a pipeline stage's `named_params` are only its own; none given: `named_params`' names)."""
-    check_matched(optimizer_cfg.param_groups, model_names or [name for name, _ in named_params])
+    no-decay patterns (`ModelSpec.no_decay`), which a `@no_decay` in the groups stands for."""
     groups = param_groups(named_params, optimizer_cfg, no_decay)
     betas = (optimizer_cfg.beta1, optimizer_cfg.beta2)
     common = dict(lr=optimizer_cfg.lr, betas=betas, eps=optimizer_cfg.eps, weight_decay=optimizer_cfg.weight_decay)

@@ -94,16 +94,10 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
 # (a longer seq_len is refused). vocab_size is the tokenizer's here, as for every flavor; its 16B and 671B
 # attend within documents (flex, block_causal): here that is model.attn_mask_type's, as for Llama's files.
 _torchtitan = functools.partial(dataclasses.replace, norm_eps=1e-5, rope_scaling=None, max_seq_len=4096)
+_torchtitan_moe = dataclasses.replace(deepseek_v3_flavors["16B"].moe, n_experts=8, top_k=3, hidden_dim=256)
 deepseek_v3_torchtitan_flavors: dict[str, DeepSeekV3Args] = {
-    "debugmodel": _torchtitan(
-        deepseek_v3_flavors["16B"],
-        dim=256,
-        n_layers=6,
-        hidden_dim=1024,
-        moe=dataclasses.replace(deepseek_v3_flavors["16B"].moe, n_experts=8, top_k=3, hidden_dim=256),
-    ),
-    "16B": _torchtitan(deepseek_v3_flavors["16B"]),
-    "671B": _torchtitan(deepseek_v3_flavors["671B"]),
+    "debugmodel": _torchtitan(deepseek_v3_flavors["16B"], dim=256, n_layers=6, hidden_dim=1024, moe=_torchtitan_moe),
+    **{name: _torchtitan(deepseek_v3_flavors[name]) for name in ("16B", "671B")},
 }
 
 
