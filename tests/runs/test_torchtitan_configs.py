@@ -120,7 +120,7 @@ def test_torchtitans_files_stop_only_at_their_download(workdir):
     names = [*PLANNED, *TRAINED]
     # async TP comes first in the 405B file: titanlite has none (the `_sync` copy has it off)
     files = [f"{name}_sync.toml" if name == "llama3_405b" else f"{name}.toml" for name in names]
-    results = run_all(workdir, "titanlite.config", [["--config", file] for file in [*files, "llama3_405b.toml"]])
+    results = run_all(workdir, "titanlite.config.load", [["--config", file] for file in [*files, "llama3_405b.toml"]])
     for name, result in zip(names, results):
         text = (CONFIGS / f"{name}.toml").read_text()
         dataset = next(dataset for dataset, line in DOWNLOADS.items() if line in text)
