@@ -160,6 +160,8 @@ def test_a_torchtitan_model_family_titanlite_lacks_is_named_before_the_keys_of_i
         load_config(["--config", str(path)])
     with pytest.raises(TitanliteError, match="^model.name: 'gpt_oss' on the command line is a torchtitan model family"):
         load_config(["--config", "debug_model", "--model.name", "gpt_oss"])
+    with pytest.raises(TitanliteError, match="torchtitan's llama3, qwen3, deepseek_v3 files run here$"):
+        load_config(["--config", "debug_model", "--model.name", "llama4"])
     # the command line's model wins; then the file's keys are read
     with pytest.raises(TitanliteError, match="^parallelism.enable_async_tensor_parallel: not supported"):
         load_config(["--config", str(path), "--model.name", "llama3"])
