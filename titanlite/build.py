@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from titanlite.config import JobConfig
 from titanlite.config.dtypes import DTYPES
+from titanlite.config.param_groups import check_matched
 from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec, moe
@@ -110,9 +111,11 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
         args = dataclasses.replace(args, attn_mask_type=cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
+    with torch.device("meta"):  # the whole model without memory: every pipeline stage's names, every MoE layer
+        model = spec.model_class(args)
+    check_matched(cfg.optimizer.param_groups, [name for name, _ in model.named_parameters()])
     if dims.ep_enabled or dims.etp_enabled:
-        with torch.device("meta"):  # the routed experts of each MoE layer, from a meta build (no memory)
-            n_experts = [layer.args.n_experts for layer in moe.moe_layers(spec.model_class(args)).values()]
+        n_experts = [layer.args.n_experts for layer in moe.moe_layers(model).values()]
         dims.check_experts(n_experts, f"model {spec.name} flavor {cfg.model.flavor}")
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if reshard.isdigit() and (not dims.fsdp_enabled or (dims.dp_shard * dims.cp) % int(reshard)):

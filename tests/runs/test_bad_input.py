@@ -375,6 +375,8 @@ CASES: dict[str, Case] = {
         {**CHECKPOINTING, "model.name": "gpt2", "checkpoint.last_save_in_hf": "true"},
     ),
     "mask_type_unknown": Case(["model.attn_mask_type", "sliding"], {"model.attn_mask_type": "sliding"}),
+    "param_groups_key_twice": Case(["lr_scale twice"], {"optimizer.param_groups": '["norm.*: lr_scale=1 lr_scale=2"]'}),
+    "param_groups_typo": Case(["'nothing.*', which matches"], {"optimizer.param_groups": '["nothing.*: lr_scale=1"]'}),
     # through the launcher, 2 processes: every rank meets it, rank 0 alone says it
     "launcher_pp_too_few_microbatches": Case(
         ["1F1B needs at least one microbatch per stage"], {PP: "2", "training.local_batch_size": "1"}, nproc=2

@@ -4,8 +4,9 @@ entries parse to one-line errors; the groups reach the optimizer (and a step) as
 import pytest
 import torch
 
+from titanlite.build import plan_run
 from titanlite.config import load_config
-from titanlite.config.param_groups import DEFAULT_GROUPS, parse_groups
+from titanlite.config.param_groups import DEFAULT_GROUPS, check_matched, parse_groups
 from titanlite.config.sections import Optimizer
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec
@@ -123,6 +124,8 @@ def test_the_resolved_config_shows_the_default_groups():
         ("layers.*: lr_scale=-1", "has lr_scale=-1: must be a finite number >= 0"),
         ("layers.*: lr_scale=nan", "must be a finite number >= 0"),
         ("@norms: weight_decay=0", "has '@norms': the one named pattern is @no_decay"),
+        ("layers.*: lr_scale=0.5 lr_scale=2", "sets lr_scale twice"),
+        ("layers.*: weight_decay=0 lr_scale=1 weight_decay=0", "sets weight_decay twice"),
     ],
 )
 def test_bad_entries_are_one_line_naming_the_field(entry, message):
@@ -163,3 +166,33 @@ def test_wrapped_blocks_keep_the_models_names():
     optimizer = build_optimizer(named, Optimizer(), no_decay=spec.no_decay)
     exempt = next(g for g in optimizer.param_groups if g["weight_decay"] == 0.0)
     assert {id(p) for p in exempt["params"]} == {id(p) for n, p in named if "norm" in n or "embeddings" in n}
+
+
+def planned(*argv: str, world_size: int = 1):
+    return plan_run(load_config(["--config", "debug_model", *argv]), world_size, vocab_size=64)
+
+
+def test_a_pattern_that_matches_no_parameter_of_the_model_is_one_line_naming_it_when_planned():
+    for entry, pattern, closest in (
+        ("nothing.*: lr_scale=0.5", "nothing.*", None),
+        ("layers.*.atention.wq.weight output.*: lr_scale=0.5", "layers.*.atention.wq.weight", ".attention.wq.weight"),
+    ):
+        with pytest.raises(TitanliteError) as error:
+            planned("--optimizer.param_groups", f'["{entry}"]')
+        text = str(error.value)
+        assert text.startswith(f"optimizer.param_groups: entry {entry!r} has {pattern!r}, which matches no"), text
+        assert "\n" not in text and (closest is None or closest in text.split("(closest: ")[1]), text
+    # @no_decay, the model's own patterns, is not checked: one that matches nothing here is no error
+    check_matched(["@no_decay: weight_decay=0", "*norm.weight: lr_scale=2"], ["norm.weight"])
+
+
+def test_a_pattern_is_matched_against_the_whole_model_not_one_pipeline_stage():
+    """The first of two stages holds no output head; the pattern is checked on the whole model."""
+    plan = planned(
+        "--optimizer.param_groups",
+        '["output.*: lr_scale=0.5"]',
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        world_size=2,
+    )
+    assert [stage.last for stage in plan.pipeline.stages] == [False, True]

@@ -12,6 +12,7 @@ from titanlite.config import load_config, torchtitan
 from titanlite.data.tokenizers import tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import _registry, get_model_spec
+from titanlite.models.deepseek_v3 import deepseek_v3_torchtitan_flavors
 from titanlite.models.llama import llama3_flavors, llama3_torchtitan_flavors
 from titanlite.models.qwen3 import qwen3_flavors, qwen3_torchtitan_flavors
 
@@ -170,7 +171,7 @@ def test_a_torchtitan_model_family_titanlite_lacks_is_named_before_the_keys_of_i
 
 def test_the_torchtitan_families_are_titanlites_or_named_absent():
     registered = set(_registry())
-    assert set(torchtitan.SHARED_MODELS) <= set(torchtitan.PRESENT_MODELS) <= registered
+    assert set(torchtitan.SHARED_MODELS) <= registered
     assert not set(torchtitan.ABSENT_MODELS) & registered
     for name, spec in _registry().items():
         prefixed = [flavor for flavor in spec.flavors if flavor.startswith(torchtitan.FLAVOR_PREFIX)]
@@ -197,6 +198,8 @@ def test_a_torchtitan_file_gets_torchtitans_flavor_and_a_titanlite_file_its_own(
     assert load_config(["--config", str(path)]).model.flavor == "debugmodel"
     path.write_text('[model]\nname = "qwen3"\nflavor = "debugmodel_moe"\n[checkpoint]\nenable_checkpoint = false\n')
     assert load_config(["--config", str(path), "--checkpoint.enable", "false"]).model.flavor == "debugmodel_moe"
+    path.write_text('[model]\nname = "deepseek_v3"\nflavor = "16B"\n[checkpoint]\nenable = false\n')
+    assert load_config(["--config", str(path)]).model.flavor == "torchtitan:16B"
     for config in ("debug_model", "llama_8b", "qwen3_30b_a3b"):
         assert not load_config(["--config", config]).model.flavor.startswith("torchtitan:"), config
 
@@ -240,5 +243,33 @@ def test_torchtitans_flavors_have_torchtitan_v0_2_2s_shapes():
     for spec, table in (
         (get_model_spec("llama3"), llama3_torchtitan_flavors),
         (get_model_spec("qwen3"), qwen3_torchtitan_flavors),
+        (get_model_spec("deepseek_v3"), deepseek_v3_torchtitan_flavors),
     ):
         assert all(spec.flavors[f"torchtitan:{name}"] is args for name, args in table.items())
+
+
+# torchtitan/models/deepseek_v3/__init__.py at v0.2.2: (dim, inter_dim, moe_inter_dim, n_layers, n_dense_layers,
+# n_heads, q_lora_rank) and MoEArgs (num_experts, num_shared_experts, top_k, num_expert_groups or 1 for None,
+# num_limited_groups or 1, score_func, route_norm, route_scale).
+TORCHTITAN_DEEPSEEK_V3 = {
+    "debugmodel": ((256, 1024, 256, 6, 1, 16, 0), (8, 2, 3, 1, 1, "softmax", False, 1.0)),
+    "16B": ((2048, 10944, 1408, 27, 1, 16, 0), (64, 2, 6, 1, 1, "softmax", False, 1.0)),
+    "671B": ((7168, 18432, 2048, 61, 3, 128, 1536), (256, 1, 8, 8, 4, "sigmoid", True, 2.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCHTITAN_DEEPSEEK_V3))
+def test_torchtitans_deepseek_v3_flavors_have_torchtitan_v0_2_2s_shapes(name):
+    """Field by field; every flavor has MLA's published widths (kv_lora_rank 512, heads of 128 + 64
+    rotary, values of 128), torchtitan's norm eps 1e-5 and load_balance_coeff 1e-3 (the expert bias),
+    and no YaRN: torchtitan scales RoPE only for a training.seq_len above 4096, which is refused here."""
+    args = deepseek_v3_torchtitan_flavors[name]
+    shape, routing = TORCHTITAN_DEEPSEEK_V3[name]
+    assert (args.dim, args.hidden_dim, args.moe.hidden_dim, args.n_layers, args.n_dense_layers) == shape[:5]
+    assert (args.n_heads, args.q_lora_rank) == shape[5:]
+    assert (args.kv_lora_rank, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim) == (512, 128, 64, 128)
+    moe = args.moe
+    assert (moe.n_experts, moe.n_shared_experts, moe.top_k, moe.n_group, moe.topk_group) == routing[:5]
+    assert (moe.score_func, moe.renormalize, moe.route_scale) == routing[5:]
+    assert moe.use_expert_bias and moe.bias_update_rate == 1e-3 and moe.aux_loss_coef == 0
+    assert (args.norm_eps, args.rope_theta, args.rope_scaling, args.max_seq_len) == (1e-5, 10000.0, None, 4096)

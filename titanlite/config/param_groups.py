@@ -22,6 +22,7 @@ checked before torch is imported.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ def _parse(entry: str, no_decay: tuple[str, ...]) -> GroupSpec:
         key, equals, text = item.partition("=")
         if not equals or key not in _KEYS:
             raise bad(f"has {item!r}: settings are {' and '.join(f'{k}=NUMBER' for k in _KEYS)}")
+        if key in settings:
+            raise bad(f"sets {key} twice")
         try:
             value = float(text)
         except ValueError:
@@ -82,6 +85,18 @@ def _parse(entry: str, no_decay: tuple[str, ...]) -> GroupSpec:
         raise bad("sets neither lr_scale nor weight_decay")
     expanded = tuple(each for pattern in patterns for each in (no_decay if pattern == NO_DECAY else (pattern,)))
     return GroupSpec(expanded, settings.get("lr_scale"), settings.get("weight_decay"), entry.strip())
+
+
+def check_matched(entries: list[str], names: list[str]) -> None:
+    """Every pattern an entry names matches one of `names`, the whole model's parameter names (not
+    one pipeline stage's), checked when the run is planned: a typo would otherwise train under the
+    optimizer's settings without a word. `@no_decay`, the model's own patterns, is not checked."""
+    for spec in parse_groups(entries):  # no no_decay patterns given: @no_decay stands for none here
+        for pattern in (pattern for pattern in spec.patterns if not fnmatch.filter(names, pattern)):
+            closest = difflib.get_close_matches(pattern, names, n=1, cutoff=0.0)
+            raise TitanliteError(
+                f"{FIELD}: entry {spec.text!r} has {pattern!r}, which matches no parameter (closest: {closest[0]!r})"
+            )
 
 
 def group_of(name: str, groups: list[GroupSpec]) -> GroupSpec | None:

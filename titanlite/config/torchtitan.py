@@ -22,11 +22,10 @@ options titanlite does not have.
   dataset (overrides win, as everywhere); a validation dataset of that kind is only a
   notice while validation is off.
 - A file that names any of the keys above is torchtitan's, and its flavor names are torchtitan's:
-  for the model families titanlite has (llama3, qwen3) `model.flavor = "debugmodel"` becomes
-  `torchtitan:debugmodel`, torchtitan v0.2.2's shape (models/<family>/__init__.py), with a
+  for the model families titanlite has (llama3, qwen3, deepseek_v3) `model.flavor = "debugmodel"`
+  becomes `torchtitan:debugmodel`, torchtitan v0.2.2's shape (models/<family>/__init__.py), with a
   notice, so the file trains what it trains under torchtitan; titanlite's own, faster debug
-  flavors stay for titanlite's files (deepseek_v3's flavors are titanlite's own, no torchtitan
-  shapes). A family titanlite does not have (llama4, gpt_oss, ...) is refused by name before
+  flavors stay for titanlite's files. A family titanlite does not have (llama4, gpt_oss, ...) is refused by name before
   any key of its file is read: those keys would otherwise be the first error, and a misleading one.
 - `model.num_nextn_predict_layers` (DeepSeek-V3's multi-token prediction) is refused unless 0.
 
@@ -69,10 +68,9 @@ NO_EFFECT = {
 }
 DOWNLOADED_DATASETS = ("c4", "c4_test", "c4_validation")
 FLOAT8_SECTION = ("quantize", "linear", "float8")  # torchtitan v0.2's home of the [float8] keys
-# torchtitan v0.2.2's model families (torchtitan/models/__init__.py): those titanlite has, those of
-# them whose torchtitan flavors are registered as FLAVOR_PREFIX + name, and those it does not have.
-PRESENT_MODELS = ("deepseek_v3", "llama3", "qwen3")
-SHARED_MODELS = ("llama3", "qwen3")
+# torchtitan v0.2.2's model families (torchtitan/models/__init__.py): those titanlite has, whose
+# torchtitan flavors are registered as FLAVOR_PREFIX + name, and those it does not have.
+SHARED_MODELS = ("deepseek_v3", "llama3", "qwen3")
 ABSENT_MODELS = ("flux", "gpt_oss", "llama3_ft", "llama4")
 FLAVOR_PREFIX = "torchtitan:"
 _COMMAND_LINE = "on the command line"  # the `where` of an override (config/parse.py)
@@ -175,7 +173,7 @@ class TorchtitanKeys:
         if name in ABSENT_MODELS:
             raise TitanliteError(
                 f"model.name: {name!r} {where} is a torchtitan model family titanlite does not have; "
-                f"torchtitan's {', '.join(PRESENT_MODELS[:-1])} and {PRESENT_MODELS[-1]} files run here"
+                f"torchtitan's {', '.join(SHARED_MODELS[:-1])} and {SHARED_MODELS[-1]} files run here"
             )
 
     def finish(self, cfg: JobConfig, overridden: set[tuple[str, str]]) -> None:
@@ -201,8 +199,8 @@ class TorchtitanKeys:
         """A torchtitan file trains as torchtitan does: one weight decay for every parameter
         (torchtitan has no parameter groups), not titanlite's default that exempts embeddings,
         norms and biases, unless the file or the command line names groups. And it names
-        torchtitan's flavors (a command-line flavor speaks the file's names too): its llama3 and
-        qwen3 flavors are registered under FLAVOR_PREFIX."""
+        torchtitan's flavors (a command-line flavor speaks the file's names too): its flavors of
+        the families titanlite has are registered under FLAVOR_PREFIX."""
         if not self._groups_given:
             cfg.optimizer.param_groups = []
             self.notices.append(

@@ -85,6 +85,21 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
     ),
 }
 
+# torchtitan v0.2.2's deepseek_v3 flavors (torchtitan/models/deepseek_v3/__init__.py), which a torchtitan TOML
+# file gets (config/torchtitan.py) as `torchtitan:<name>`. Its debugmodel is another shape than ours: 6
+# layers, 16 heads of the published MLA widths (kv_lora_rank 512), 8 experts top-3 of width 256 with 2
+# shared, softmax scores, the expert bias. Its 16B and 671B are the published shapes, but with its norm eps
+# 1e-5 (the published 1e-6) and plain RoPE: torchtitan sets max_seq_len to training.seq_len and scales by
+# YaRN, mscale included, only above its original_seq_len 4096, so these are its models up to 4096 tokens
+# (a longer seq_len is refused). vocab_size is the tokenizer's here, as for every flavor; its 16B and 671B
+# attend within documents (flex, block_causal): here that is model.attn_mask_type's, as for Llama's files.
+_torchtitan = functools.partial(dataclasses.replace, norm_eps=1e-5, rope_scaling=None, max_seq_len=4096)
+_torchtitan_moe = dataclasses.replace(deepseek_v3_flavors["16B"].moe, n_experts=8, top_k=3, hidden_dim=256)
+deepseek_v3_torchtitan_flavors: dict[str, DeepSeekV3Args] = {
+    "debugmodel": _torchtitan(deepseek_v3_flavors["16B"], dim=256, n_layers=6, hidden_dim=1024, moe=_torchtitan_moe),
+    **{name: _torchtitan(deepseek_v3_flavors[name]) for name in ("16B", "671B")},
+}
+
 
 def flops_per_token(args: DeepSeekV3Args, n_params: int, seq_len: int) -> float:
     """6 per active weight, plus MLA's score and value matmuls: 6 * layers * heads *
@@ -97,7 +112,7 @@ def flops_per_token(args: DeepSeekV3Args, n_params: int, seq_len: int) -> float:
 deepseek_v3_spec = ModelSpec(
     name="deepseek_v3",
     model_class=DeepSeekV3,
-    flavors=deepseek_v3_flavors,
+    flavors={**deepseek_v3_flavors, **{f"torchtitan:{name}": a for name, a in deepseek_v3_torchtitan_flavors.items()}},
     apply_tp=apply_tp,
     tp_problems=tp_problems,
     # DeepseekV3ForCausalLM, the experts one HF tensor each (hf_adapter.py).
