@@ -217,12 +217,7 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
         moe_args = plan_run(load_config([*EQUIVALENCE_ARGS, *flags]), 1).model_args
         moe_models[family] = (moe_args, make_transformers_model(moe_args, std=0.02))
         moe_models[family][1].save_pretrained(tmp_path / f"hf_{family}", max_shard_size=2 * 1024**2)
-        # One weight decay for all (no parameter groups): from transformers' random init (std 0.02)
-        # the default groups' split moved step 2 of ep 2 and FSDP 2 apart by 2e-5 in the grad norm
-        # (step 1 equal; the groups are the same in both layouts; test_parallel_equivalence checks
-        # ep 2 with the default groups at 1e-5 from titanlite's init). This test is about the HF IO.
-        from_hf = [*EQUIVALENCE_ARGS, *flags, *start, "--optimizer.param_groups", ""]
-        from_hf += ["--checkpoint.initial_load_path", str(tmp_path / f"hf_{family}")]
+        from_hf = [*EQUIVALENCE_ARGS, *flags, *start, "--checkpoint.initial_load_path", str(tmp_path / f"hf_{family}")]
         cases += [
             Case(
                 f"{family}_fsdp2",
