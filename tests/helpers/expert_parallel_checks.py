@@ -6,7 +6,10 @@ fed every rank's tokens) and split over the ep mesh (parallel/expert_parallel.ap
 this rank's tokens). Two routers: the layer's own (uneven per-rank splits), and a skewed one
 whose gate sends every token to experts 0 and 1, which ep rank 0 holds, so rank 1 sends and
 receives zero rows and rank 0 computes every token (dropless: none may go missing).
-Outputs, the input gradients and every weight gradient are compared with the reference's.
+Outputs, the input gradients and every weight gradient are compared with the reference's, and
+with FSDP's arithmetic (`own_ranks`): each rank the whole layer on its own tokens, the weight
+gradients summed over the ranks. At ep 2 that is bit for bit: each expert runs the matmuls of
+the rank whose rows they are, and its weight gradient is the sum of the same two parts.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def _compare(skewed: bool, mesh) -> dict[str, float | list[int]]:
     mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
     weights = torch.linspace(-1, 1, x.numel()).view_as(x)  # a loss that weighs every output differently
     ref_out, ref_dx, ref_grads = _run(_layer(skewed), x, weights)
+    own_out, own_dx, own_grads = _run(_layer(skewed), x[mine], weights[mine])
     split = _layer(skewed)
     apply_ep(split, mesh, None)
     out, dx, grads = _run(split, x[mine], weights[mine])
@@ -61,13 +65,21 @@ def _compare(skewed: bool, mesh) -> dict[str, float | list[int]]:
             grads[name] = grad.full_tensor()
         else:
             dist.all_reduce(grad)
+        dist.all_reduce(own_grads[name])
     counts = [int(c) for c in torch.bincount(split.router(x[mine]).experts.flatten(), minlength=ARGS.n_experts)]
     return {
-        "out": float((out - ref_out[mine]).abs().max()),
-        "input_grad": float((dx - ref_dx[mine]).abs().max()),
-        "weight_grads": max(float((grads[name] - ref).abs().max()) for name, ref in ref_grads.items()),
+        **_differences(out, dx, grads, ref_out[mine], ref_dx[mine], ref_grads),
+        "own_ranks": _differences(out, dx, grads, own_out, own_dx, own_grads),
         "tokens_per_expert_here": counts,
         "local_experts": [int(split.experts.w1.to_local().shape[0])],
+    }
+
+
+def _differences(out, dx, grads: dict, ref_out, ref_dx, ref_grads: dict) -> dict[str, float]:
+    return {
+        "out": float((out - ref_out).abs().max()),
+        "input_grad": float((dx - ref_dx).abs().max()),
+        "weight_grads": max(float((grads[name] - ref).abs().max()) for name, ref in ref_grads.items()),
     }
 
 

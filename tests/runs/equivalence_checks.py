@@ -5,10 +5,14 @@ experts, float8 layouts within float8's tolerances, Muon's per-rank work, GPT-2'
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.helpers.distributed import assert_same_curve
+from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve
 from tests.helpers.sessions import SessionCases
 from tests.runs.equivalence import CP, EP, ETP, FLOAT8_LAYOUTS, LAYOUTS, MUON, ONE_TOKEN, OWN_CHECK_LAYOUTS, PP
+from titanlite.build import plan_run
+from titanlite.config.load import load_config
+from titanlite.models.moe import moe_layers
 
 PER_RANK_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "data_parallel_replicate_degree")
 
@@ -16,22 +20,35 @@ PER_RANK_DEGREES = ("pipeline_parallel_degree", "tensor_parallel_degree", "data_
 def assert_expert_shares(ranks: list[dict], reference: dict, overrides: list[str], nproc: int) -> None:
     """Under ep each rank computes with 1/ep of its stage's routed experts (as FSDP's
     all-gather hands them to forward) and holds 1/(ep x efsdp) = 1/(dp_shard x cp) of them;
-    expert tensor parallelism splits each expert over tp on top (1/etp of both). An ep or etp
-    that the layout ignores computes with every expert (or whole experts), so it fails here,
-    though its curve is the reference's."""
+    expert tensor parallelism splits each expert over tp on top (1/etp of both). A rank's stage
+    share is its stages' MoE layers (`moe_layer_shares`: DeepSeek-V3's dense first block leaves
+    the first stage fewer). An ep or etp that the layout ignores computes with every expert
+    (or whole experts), so it fails here, though its curve is the reference's."""
     value = dict(zip(overrides[::2], overrides[1::2]))
     whole = reference["expert_compute_bytes"]  # one process: every expert of every layer
     pp, tp, replicate = (int(value.get(f"--parallelism.{key}", 1)) for key in PER_RANK_DEGREES)
     ep, etp = int(value.get(EP[0], 1)), int(value.get(ETP[0], 1))
-    here = whole / pp / etp  # a pipeline stage holds its share of the MoE layers, a tp rank its slice of each expert
     assert whole > 0
     dp_shard_cp = nproc // (pp * tp * replicate)
+    here = [whole * share / etp for share in moe_layer_shares(overrides, nproc)]  # a tp rank: its slice of each expert
     compute, held = ([r[key] for r in ranks] for key in ("expert_compute_bytes", "expert_param_bytes"))
-    if pp > 1:  # stages hold unequal numbers of MoE layers (DeepSeek-V3's dense first block): the totals
-        compute, held, nproc = [sum(compute)], [sum(held)], 1
-        here *= len(ranks)
-    assert compute == pytest.approx([here / ep] * nproc, rel=0.05)
-    assert held == pytest.approx([here / dp_shard_cp] * nproc, rel=0.05)
+    assert compute == pytest.approx([bytes_ / ep for bytes_ in here], rel=0.05), "expert_compute_bytes by rank"
+    assert held == pytest.approx([bytes_ / dp_shard_cp for bytes_ in here], rel=0.05), "expert_param_bytes by rank"
+
+
+def moe_layer_shares(overrides: list[str], nproc: int) -> list[float]:
+    """Each rank's share of the model's MoE layers, from the layout's own plan: all of them
+    without pp; under pp those of the stages its pp rank holds (pp is the outermost mesh dim)."""
+    if PP[0] not in overrides:
+        return [1.0] * nproc
+    plan = plan_run(load_config([*EQUIVALENCE_ARGS, *overrides]), nproc)
+    with torch.device("meta"):
+        blocks = [name.split(".")[1] for name in moe_layers(plan.spec.model_class(plan.model_args))]
+    pipeline, per_pp_rank = plan.pipeline, nproc // plan.pipeline.degree
+    stage_blocks = [
+        [b for s in pipeline.stage_indices(r) for b in pipeline.stages[s].blocks] for r in range(pipeline.degree)
+    ]
+    return [sum(b in blocks for b in stage_blocks[rank // per_pp_rank]) / len(blocks) for rank in range(nproc)]
 
 
 def degrees(overrides: list[str], nproc: int) -> tuple[int, int]:
