@@ -215,8 +215,7 @@ def _cheapest_runs(stage_cost: _StageCost) -> Runs:
         nxt, cut = [float("inf")] * (n_layers + 1), [0] * (n_layers + 1)
         for stop in [n_layers] if last else range(n_layers + 1):
             for start in range(stop + (1 if last else 0)):  # a middle stage holds a block; the last may hold none
-                value = max(best[start], stage_cost(stage, start, stop))
-                if value < nxt[stop]:
+                if (value := max(best[start], stage_cost(stage, start, stop))) < nxt[stop]:
                     nxt[stop], cut[stop] = value, start
         best = nxt
         cuts.append(cut)
