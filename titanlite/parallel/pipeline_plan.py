@@ -77,9 +77,13 @@ class PipelineLayout:
             return (pp_rank, 2 * self.degree - 1 - pp_rank)
         return tuple(pp_rank + s * self.degree for s in range(self.stages_per_rank))
 
+    def holder(self, stage: int) -> int:
+        """The pp rank that holds stage `stage`."""
+        return next(r for r in range(self.degree) if stage in self.stage_indices(r))
+
     def last_stage_pp_rank(self) -> int:
         """The pp rank holding the last stage (which computes the loss)."""
-        return next(r for r in range(self.degree) if len(self.stages) - 1 in self.stage_indices(r))
+        return self.holder(len(self.stages) - 1)
 
     def output_rank(self, world: DeviceMesh) -> int:
         """The lowest global rank of the `world` mesh (pp outermost) that holds the last stage:
