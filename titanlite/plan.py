@@ -289,8 +289,7 @@ def run(argv: list[str]) -> int:
         if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None
         else None
     )
-    lines = header(report) + holdings(report) + verdict(report) + shard_lines(report, shards)
-    print("\n".join(lines + measured))
+    print("\n".join(header(report) + holdings(report) + verdict(report) + shard_lines(report, shards) + measured))
     return 0 if report.total <= report.device[0] else 1
 
 

@@ -91,7 +91,6 @@ class Contents:
         the log: the first parameter's, then those only others use (the experts' ep and efsdp)."""
         dims: dict[str, int] = {}
         for mesh in (param.device_mesh for param in self.model.parameters() if isinstance(param, DTensor)):
-            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-            for name, size in zip(names, mesh.shape):
+            for name, size in zip(mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim)), mesh.shape):
                 dims.setdefault(name, size)
         return dims

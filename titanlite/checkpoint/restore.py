@@ -155,8 +155,7 @@ class Restorer:
         """Model weights only; `prefix` "" reads checkpoints that keep weights at top level
         (torchtitan's seed and weights-only exports do)."""
         model_sd = self.contents.model_state()
-        state = {"model": model_sd} if prefix else model_sd
-        dcp_load(state, path, self.group)
+        dcp_load({"model": model_sd} if prefix else model_sd, path, self.group)
         set_model_state_dict(self.contents.model, model_sd)
 
     def _load_hf(self, folder: Path) -> None:

@@ -74,12 +74,11 @@ class TorchFullyShardedDataParallel(ShardedWrapper):
     ):
         wrap_plan.require_process_group("TorchFullyShardedDataParallel")
         classes = _classes_to_wrap(sub_modules_to_wrap, config, module)
-        recompute = getattr(config, "recompute_granularity", None) is not None
         plan = wrap_plan.WrapPlan(
             **placement(process_group or _megatron_data_parallel_group()),
             units=[u for u in wrap_plan.wrap_units(module, classes, set()) if not _hands_out_bias(u)],
             reshard_after_forward=wrap_plan.reshard_of(getattr(ddp_config, "reshard_after_forward", True)),
-            backward_prefetch="previous" if recompute else "default",
+            backward_prefetch="previous" if getattr(config, "recompute_granularity", None) is not None else "default",
         )
         attributes = {name: dict(vars(p)) for name, p in module.named_parameters()}  # FSDP2 makes new parameters
         super().__init__(module, plan)

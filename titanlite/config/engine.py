@@ -84,8 +84,7 @@ def optional_inner(tp: Any) -> Any | None:
 
 
 def type_name(tp: Any) -> str:
-    inner = optional_inner(tp)
-    if inner is not None:
+    if (inner := optional_inner(tp)) is not None:
         return f"{type_name(inner)} | none"
     if typing.get_origin(tp) is list:
         return f"list[{type_name(typing.get_args(tp)[0])}]"
@@ -94,8 +93,7 @@ def type_name(tp: Any) -> str:
 
 def expected(tp: Any) -> str:
     """What a value of type `tp` is, in words, for error messages (KeyError if unsupported)."""
-    inner = optional_inner(tp)
-    if inner is not None:
+    if (inner := optional_inner(tp)) is not None:
         return f"{expected(inner)} or none"
     if typing.get_origin(tp) is list:
         return "a list of strings"
@@ -104,8 +102,7 @@ def expected(tp: Any) -> str:
 
 def is_type(value: Any, tp: Any) -> bool:
     """Whether `value` is a valid Python value for a field typed `tp` (ints count as floats)."""
-    inner = optional_inner(tp)
-    if inner is not None:
+    if (inner := optional_inner(tp)) is not None:
         return value is None or is_type(value, inner)
     if typing.get_origin(tp) is list:
         return isinstance(value, list) and all(isinstance(v, str) for v in value)

@@ -55,8 +55,7 @@ def _split_argv(argv: Sequence[str], translate: TorchtitanKeys) -> tuple[str | N
     overrides: list[Override] = []
     for name, value in cli_pairs(argv, _CLI_USAGE):
         if name != "config":
-            override = parse_override(JobConfig, name, value, translate)
-            if override is not None:
+            if (override := parse_override(JobConfig, name, value, translate)) is not None:
                 overrides.append(override)
             continue
         if not value:

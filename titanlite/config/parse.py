@@ -55,8 +55,7 @@ def parse_list(text: str) -> list[str]:
 
 def _parse_cli(text: str, tp: Any) -> Any:
     """A command-line string parsed as `tp`; ValueError if it does not parse."""
-    inner = optional_inner(tp)
-    if inner is not None:
+    if (inner := optional_inner(tp)) is not None:
         return None if text.strip().lower() == "none" else _parse_cli(text, inner)
     if typing.get_origin(tp) is list:
         return parse_list(text)
@@ -87,8 +86,7 @@ def suggest_key(root: type, section: str, key: str) -> str | None:
     by_name = sections(root)
     if section in by_name and (close := _closest(key, list(keys(by_name[section])))):
         return f"{section}.{close}"
-    homes = [s for s, cls in by_name.items() if key in keys(cls)]
-    if homes:  # a right key in a wrong or missing section
+    if homes := [s for s, cls in by_name.items() if key in keys(cls)]:  # a right key in a wrong or missing section
         best = difflib.get_close_matches(section, homes, n=1, cutoff=0.0) if section else homes
         return f"{best[0]}.{key}"
     if section in by_name:

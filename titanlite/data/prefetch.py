@@ -33,9 +33,8 @@ class Prefetcher(Generic[T]):
     def __init__(self, produce: Callable[[int], T], start: int, stride: int, depth: int = 2) -> None:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        weak = weakref.WeakMethod(produce)
         self._thread = threading.Thread(
-            target=self._run, args=(weak, start, stride), name="titanlite-prefetch", daemon=True
+            target=self._run, args=(weakref.WeakMethod(produce), start, stride), name="titanlite-prefetch", daemon=True
         )
         weakref.finalize(produce.__self__, self.stop)
         self._thread.start()

@@ -99,8 +99,7 @@ def _check_job(folder: Path, job: dict[str, Any]) -> None:
     """Record what this folder is being prepared from; refuse to resume another job there."""
     path = folder / JOB
     if path.is_file():
-        previous = json.loads(path.read_text())
-        if previous != job:
+        if (previous := json.loads(path.read_text())) != job:
             changed = ", ".join(k for k in job if previous.get(k) != job[k])
             raise TitanliteError(
                 f"OUTPUT: {folder} holds a preparation with other settings ({changed}); "
@@ -129,8 +128,7 @@ def _tokenize_all(
     context = multiprocessing.get_context("spawn")  # never fork a process that holds threads
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer.path,)) as pool:
         for index, (texts, size) in enumerate(units(source.one_pass(), shard_chars)):
-            done = shard_format.complete_shard(folder, index, dtype)
-            if done is not None:
+            if (done := shard_format.complete_shard(folder, index, dtype)) is not None:
                 entries[index] = done
                 progress.advance(size)
                 continue

@@ -106,8 +106,7 @@ class TokenShards:
         shard = bisect.bisect_right(self.starts, start) - 1
         while done < length:
             offset = start + done - self.starts[shard]
-            take = min(length - done, self.starts[shard + 1] - self.starts[shard] - offset)
-            if take > 0:
+            if (take := min(length - done, self.starts[shard + 1] - self.starts[shard] - offset)) > 0:
                 yield shard, offset, take, done
                 done += take
             shard += 1

@@ -36,8 +36,7 @@ def verify(folder: str | Path) -> str:
     problem is a TitanliteError naming the file."""
     started = time.monotonic()
     shards = TokenShards(folder, field=FIELD)  # the manifest, and every shard file's presence and size
-    unrecorded = next((entry.name for entry in shards.entries if entry.crc32 is None), None)
-    if unrecorded is not None:
+    if (unrecorded := next((entry.name for entry in shards.entries if entry.crc32 is None), None)) is not None:
         raise TitanliteError(
             f"{shards.folder / MANIFEST} records no checksums for {unrecorded} (prepared before titanlite wrote "
             "them), so nothing can be verified; prepare it again to add them"

@@ -34,10 +34,7 @@ class StageForward:
             held = (0,)
         else:
             self.pp_rank, self.group = meshes.pp.get_local_rank(), meshes.pp.get_group()
-            self.holders = [
-                next(rank for rank in range(layout.degree) if stage in layout.stage_indices(rank))
-                for stage in range(len(layout.stages))
-            ]
+            self.holders = [layout.holder(stage) for stage in range(len(layout.stages))]
             # The rank that samples: the lowest global rank that holds the output.
             self.output_rank = layout.output_rank(meshes.world)
             held = layout.stage_indices(self.pp_rank)

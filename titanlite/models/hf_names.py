@@ -28,8 +28,7 @@ def _compile(table: dict[str, str]) -> list[tuple[re.Pattern[str], str]]:
 
 def _rename(key: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
     for pattern, target in rules:
-        match = pattern.match(key)
-        if match:
+        if match := pattern.match(key):
             return target.replace("{i}", match.group(1)) if match.groups() else target
     raise KeyError(key)
 

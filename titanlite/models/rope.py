@@ -114,8 +114,7 @@ def rope_cos_sin(args: RopeArgs, device: torch.device | str, rotary_dim: int | N
     mixed precision casts only floating-point block inputs: the angles stay in float32
     precision even when the blocks compute in bf16.
     """
-    positions = torch.arange(args.max_seq_len, dtype=torch.float64)
-    angles = torch.outer(positions, rope_frequencies(args, rotary_dim))
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), rope_frequencies(args, rotary_dim))
     magnitude = args.rope_scaling.attention_factor if isinstance(args.rope_scaling, YaRN) else 1.0
     return torch.polar(torch.full_like(angles, magnitude), angles).to(device=device, dtype=torch.complex64)
 

@@ -61,8 +61,7 @@ def create_run_dir(cfg: JobConfig) -> Path:
 def start_run_dir(cfg: JobConfig) -> Path:
     """Rank 0 creates the run folder and every rank gets its path; a folder that cannot be
     written is the same one-line error on every rank, before the model is built."""
-    group = dist.group.WORLD if dist.is_initialized() else None
-    return on_rank0(group, lambda: create_run_dir(cfg))
+    return on_rank0(dist.group.WORLD if dist.is_initialized() else None, lambda: create_run_dir(cfg))
 
 
 class MetricsFile:

@@ -96,16 +96,13 @@ class StepShape:
 
     @classmethod
     def from_config(cls, cfg: Any, tp: int) -> StepShape:
-        act_bytes = torch_dtype(cfg.training.mixed_precision_param).itemsize
-        # "auto" is on, on the GPUs planned for
-        sequence_parallel = tp > 1 and cfg.parallelism.sequence_parallel != "off"
         return cls(
             cfg.training.local_batch_size,
             cfg.training.seq_len,
             tp,
             cfg.parallelism.enable_loss_parallel and tp > 1,
-            sequence_parallel,
-            act_bytes,
+            tp > 1 and cfg.parallelism.sequence_parallel != "off",  # "auto" is on, on the GPUs planned for
+            torch_dtype(cfg.training.mixed_precision_param).itemsize,
             cfg.activation_checkpoint.mode,
             cfg.activation_checkpoint.selective_ac_option,
             cfg.parallelism.context_parallel_degree,

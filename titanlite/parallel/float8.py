@@ -165,8 +165,7 @@ def precompute_scales(parts: Iterable[nn.Module]) -> None:
 def _is_tensorwise_float8(module: nn.Module) -> bool:
     if type(module).__name__ != "Float8Linear":  # torchao is not imported unless float8 is on
         return False
-    tensorwise = torchao_float8().ScalingGranularity.TENSORWISE
-    return module.config.cast_config_input.scaling_granularity is tensorwise
+    return module.config.cast_config_input.scaling_granularity is torchao_float8().ScalingGranularity.TENSORWISE
 
 
 def _moves_activations(style: ParallelStyle) -> bool:

@@ -75,5 +75,4 @@ def _write_back(sharded: dict[int, DTensor], full: dict[int, nn.Parameter]) -> N
     locally, nothing sent)."""
     for key, p in sharded.items():
         whole = full[key].detach().to(device=p.device, dtype=p.dtype)
-        local = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
-        p.to_local().copy_(local)
+        p.to_local().copy_(distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local())

@@ -68,8 +68,7 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     (accurate) sum per tensor on CPU."""
     if tensors[0].device.type == "cpu":
         return torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
-    norms = torch._foreach_norm(tensors, 2.0)
-    return torch.stack([n.float() for n in norms]).pow(2).sum()
+    return torch.stack([n.float() for n in torch._foreach_norm(tensors, 2.0)]).pow(2).sum()
 
 
 def total_grad_norm(

@@ -77,9 +77,13 @@ class PipelineLayout:
             return (pp_rank, 2 * self.degree - 1 - pp_rank)
         return tuple(pp_rank + s * self.degree for s in range(self.stages_per_rank))
 
+    def holder(self, stage: int) -> int:
+        """The pp rank that holds stage `stage`."""
+        return next(r for r in range(self.degree) if stage in self.stage_indices(r))
+
     def last_stage_pp_rank(self) -> int:
         """The pp rank holding the last stage (which computes the loss)."""
-        return next(r for r in range(self.degree) if len(self.stages) - 1 in self.stage_indices(r))
+        return self.holder(len(self.stages) - 1)
 
     def output_rank(self, world: DeviceMesh) -> int:
         """The lowest global rank of the `world` mesh (pp outermost) that holds the last stage:
@@ -215,8 +219,7 @@ def _cheapest_runs(stage_cost: _StageCost) -> Runs:
         nxt, cut = [float("inf")] * (n_layers + 1), [0] * (n_layers + 1)
         for stop in [n_layers] if last else range(n_layers + 1):
             for start in range(stop + (1 if last else 0)):  # a middle stage holds a block; the last may hold none
-                value = max(best[start], stage_cost(stage, start, stop))
-                if value < nxt[stop]:
+                if (value := max(best[start], stage_cost(stage, start, stop))) < nxt[stop]:
                     nxt[stop], cut[stop] = value, start
         best = nxt
         cuts.append(cut)

@@ -111,8 +111,7 @@ def checkpoint_bytes(n_params: int, weights_only: bool) -> int:
 def check_free_disk(folder: Path, n_params: int, weights_only: bool) -> None:
     """Refuse a run whose first checkpoint cannot fit on the disk of `folder`."""
     needed = checkpoint_bytes(n_params, weights_only)
-    free = shutil.disk_usage(folder).free
-    if free < needed:
+    if (free := shutil.disk_usage(folder).free) < needed:
         what = "fp32 weights" if weights_only else "fp32 weights and AdamW's two moments"
         raise TitanliteError(
             f"checkpoint.folder: the disk of {folder} has {free / GIB:,.1f} GiB free, but one checkpoint of "
@@ -206,8 +205,7 @@ def acquire_lock(folder: Path) -> RunLock:
         raise TitanliteError(f"job.dump_folder: cannot open the lock file {path}: {_why_not_writable(error)}") from None
     flocked = _try_flock(fd)
     holder = _read_holder(fd)
-    problem = _refusal(path, holder, flocked)
-    if problem is not None:
+    if (problem := _refusal(path, holder, flocked)) is not None:
         os.close(fd)
         raise TitanliteError(problem)
     if holder:

@@ -49,9 +49,8 @@ def decide_compute_dtype(setting: str, device: torch.device) -> ComputeDtype:
         return ComputeDtype(setting, "set by training.mixed_precision_param")
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        native = (major, minor) >= MIN_BF16_CAPABILITY
         return ComputeDtype(
-            "bfloat16" if native else "float32",
+            "bfloat16" if (major, minor) >= MIN_BF16_CAPABILITY else "float32",
             f"auto: this GPU is SM {major}.{minor} (native bf16 from SM {'.'.join(map(str, MIN_BF16_CAPABILITY))})",
         )
     if device.type != "cpu":

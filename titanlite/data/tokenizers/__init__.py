@@ -70,8 +70,7 @@ class Tokenizer:
         self._eos = [self.eos_id] if self.eos_id >= 0 else []
 
     def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
-        ids = self.backend.encode_plain([text])[0]
-        return (self._bos if bos else []) + ids + (self._eos if eos else [])
+        return (self._bos if bos else []) + self.backend.encode_plain([text])[0] + (self._eos if eos else [])
 
     def encode_documents(self, texts: list[str]) -> list[list[int]]:
         """Each text as one document, bos + ids + eos: what preparation writes."""

@@ -57,8 +57,7 @@ class HFTokenizerJSON:
         if isinstance(configured, dict):
             configured = configured.get("content")
         for name in ([configured] if isinstance(configured, str) and configured else []) + list(usual):
-            token_id = self.tok.token_to_id(name)
-            if token_id is not None:
+            if (token_id := self.tok.token_to_id(name)) is not None:
                 return token_id
         return -1
 

@@ -251,16 +251,14 @@ def _refuse_what_this_model_lacks(described: dict[str, Any]) -> None:
         f"moe_layer_freq {described['moe_layer_freq']} (1 here)": described["moe_layer_freq"] == 1,
         f"{quantized} quantized weights (dequantize them to bf16 first)": quantized is None,
     }
-    wrong = [what for what, ok in checks.items() if not ok]
-    if wrong:
+    if wrong := [what for what, ok in checks.items() if not ok]:
         raise ValueError(f"this DeepSeek-V3 cannot hold: {', '.join(wrong)}")
 
 
 def _moe_from_hf_config(described: dict[str, Any], base: DeepSeekV3Args | None) -> MoEArgs:
     """DeepSeek-V3's MoE layer with the config's sizes and routing (`_described`); the
     training settings (bias step, aux loss) those of `base`'s MoE, or MoEArgs' defaults."""
-    missing = [hf for hf in list(_MOE_FIELDS.values())[:3] if not described[hf]]  # the sizes
-    if missing:
+    if missing := [hf for hf in list(_MOE_FIELDS.values())[:3] if not described[hf]]:  # the sizes
         raise KeyError(missing[0])
     sizes = {field: described[hf] for field, hf in _MOE_FIELDS.items()}
     sizes.update(renormalize=bool(sizes["renormalize"]), route_scale=float(sizes["route_scale"]))

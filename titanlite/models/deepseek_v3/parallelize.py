@@ -56,11 +56,10 @@ class _HeadsShareIt(ParallelStyle):
 
 def attention_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """MLA's entries, for wq and for wq_a / q_norm / wq_b (`apply_tp` keeps those the module has)."""
-    whole_sequence = tp.activations_layout(sequence_parallel)
     return {
         # x handed over as a plain tensor, the whole sequence (cos_sin and the mask pass through)
         "attention": PrepareModuleInput(
-            input_layouts=(whole_sequence, None, None),
+            input_layouts=(tp.activations_layout(sequence_parallel), None, None),
             desired_input_layouts=(Replicate(), None, None),
             use_local_output=True,
         ),

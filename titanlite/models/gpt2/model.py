@@ -53,8 +53,7 @@ class Embeddings(nn.Module):
         self.wpe = nn.Embedding(args.max_seq_len, args.dim)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.wte(tokens) + self.wpe(positions)  # [b, s, d] + [s, d]
+        return self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))  # [b, s, d] + [s, d]
 
 
 class Attention(nn.Module):
@@ -69,8 +68,7 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         qkv = self.c_attn(x).view(batch, seq, -1, 3, self.head_dim)  # -1: local heads
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each [b, heads, s, head_dim]
-        out = attend(q, k, v, mask, grouped=False)
-        return self.c_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return self.c_proj(attend(q, k, v, mask, grouped=False).transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):

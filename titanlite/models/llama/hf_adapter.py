@@ -100,8 +100,7 @@ class LlamaHFAdapter(HFAdapterBase):
             rope_scaling=described["rope_scaling"],
         )
         args = dataclasses.replace(base, **values) if base is not None else LlamaArgs(**values)
-        unsupported = [key for key in ("attention_bias", "mlp_bias") if described[key]]
-        if unsupported:
+        if unsupported := [key for key in ("attention_bias", "mlp_bias") if described[key]]:
             raise ValueError(f"{', '.join(unsupported)} true: this Llama has bias-free weights")
         if args.ffn_hidden_dim != hidden or args.head_dim != described["head_dim"]:
             raise ValueError(

@@ -120,8 +120,7 @@ class Qwen3HFAdapter(MoEHFAdapterBase):
         if config.get("model_type") not in self.HF_MODEL_TYPES:
             raise ValueError(f"model_type {config.get('model_type')!r} is not Qwen3's ('qwen3' or 'qwen3_moe')")
         described = self.described(config)
-        unsupported = [key for key in ("attention_bias", "use_sliding_window") if described[key]]
-        if unsupported:
+        if unsupported := [key for key in ("attention_bias", "use_sliding_window") if described[key]]:
             raise ValueError(f"{', '.join(unsupported)} true: this Qwen3 has bias-free, full attention")
         values = dict(
             **self.decoder_values(config, described, 40960),
@@ -160,8 +159,7 @@ def rope_theta(config: dict[str, Any]) -> float:
     >= 5, top level before). ValueError for a RoPE scaling (yarn, ...): ours has none."""
     params = config.get("rope_parameters") or {}
     scaling = params if "rope_type" in params else (config.get("rope_scaling") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default":
+    if (kind := scaling.get("rope_type", scaling.get("type", "default"))) != "default":
         raise ValueError(f"rope type {kind!r} is not supported (Qwen3 here has default RoPE only)")
     return float(params.get("rope_theta", config.get("rope_theta") or _HF_DEFAULT_THETA))
 
