@@ -95,4 +95,5 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = local_weight(self.w1), local_weight(self.w2), local_weight(self.w3)
         grouped = use_grouped_mm(x.device, x.dtype) and w1.dtype == x.dtype and _aligned(w1, w2)
-        return (run_experts_grouped if grouped else run_experts_loop)(w1, w2, w3, x, counts)
+        run = run_experts_grouped if grouped else run_experts_loop
+        return run(w1, w2, w3, x, counts)

@@ -68,7 +68,8 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         qkv = self.c_attn(x).view(batch, seq, -1, 3, self.head_dim)  # -1: local heads
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each [b, heads, s, head_dim]
-        return self.c_proj(attend(q, k, v, mask, grouped=False).transpose(1, 2).reshape(batch, seq, -1))
+        out = attend(q, k, v, mask, grouped=False)
+        return self.c_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
