@@ -98,6 +98,38 @@ def test_two_groups_equal_hsdp_and_resume_after_a_whole_job_restart(tmp_path):
     assert resumed[0]["checksums"] == resumed[1]["checksums"]
 
 
+MOE_MODELS = {
+    "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"],
+    "deepseek_v3": ["--model.name", "deepseek_v3"],
+}
+
+
+@pytest.mark.slow
+def test_moe_groups_equal_hsdp(tmp_path):
+    """MoE models (Qwen3-MoE, DeepSeek-V3 debug) in two one-process groups equal HSDP 2 of the same
+    global batch: every loss and grad norm, and the expert biases, which the groups balance on the
+    token counts of every group (as HSDP sums them over its replicas); the groups end bit-equal,
+    expert biases included."""
+    batch = ["--training.local_batch_size", "4"]
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for name, model in MOE_MODELS.items():
+            address = stack.enter_context(lighthouse(min_replicas=2))
+            args = with_overrides(EQUIVALENCE_ARGS, batch, model, ["--job.dump_folder", str(tmp_path / name)])
+            hsdp = with_overrides(args, ["--parallelism.data_parallel_replicate_degree", "2"])
+            hsdp = with_overrides(hsdp, ["--job.dump_folder", str(tmp_path / f"{name}_hsdp")])
+            groups = [Group(g, 1, [*args, *GROUPS], tmp_path, address, tag=name) for g in (0, 1)]
+            runs[name] = [*groups, Group(0, 2, hsdp, tmp_path, address, tag=f"{name}_hsdp")]
+        results = {name: [group.wait(240) for group in groups] for name, groups in runs.items()}
+    for name, (first, second, hsdp) in results.items():
+        assert hsdp["biases"] and any(v for bias in hsdp["biases"].values() for v in bias), name  # biases moved
+        for g, result in enumerate((first, second)):
+            assert_same_curve(result["history"], hsdp["history"], f"{name} replica group {g}")
+            for layer, bias in hsdp["biases"].items():
+                assert result["biases"][layer] == pytest.approx(bias, abs=1e-7), f"{name} group {g} {layer}"
+        assert first["checksums"] == second["checksums"], name
+
+
 KILL_STEPS, KILL_AT = 45, 5
 
 

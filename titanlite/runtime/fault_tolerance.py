@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from titanlite.config.fault_tolerance import FaultTolerance
@@ -43,6 +44,7 @@ from titanlite.config.sections import JobConfig
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 from titanlite.parallel.distributed import DistInfo
+from titanlite.step.experts import ExpertLayers
 from titanlite.step.participants import LineField, StepParticipant
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
@@ -97,6 +99,16 @@ def _like_param(value: Any, param: torch.Tensor) -> Any:
     return value.clone()
 
 
+def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a checkpoint holds (expert biases), not caches (RoPE's) nor per-step counts."""
+    return [
+        (f"{prefix}.{name}" if prefix else name, buffer)
+        for prefix, module in model.named_modules()
+        for name, buffer in module.named_buffers(recurse=False)
+        if name not in module._non_persistent_buffers_set
+    ]
+
+
 def _first_line(error: BaseException) -> str:
     """The start of an error's message (torchft wraps a peer's failure: the original's)."""
     return str(getattr(error, "original_exception", error)).splitlines()[0][:200]
@@ -124,8 +136,9 @@ class ReplicaGroup(StepParticipant):
         optimizer: torch.optim.Optimizer,
         states: dict[str, Any],
         dist_info: DistInfo,
+        experts: ExpertLayers | None = None,
     ) -> None:
-        self.ft, self.model, self.optimizer, self.states = ft, model, optimizer, states
+        self.ft, self.model, self.optimizer, self.states, self.experts = ft, model, optimizer, states, experts
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.manager = _start_manager(ft, self._load, self._state, dist_info.rank, dist_info.world_size)
         self.per_step = ft.semi_sync_method == "none"  # else the optimizer's hooks sync the groups
@@ -134,6 +147,7 @@ class ReplicaGroup(StepParticipant):
         self.healed_at: int | None = None  # the step a heal brought this group to, until it is said
         self.semi_sync: Any = None  # torchft's DiLoCo / LocalSGD, entered at the first step
         self.step_start: dict[str, Any] = {}  # `states` as the current step found them
+        self.inner_steps = 0  # semi-sync: optimizer steps taken, a sync every sync_steps of them
 
     # -- healing: what a live group sends, what a joining group applies -----------------
 
@@ -143,6 +157,7 @@ class ReplicaGroup(StepParticipant):
         optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         return {
             "model": {name: _local(p.detach()) for name, p in self.model.named_parameters()},
+            "buffers": {name: _local(b) for name, b in _persistent_buffers(self.model)},  # expert biases
             "optimizer": optimizer,
             # per-step mode: the state before this step drew its batches (also while it is redone);
             # DiLoCo / local SGD heal at a sync, inside the optimizer step: the state as it is
@@ -153,6 +168,8 @@ class ReplicaGroup(StepParticipant):
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 _local(p.detach()).copy_(state["model"][name])
+            for name, b in _persistent_buffers(self.model):
+                _local(b).copy_(state["buffers"][name])
         optimizer = state["optimizer"]
         for index, values in optimizer["state"].items():
             values.update({key: _like_param(value, self.params[int(index)]) for key, value in values.items()})
@@ -236,6 +253,7 @@ class ReplicaGroup(StepParticipant):
         all-reduce of one flat buffer); returns the averaged loss. Under semi-sync: nothing."""
         if not self.per_step:
             return loss
+        finish_counts = self._sum_token_counts()  # before the gradients': the two overlap
         grads = [_local(p.grad) if p.grad is not None else None for p in params]
         pieces = [
             (g if g is not None else torch.zeros_like(_local(p.detach()))).reshape(-1) for g, p in zip(grads, params)
@@ -246,7 +264,42 @@ class ReplicaGroup(StepParticipant):
         for g, averaged in zip(grads, flat[:-1].split([piece.numel() for piece in pieces])):
             if g is not None:
                 g.copy_(averaged.view_as(g))
+        finish_counts()
         return flat[-1].to(loss.dtype)
+
+    def _sum_token_counts(self) -> Callable[[], None]:
+        """Start summing this step's MoE token counts over the quorum (int64: exact); returns what
+        finishes it, each layer's counts set to the quorum's. The expert-bias update then sums them
+        over dp x cp (step/experts.py): over every group's tokens, as HSDP's update does, so the
+        groups' biases stay equal."""
+        local = self.experts.token_counts(self.model) if self.experts is not None else torch.zeros(0)
+        if not local.numel():
+            return lambda: None
+        total = local.clone()
+        work = self.manager.allreduce(total, reduce_op=ReduceOp.SUM)
+
+        def finish() -> None:
+            work.wait()
+            self.experts.discount_tokens(self.model, local - total)
+
+        return finish
+
+    def after_optimizer_step(self, updated: bool) -> None:
+        """Semi-sync: right after each sync (in the optimizer step) and the expert-bias update that
+        follows it, the buffers (expert biases) averaged over that sync's quorum, as torchft's
+        sync averages the parameters; between syncs each group balances its experts alone. A
+        failed average (a peer died) keeps this group's own until the next sync."""
+        self.inner_steps += updated
+        if self.per_step or not updated or self.inner_steps % self.ft.sync_steps:
+            return
+        buffers = [_local(b) for _, b in _persistent_buffers(self.model) if b.is_floating_point()]
+        if not buffers:
+            return
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        self.manager.allreduce(flat).wait()
+        if self.manager.errored() is None:
+            for b, averaged in zip(buffers, flat.split([b.numel() for b in buffers])):
+                b.copy_(averaged.view_as(b))
 
     def commit(self, step: int) -> bool:
         """Whether every group of the quorum may take this step (torchft's should_commit;
