@@ -231,12 +231,12 @@ WAIT_STEPS, WAIT_KILL_AT = 12, 3
 
 @pytest.mark.slow
 def test_below_min_replica_size_training_waits_and_a_failure_at_the_heal(tmp_path):
-    """min_replica_size 2 of 2 one-process groups: when one is killed the other commits no step
-    alone and says it waits; the group started again is killed once more as the quorum that
-    heals it forms (a second failure during the heal): the other waits again; started a third
-    time it heals, the two go on together and end bit-equal."""
+    """min_replica_size 2 of 2 one-process groups of DeepSeek-V3 (MoE): when one is killed the
+    other commits no step alone and says it waits; the group started again is killed once more as
+    the quorum that heals it forms (a second failure during the heal): the other waits again;
+    started a third time it heals (expert biases too), the two go on together and end bit-equal."""
     args = [
-        *with_overrides(FT_ARGS, ["--training.steps", str(WAIT_STEPS)]),
+        *with_overrides(FT_ARGS, ["--training.steps", str(WAIT_STEPS)], MOE_MODELS["deepseek_v3"]),
         "--fault_tolerance.min_replica_size",
         "2",
         "--job.dump_folder",
