@@ -174,11 +174,16 @@ DILOCO_STEPS, SYNC_STEPS, OUTER_LR, OUTER_MOMENTUM = 6, 2, 0.7, 0.9
 
 @pytest.mark.slow
 def test_diloco_and_local_sgd_equal_plain_torch(tmp_path):
-    """Pairs of one-process groups under torchft's DiLoCo and LocalSGD: weights equal right after
-    each sync and different between syncs; every loss and grad norm, and the final weights, as a
-    DiLoCo written in plain torch over the same trainer (tests/helpers/diloco_reference.py;
-    local SGD is its outer lr 1 without momentum: the groups' average)."""
-    base = with_overrides(EQUIVALENCE_ARGS, ["--training.steps", str(DILOCO_STEPS), "--training.local_batch_size", "4"])
+    """Pairs of one-process groups of Qwen3-MoE under torchft's DiLoCo and LocalSGD: weights and
+    expert biases equal right after each sync and different between syncs; every loss and grad
+    norm, the final weights and expert biases, as a DiLoCo written in plain torch over the same
+    trainer (tests/helpers/diloco_reference.py; local SGD is its outer lr 1 without momentum: the
+    groups' average; the biases are averaged at each sync)."""
+    base = with_overrides(
+        EQUIVALENCE_ARGS,
+        ["--training.steps", str(DILOCO_STEPS), "--training.local_batch_size", "4"],
+        MOE_MODELS["qwen3_moe"],
+    )
     outer_args = ["--fault_tolerance.outer_lr", str(OUTER_LR), "--fault_tolerance.outer_momentum", str(OUTER_MOMENTUM)]
     methods = {"diloco": outer_args, "local_sgd": []}
     outers = [[OUTER_LR, OUTER_MOMENTUM], [1.0, 0.0]]
@@ -211,6 +216,9 @@ def test_diloco_and_local_sgd_equal_plain_torch(tmp_path):
                 for key in ("loss", "grad_norm"):
                     assert got[key] == pytest.approx(ref[key], rel=1e-5), f"{method} {g} step {ref['step']} {key}"
             assert result["sums"] == pytest.approx(reference["sums"][g], rel=1e-5, abs=1e-6), method
+            assert result["biases"].keys() == reference["biases"][g].keys() and result["biases"], method
+            for layer, bias in reference["biases"][g].items():
+                assert result["biases"][layer] == pytest.approx(bias, abs=1e-7), f"{method} {g} {layer}"
 
 
 @pytest.mark.slow
