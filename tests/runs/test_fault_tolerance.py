@@ -55,17 +55,33 @@ CONSTANT_LR = ["--lr_scheduler.decay_ratio", "0"]
 CHECKPOINTS = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "5"]
 
 
+# Layouts inside a group of two processes: global batch 8 as 2 groups x local_batch_size 4.
+INSIDE_LAYOUTS = {
+    "tp2": ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"],
+}
+
+
 @pytest.mark.slow
 def test_two_groups_equal_hsdp_and_resume_after_a_whole_job_restart(tmp_path):
-    """Two FSDP 2 groups, 5 steps, equal HSDP 2 x 2 and end bit-equal; the first group of the
-    quorum saved the step-5 checkpoint. The whole job started again to step 8: group 0 resumes
-    from it, group 1 (which saved none) heals from group 0, and steps 6-8 are HSDP's too."""
+    """Two FSDP 2 groups, 5 steps, equal HSDP 2 x 2 and end bit-equal, and so do two groups of TP 2
+    and two of PP 2 (the layouts inside a group; HSDP x TP and x PP equal HSDP, tested apart);
+    the first group of the FSDP quorum saved the step-5 checkpoint. The whole job started again to
+    step 8: group 0 resumes from it, group 1 (which saved none) heals from group 0, and steps 6-8
+    are HSDP's too."""
     args = [*FT_ARGS, *CONSTANT_LR, *CHECKPOINTS, "--job.dump_folder", str(tmp_path / "ft")]
-    with lighthouse(min_replicas=2) as address:  # both groups in the first quorum
+    with contextlib.ExitStack() as stack:
+        address = stack.enter_context(lighthouse(min_replicas=2))  # both groups in the first quorum
         results = [group.wait(180) for group in [Group(g, 2, args, tmp_path, address) for g in (0, 1)]]
+        layouts = {}  # two groups of TP 2, two of PP 2, each pair under its own lighthouse
+        for name, layout in INSIDE_LAYOUTS.items():
+            inside = with_overrides(FT_ARGS, CONSTANT_LR, layout, ["--job.dump_folder", str(tmp_path / name)])
+            at = stack.enter_context(lighthouse(min_replicas=2))
+            layouts[name] = [Group(g, 2, inside, tmp_path, at, name) for g in (0, 1)]
         longer = with_overrides(args, ["--training.steps", str(RESUMED_STEPS)])
         restarted = [Group(g, 2, longer, tmp_path, address, "_b") for g in (0, 1)]
         resumed = [group.wait(180) for group in restarted]
+        inside_results = {name: [group.wait(240) for group in groups] for name, groups in layouts.items()}
     hsdp = run_trainer_worker(
         4,
         [
@@ -84,6 +100,10 @@ def test_two_groups_equal_hsdp_and_resume_after_a_whole_job_restart(tmp_path):
         assert [h["quorum"] for h in result["history"]] == [2] * len(result["history"])
         assert [h["tokens_seen"] for h in result["history"]] == [h["tokens_seen"] for h in hsdp["history"][:5]]
     assert results[0]["checksums"] == results[1]["checksums"]
+    for name, pair in inside_results.items():
+        for g, result in enumerate(pair):
+            assert_same_curve(result["history"], hsdp["history"][:5], f"{name} replica group {g}")
+        assert pair[0]["checksums"] == pair[1]["checksums"], name
     assert (tmp_path / "ft" / "replica_0" / "checkpoint" / "step-5").is_dir()
     assert not (tmp_path / "ft" / "replica_1" / "checkpoint").exists() or not any(
         (tmp_path / "ft" / "replica_1" / "checkpoint").iterdir()
