@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers.distributed import (
     EQUIVALENCE_ARGS,
@@ -244,14 +245,19 @@ def test_diloco_and_local_sgd_equal_plain_torch(tmp_path):
 @pytest.mark.slow
 def test_unreachable_lighthouse_is_one_line(tmp_path):
     """No lighthouse at TORCHFT_LIGHTHOUSE: one line naming it, exit code 2, after
-    process_group_timeout_ms (the Manager's connect timeout), no traceback."""
+    process_group_timeout_ms (the Manager's connect timeout), no traceback; in the same
+    interpreter, process_group nccl on a torch without CUDA: one line, exit code 2."""
     env = {**run_env(), "TORCHFT_LIGHTHOUSE": f"http://localhost:{free_port()}"}
     argv = [*FT_ARGS, "--fault_tolerance.process_group_timeout_ms", "2000", "--job.dump_folder", str(tmp_path)]
-    (run,) = run_mains("titanlite.train", [argv], timeout=120, env=env)
-    lines = [line for line in (run.stdout + run.stderr).splitlines() if "titanlite: error:" in line]
-    assert run.returncode == 2 and len(lines) == 1, run.stderr[-3000:]
-    assert "the lighthouse TORCHFT_LIGHTHOUSE=http://localhost:" in lines[0] and "is unreachable" in lines[0]
-    assert "Traceback" not in run.stderr
+    nccl = [*argv, "--fault_tolerance.process_group", "nccl"]
+    runs = run_mains("titanlite.train", [argv, nccl], timeout=120, env=env)
+    for run in runs:
+        lines = [line for line in (run.stdout + run.stderr).splitlines() if "titanlite: error:" in line]
+        assert run.returncode == 2 and len(lines) == 1, run.stderr[-3000:]
+        assert "Traceback" not in run.stderr
+    first, second = (run.stdout + run.stderr for run in runs)
+    assert "the lighthouse TORCHFT_LIGHTHOUSE=http://localhost:" in first and "is unreachable" in first
+    assert "fault_tolerance.process_group: nccl needs CUDA devices" in second or torch.cuda.is_available()
 
 
 WAIT_STEPS, WAIT_KILL_AT = 12, 3

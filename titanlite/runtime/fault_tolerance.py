@@ -51,10 +51,10 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
 def prepare_replica_group(cfg: JobConfig) -> str:
-    """Before any device is used: one line when torchft (the `ft` extra) or the lighthouse's
-    address is missing. Returns the folder this job writes under: `job.dump_folder`, or each
-    group its own `job.dump_folder/replica_<id>` (its run lock, metrics and the checkpoints it
-    saves are its own); the config itself is not edited."""
+    """Before any device is used: one line when torchft (the `ft` extra), NCCL for process_group
+    nccl, or the lighthouse's address is missing. Returns the folder this job writes under:
+    `job.dump_folder`, or each group its own `job.dump_folder/replica_<id>` (its run lock,
+    metrics and the checkpoints it saves are its own); the config itself is not edited."""
     ft = cfg.fault_tolerance
     if not ft.enable:
         return cfg.job.dump_folder
@@ -67,6 +67,11 @@ def prepare_replica_group(cfg: JobConfig) -> str:
         raise TitanliteError(
             "fault_tolerance.enable: needs torchft, which is not installed (pip install 'titanlite[ft]')"
         ) from None
+    if ft.process_group == "nccl" and not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
+        raise TitanliteError(
+            "fault_tolerance.process_group: nccl needs CUDA devices and a torch built with NCCL, which this "
+            "host lacks; use gloo"
+        )
     if not os.environ.get(LIGHTHOUSE_ENV):
         raise TitanliteError(
             f"fault_tolerance.enable: {LIGHTHOUSE_ENV} is not set; start torchft_lighthouse and set it to its "
