@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,7 +161,19 @@ KILL_STEPS, KILL_AT = 45, 5
 
 @pytest.mark.slow
 def test_kill_rejoin_heal(tmp_path):
-    args = with_overrides(FT_ARGS, ["--training.steps", str(KILL_STEPS), "--job.dump_folder", str(tmp_path / "ft")])
+    """kill -9 of one FSDP 2 group at step 5: the other goes on, saving every 10 steps alone; the
+    killed group, started again from a copy of the survivor's step-10 checkpoint (as from shared
+    storage), resumes there, then heals from the live group and says the resume was superseded;
+    the two end bit-equal. Neither log holds torchft's traceback or access lines."""
+    steps = [
+        "--training.steps",
+        str(KILL_STEPS),
+        "--checkpoint.enable_checkpoint",
+        "true",
+        "--checkpoint.interval",
+        "10",
+    ]
+    args = with_overrides(FT_ARGS, steps, ["--job.dump_folder", str(tmp_path / "ft")])
     with lighthouse(min_replicas=1) as address:
         groups = [Group(g, 2, args, tmp_path, address) for g in (0, 1)]
         try:
@@ -167,6 +184,10 @@ def test_kill_rejoin_heal(tmp_path):
             victim = next((g for g in groups if "healed from a live group" in g.text()), groups[1])
             survivor = groups[1 - victim.replica]
             victim.kill()
+            saved = tmp_path / "ft" / f"replica_{survivor.replica}" / "checkpoint" / "step-10"
+            survivor.wait_for(r"^\S+ step +12 ", 120)
+            assert (saved / "commit.json").exists()
+            shutil.copytree(saved, tmp_path / "ft" / f"replica_{victim.replica}" / "checkpoint" / "step-10")
             rejoined = Group(victim.replica, 2, args, tmp_path, address, tag="_restarted")
             lived, back = survivor.wait(300), rejoined.wait(300)
         finally:
@@ -181,6 +202,9 @@ def test_kill_rejoin_heal(tmp_path):
     assert grew, f"the restarted group did not rejoin before the survivor finished:\n{out[-3000:]}"
     healed = re.search(rf"step (\d+): replica group {victim.replica} healed from a live group", rejoined.text())
     assert healed and healed[1] == grew[1], rejoined.text()[-3000:]
+    assert "resumed at step 10" in rejoined.text() and "the resume at step 10 is superseded" in rejoined.text()
+    assert_own_lines_only(out)
+    assert_own_lines_only(rejoined.text())
     first = int(healed[1])
     assert step_numbers(back["history"]) == list(range(first, KILL_STEPS + 1))
     together = {h["step"]: h for h in lived["history"] if h["step"] >= first}
@@ -233,6 +257,9 @@ def test_diloco_and_local_sgd_equal_plain_torch(tmp_path):
             assert (a == b) == (step % SYNC_STEPS == 0), f"{method} step {step}: groups' weights equal: {a == b}"
         for g, result in enumerate(ours):
             assert step_numbers(result["history"]) == list(range(1, DILOCO_STEPS + 1))
+            # no quorum before the first sync (torchft's count is 0 then), the sync's after it
+            quorums = [h.get("quorum") for h in result["history"]]
+            assert quorums == [None] * (SYNC_STEPS - 1) + [2] * (DILOCO_STEPS - SYNC_STEPS + 1), method
             for got, ref in zip(result["history"], reference["histories"][g]):
                 for key in ("loss", "grad_norm"):
                     assert got[key] == pytest.approx(ref[key], rel=1e-5), f"{method} {g} step {ref['step']} {key}"
@@ -317,7 +344,8 @@ def test_below_min_replica_size_training_waits_and_a_failure_at_the_heal(tmp_pat
 
 @pytest.mark.slow
 def test_a_group_that_stays_away_ends_in_one_line(tmp_path):
-    """Below min_replica_size for longer than quorum_timeout_ms: one line naming it, exit code 2."""
+    """Below min_replica_size for longer than quorum_timeout_ms: one line naming it, exit code 2;
+    also when the lighthouse's own deadline ends the wait."""
     argv = [
         *FT_ARGS,
         "--fault_tolerance.min_replica_size",
@@ -334,23 +362,62 @@ def test_a_group_that_stays_away_ends_in_one_line(tmp_path):
     assert "no quorum of min_replica_size 2 replica groups at step 1 within quorum_timeout_ms 3000" in lines[0]
     assert "fewer than min_replica_size 2: waiting for more" in run.stderr + run.stdout
     assert "Traceback" not in run.stderr
+    # A lighthouse of min_replicas 2: its own deadline ends the quorum call, a gRPC status whose
+    # message (not its metadata) ends the line.
+    with lighthouse(min_replicas=2) as address:
+        (run,) = run_mains("titanlite.train", [argv], timeout=120, env={**run_env(), "TORCHFT_LIGHTHOUSE": address})
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "titanlite: error:" in line]
+    assert run.returncode == 2 and len(lines) == 1, run.stderr[-3000:]
+    assert "replica groups at step 1 within quorum_timeout_ms 3000" in lines[0], lines[0]
+    assert lines[0].endswith("): Timeout expired") and "MetadataMap" not in lines[0], lines[0]
+
+
+SCRIPT_STEPS = 20
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (Linux /proc)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *(p for child in children for p in process_tree(int(child)))]
 
 
 @pytest.mark.slow
 def test_run_ft_local_script(tmp_path):
     """The documented start on one host: scripts/run_ft_local.sh GROUPS PROCS [args] starts a
-    lighthouse and the groups under titanlite.launch; both train every step in one quorum. A
+    lighthouse and the groups under titanlite.launch; both train in one quorum until group 1 is
+    killed (kill -9 of its launcher and worker); group 0 trains every step, its log holds its own
+    lines only (no torchft traceback), and the script exits 0 with one line for the lost group. A
     bad count is one usage line and exit code 2."""
     script = str(REPO / "scripts" / "run_ft_local.sh")
     env = {**run_env(), "LOG_DIR": str(tmp_path / "logs"), "PYTHON": sys.executable, "MIN_REPLICAS": "2"}
     env["LIGHTHOUSE_PORT"] = str(free_port())
     bad = subprocess.run(["bash", script, "two", "1"], env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "usage:" in bad.stderr
-    args = [*with_overrides(EQUIVALENCE_ARGS, ["--training.steps", "3"]), "--job.dump_folder", str(tmp_path / "out")]
-    run = subprocess.run(
-        ["bash", script, "2", "1", *args], env=env, capture_output=True, text=True, timeout=300 * timeout_scale()
-    )
-    logs = [(tmp_path / "logs" / f"replica_{g}.log").read_text() for g in (0, 1)]
-    assert run.returncode == 0, run.stderr + "".join(logs)[-4000:]
-    for log in logs:
-        assert [int(s) for s in re.findall(r"step +(\d+) .*quorum 2/2", log)] == [1, 2, 3], log[-3000:]
+    steps = ["--training.steps", str(SCRIPT_STEPS)]
+    args = [*with_overrides(EQUIVALENCE_ARGS, steps), "--job.dump_folder", str(tmp_path / "out")]
+    env["MIN_REPLICAS"] = "1"  # the survivor goes on alone
+    run = subprocess.Popen(["bash", script, "2", "1", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        started = [next(line for line in run.stdout if line.startswith(b"replica group")) for _ in (0, 1)]
+        log = tmp_path / "logs" / "replica_1.log"
+        deadline = time.monotonic() + 120 * timeout_scale()
+        while not re.search(r"step +2 .*quorum 2/2", log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in process_tree(int(re.search(rb"\(pid (\d+)\)", started[1])[1])):
+            os.kill(pid, signal.SIGKILL)
+        out, err = run.communicate(timeout=300 * timeout_scale())
+    finally:
+        run.kill()
+    survivor = (tmp_path / "logs" / "replica_0.log").read_text()
+    assert run.returncode == 0, err.decode() + survivor[-4000:]
+    assert "replica group 1 was killed (exit status 137); the job went on without it" in err.decode()
+    assert [int(s) for s in re.findall(r"step +(\d+) ", survivor)] == list(range(1, SCRIPT_STEPS + 1))
+    assert re.search(r"step +2 .*quorum 2/2", survivor) and "quorum shrank to 1/2" in survivor, survivor[-3000:]
+    assert_own_lines_only(survivor)
+
+
+def assert_own_lines_only(log: str) -> None:
+    """A fault-tolerant group's log: titanlite's lines, none of torchft's (its traceback per rank
+    for a peer's failure, its checkpoint server's access lines)."""
+    for noise in ("Traceback", "got exception", "HTTP/1.1", "Connection closed by peer"):
+        assert noise not in log, f"{noise!r} in the log:\n{log[-3000:]}"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import os
 import time
 import warnings
@@ -59,7 +60,9 @@ def prepare_replica_group(cfg: JobConfig) -> str:
     if not ft.enable:
         return cfg.job.dump_folder
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
-    logging.getLogger("torchft").setLevel(logging.ERROR)  # its warnings are NCCL's on a CPU run
+    # its warnings are NCCL's on a CPU run, its errors a traceback per rank for a peer's failure
+    # that the lines here say once (a shrink, a redone step, a failed quorum)
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")  # a heal's received tensors
     try:
         import torchft  # noqa: F401
@@ -115,8 +118,11 @@ def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]
 
 
 def _first_line(error: BaseException) -> str:
-    """The start of an error's message (torchft wraps a peer's failure: the original's)."""
-    return str(getattr(error, "original_exception", error)).splitlines()[0][:200]
+    """The start of an error's message (torchft wraps a peer's failure: the original's; a gRPC
+    status from the lighthouse: its message, without the status's metadata)."""
+    text = str(getattr(error, "original_exception", error)).splitlines()[0]
+    grpc = re.search(r'message: "([^"]*)"', text)
+    return (grpc[1] if grpc else text)[:200]
 
 
 class LoneGroup(StepParticipant):
@@ -152,6 +158,7 @@ class ReplicaGroup(StepParticipant):
         self.healed_at: int | None = None  # the step a heal brought this group to, until it is said
         self.semi_sync: Any = None  # torchft's DiLoCo / LocalSGD, entered at the first step
         self.step_start: dict[str, Any] = {}  # `states` as the current step found them
+        self.resumed_at = 0  # the checkpoint's step this start resumed at (0: none)
         self.inner_steps = 0  # semi-sync: optimizer steps taken, a sync every sync_steps of them
 
     # -- healing: what a live group sends, what a joining group applies -----------------
@@ -187,6 +194,7 @@ class ReplicaGroup(StepParticipant):
         """After a checkpoint load: the manager's step count is the checkpoint's, so a group
         restarted alone (from an older checkpoint) heals from the live ones instead."""
         self.manager.load_state_dict({"step": step, "batches_committed": step * self.ft.group_size})
+        self.resumed_at = step
 
     # -- the step -------------------------------------------------------------------------
 
@@ -204,7 +212,7 @@ class ReplicaGroup(StepParticipant):
         else:  # what a heal sends: the state before this step drew its batches, also while it is redone
             self.step_start = {name: piece.state_dict() for name, piece in self.states.items()}
         deadline = time.monotonic() + self.ft.quorum_timeout_ms / 1000
-        self._quorum()
+        self._quorum(step)
         while (error := self.manager.errored()) is not None:  # a heal or a reconfiguration failed: a peer died
             logger.info(f"fault_tolerance: step {step}: the quorum failed ({_first_line(error)}); asking again")
             self._quorum(step, deadline)
@@ -219,20 +227,19 @@ class ReplicaGroup(StepParticipant):
             self._quorum(step, deadline)
         self._say_quorum(step)
 
-    def _quorum(self, step: int | None = None, deadline: float = math.inf) -> None:
-        """Ask for the quorum (again, `step` given: once more unless past `deadline`)."""
+    def _quorum(self, step: int, deadline: float = math.inf) -> None:
+        """Ask for step `step`'s quorum (again: once more unless past `deadline`)."""
         if time.monotonic() > deadline:
             raise TitanliteError(self._timeout_line(step))
         try:
             self.manager.start_quorum()
         except Exception as error:  # the lighthouse's deadline (a Rust error) or a lost lighthouse
-            raise TitanliteError(f"{self._timeout_line(None)} ({_first_line(error)})") from None
+            raise TitanliteError(f"{self._timeout_line(step)}: {_first_line(error)}") from None
 
-    def _timeout_line(self, step: int | None) -> str:
-        at = f" at step {step}" if step is not None else ""
+    def _timeout_line(self, step: int) -> str:
         return (
-            f"fault_tolerance: no quorum of min_replica_size {self.ft.min_replica_size} replica groups{at} within "
-            f"quorum_timeout_ms {self.ft.quorum_timeout_ms} (lighthouse {os.environ.get(LIGHTHOUSE_ENV)})"
+            f"fault_tolerance: no quorum of min_replica_size {self.ft.min_replica_size} replica groups at step "
+            f"{step} within quorum_timeout_ms {self.ft.quorum_timeout_ms} (lighthouse {os.environ.get(LIGHTHOUSE_ENV)})"
         )
 
     def _say_quorum(self, step: int) -> None:
@@ -242,7 +249,9 @@ class ReplicaGroup(StepParticipant):
                 f"step {self.healed_at + 1}: replica group {self.ft.replica_id} healed from a live group (model, "
                 f"optimizer, data position, step {self.healed_at}); {participants}/{groups} groups"
             )
-            self.healed_at = None
+            if self.resumed_at:
+                line += f"; the resume at step {self.resumed_at} is superseded"
+            self.healed_at, self.resumed_at = None, 0
         elif self.waiting:
             line = f"step {step}: {participants}/{groups} groups; training goes on"
         elif self.participants and participants < self.participants:
@@ -318,8 +327,11 @@ class ReplicaGroup(StepParticipant):
         return rank == 0 if rank is not None else self.ft.replica_id == 0
 
     def log_fields(self) -> list[LineField]:
-        """`quorum 2/2`: groups in the last quorum / configured groups; the scalar `quorum`."""
+        """`quorum 2/2`: groups in the last quorum / configured groups; the scalar `quorum`. Nothing
+        before the first quorum (semi-sync: until the first sync)."""
         participants = self.manager.num_participants()
+        if not participants:
+            return []
         return [LineField(f"quorum {participants}/{self.ft.group_size}", {"quorum": participants})]
 
     def close(self) -> None:
@@ -332,6 +344,7 @@ def _start_manager(ft: FaultTolerance, load: Callable, state: Callable, rank: in
     """torchft's Manager for this group, which heals with `load` and `state`: rank 0 also starts
     its server, which joins the lighthouse."""
     from torchft import Manager
+    from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
@@ -350,12 +363,22 @@ def _start_manager(ft: FaultTolerance, load: Callable, state: Callable, rank: in
             world_size=world_size,
             replica_id=f"replica_{ft.replica_id}",
             init_sync=False,  # every group initializes the same weights from training.seed
+            checkpoint_transport=_quiet(HTTPTransport(timeout=timeout, num_chunks=0)),  # torchft's default, quiet
         )
     except RuntimeError as error:  # torchft's Rust client: the lighthouse refused or timed out
         raise TitanliteError(
             f"fault_tolerance: the lighthouse {LIGHTHOUSE_ENV}={os.environ.get(LIGHTHOUSE_ENV)} is unreachable: "
             f"{str(error).split(';')[0]}"
         ) from None
+
+
+def _quiet(transport: Any) -> Any:
+    """torchft's checkpoint server without its access log: no `"GET /checkpoint/33/full HTTP/1.1"
+    200 -` line per heal (its errors are still logged); the heal line says it once."""
+    server = getattr(transport, "_server", None)  # an http.server; absent: torchft changed, left as it is
+    if server is not None:
+        server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
+    return transport
 
 
 def _semi_sync(ft: FaultTolerance, manager: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
