@@ -107,14 +107,14 @@ def _like_param(value: Any, param: torch.Tensor) -> Any:
     return value.clone()
 
 
-def _persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers a checkpoint holds (expert biases), not caches (RoPE's) nor per-step counts."""
-    return [
-        (f"{prefix}.{name}" if prefix else name, buffer)
-        for prefix, module in model.named_modules()
-        for name, buffer in module.named_buffers(recurse=False)
-        if name not in module._non_persistent_buffers_set
-    ]
+def _average(manager: Any, tensors: list[torch.Tensor]) -> None:
+    """Average `tensors` in place over the quorum, in one all-reduce of one flat float32 buffer;
+    left as they were if it failed (a peer died: `manager.errored()` says so)."""
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    manager.allreduce(flat).wait()
+    if manager.errored() is None:
+        for t, averaged in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(averaged.view_as(t))
 
 
 def _first_line(error: BaseException) -> str:
@@ -169,7 +169,7 @@ class ReplicaGroup(StepParticipant):
         optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         return {
             "model": {name: _local(p.detach()) for name, p in self.model.named_parameters()},
-            "buffers": {name: _local(b) for name, b in _persistent_buffers(self.model)},  # expert biases
+            "buffers": {name: _local(b) for name, b in self.model.named_buffers()},  # expert biases
             "optimizer": optimizer,
             # per-step mode: the state before this step drew its batches (also while it is redone);
             # DiLoCo / local SGD heal at a sync, inside the optimizer step: the state as it is
@@ -180,7 +180,7 @@ class ReplicaGroup(StepParticipant):
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 _local(p.detach()).copy_(state["model"][name])
-            for name, b in _persistent_buffers(self.model):
+            for name, b in self.model.named_buffers():
                 _local(b).copy_(state["buffers"][name])
         optimizer = state["optimizer"]
         for index, values in optimizer["state"].items():
@@ -229,18 +229,16 @@ class ReplicaGroup(StepParticipant):
 
     def _quorum(self, step: int, deadline: float = math.inf) -> None:
         """Ask for step `step`'s quorum (again: once more unless past `deadline`)."""
-        if time.monotonic() > deadline:
-            raise TitanliteError(self._timeout_line(step))
-        try:
-            self.manager.start_quorum()
-        except Exception as error:  # the lighthouse's deadline (a Rust error) or a lost lighthouse
-            raise TitanliteError(f"{self._timeout_line(step)}: {_first_line(error)}") from None
-
-    def _timeout_line(self, step: int) -> str:
-        return (
+        line = (
             f"fault_tolerance: no quorum of min_replica_size {self.ft.min_replica_size} replica groups at step "
             f"{step} within quorum_timeout_ms {self.ft.quorum_timeout_ms} (lighthouse {os.environ.get(LIGHTHOUSE_ENV)})"
         )
+        if time.monotonic() > deadline:
+            raise TitanliteError(line)
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # the lighthouse's deadline (a gRPC status) or a lost lighthouse
+            raise TitanliteError(f"{line}: {_first_line(error)}") from None
 
     def _say_quorum(self, step: int) -> None:
         participants, groups, line = self.manager.num_participants(), self.ft.group_size, None
@@ -264,56 +262,31 @@ class ReplicaGroup(StepParticipant):
 
     def after_backward(self, params: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
         """Average this rank's gradient shards and loss over the groups in the quorum (one
-        all-reduce of one flat buffer); returns the averaged loss. Under semi-sync: nothing."""
+        all-reduce of one flat buffer); returns the averaged loss. MoE layers' token counts are
+        summed over the quorum (int64: exact), so the expert-bias update, which sums them over
+        dp x cp (step/experts.py), counts every group's tokens as HSDP's does. Under semi-sync:
+        nothing."""
         if not self.per_step:
             return loss
-        finish_counts = self._sum_token_counts()  # before the gradients': the two overlap
-        grads = [_local(p.grad) if p.grad is not None else None for p in params]
-        pieces = [
-            (g if g is not None else torch.zeros_like(_local(p.detach()))).reshape(-1) for g, p in zip(grads, params)
-        ]
-        whole_loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel
-        flat = torch.cat([*(piece.float() for piece in pieces), whole_loss.detach().reshape(1).float()])
-        self.manager.allreduce(flat).wait()
-        for g, averaged in zip(grads, flat[:-1].split([piece.numel() for piece in pieces])):
-            if g is not None:
-                g.copy_(averaged.view_as(g))
-        finish_counts()
-        return flat[-1].to(loss.dtype)
-
-    def _sum_token_counts(self) -> Callable[[], None]:
-        """Start summing this step's MoE token counts over the quorum (int64: exact); returns what
-        finishes it, each layer's counts set to the quorum's. The expert-bias update then sums them
-        over dp x cp (step/experts.py): over every group's tokens, as HSDP's update does, so the
-        groups' biases stay equal."""
-        local = self.experts.token_counts(self.model) if self.experts is not None else torch.zeros(0)
-        if not local.numel():
-            return lambda: None
-        total = local.clone()
-        work = self.manager.allreduce(total, reduce_op=ReduceOp.SUM)
-
-        def finish() -> None:
-            work.wait()
-            self.experts.discount_tokens(self.model, local - total)
-
-        return finish
+        if self.experts is not None:
+            counts = self.experts.token_counts(self.model)
+            self.manager.allreduce(counts, reduce_op=ReduceOp.SUM).wait()
+            self.experts.discount_tokens(self.model, self.experts.token_counts(self.model) - counts)
+        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.detach())) for p in params]
+        whole_loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().reshape(1).clone()
+        _average(self.manager, [*grads, whole_loss])  # loss parallel: the whole loss
+        return whole_loss[0].to(loss.dtype)
 
     def after_optimizer_step(self, updated: bool) -> None:
         """Semi-sync: right after each sync (in the optimizer step) and the expert-bias update that
-        follows it, the buffers (expert biases) averaged over that sync's quorum, as torchft's
-        sync averages the parameters; between syncs each group balances its experts alone. A
-        failed average (a peer died) keeps this group's own until the next sync."""
+        follows it, the floating buffers (expert biases) averaged over that sync's quorum, as
+        torchft's sync averages the parameters; between syncs each group balances its experts
+        alone. A failed average (a peer died) keeps this group's own until the next sync."""
         self.inner_steps += updated
-        if self.per_step or not updated or self.inner_steps % self.ft.sync_steps:
-            return
-        buffers = [_local(b) for _, b in _persistent_buffers(self.model) if b.is_floating_point()]
-        if not buffers:
-            return
-        flat = torch.cat([b.reshape(-1) for b in buffers])
-        self.manager.allreduce(flat).wait()
-        if self.manager.errored() is None:
-            for b, averaged in zip(buffers, flat.split([b.numel() for b in buffers])):
-                b.copy_(averaged.view_as(b))
+        synced = not self.per_step and updated and self.inner_steps % self.ft.sync_steps == 0
+        buffers = [_local(b) for b in self.model.buffers() if b.is_floating_point()]  # not RoPE's complex table
+        if synced and buffers:
+            _average(self.manager, buffers)
 
     def commit(self, step: int) -> bool:
         """Whether every group of the quorum may take this step (torchft's should_commit;
