@@ -373,8 +373,11 @@ SCRIPT_STEPS = 20
 
 
 def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it (Linux /proc)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    """`pid` and every process below it (Linux /proc); none once it has exited."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return []
     return [pid, *(p for child in children for p in process_tree(int(child)))]
 
 
@@ -382,7 +385,7 @@ def process_tree(pid: int) -> list[int]:
 def test_run_ft_local_script(tmp_path):
     """The documented start on one host: scripts/run_ft_local.sh GROUPS PROCS [args] starts a
     lighthouse and the groups under titanlite.launch; both train in one quorum until group 1 is
-    killed (kill -9 of its launcher and worker); group 0 trains every step, its log holds its own
+    killed (kill -9 of its launcher and worker); group 0 trains on to the end, its log holds its own
     lines only (no torchft traceback), and the script exits 0 with one line for the lost group. A
     bad count is one usage line and exit code 2."""
     script = str(REPO / "scripts" / "run_ft_local.sh")
@@ -403,14 +406,16 @@ def test_run_ft_local_script(tmp_path):
         ):
             time.sleep(0.05)
         for pid in process_tree(int(re.search(rb"\(pid (\d+)\)", started[1])[1])):
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+                os.kill(pid, signal.SIGKILL)
         out, err = run.communicate(timeout=300 * timeout_scale())
     finally:
         run.kill()
     survivor = (tmp_path / "logs" / "replica_0.log").read_text()
     assert run.returncode == 0, err.decode() + survivor[-4000:]
     assert "replica group 1 was killed (exit status 137); the job went on without it" in err.decode()
-    assert [int(s) for s in re.findall(r"step +(\d+) ", survivor)] == list(range(1, SCRIPT_STEPS + 1))
+    trained = [int(s) for s in re.findall(r"step +(\d+) ", survivor)]  # from step 2 if it healed from group 1
+    assert trained == list(range(trained[0], SCRIPT_STEPS + 1)) and trained[0] <= 2, survivor[-3000:]
     assert re.search(r"step +2 .*quorum 2/2", survivor) and "quorum shrank to 1/2" in survivor, survivor[-3000:]
     assert_own_lines_only(survivor)
 
