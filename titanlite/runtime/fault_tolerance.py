@@ -322,6 +322,10 @@ def _start_manager(ft: FaultTolerance, load: Callable, state: Callable, rank: in
 
     timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
     process_group = (ProcessGroupGloo if ft.process_group == "gloo" else ProcessGroupNCCL)(timeout=timeout)
+    # torchft's default transport, its http.server without the access line per heal (`"GET
+    # /checkpoint/33/full HTTP/1.1" 200 -`; errors still logged): the heal line says it once
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    transport._server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
     try:
         return Manager(
             pg=process_group,
@@ -336,22 +340,13 @@ def _start_manager(ft: FaultTolerance, load: Callable, state: Callable, rank: in
             world_size=world_size,
             replica_id=f"replica_{ft.replica_id}",
             init_sync=False,  # every group initializes the same weights from training.seed
-            checkpoint_transport=_quiet(HTTPTransport(timeout=timeout, num_chunks=0)),  # torchft's default, quiet
+            checkpoint_transport=transport,
         )
     except RuntimeError as error:  # torchft's Rust client: the lighthouse refused or timed out
         raise TitanliteError(
             f"fault_tolerance: the lighthouse {LIGHTHOUSE_ENV}={os.environ.get(LIGHTHOUSE_ENV)} is unreachable: "
             f"{str(error).split(';')[0]}"
         ) from None
-
-
-def _quiet(transport: Any) -> Any:
-    """torchft's checkpoint server without its access log: no `"GET /checkpoint/33/full HTTP/1.1"
-    200 -` line per heal (its errors are still logged); the heal line says it once."""
-    server = getattr(transport, "_server", None)  # an http.server; absent: torchft changed, left as it is
-    if server is not None:
-        server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
-    return transport
 
 
 def _semi_sync(ft: FaultTolerance, manager: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
