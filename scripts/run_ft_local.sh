@@ -10,6 +10,8 @@
 # TORCHFT_LIGHTHOUSE (an address: use that lighthouse instead of starting one here).
 # Group g logs to $LOG_DIR/replica_<g>.log (LOG_DIR: ./outputs/ft_logs); a killed group is
 # started again by hand with the same line (printed below), and heals from a live group.
+# Exit status: 0 when the groups that were not killed finished (a killed group is one line, not
+# a failure); else the status of a group that failed on its own.
 set -euo pipefail
 
 if [[ $# -lt 2 || ! $1 =~ ^[1-9][0-9]*$ || ! $2 =~ ^[1-9][0-9]*$ ]]; then
@@ -48,12 +50,24 @@ group_pids=()
 for ((g = 0; g < groups; g++)); do
     line=("$python" -m titanlite.launch --standalone --nproc-per-node "$procs" -m titanlite.train "$@"
         --fault_tolerance.enable true --fault_tolerance.group_size "$groups" --fault_tolerance.replica_id "$g")
-    echo "replica group $g: ${line[*]} > $log_dir/replica_$g.log"
     "${line[@]}" >"$log_dir/replica_$g.log" 2>&1 &
     group_pids+=($!)
+    echo "replica group $g (pid $!): ${line[*]} > $log_dir/replica_$g.log"
 done
 pids+=("${group_pids[@]}")
 
-status=0
-for pid in "${group_pids[@]}"; do wait "$pid" || status=$?; done
+# The job finished when a group finished (exit 0). A group killed by a signal (its launcher: exit
+# status above 128; a worker: its launcher's line "killed by signal") was lost, as fault tolerance
+# allows: one line, and not the job's status. A group that failed on its own error is the job's.
+status=0 finished=0
+for g in "${!group_pids[@]}"; do
+    if wait "${group_pids[$g]}"; then finished=1; continue; else code=$?; fi
+    if ((code > 128)) || tail -n 3 "$log_dir/replica_$g.log" | grep -q "killed by signal"; then
+        echo "$0: replica group $g was killed (exit status $code); the job went on without it" >&2
+        lost=$code
+    else
+        status=$code
+    fi
+done
+((finished || status)) || status=${lost:-1}
 exit "$status"

@@ -136,7 +136,7 @@ def build_run(plan: RunPlan, participants: Sequence[StepParticipant] = ()) -> Ru
     validation_data, experts = _build_training(run)
     cfg, states = run.cfg, {"lr_scheduler": run.lr_scheduler, "dataloader": run.data, "train_state": run.state}
     ft = cfg.fault_tolerance
-    group = ReplicaGroup(ft, run.model, run.optimizer, states, run.dist) if ft.enable else LoneGroup()
+    group = ReplicaGroup(ft, run.model, run.optimizer, states, run.dist, experts) if ft.enable else LoneGroup()
     run.checkpoint = NoCheckpoints()  # when the run neither saves nor loads checkpoints
     if cfg.checkpoint.enable_checkpoint or cfg.checkpoint.initial_load_path:
         parts = {"optimizer": run.optimizer, "tokenizer": run.plan.tokenizer, **states}

@@ -3,12 +3,14 @@ replica groups as two one-process `Trainer`s in this process, each reading its s
 global batch (dp rank g of 2) and stepping its own AdamW (the inner optimizer, with clipping and
 the lr schedule as the trainer does); every `sync_steps` steps the pseudo-gradients (global
 weights minus each group's) are averaged and an outer SGD with Nesterov momentum steps the global
-weights, which both groups then take.
+weights, which both groups then take; the groups' expert biases (an MoE model's buffers) are
+averaged at each sync too, as titanlite's fault tolerance does.
 
 Usage: diloco_reference.py OUT.json SYNC_STEPS DUMP_FOLDER OUTERS [--key value ...], OUTERS a JSON
 list of [outer_lr, outer_momentum] pairs, one DiLoCo each (lr 1 and momentum 0 is local SGD: the
 new global weights are the groups' average). Writes, per pair, {"histories": [[{"step", "loss",
-"grad_norm"}, ...] per group], "sums": [...] per group}, as a JSON list.
+"grad_norm"}, ...] per group], "sums": [...] per group, "biases": [{name: values}] per group}, as a
+JSON list.
 """
 
 from __future__ import annotations
@@ -48,10 +50,19 @@ def diloco(argv: list[str], sync_steps: int, outer_lr: float, momentum: float, d
                 for trainer in trainers:
                     for p, weights in zip(trainer.params, global_weights):
                         p.copy_(weights)
+                for buffers in zip(*(biases(t) for t in trainers)):
+                    average = sum(buffers) / GROUPS
+                    for buffer in buffers:
+                        buffer.copy_(average)
     sums = [[p.detach().double().sum().item() for p in t.params] for t in trainers]
+    ends = [{name: b.tolist() for name, b in t.model.named_buffers() if name.endswith("expert_bias")} for t in trainers]
     for trainer in trainers:
         trainer.close()
-    return {"histories": histories, "sums": sums}
+    return {"histories": histories, "sums": sums, "biases": ends}
+
+
+def biases(trainer: Trainer) -> list[torch.Tensor]:
+    return [b for name, b in trainer.model.named_buffers() if name.endswith("expert_bias")]
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from titanlite.config import load_config
 from titanlite.errors import TitanliteError
@@ -59,3 +60,14 @@ def test_missing_lighthouse_torchft_and_the_groups_folders(monkeypatch, tmp_path
     monkeypatch.setenv(LIGHTHOUSE_ENV, "http://localhost:29510")
     assert prepare_replica_group(cfg) == str(tmp_path / "replica_0")
     assert cfg.job.dump_folder == str(tmp_path)  # the group's folder goes into the plan: no config is edited
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host has NCCL: nothing to refuse")
+def test_nccl_without_cuda_is_one_line(monkeypatch, tmp_path):
+    """torchft's NCCL process group on a CPU-only torch ends in its own traceback
+    (`module 'torch._C' has no attribute '_nccl_version'`): one line before, naming the key."""
+    cfg = load_config(["--config", "debug_model", *ON, "--fault_tolerance.process_group", "nccl"])
+    monkeypatch.setenv(LIGHTHOUSE_ENV, "http://localhost:29510")
+    with pytest.raises(TitanliteError, match="fault_tolerance.process_group: nccl needs CUDA devices") as error:
+        prepare_replica_group(cfg)
+    assert "\n" not in str(error.value)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import os
 import time
 import warnings
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from titanlite.config.fault_tolerance import FaultTolerance
@@ -43,21 +45,24 @@ from titanlite.config.sections import JobConfig
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 from titanlite.parallel.distributed import DistInfo
+from titanlite.step.experts import ExpertLayers
 from titanlite.step.participants import LineField, StepParticipant
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 
 def prepare_replica_group(cfg: JobConfig) -> str:
-    """Before any device is used: one line when torchft (the `ft` extra) or the lighthouse's
-    address is missing. Returns the folder this job writes under: `job.dump_folder`, or each
-    group its own `job.dump_folder/replica_<id>` (its run lock, metrics and the checkpoints it
-    saves are its own); the config itself is not edited."""
+    """Before any device is used: one line when torchft (the `ft` extra), NCCL for process_group
+    nccl, or the lighthouse's address is missing. Returns the folder this job writes under:
+    `job.dump_folder`, or each group its own `job.dump_folder/replica_<id>` (its run lock,
+    metrics and the checkpoints it saves are its own); the config itself is not edited."""
     ft = cfg.fault_tolerance
     if not ft.enable:
         return cfg.job.dump_folder
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
-    logging.getLogger("torchft").setLevel(logging.ERROR)  # its warnings are NCCL's on a CPU run
+    # its warnings are NCCL's on a CPU run, its errors a traceback per rank for a peer's failure
+    # that the lines here say once (a shrink, a redone step, a failed quorum)
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")  # a heal's received tensors
     try:
         import torchft  # noqa: F401
@@ -65,6 +70,11 @@ def prepare_replica_group(cfg: JobConfig) -> str:
         raise TitanliteError(
             "fault_tolerance.enable: needs torchft, which is not installed (pip install 'titanlite[ft]')"
         ) from None
+    if ft.process_group == "nccl" and not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
+        raise TitanliteError(
+            "fault_tolerance.process_group: nccl needs CUDA devices and a torch built with NCCL, which this "
+            "host lacks; use gloo"
+        )
     if not os.environ.get(LIGHTHOUSE_ENV):
         raise TitanliteError(
             f"fault_tolerance.enable: {LIGHTHOUSE_ENV} is not set; start torchft_lighthouse and set it to its "
@@ -97,9 +107,22 @@ def _like_param(value: Any, param: torch.Tensor) -> Any:
     return value.clone()
 
 
+def _average(manager: Any, tensors: list[torch.Tensor]) -> None:
+    """Average `tensors` in place over the quorum, in one all-reduce of one flat float32 buffer;
+    left as they were if it failed (a peer died: `manager.errored()` says so)."""
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    manager.allreduce(flat).wait()
+    if manager.errored() is None:
+        for t, averaged in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(averaged.view_as(t))
+
+
 def _first_line(error: BaseException) -> str:
-    """The start of an error's message (torchft wraps a peer's failure: the original's)."""
-    return str(getattr(error, "original_exception", error)).splitlines()[0][:200]
+    """The start of an error's message (torchft wraps a peer's failure: the original's; a gRPC
+    status from the lighthouse: its message, without the status's metadata)."""
+    text = str(getattr(error, "original_exception", error)).splitlines()[0]
+    grpc = re.search(r'message: "([^"]*)"', text)
+    return (grpc[1] if grpc else text)[:200]
 
 
 class LoneGroup(StepParticipant):
@@ -124,8 +147,9 @@ class ReplicaGroup(StepParticipant):
         optimizer: torch.optim.Optimizer,
         states: dict[str, Any],
         dist_info: DistInfo,
+        experts: ExpertLayers | None = None,
     ) -> None:
-        self.ft, self.model, self.optimizer, self.states = ft, model, optimizer, states
+        self.ft, self.model, self.optimizer, self.states, self.experts = ft, model, optimizer, states, experts
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.manager = _start_manager(ft, self._load, self._state, dist_info.rank, dist_info.world_size)
         self.per_step = ft.semi_sync_method == "none"  # else the optimizer's hooks sync the groups
@@ -134,6 +158,8 @@ class ReplicaGroup(StepParticipant):
         self.healed_at: int | None = None  # the step a heal brought this group to, until it is said
         self.semi_sync: Any = None  # torchft's DiLoCo / LocalSGD, entered at the first step
         self.step_start: dict[str, Any] = {}  # `states` as the current step found them
+        self.resumed_at = 0  # the checkpoint's step this start resumed at (0: none)
+        self.inner_steps = 0  # semi-sync: optimizer steps taken, a sync every sync_steps of them
 
     # -- healing: what a live group sends, what a joining group applies -----------------
 
@@ -143,6 +169,7 @@ class ReplicaGroup(StepParticipant):
         optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         return {
             "model": {name: _local(p.detach()) for name, p in self.model.named_parameters()},
+            "buffers": {name: _local(b) for name, b in self.model.named_buffers()},  # expert biases
             "optimizer": optimizer,
             # per-step mode: the state before this step drew its batches (also while it is redone);
             # DiLoCo / local SGD heal at a sync, inside the optimizer step: the state as it is
@@ -153,6 +180,8 @@ class ReplicaGroup(StepParticipant):
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 _local(p.detach()).copy_(state["model"][name])
+            for name, b in self.model.named_buffers():
+                _local(b).copy_(state["buffers"][name])
         optimizer = state["optimizer"]
         for index, values in optimizer["state"].items():
             values.update({key: _like_param(value, self.params[int(index)]) for key, value in values.items()})
@@ -165,6 +194,7 @@ class ReplicaGroup(StepParticipant):
         """After a checkpoint load: the manager's step count is the checkpoint's, so a group
         restarted alone (from an older checkpoint) heals from the live ones instead."""
         self.manager.load_state_dict({"step": step, "batches_committed": step * self.ft.group_size})
+        self.resumed_at = step
 
     # -- the step -------------------------------------------------------------------------
 
@@ -182,7 +212,7 @@ class ReplicaGroup(StepParticipant):
         else:  # what a heal sends: the state before this step drew its batches, also while it is redone
             self.step_start = {name: piece.state_dict() for name, piece in self.states.items()}
         deadline = time.monotonic() + self.ft.quorum_timeout_ms / 1000
-        self._quorum()
+        self._quorum(step)
         while (error := self.manager.errored()) is not None:  # a heal or a reconfiguration failed: a peer died
             logger.info(f"fault_tolerance: step {step}: the quorum failed ({_first_line(error)}); asking again")
             self._quorum(step, deadline)
@@ -197,21 +227,18 @@ class ReplicaGroup(StepParticipant):
             self._quorum(step, deadline)
         self._say_quorum(step)
 
-    def _quorum(self, step: int | None = None, deadline: float = math.inf) -> None:
-        """Ask for the quorum (again, `step` given: once more unless past `deadline`)."""
+    def _quorum(self, step: int, deadline: float = math.inf) -> None:
+        """Ask for step `step`'s quorum (again: once more unless past `deadline`)."""
+        line = (
+            f"fault_tolerance: no quorum of min_replica_size {self.ft.min_replica_size} replica groups at step "
+            f"{step} within quorum_timeout_ms {self.ft.quorum_timeout_ms} (lighthouse {os.environ.get(LIGHTHOUSE_ENV)})"
+        )
         if time.monotonic() > deadline:
-            raise TitanliteError(self._timeout_line(step))
+            raise TitanliteError(line)
         try:
             self.manager.start_quorum()
-        except Exception as error:  # the lighthouse's deadline (a Rust error) or a lost lighthouse
-            raise TitanliteError(f"{self._timeout_line(None)} ({_first_line(error)})") from None
-
-    def _timeout_line(self, step: int | None) -> str:
-        at = f" at step {step}" if step is not None else ""
-        return (
-            f"fault_tolerance: no quorum of min_replica_size {self.ft.min_replica_size} replica groups{at} within "
-            f"quorum_timeout_ms {self.ft.quorum_timeout_ms} (lighthouse {os.environ.get(LIGHTHOUSE_ENV)})"
-        )
+        except Exception as error:  # the lighthouse's deadline (a gRPC status) or a lost lighthouse
+            raise TitanliteError(f"{line}: {_first_line(error)}") from None
 
     def _say_quorum(self, step: int) -> None:
         participants, groups, line = self.manager.num_participants(), self.ft.group_size, None
@@ -220,7 +247,9 @@ class ReplicaGroup(StepParticipant):
                 f"step {self.healed_at + 1}: replica group {self.ft.replica_id} healed from a live group (model, "
                 f"optimizer, data position, step {self.healed_at}); {participants}/{groups} groups"
             )
-            self.healed_at = None
+            if self.resumed_at:
+                line += f"; the resume at step {self.resumed_at} is superseded"
+            self.healed_at, self.resumed_at = None, 0
         elif self.waiting:
             line = f"step {step}: {participants}/{groups} groups; training goes on"
         elif self.participants and participants < self.participants:
@@ -233,20 +262,31 @@ class ReplicaGroup(StepParticipant):
 
     def after_backward(self, params: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
         """Average this rank's gradient shards and loss over the groups in the quorum (one
-        all-reduce of one flat buffer); returns the averaged loss. Under semi-sync: nothing."""
+        all-reduce of one flat buffer); returns the averaged loss. MoE layers' token counts are
+        summed over the quorum (int64: exact), so the expert-bias update, which sums them over
+        dp x cp (step/experts.py), counts every group's tokens as HSDP's does. Under semi-sync:
+        nothing."""
         if not self.per_step:
             return loss
-        grads = [_local(p.grad) if p.grad is not None else None for p in params]
-        pieces = [
-            (g if g is not None else torch.zeros_like(_local(p.detach()))).reshape(-1) for g, p in zip(grads, params)
-        ]
-        whole_loss = loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel
-        flat = torch.cat([*(piece.float() for piece in pieces), whole_loss.detach().reshape(1).float()])
-        self.manager.allreduce(flat).wait()
-        for g, averaged in zip(grads, flat[:-1].split([piece.numel() for piece in pieces])):
-            if g is not None:
-                g.copy_(averaged.view_as(g))
-        return flat[-1].to(loss.dtype)
+        if self.experts is not None:
+            counts = self.experts.token_counts(self.model)
+            self.manager.allreduce(counts, reduce_op=ReduceOp.SUM).wait()
+            self.experts.discount_tokens(self.model, self.experts.token_counts(self.model) - counts)
+        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.detach())) for p in params]
+        whole_loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().reshape(1).clone()
+        _average(self.manager, [*grads, whole_loss])  # loss parallel: the whole loss
+        return whole_loss[0].to(loss.dtype)
+
+    def after_optimizer_step(self, updated: bool) -> None:
+        """Semi-sync: right after each sync (in the optimizer step) and the expert-bias update that
+        follows it, the floating buffers (expert biases) averaged over that sync's quorum, as
+        torchft's sync averages the parameters; between syncs each group balances its experts
+        alone. A failed average (a peer died) keeps this group's own until the next sync."""
+        self.inner_steps += updated
+        synced = not self.per_step and updated and self.inner_steps % self.ft.sync_steps == 0
+        buffers = [_local(b) for b in self.model.buffers() if b.is_floating_point()]  # not RoPE's complex table
+        if synced and buffers:
+            _average(self.manager, buffers)
 
     def commit(self, step: int) -> bool:
         """Whether every group of the quorum may take this step (torchft's should_commit;
@@ -260,8 +300,11 @@ class ReplicaGroup(StepParticipant):
         return rank == 0 if rank is not None else self.ft.replica_id == 0
 
     def log_fields(self) -> list[LineField]:
-        """`quorum 2/2`: groups in the last quorum / configured groups; the scalar `quorum`."""
+        """`quorum 2/2`: groups in the last quorum / configured groups; the scalar `quorum`. Nothing
+        before the first quorum (semi-sync: until the first sync)."""
         participants = self.manager.num_participants()
+        if not participants:
+            return []
         return [LineField(f"quorum {participants}/{self.ft.group_size}", {"quorum": participants})]
 
     def close(self) -> None:
@@ -274,10 +317,15 @@ def _start_manager(ft: FaultTolerance, load: Callable, state: Callable, rank: in
     """torchft's Manager for this group, which heals with `load` and `state`: rank 0 also starts
     its server, which joins the lighthouse."""
     from torchft import Manager
+    from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
     timeout = timedelta(milliseconds=ft.process_group_timeout_ms)
     process_group = (ProcessGroupGloo if ft.process_group == "gloo" else ProcessGroupNCCL)(timeout=timeout)
+    # torchft's default transport, its http.server without the access line per heal (`"GET
+    # /checkpoint/33/full HTTP/1.1" 200 -`; errors still logged): the heal line says it once
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    transport._server.RequestHandlerClass.log_request = lambda *args, **kwargs: None
     try:
         return Manager(
             pg=process_group,
@@ -292,6 +340,7 @@ def _start_manager(ft: FaultTolerance, load: Callable, state: Callable, rank: in
             world_size=world_size,
             replica_id=f"replica_{ft.replica_id}",
             init_sync=False,  # every group initializes the same weights from training.seed
+            checkpoint_transport=transport,
         )
     except RuntimeError as error:  # torchft's Rust client: the lighthouse refused or timed out
         raise TitanliteError(

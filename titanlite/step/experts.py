@@ -110,6 +110,11 @@ class ExpertBalance(StepParticipant):
     device: torch.device
     loads: dict[str, float] = field(default_factory=dict)
 
+    def before_step(self, step: int, redo: bool = False) -> None:
+        """A step redone (a peer replica group failed during it) counts its tokens again."""
+        if redo:
+            self.experts.drop_expert_counts(self.model)
+
     def after_optimizer_step(self, updated: bool) -> None:
         """Close the step's counts: update the biases if the optimizer stepped, else drop the
         counts (a skipped step's routing steers nothing)."""
