@@ -107,7 +107,8 @@ class Trainer:
         run, cfg = self.run, self.run.cfg
         run.checkpoint.load(run.state)
         run.participants.resume(run.state.step)
-        first_step, tokens_before, started = run.state.step + 1, run.state.tokens_seen, time.perf_counter()
+        steps = tokens = 0  # what this start trains: a heal moves the train state's step and tokens on
+        started = time.perf_counter()
         batches = iter(run.data)  # after load(): the loader resumes from its restored position
         history = []
         with maybe_profile(cfg, run.dist.rank, run.device, run.state.step) as profiler:
@@ -116,9 +117,9 @@ class Trainer:
                 step = run.state.step = run.state.step + 1
                 microbatches = [next(batches) for _ in range(run.plan.grad_accum_steps)]
                 loss, grad_norm, agreement = self.train_step(microbatches)
-                if step == first_step:  # start-up is over: compile, first all-gathers, load
+                if not steps:  # start-up is over: compile, first all-gathers, load
                     set_collective_timeout(cfg.comm.train_timeout_seconds)
-                self._count_tokens(len(microbatches))
+                steps, tokens = steps + 1, tokens + self._count_tokens(len(microbatches))
                 last = step == cfg.training.steps
                 if step == 1 or step % cfg.metrics.log_freq == 0 or last:
                     history.append({"step": step, **self.log(step, loss, grad_norm)})
@@ -127,17 +128,17 @@ class Trainer:
                 if agreement.stop:
                     self._stop_on_signal(step, agreement.stop_signal_name())
                     break
-        steps, tokens = run.state.step - first_step + 1, run.state.tokens_seen - tokens_before
         final_loss = history[-1]["loss"] if history else None
         run.metrics.log_summary(steps, tokens, time.perf_counter() - started, final_loss, run.checkpoint.last_saved())
         return history
 
-    def _count_tokens(self, microbatches: int) -> None:
-        """This step's tokens: every dp rank's in the train state, this rank's for throughput."""
+    def _count_tokens(self, microbatches: int) -> int:
+        """This step's tokens: every dp rank's in the train state (returned), this rank's for throughput."""
         run = self.run
         tokens = run.cfg.training.local_batch_size * run.cfg.training.seq_len * microbatches
         run.state.tokens_seen += tokens * run.data.dp_degree
         run.metrics.add_tokens(tokens)
+        return tokens * run.data.dp_degree
 
     def _stop_on_signal(self, step: int, signal_name: str) -> None:
         """Every rank agreed to stop (SIGTERM or SIGUSR1 reached at least one): a blocking

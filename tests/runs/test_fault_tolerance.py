@@ -204,6 +204,13 @@ def test_kill_rejoin_heal(tmp_path):
     assert_own_lines_only(rejoined.text())
     first = int(healed[1])
     assert step_numbers(back["history"]) == list(range(first, KILL_STEPS + 1))
+    # the end lines count what each start trained: the healed group from its heal on
+    done = [re.search(r"done: ([\d,]+) steps, ([\d,]+) tokens", text) for text in (out, rejoined.text())]
+    (lived_steps, lived_tokens), (back_steps, back_tokens) = (
+        [int(n.replace(",", "")) for n in d.groups()] for d in done
+    )
+    assert (lived_steps, back_steps) == (KILL_STEPS, KILL_STEPS - first + 1), done
+    assert back_tokens * lived_steps == lived_tokens * back_steps, done
     together = {h["step"]: h for h in lived["history"] if h["step"] >= first}
     for h in back["history"]:
         assert h["loss"] == pytest.approx(together[h["step"]]["loss"], rel=1e-6), h["step"]
