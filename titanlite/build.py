@@ -132,7 +132,7 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
     plan = RunPlan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
-    return dataclasses.replace(plan, pipeline=_plan_pipeline(plan)) if dims.pp_enabled else plan
+    return dataclasses.replace(plan, pipeline=_plan_pipeline(plan, model)) if dims.pp_enabled else plan
 
 
 def check_capabilities(spec: ModelSpec, cfg: JobConfig) -> None:
@@ -151,10 +151,8 @@ def check_capabilities(spec: ModelSpec, cfg: JobConfig) -> None:
             raise TitanliteError(f"{option}: {spec.lacks(capability)}")
 
 
-def _plan_pipeline(plan: RunPlan) -> PipelineLayout:
-    """The stages of a pipelined run, from a meta build of the model (no memory)."""
-    with torch.device("meta"):
-        model = plan.spec.model_class(plan.model_args)
+def _plan_pipeline(plan: RunPlan, model: torch.nn.Module) -> PipelineLayout:
+    """The stages of a pipelined run, from `model`, the whole model built on meta (no memory)."""
     if shared := shared_parameters(model):
         raise TitanliteError(
             f"parallelism.pipeline_parallel_degree: the {plan.cfg.model.flavor} flavor shares one tensor between "
