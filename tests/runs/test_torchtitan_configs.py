@@ -161,30 +161,27 @@ def test_the_qwen3_moe_debug_file_trains_torchtitans_64_experts(trained):
     expert-bias balancing) has 317M parameters, 302M of them experts: about 6 GiB resident with
     AdamW. Its seq_len 4096 (16k tokens a step) would take minutes a step on two cores; seq_len
     128 trains the same model, every layer and the bias update, in about 20 s of CPU."""
-    result = trained["qwen3_moe_debug"]
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "model qwen3 torchtitan:debugmodel_moe: " in result.stdout, result.stdout[-2000:]
-    assert "step     2  loss" in result.stdout and "moe_load" in result.stdout, result.stdout[-2000:]
-    said = notes(result)
-    for key in (
-        "optimizer.param_groups = [] in qwen3_moe_debug_local.toml: torchtitan decays every parameter",
-        "model.flavor = 'debugmodel_moe' in qwen3_moe_debug_local.toml: the file is torchtitan's",
-    ):
-        assert sum(key in line for line in said) == 1, (key, said)
+    assert_trained_torchtitans_moe(trained, "qwen3_moe_debug", "qwen3", "debugmodel_moe")
 
 
 @pytest.mark.timeout(900)
 def test_the_deepseek_v3_debug_file_trains_torchtitans_debugmodel(trained):
     """torchtitan's debugmodel (6 layers, 16 heads of MLA's published widths, 8 experts top-3 and 2
     shared, expert-bias balancing): 34M parameters; at seq_len 128 two steps take about 30 s of CPU."""
-    result = trained["deepseek_v3_debug_model"]
+    assert_trained_torchtitans_moe(trained, "deepseek_v3_debug_model", "deepseek_v3", "debugmodel")
+
+
+def assert_trained_torchtitans_moe(trained: dict, file: str, model: str, flavor: str) -> None:
+    """torchtitan's MoE debug `file` trained two steps on torchtitan's `flavor` of `model`, its
+    expert load logged, with one note each for the parameter groups and the flavor."""
+    result = trained[file]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "model deepseek_v3 torchtitan:debugmodel: " in result.stdout, result.stdout[-2000:]
+    assert f"model {model} torchtitan:{flavor}: " in result.stdout, result.stdout[-2000:]
     assert "step     2  loss" in result.stdout and "moe_load" in result.stdout, result.stdout[-2000:]
     said = notes(result)
     for key in (
-        "optimizer.param_groups = [] in deepseek_v3_debug_model_local.toml: torchtitan decays every parameter",
-        "model.flavor = 'debugmodel' in deepseek_v3_debug_model_local.toml: the file is torchtitan's",
+        f"optimizer.param_groups = [] in {file}_local.toml: torchtitan decays every parameter",
+        f"model.flavor = '{flavor}' in {file}_local.toml: the file is torchtitan's",
     ):
         assert sum(key in line for line in said) == 1, (key, said)
 
