@@ -201,15 +201,13 @@ class MoEHFAdapterBase(HFAdapterBase):
 
     def stacked_hf_names(self, key: str, args: DecoderArgs) -> list[str] | None:
         """`layers.L.feed_forward.experts.w1` -> `model.layers.L.mlp.experts.{0..E-1}.gate_proj.weight`."""
-        match = _STACKED.match(key)
-        if match is None:
+        if (match := _STACKED.match(key)) is None:
             return None
         layer, weight = match.groups()
         return [f"model.layers.{layer}.mlp.experts.{e}.{SWIGLU[weight]}.weight" for e in range(args.moe.n_experts)]
 
     def stacked_key(self, name: str) -> tuple[str, int] | None:
-        match = _EXPERT.match(name)
-        if match is None:
+        if (match := _EXPERT.match(name)) is None:
             return None
         layer, e, kind = match.groups()
         weight = next(w for w, k in SWIGLU.items() if k == kind)

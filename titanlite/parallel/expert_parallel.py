@@ -105,10 +105,8 @@ def apply_ep(
             shard_experts(experts, None, tp_mesh, split_over_tp=True)
         return []
     expert_parallel = ExpertParallel(ep_mesh)
-    units = []
-    for module in list(model.modules()):
-        if isinstance(module, ExpertParallelModule):
-            experts = module.enable_expert_parallel(expert_parallel)
-            shard_experts(experts, ep_mesh, tp_mesh, split_over_tp)
-            units.append(experts)
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallelModule)]
+    units = [layer.enable_expert_parallel(expert_parallel) for layer in layers]
+    for experts in units:
+        shard_experts(experts, ep_mesh, tp_mesh, split_over_tp)
     return units

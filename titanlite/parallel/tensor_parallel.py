@@ -83,7 +83,7 @@ class ReplicateParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        output_fn = self._local_output if self.use_local_output else None
+        output_fn = (lambda _module, output, _mesh: output.to_local()) if self.use_local_output else None
         return distribute_module(module, device_mesh, input_fn=self._replicate_inputs, output_fn=output_fn)
 
     @staticmethod
@@ -94,10 +94,6 @@ class ReplicateParallel(ParallelStyle):
             else DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
             for x in inputs
         )
-
-    @staticmethod
-    def _local_output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
-        return output.to_local()
 
 
 class _WaitedRowwiseParallel(torch_tp.RowwiseParallel):

@@ -168,8 +168,8 @@ class ReplicaGroup(StepParticipant):
         # new dicts of local shards: the optimizer's own state stays as it is
         optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         return {
-            "model": {name: _local(p.detach()) for name, p in self.model.named_parameters()},
-            "buffers": {name: _local(b) for name, b in self.model.named_buffers()},  # expert biases
+            # parameters and persistent buffers (the expert biases), as this rank's shards
+            "model": {name: _local(t.detach()) for name, t in self.model.state_dict(keep_vars=True).items()},
             "optimizer": optimizer,
             # per-step mode: the state before this step drew its batches (also while it is redone);
             # DiLoCo / local SGD heal at a sync, inside the optimizer step: the state as it is
@@ -178,10 +178,8 @@ class ReplicaGroup(StepParticipant):
 
     def _load(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                _local(p.detach()).copy_(state["model"][name])
-            for name, b in self.model.named_buffers():
-                _local(b).copy_(state["buffers"][name])
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                _local(t.detach()).copy_(state["model"][name])
         optimizer = state["optimizer"]
         for index, values in optimizer["state"].items():
             values.update({key: _like_param(value, self.params[int(index)]) for key, value in values.items()})
