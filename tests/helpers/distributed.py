@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import warm_start
 from titanlite.launch import set_cpu_worker_defaults
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,12 +39,18 @@ def with_overrides(*lists: list[str] | tuple[str, ...]) -> list[str]:
 
 
 def run_ranks(
-    nproc: int, entry: list[str], args: list[str], timeout: float, env: dict[str, str] | None = None
+    nproc: int,
+    entry: list[str],
+    args: list[str],
+    timeout: float,
+    env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """`nproc` processes of `python ENTRY ARGS` in the environment torchrun gives its workers
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT: the env:// rendezvous, a real TCPStore
     and gloo), started here rather than by torchrun's agent, which costs every run ~3 s of
-    start-up and shutdown on two cores. The launcher itself is tested through
+    start-up and shutdown on two cores, and forked from a warm interpreter (warm_start.py;
+    `fresh`: new interpreters). The launcher itself is tested through
     `python -m titanlite.launch` (test_launch, test_trainer_cli, test_faults_runtime,
     test_multinode, test_bad_input, test_checkpoint_train's kill test).
 
@@ -66,8 +73,7 @@ def run_ranks(
         try:
             for rank, (out, err) in enumerate(outputs):
                 rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if nproc > 1 else env
-                with open(out, "w") as stdout, open(err, "w") as stderr:
-                    processes.append(subprocess.Popen(command, cwd=REPO, env=rank_env, stdout=stdout, stderr=stderr))
+                processes.append(warm_start.start([*entry, *args], rank_env, str(REPO), str(out), str(err), fresh))
             returncode = _wait_for_ranks(processes, timeout, command)
         except subprocess.TimeoutExpired as expired:
             _stop(processes)
@@ -180,19 +186,12 @@ def run_mains(
     module: str, argvs: list[list[str]], timeout: float, env: dict[str, str] | None = None
 ) -> list[subprocess.CompletedProcess]:
     """Each argv through `module.main(argv)` (what `python -m module ARGV` calls), one after
-    the other in one interpreter, as a world of one: the imports (~5 s of CPU a process on
-    two cores) are paid once. One CompletedProcess per argv, with that run's exit code (an
-    argparse exit's, or 1 and the traceback for an exception) and its share of stdout and
-    stderr; a run that did not finish (in `timeout` x `timeout_scale()`) fails the test with the
-    driver's output."""
-    result = subprocess.run(
-        mains_command(module, argvs),
-        cwd=REPO,
-        env=env or run_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout * timeout_scale(),
-    )
+    the other in one interpreter (a warm one, warm_start.py), as a world of one. One
+    CompletedProcess per argv, with that run's exit code (an argparse exit's, or 1 and the
+    traceback for an exception) and its share of stdout and stderr; a run that did not finish
+    (in `timeout` x `timeout_scale()`) fails the test with the driver's output."""
+    command = mains_command(module, argvs)[1:]
+    result = warm_start.run(command, env or run_env(), timeout * timeout_scale())
     return split_mains(module, argvs, result)
 
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.helpers import warm_start
 from tests.helpers.distributed import REPO, free_port, run_env, timeout_scale
 from titanlite.launch import set_cpu_worker_defaults
 
@@ -27,9 +28,7 @@ REFERENCE = Path(__file__).with_name("diloco_reference.py")
 
 def run_python(argv: list[str], timeout: float) -> dict:
     """`python ARGV` as a world of one whose first argument is the JSON it writes; returns that JSON."""
-    command = [sys.executable, *argv]
-    limit = timeout * timeout_scale()
-    result = subprocess.run(command, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=limit)
+    result = warm_start.run(argv, run_env(), timeout * timeout_scale())
     output = result.stdout[-2000:] + result.stderr[-4000:]
     assert result.returncode == 0, f"{argv[0]} exited {result.returncode}:\n{output}"
     return json.loads(Path(argv[1]).read_text())
@@ -74,19 +73,11 @@ class Group:
         set_cpu_worker_defaults(str(2 * nproc), env)  # two groups share the host
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
         env["LOCAL_WORLD_SIZE"] = str(nproc)
-        command = [sys.executable, str(WORKER), str(self.out), *args, "--fault_tolerance.replica_id", str(replica)]
-        self.processes = []
-        for rank, log in enumerate(self.logs):
-            with open(log, "w") as stream:
-                self.processes.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=REPO,
-                        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                        stdout=stream,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+        argv = [str(WORKER), str(self.out), *args, "--fault_tolerance.replica_id", str(replica)]
+        self.processes = [
+            warm_start.start(argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, str(REPO), str(log), str(log))
+            for rank, log in enumerate(self.logs)
+        ]
 
     def text(self) -> str:
         return "".join(log.read_text(errors="replace") for log in self.logs)

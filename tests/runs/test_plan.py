@@ -355,6 +355,8 @@ def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypat
 
 def measure(nproc: int, args: list[str], out) -> list[dict]:
     """Each rank's bytes and step peak, from tests/helpers/memory_worker.py on `nproc` gloo processes."""
-    result = run_ranks(nproc, [str(REPO / "tests" / "helpers" / "memory_worker.py"), str(out)], args, timeout=TIMEOUT_S)
+    # A new interpreter: a fork's heap holds its server's freed memory, which a step would reuse unseen.
+    worker = [str(REPO / "tests" / "helpers" / "memory_worker.py"), str(out)]
+    result = run_ranks(nproc, worker, args, timeout=TIMEOUT_S, fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())["ranks"]

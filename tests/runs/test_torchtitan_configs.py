@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import warm_start
 from tests.helpers.distributed import REPO, mains_command, run_env, split_mains
 
 CONFIGS = Path(__file__).resolve().parents[1] / "torchtitan_configs"
@@ -78,16 +78,12 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def run(workdir: Path, module: str, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *argv], cwd=workdir, env=run_env(), capture_output=True, text=True, timeout=300
-    )
+    return warm_start.run(["-m", module, *argv], run_env(), 300, cwd=str(workdir))
 
 
 def run_all(workdir: Path, module: str, argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """Each argv through `module.main`, one after the other in one interpreter in `workdir`."""
-    done = subprocess.run(
-        mains_command(module, argvs), cwd=workdir, env=run_env(), capture_output=True, text=True, timeout=900
-    )
+    done = warm_start.run(mains_command(module, argvs)[1:], run_env(), 900, cwd=str(workdir))
     return split_mains(module, argvs, done)
 
 
