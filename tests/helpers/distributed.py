@@ -165,9 +165,11 @@ def free_port() -> int:
 MAINS_DRIVER = """
 import importlib, json, os, sys, traceback
 main = importlib.import_module(sys.argv[1]).main
-for index, argv in enumerate(json.loads(sys.argv[2])):
+for index, run in enumerate(json.loads(sys.argv[2])):
+    argv, env = (run["argv"], run["env"]) if isinstance(run, dict) else (run, {})
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         os.environ.pop(key, None)
+    os.environ.update(env)
     for stream in (sys.stdout, sys.stderr):
         print(f"@@case {index}", file=stream, flush=True)
     try:
@@ -195,8 +197,9 @@ def run_mains(
     return split_mains(module, argvs, result)
 
 
-def mains_command(module: str, argvs: list[list[str]]) -> list[str]:
-    """The one interpreter `run_mains` starts, for a caller that runs it its own way."""
+def mains_command(module: str, argvs: list[list[str]] | list[dict]) -> list[str]:
+    """The one interpreter `run_mains` starts, for a caller that runs it its own way; a run
+    given as {"argv", "env"} has those variables set (RANK, WORLD_SIZE: as torchrun's rank 0)."""
     return [sys.executable, "-c", MAINS_DRIVER, module, json.dumps(argvs)]
 
 

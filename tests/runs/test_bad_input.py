@@ -423,36 +423,41 @@ def command_of(case: Case, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     command = [sys.executable, "-m", "titanlite.train", *argv]
     if case.shell_prefix:
         command = ["bash", "-c", f'{case.shell_prefix}; exec "$0" "$@"', *command]
-    env = {k: v for k, v in run_env().items() if k not in LAUNCHER_ENV}
-    if case.world_size > 1:
-        env.update(RANK="0", WORLD_SIZE=str(case.world_size))
-    return command, env
+    return command, {**{k: v for k, v in run_env().items() if k not in LAUNCHER_ENV}, **rank_env(case)}
+
+
+def rank_env(case: Case) -> dict[str, str]:
+    """What torchrun would tell a case's process that is rank 0 of `world_size`."""
+    return {"RANK": "0", "WORLD_SIZE": str(case.world_size)} if case.world_size > 1 else {}
 
 
 def in_one_interpreter(case: Case) -> bool:
-    """A plain one-process case runs with the other plain ones through `titanlite.train.main`
-    in one interpreter (`mains_command`, as `run_mains` does: each its own exit code, stdout and stderr), which pays the
-    imports once; launcher runs, a world size from the environment and a shell prefix (a ulimit)
-    need their own process."""
-    return case.nproc == 1 and case.world_size == 1 and not case.shell_prefix
+    """A one-process case runs with the others through `titanlite.train.main` in one
+    interpreter (`mains_command`, as `run_mains` does: each its own exit code, stdout and
+    stderr, and its own RANK and WORLD_SIZE), which pays the imports once; launcher runs and a
+    shell prefix (a ulimit) need their own process."""
+    return case.nproc == 1 and not case.shell_prefix
 
 
-def run_plain_cases(pool: ThreadPoolExecutor, argvs: dict[str, list[str]]) -> dict[str, Future]:
+def run_plain_cases(pool: ThreadPoolExecutor, names: dict[str, Path]) -> dict[str, Future]:
     """name -> a Future of its Run, all resolved when the one interpreter running them ends."""
     env = {k: v for k, v in run_env().items() if k not in LAUNCHER_ENV}
+    runs = {
+        name: {"argv": argv_of(CASES[name], folder), "env": rank_env(CASES[name])} for name, folder in names.items()
+    }
     # run_command: a hang is killed, and a process the cases leave behind fails them
-    batch = pool.submit(run_command, mains_command("titanlite.train", list(argvs.values())), env, PLAIN_TIMEOUT_S)
-    futures = {name: Future() for name in argvs}
+    batch = pool.submit(run_command, mains_command("titanlite.train", list(runs.values())), env, PLAIN_TIMEOUT_S)
+    futures = {name: Future() for name in runs}
 
     def resolve(done: Future) -> None:
         try:
-            results = split_mains("titanlite.train", list(argvs.values()), done.result())
+            results = split_mains("titanlite.train", list(runs.values()), done.result())
         except BaseException as error:  # a hang, a process left behind, a case that did not finish: each fails
             for future in futures.values():
                 future.set_exception(error)
             return
-        for (name, argv), result in zip(argvs.items(), results):
-            command = [sys.executable, "-m", "titanlite.train", *argv]
+        for (name, run), result in zip(runs.items(), results):
+            command = [sys.executable, "-m", "titanlite.train", *run["argv"]]
             futures[name].set_result(Run(command, result.returncode, result.stdout, result.stderr, 0.0))
 
     batch.add_done_callback(resolve)
@@ -498,7 +503,7 @@ def runs(request, tmp_path_factory, checkpoint) -> dict[str, tuple[Path, Future]
             for name, path in folders.items()
             if name not in plain
         }
-        runs.update(run_plain_cases(pool, {name: argv_of(CASES[name], folders[name]) for name in plain}))
+        runs.update(run_plain_cases(pool, {name: folders[name] for name in plain}))
         yield {name: (folders[name], runs[name]) for name in folders}
     for cleanup in cleanups:
         cleanup()
