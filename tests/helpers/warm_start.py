@@ -74,7 +74,9 @@ class WarmProcess:
 _context: multiprocessing.context.BaseContext | None = None
 
 
-def _server() -> multiprocessing.context.BaseContext:
+def server() -> multiprocessing.context.BaseContext:
+    """The warm forkserver's context, started on first use; torch.multiprocessing's
+    "forkserver" start method forks from the same server once it runs."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
@@ -101,7 +103,7 @@ def start(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: s
     if fresh:
         with open(stdout, "a") as out, open(stderr, "a") as err:
             return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=out, stderr=err)
-    process = _server().Process(target=_run, args=(argv, env, cwd, stdout, stderr), daemon=False)
+    process = server().Process(target=_run, args=(argv, env, cwd, stdout, stderr), daemon=False)
     process.start()
     return WarmProcess(process, [sys.executable, *argv])
 
