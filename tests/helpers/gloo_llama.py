@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.helpers import warm_start
-from tests.helpers.distributed import REPO, free_port
+from tests.helpers.distributed import free_port
 from tests.helpers.stand_ins import CountingLoader
 from titanlite.config import Checkpoint
 
@@ -87,7 +87,6 @@ def init_gloo(rank: int, world: int, port: int) -> None:
 
 def spawn(fn, world: int, *args, timeout: float = 120) -> None:
     port = free_port()  # below the ephemeral range: see its docstring
-    os.environ["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     warm_start.server()  # the ranks fork from the warm interpreter, without importing torch again
     context = mp.start_processes(fn, args=(world, port, *args), nprocs=world, start_method="forkserver", join=False)
     deadline = time.monotonic() + timeout

@@ -82,7 +82,9 @@ def server() -> multiprocessing.context.BaseContext:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
         saved = dict(os.environ)
-        set_cpu_worker_defaults("2")  # read once, at load, by libgomp and glibc: the server's
+        # libgomp's wait policy and glibc's malloc settings are read once, at load: the server
+        # starts with a CPU worker's; the thread count each fork sets for itself (`_run`).
+        set_cpu_worker_defaults("2")
         try:
             from multiprocessing.forkserver import ensure_running
 
