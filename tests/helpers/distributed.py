@@ -232,8 +232,13 @@ def run_trainer_worker(nproc: int, args: list[str], out: Path, timeout: float = 
     return json.loads(out.read_text())
 
 
-# The fp32 recipe under which every parallel layout must reproduce one process's curve.
-EQUIVALENCE_STEPS = 5
+# The fp32 recipe under which every parallel layout must reproduce one process's curve. Three
+# logged steps hold every kind of work a step does: step 1's loss and grad norm compare forward
+# and backward from the same weights, step 2's the first optimizer update (AdamW's fresh state,
+# the expert biases' first move), step 3's the second, which reads the state the first left
+# (moments, momentum) at the full lr; a fourth and fifth repeat the third. (The last step's own
+# update, at lr 0 where the schedule decays, is in no logged figure.)
+EQUIVALENCE_STEPS = 3
 EQUIVALENCE_ARGS = [
     "--config",
     "debug_model",
@@ -257,8 +262,10 @@ EQUIVALENCE_ARGS = [
 
 
 def assert_same_curve(history: list[dict], reference: list[dict], label: str, rel: float = 1e-5) -> None:
-    """Every step of an EQUIVALENCE_ARGS run logged, with loss and grad norm as the reference's."""
-    assert [h["step"] for h in history] == list(range(1, EQUIVALENCE_STEPS + 1))
+    """Every step of the reference's run (EQUIVALENCE_ARGS: steps 1-3) logged, with its loss and grad norm."""
+    assert reference and [h["step"] for h in history] == [h["step"] for h in reference] == list(
+        range(1, len(reference) + 1)
+    ), f"{label}: steps {[h['step'] for h in history]}"
     for ours, ref in zip(history, reference):
         for key in ("loss", "grad_norm"):
             assert ours[key] == pytest.approx(ref[key], rel=rel), (

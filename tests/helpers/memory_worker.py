@@ -1,6 +1,8 @@
 """Measure what one training step really holds on each rank, for the planner's tests.
 
-Usage (by tests/runs/test_plan.py): run_ranks(N, [tests/helpers/memory_worker.py, OUT.json], [--config ...])
+Usage (by tests/runs/test_plan.py): run_ranks(N, [tests/helpers/memory_worker.py, OUT.json, CASES.json], [])
+with CASES.json {name: [--config ...]}: each case a run of its own, one after another in the
+session's process group (the closed run's tensors freed first, their pages returned).
 Run under MALLOC_MMAP_THRESHOLD_=65536 (with glibc's default MALLOC_MMAP_MAX_ and trim
 threshold, in place of the launcher's CPU settings, which keep freed memory) so every tensor
 is its own mapping and freeing one returns its pages: resident memory then follows the live
@@ -10,7 +12,8 @@ Each rank trains one step (which allocates gradients and AdamW state), drops the
 and takes its resident memory as the rest (interpreter, libraries, data, weights, optimizer
 state). It then resets the peak, trains one more step and reports the peak above that rest:
 the activations and working buffers of a step, which the planner estimates. Rank 0 writes
-{"ranks": [{"param_bytes", "grad_bytes", "optim_bytes", "rest_bytes", "step_peak_bytes"}, ...]}.
+{name: [{"param_bytes", "grad_bytes", "optim_bytes", "rest_bytes", "step_peak_bytes"}, ...]} (one
+entry a rank).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -29,8 +33,8 @@ from titanlite.parallel.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from titanlite.trainer import Trainer
 
 
-def main() -> None:
-    out_path, argv = sys.argv[1], sys.argv[2:]
+def measure(argv: list[str]) -> list[dict]:
+    """Every rank's bytes and step peak for one run of `argv`."""
     trainer = Trainer(plan_run(load_config(argv), world_from_env()[1]))
     batches = iter(trainer.data)
     microbatches = trainer.plan.grad_accum_steps
@@ -52,9 +56,17 @@ def main() -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sizes)
     trainer.close()
+    return gathered
+
+
+def main() -> None:
+    out_path, cases_path = sys.argv[1], sys.argv[2]
+    results = {}
+    for name, argv in json.loads(Path(cases_path).read_text()).items():
+        results[name] = measure(argv)
+        gc.collect()  # the closed run's tensors, before the next run's rest is read
     if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump({"ranks": gathered}, f)
+        Path(out_path).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 

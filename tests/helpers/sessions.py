@@ -8,7 +8,8 @@ A session past its timeout (a hang guard, scaled to the host's load by `run_rank
 stopped; the cases it finished keep their results (the worker writes them after each case),
 and the first test that needs a case it did not finish fails with one line naming the session,
 the case it was in and its last output; any later one is skipped with a short reference to
-that line, instead of every test of a module erroring with the same traceback.
+that line, instead of every test of a module erroring with the same traceback. A session that
+finished every case and then hung until the guard fails its first test the same way.
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ class SessionResult:
     def __getitem__(self, name: str) -> dict:
         """The case's {"history", "ranks"}; a case that failed fails the caller with its error."""
         case = self.cases.get(name)
-        if case is None and self.timed_out is not None:
-            if self.reported:
-                pytest.skip(f"{self.timed_out.split(':')[0]}: reported once, by the first test that needed it")
+        hung_after_all = len(self.cases) == len(self.names)  # it finished every case, then did not exit
+        if self.timed_out is not None and not self.reported and (case is None or hung_after_all):
             self.reported = True
             pytest.fail(self.timed_out, pytrace=False)
+        if case is None and self.timed_out is not None:
+            pytest.skip(f"{self.timed_out.split(':')[0]}: reported once, by the first test that needed it")
         assert case is not None, f"case {name} did not run:\n{self.stdout[-2000:]}\n{self.stderr[-4000:]}"
         assert case["error"] is None, f"case {name} failed: {case['error']}\n{self.stderr[-3000:]}"
         return case

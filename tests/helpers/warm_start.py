@@ -163,8 +163,9 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: st
     except BaseException:
         traceback.print_exc()
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # As the interpreter's own exit does: threading's exit hooks (which shut down
+    # concurrent.futures executors, Inductor's compile pool among them), then the join of every
+    # non-daemon thread, then atexit. Joining first waited forever on an executor's idle workers.
+    threading._shutdown()
     atexit._run_exitfuncs()
     raise SystemExit(code)

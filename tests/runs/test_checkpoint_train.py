@@ -1,7 +1,7 @@
 """Checkpointing through the real trainer (`python -m titanlite.train`, on several gloo processes
 started as torchrun starts its workers, CPU), on the debug model, fp32, fixed seed, global batch 8:
 
-- resume is bit-exact: 10 steps straight == 5 steps, stop, resume to 10 (losses compared
+- resume is bit-exact: 4 steps straight == 2 steps, stop, resume to 4 (losses compared
   with ==, and every model and optimizer tensor of the final checkpoints with torch.equal),
   on FSDP 2 x TP 2 and on FSDP 2 (the FSDP 2 runs start from a 1-process seed checkpoint);
 - reshard: the FSDP 2 x TP 2 checkpoint resumes at FSDP 4 and on 1 process, matching the
@@ -32,6 +32,8 @@ from tests.helpers.distributed import REPO, run_env, run_mains, run_ranks, with_
 from titanlite.checkpoint import export
 
 TRAIN_ENTRY = ["-m", "titanlite.train"]
+# The runs train STEPS steps, saving every STOP; a stopped run stops at STOP and resumes to STEPS.
+STOP, STEPS = 2, 4
 BASE = [
     "--config",
     "debug_model",
@@ -45,8 +47,8 @@ BASE = [
     "3e-3",
     "--lr_scheduler.warmup_steps",
     "2",
-    # Constant lr after warmup: a run told to stop at step 5 follows the same schedule as
-    # one told to run 10 steps, so "5 steps, stop, resume to 10" is comparable with "10".
+    # Constant lr after warmup: a run told to stop at step 2 follows the same schedule as
+    # one told to run 4 steps, so "2 steps, stop, resume to 4" is comparable with "4".
     "--lr_scheduler.decay_ratio",
     "0",
     "--metrics.log_freq",
@@ -56,7 +58,7 @@ BASE = [
     "--checkpoint.enable_checkpoint",
     "true",
     "--checkpoint.interval",
-    "5",
+    str(STOP),
     "--checkpoint.async_mode",
     "async",
     "--checkpoint.keep_latest_k",
@@ -136,7 +138,7 @@ def seed(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, seed) -> dict[str, dict[str, Path]]:
-    """Per layout: an uninterrupted 10-step run, and a run stopped at 5 then resumed to 10
+    """Per layout: an uninterrupted STEPS-step run, and a run stopped at STOP then resumed to STEPS
     (which also writes its last step as a Hugging Face folder)."""
     out = {}
     for layout in ("fsdp2_tp2", "fsdp2"):
@@ -145,9 +147,11 @@ def runs(tmp_path_factory, seed) -> dict[str, dict[str, Path]]:
             copy_checkpoint(seed, straight)
             copy_checkpoint(seed, resumed)
         logs = {
-            "straight": train(layout, straight, "--training.steps", "10").stdout,
-            "stop": train(layout, resumed, "--training.steps", "5").stdout,
-            "resume": train(layout, resumed, "--training.steps", "10", "--checkpoint.last_save_in_hf", "true").stdout,
+            "straight": train(layout, straight, "--training.steps", str(STEPS)).stdout,
+            "stop": train(layout, resumed, "--training.steps", str(STOP)).stdout,
+            "resume": train(
+                layout, resumed, "--training.steps", str(STEPS), "--checkpoint.last_save_in_hf", "true"
+            ).stdout,
         }
         out[layout] = {"straight": straight, "resumed": resumed, "logs": logs}
     return out
@@ -157,11 +161,11 @@ def runs(tmp_path_factory, seed) -> dict[str, dict[str, Path]]:
 @pytest.mark.parametrize("layout", ["fsdp2_tp2", "fsdp2"])
 def test_resume_is_bit_exact(runs, layout):
     run = runs[layout]
-    assert f"resumed from {ckpt(run['resumed'], 5)} at step 5" in run["logs"]["resume"]
+    assert f"resumed from {ckpt(run['resumed'], STOP)} at step {STOP}" in run["logs"]["resume"]
     straight, resumed = losses(run["straight"]), losses(run["resumed"])
-    assert sorted(straight) == sorted(resumed) == list(range(1, 11))
+    assert sorted(straight) == sorted(resumed) == list(range(1, STEPS + 1))
     assert resumed == straight  # exact float equality, every step
-    assert_checkpoints_equal(ckpt(run["straight"], 10), ckpt(run["resumed"], 10))
+    assert_checkpoints_equal(ckpt(run["straight"], STEPS), ckpt(run["resumed"], STEPS))
 
 
 def test_seed_checkpoint_initializes_multi_process_runs(runs, seed):
@@ -192,13 +196,13 @@ def test_seed_checkpoint_with_the_default_compute_dtype(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["fsdp4", "single"])
 def test_reshard_on_resume(runs, layout, tmp_path):
-    """The FSDP 2 x TP 2 step-5 checkpoint resumes at another mesh; DCP reshards."""
+    """The FSDP 2 x TP 2 step-2 checkpoint resumes at another mesh; DCP reshards."""
     reference = runs["fsdp2_tp2"]
-    copy_checkpoint(ckpt(reference["resumed"], 5), tmp_path)
-    result = train(layout, tmp_path, "--training.steps", "10")
+    copy_checkpoint(ckpt(reference["resumed"], STOP), tmp_path)
+    result = train(layout, tmp_path, "--training.steps", str(STEPS))
     assert "saved at world size 4 (mesh dp_shard 2 x tp 2)" in result.stdout
     expected, got = losses(reference["straight"]), losses(tmp_path)
-    assert sorted(got) == list(range(6, 11))
+    assert sorted(got) == list(range(STOP + 1, STEPS + 1))
     for step in got:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), f"step {step}"
 
@@ -271,15 +275,15 @@ def test_last_save_in_hf_loads_in_transformers_with_equal_logits(runs, layout):
     from titanlite.models.llama.model import Llama
 
     run = runs[layout]["resumed"]
-    hf = run / "checkpoint" / "step-10-hf"
-    assert f"step 10 written as a Hugging Face folder {hf}" in runs[layout]["logs"]["resume"]
-    tokenizer = Path(commit.read_commit(ckpt(run, 10)).tokenizer["path"]).name
+    hf = run / "checkpoint" / f"step-{STEPS}-hf"
+    assert f"step {STEPS} written as a Hugging Face folder {hf}" in runs[layout]["logs"]["resume"]
+    tokenizer = Path(commit.read_commit(ckpt(run, STEPS)).tokenizer["path"]).name
     assert (hf / tokenizer).is_file() and (hf / "model.safetensors.index.json").is_file()
-    assert commit.scan(run / "checkpoint").complete[-1] == 10  # the HF folder is no checkpoint step
+    assert commit.scan(run / "checkpoint").complete[-1] == STEPS  # the HF folder is no checkpoint step
     args = hf_adapter.args_from_hf_config(json.loads((hf / "config.json").read_text()))
     ours = Llama(args)
     ours.init_weights(seed=0)  # the RoPE table; the weights come next
-    ours.load_state_dict(export.read_dcp_model(ckpt(run, 10)))
+    ours.load_state_dict(export.read_dcp_model(ckpt(run, STEPS)))
     theirs = transformers.LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -298,16 +302,16 @@ def run_cases(cases: dict[str, list[str]]) -> dict[str, tuple[int, str]]:
 
 @pytest.mark.timeout(300)
 def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
-    source = ckpt(runs["fsdp2_tp2"]["resumed"], 5)
+    source = ckpt(runs["fsdp2_tp2"]["resumed"], STOP)
     names = ("missing", "nostep", "corrupt", "truncated", "flavor", "initial", "groups", "optimizer")
     dumps = {name: tmp_path / name for name in names}
     for name in ("nostep", "corrupt", "truncated", "flavor", "groups", "optimizer"):
         copy_checkpoint(source, dumps[name])
-    shard = sorted(ckpt(dumps["corrupt"], 5).glob("*.distcp"))[1]
+    shard = sorted(ckpt(dumps["corrupt"], STOP).glob("*.distcp"))[1]
     shard.write_bytes(os.urandom(shard.stat().st_size))
-    truncated = sorted(ckpt(dumps["truncated"], 5).glob("*.distcp"))[2]
+    truncated = sorted(ckpt(dumps["truncated"], STOP).glob("*.distcp"))[2]
     truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
-    commit = ckpt(dumps["flavor"], 5) / "commit.json"
+    commit = ckpt(dumps["flavor"], STOP) / "commit.json"
     record = json.loads(commit.read_text())
     record["fingerprint"].update(flavor="8B", args=record["fingerprint"]["args"].replace("dim=256", "dim=4096"))
     commit.write_text(json.dumps(record))
@@ -324,15 +328,16 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
     expected = {
         "missing": "checkpoint.load_step: 3 was asked for, but the checkpoint folder "
         f"{dumps['missing'] / 'checkpoint'} does not exist",
-        "nostep": f"checkpoint.load_step: {ckpt(dumps['nostep'], 7)} does not exist; complete steps: 5",
+        "nostep": f"checkpoint.load_step: {ckpt(dumps['nostep'], 7)} does not exist; complete steps: {STOP}",
         "corrupt": f"{shard}: shard file is corrupted (CRC-32 ",
         "truncated": f"{truncated}: shard is truncated",
-        "flavor": f"{ckpt(dumps['flavor'], 5)}: checkpoint is of model llama3 flavor 8B",
+        "flavor": f"{ckpt(dumps['flavor'], STOP)}: checkpoint is of model llama3 flavor 8B",
         "initial": f"checkpoint.initial_load_path: {tmp_path / 'no-such-dir'} does not exist",
-        "groups": f"{ckpt(dumps['groups'], 5)}: parameter layers.0.attention_norm.weight was saved in optimizer group "
+        "groups": f"{ckpt(dumps['groups'], STOP)}: parameter layers.0.attention_norm.weight was saved in "
+        "optimizer group "
         "'tok_embeddings.* *norm.weight: lr_scale=1 weight_decay=0', this run puts it in "
         "'*norm.weight: lr_scale=1 weight_decay=0'",
-        "optimizer": f"{ckpt(dumps['optimizer'], 5)}: the checkpoint has no optimizer.param_groups.",
+        "optimizer": f"{ckpt(dumps['optimizer'], STOP)}: the checkpoint has no optimizer.param_groups.",
     }
     results = run_cases(
         {name: [*argv, "--training.steps", "6", "--job.dump_folder", str(dumps[name])] for name, argv in cases.items()}
@@ -394,7 +399,7 @@ def test_initial_load_from_dcp_and_from_hugging_face(runs, tmp_path):
     pytest.importorskip("safetensors")
     from tests.helpers.scripts import script_main
 
-    source = ckpt(runs["fsdp2_tp2"]["resumed"], 5)
+    source = ckpt(runs["fsdp2_tp2"]["resumed"], STOP)
     convert = script_main("convert_hf.py")
     assert convert(["to-hf", str(source), str(tmp_path / "hf"), "--max-shard-size", "400KB"]) == 0
     assert (

@@ -33,6 +33,7 @@ import torch
 
 from tests.helpers.distributed import (
     EQUIVALENCE_ARGS,
+    EQUIVALENCE_STEPS,
     REPO,
     assert_same_curve,
     free_port,
@@ -55,10 +56,11 @@ def step_numbers(history: list[dict]) -> list[int]:
     return [h["step"] for h in history]
 
 
-RESUMED_STEPS = 8
-# Constant lr after warmup: a run told to stop at step 5 follows the schedule of one told to run 8.
+SAVED = EQUIVALENCE_STEPS  # the first start's last step, which it saves (3)
+RESUMED_STEPS = SAVED + 2
+# Constant lr after warmup: a run told to stop at step 3 follows the schedule of one told to run 5.
 CONSTANT_LR = ["--lr_scheduler.decay_ratio", "0"]
-CHECKPOINTS = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "5"]
+CHECKPOINTS = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", str(SAVED)]
 
 
 # Layouts inside a group of two processes besides FSDP 2: global batch 8 as 2 groups x local_batch_size 4.
@@ -68,10 +70,10 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_si
 
 @pytest.mark.slow
 def test_two_groups_equal_hsdp_and_resume_after_a_whole_job_restart(tmp_path):
-    """Two FSDP 2 groups, 5 steps, equal HSDP 2 x 2 and end bit-equal, and so do two groups of PP 2
-    (HSDP x PP equals HSDP, tested apart); the first group of the FSDP quorum saved the step-5
-    checkpoint. The whole job started again to step 8 as two groups of TP 2: group 0 resumes from it
-    (at another layout), group 1 (which saved none) heals from group 0, and steps 6-8 are HSDP's
+    """Two FSDP 2 groups, 3 steps, equal HSDP 2 x 2 and end bit-equal, and so do two groups of PP 2
+    (HSDP x PP equals HSDP, tested apart); the first group of the FSDP quorum saved the step-3
+    checkpoint. The whole job started again to step 5 as two groups of TP 2: group 0 resumes from it
+    (at another layout), group 1 (which saved none) heals from group 0, and steps 4-5 are HSDP's
     too, the two groups bit-equal."""
     args = [*FT_ARGS, *CONSTANT_LR, *CHECKPOINTS, "--job.dump_folder", str(tmp_path / "ft")]
     with contextlib.ExitStack() as stack:
@@ -98,22 +100,22 @@ def test_two_groups_equal_hsdp_and_resume_after_a_whole_job_restart(tmp_path):
         tmp_path / "hsdp.json",
     )
     for g, result in enumerate(results):
-        assert_same_curve(result["history"], hsdp["history"][:5], f"replica group {g}")
+        assert_same_curve(result["history"], hsdp["history"][:SAVED], f"replica group {g}")
         assert [h["quorum"] for h in result["history"]] == [2] * len(result["history"])
-        assert [h["tokens_seen"] for h in result["history"]] == [h["tokens_seen"] for h in hsdp["history"][:5]]
+        assert [h["tokens_seen"] for h in result["history"]] == [h["tokens_seen"] for h in hsdp["history"][:SAVED]]
     assert results[0]["checksums"] == results[1]["checksums"]
     for g, result in enumerate(pp_results):
-        assert_same_curve(result["history"], hsdp["history"][:5], f"PP 2 replica group {g}")
+        assert_same_curve(result["history"], hsdp["history"][:SAVED], f"PP 2 replica group {g}")
     assert pp_results[0]["checksums"] == pp_results[1]["checksums"]
-    assert (tmp_path / "ft" / "replica_0" / "checkpoint" / "step-5").is_dir()
+    assert (tmp_path / "ft" / "replica_0" / "checkpoint" / f"step-{SAVED}").is_dir()
     assert not (tmp_path / "ft" / "replica_1" / "checkpoint").exists() or not any(
         (tmp_path / "ft" / "replica_1" / "checkpoint").iterdir()
     )
-    assert "resumed at step 5" in restarted[0].text()
-    assert "step 6: replica group 1 healed from a live group" in restarted[1].text()
+    assert f"resumed at step {SAVED}" in restarted[0].text()
+    assert f"step {SAVED + 1}: replica group 1 healed from a live group" in restarted[1].text()
     for g, result in enumerate(resumed):
-        assert step_numbers(result["history"]) == [6, 7, 8]
-        for ours, ref in zip(result["history"], hsdp["history"][5:]):
+        assert step_numbers(result["history"]) == list(range(SAVED + 1, RESUMED_STEPS + 1))
+        for ours, ref in zip(result["history"], hsdp["history"][SAVED:]):
             for key in ("loss", "grad_norm"):
                 assert ours[key] == pytest.approx(ref[key], rel=1e-5), f"resumed group {g} step {ref['step']} {key}"
     assert resumed[0]["checksums"] == resumed[1]["checksums"]

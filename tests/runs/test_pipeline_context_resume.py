@@ -2,8 +2,9 @@
 resharding to and from other layouts (the stages keep every parameter's name, the sequence
 split holds no state, so DCP loads a checkpoint at any layout).
 
-On the debug model, fp32, the global batch 8: an uninterrupted 6-step run per layout saves
-step 3 (and 6); each resume starts from a copy of step 3 and must log steps 4-6
+On the debug model, fp32, the global batch 8: an uninterrupted 4-step run per layout saves
+step 2 (and 4); each resume starts from a copy of step 2 and must log steps 3-4 (a step that
+reads the restored optimizer state, and one after it)
 - equal (==) to the uninterrupted run of its own layout: pp 2 and cp 2 resumed at pp 2 and cp 2;
 - within 1e-6 (relative) of it when the checkpoint came from another layout: pp 2 -> 1 process,
   pp 2 -> FSDP 2 x TP 2, pp 2 -> pp 4, cp 2 -> 1 process, and the reverse, 1 process -> pp 2 and
@@ -35,7 +36,8 @@ from tests.helpers.distributed import EQUIVALENCE_ARGS, timeout_scale
 from tests.helpers.sessions import Case, run_session
 from tests.runs.equivalence import DSV3, FLOAT8, MUON, QWEN3_MOE
 
-STEPS = 6
+STEPS = 4
+SAVED = 2  # the step every resume starts from
 ARGS = [
     *EQUIVALENCE_ARGS,
     "--training.steps",
@@ -46,7 +48,7 @@ ARGS = [
     "--checkpoint.enable_checkpoint",
     "true",
     "--checkpoint.interval",
-    "3",
+    str(SAVED),
     "--checkpoint.keep_latest_k",
     "0",
 ]
@@ -98,7 +100,7 @@ LAYOUTS = {
         ],
     ),
 }
-# resume case: (layout it runs at, layout whose step-3 checkpoint it starts from)
+# resume case: (layout it runs at, layout whose step-2 checkpoint it starts from)
 RESUMES = {
     "pp2_from_pp2": ("pp2", "pp2"),
     "cp2_from_cp2": ("cp2", "cp2"),
@@ -148,7 +150,9 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     def resume(name: str) -> Case:
         layout, source = {**RESUMES, **FLOAT8_RESUMES}[name]
         return Case(
-            name, [*ARGS, *LAYOUTS[layout][1]], copy_checkpoint=(str(root / f"world{LAYOUTS[source][0]}" / source), 3)
+            name,
+            [*ARGS, *LAYOUTS[layout][1]],
+            copy_checkpoint=(str(root / f"world{LAYOUTS[source][0]}" / source), SAVED),
         )
 
     seed = Case(
@@ -209,8 +213,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
 def test_resume_continues_the_uninterrupted_run(runs, name):
     layout, source = RESUMES[name]
     resumed, straight = runs[name], runs[layout]
-    assert [h["step"] for h in resumed] == [4, 5, 6]
-    for ours, ref in zip(resumed, straight[3:]):
+    assert [h["step"] for h in resumed] == list(range(SAVED + 1, STEPS + 1))
+    for ours, ref in zip(resumed, straight[SAVED:]):
         if layout == source:  # the same layout: exactly the same numbers
             assert (ours["loss"], ours["grad_norm"]) == (ref["loss"], ref["grad_norm"]), (name, ours, ref)
         else:
@@ -220,15 +224,15 @@ def test_resume_continues_the_uninterrupted_run(runs, name):
 
 @pytest.mark.parametrize("name", FLOAT8_RESUMES)
 def test_a_float8_checkpoint_resumes_without_float8_and_back(runs, name):
-    """Steps 4-6 continue from the step-3 weights: within float8's distance from float32
+    """Steps 3-4 continue from the step-2 weights: within float8's distance from float32
     (tests/runs/test_parallel_equivalence.py: 1e-3 on the loss) of both uninterrupted runs,
     the one the checkpoint came from and the one the resume trains like; a run that had
     started afresh would log the first step's loss (about 8.9 against 8.0 here)."""
     layout, source = FLOAT8_RESUMES[name]
     resumed = runs[name]
-    assert [h["step"] for h in resumed] == [4, 5, 6]
+    assert [h["step"] for h in resumed] == list(range(SAVED + 1, STEPS + 1))
     for uninterrupted in (runs[layout], runs[source]):
-        for ours, ref in zip(resumed, uninterrupted[3:]):
+        for ours, ref in zip(resumed, uninterrupted[SAVED:]):
             assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-3), (name, ours, ref)
 
 

@@ -270,73 +270,71 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     assert results[-1].stdout == sample_command.group(2), "docs/planning.md's sample is not the planner's output"
 
 
-@pytest.mark.parametrize(
-    "nproc, layout",
-    [
-        (1, []),
-        (2, []),
-        (4, []),
-        (2, ["--parallelism.pipeline_parallel_degree", "2"]),
-        (2, ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"]),
-        (
-            4,
-            [
-                *(
-                    "--model.name",
-                    "qwen3",
-                    "--model.flavor",
-                    "debugmodel_moe",
-                    "--parallelism.expert_parallel_degree",
-                    "2",
-                ),
-                *("--parallelism.data_parallel_replicate_degree", "2"),
-            ],
-        ),
-        (
-            2,
-            [
-                *(
-                    "--model.name",
-                    "qwen3",
-                    "--model.flavor",
-                    "debugmodel_moe",
-                    "--parallelism.tensor_parallel_degree",
-                    "2",
-                ),
-                *("--parallelism.expert_tensor_parallel_degree", "2"),
-            ],
-        ),
-        (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_q_lora"]),
-    ],
-    ids=["1", "2", "4", "pp2", "moe_ep2", "moe_ep2_hsdp2x2", "moe_etp2_tp2", "deepseek_v3"],
-)
-def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypatch):
+QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+# The real runs the planner's figures are checked against: name -> (processes, layout).
+MEASURED = {
+    "1": (1, []),
+    "2": (2, []),
+    "4": (4, []),
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "moe_ep2": (2, [*QWEN3_MOE, "--parallelism.expert_parallel_degree", "2"]),
+    "moe_ep2_hsdp2x2": (
+        4,
+        [*QWEN3_MOE, "--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2"],
+    ),
+    "moe_etp2_tp2": (
+        2,
+        [*QWEN3_MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
+    ),
+    "deepseek_v3": (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_q_lora"]),
+}
+MEASURED_ARGS = [
+    "--config",
+    "debug_model",
+    "--training.mixed_precision_param",
+    "float32",
+    "--metrics.enable_tensorboard",
+    "false",
+]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each of MEASURED's runs: every rank's bytes and step peak (tests/helpers/memory_worker.py),
+    the runs of one world size one after another in one set of new interpreters (a fork's heap
+    holds its server's freed memory, which a step would reuse unseen). Freed tensors' pages go
+    back, so RSS follows live tensors: every block over 64 KiB its own mapping (glibc's default
+    count of mappings, not the launcher's 0) and the heap trimmed."""
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_MMAP_MAX_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
+    worker = str(REPO / "tests" / "helpers" / "memory_worker.py")
+    folder = tmp_path_factory.mktemp("measured")
+    results = {}
+    for nproc in sorted({n for n, _ in MEASURED.values()}):
+        cases = {
+            name: [*MEASURED_ARGS, *layout, "--job.dump_folder", str(folder / name)]
+            for name, (n, layout) in MEASURED.items()
+            if n == nproc
+        }
+        (folder / f"cases{nproc}.json").write_text(json.dumps(cases))
+        out = folder / f"world{nproc}.json"
+        result = run_ranks(
+            nproc, [worker, str(out), str(folder / f"cases{nproc}.json")], [], TIMEOUT_S, env, fresh=True
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        results.update(json.loads(out.read_text()))
+    return results
+
+
+@pytest.mark.parametrize("name", MEASURED)
+def test_debug_model_figures_match_a_real_run(name, measured):
     """Every rank's parameter, gradient and AdamW bytes equal what the trainer holds (each
     pipeline stage's its own), and the estimated step working set (activations + FSDP
     buffers) is within 30% of the measured peak of a training step above everything else
     the process holds."""
-    args = [
-        "--config",
-        "debug_model",
-        "--training.mixed_precision_param",
-        "float32",
-        "--metrics.enable_tensorboard",
-        "false",
-        "--job.dump_folder",
-        str(tmp_path),
-        *layout,
-    ]
-    # Freed tensors' pages go back, so RSS follows live tensors: every block over 64 KiB its own
-    # mapping (glibc's default count of mappings, not the launcher's 0) and the heap trimmed.
-    for name, value in (
-        ("MALLOC_MMAP_THRESHOLD_", "65536"),
-        ("MALLOC_MMAP_MAX_", "65536"),
-        ("MALLOC_TRIM_THRESHOLD_", "131072"),
-    ):
-        monkeypatch.setenv(name, value)
-    measured = measure(nproc, args, tmp_path / "memory.json")
+    nproc, layout = MEASURED[name]
+    args = [*MEASURED_ARGS, *layout]
     reports = plans(*([*args, "--world-size", str(nproc), "--rank", str(rank)] for rank in range(nproc)))
-    for rank, (real, report) in enumerate(zip(measured, reports)):
+    for rank, (real, report) in enumerate(zip(measured[name], reports)):
         planned = figures(report.stdout)
         assert (planned["parameters"], planned["gradients"], planned["optimizer"]) == (
             real["param_bytes"],
@@ -351,12 +349,3 @@ def test_debug_model_figures_match_a_real_run(nproc, layout, tmp_path, monkeypat
         assert estimate == pytest.approx(real["step_peak_bytes"], rel=0.3), (
             f"rank {rank}: {estimate:,.0f} vs {real['step_peak_bytes']:,}"
         )
-
-
-def measure(nproc: int, args: list[str], out) -> list[dict]:
-    """Each rank's bytes and step peak, from tests/helpers/memory_worker.py on `nproc` gloo processes."""
-    # A new interpreter: a fork's heap holds its server's freed memory, which a step would reuse unseen.
-    worker = [str(REPO / "tests" / "helpers" / "memory_worker.py"), str(out)]
-    result = run_ranks(nproc, worker, args, timeout=TIMEOUT_S, fresh=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text())["ranks"]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.helpers.distributed import timeout_scale
-from tests.helpers.sessions import Case, SessionCases, run_session
+from tests.helpers.sessions import Case, SessionCases, SessionResult, run_session
 
 # The worker's start-up (torch, titanlite: about 5 s) and one quick case fit in it; the test waits it out.
 HANG_TIMEOUT_S = 15
@@ -46,3 +46,14 @@ def test_a_session_past_its_timeout_fails_one_test_in_one_line_naming_it(tmp_pat
     with pytest.raises(pytest.skip.Exception) as later:
         results["never"]
     assert str(later.value).startswith("session sleepy (1 ranks) timed out") and "reported once" in str(later.value)
+
+
+def test_a_session_that_finished_every_case_and_then_hung_fails_one_test():
+    """Its results are all there, but a session that never exits costs its hang guard in every
+    run: the first test to read it fails with the line, later ones read their cases."""
+    line = "session world4 (4 ranks) timed out after 900 s (hang guard x 1.0 for this host's load): in case ?, 2 of 2"
+    session = SessionResult({"a": {"error": None}, "b": {"error": None}}, names=["a", "b"], timed_out=line)
+    with pytest.raises(pytest.fail.Exception) as first:
+        session["a"]
+    assert str(first.value) == line
+    assert session["a"] == session["b"] == {"error": None}
