@@ -196,7 +196,15 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     # 5 steps, not EQUIVALENCE_ARGS' 3: the pp 2 and FSDP 2 models are compared logit by logit
     # within 1e-5, and after 2 updates (3 steps) a few dozen logits of 262,144 differed by up to 2.6e-5
     # (AdamW's first updates move a weight by about lr whatever its gradient's size).
-    start = ["--checkpoint.initial_load_format", "hf", "--checkpoint.last_save_in_hf", "true", "--training.steps", "5"]
+    hf_steps = "5"
+    start = [
+        "--checkpoint.initial_load_format",
+        "hf",
+        "--checkpoint.last_save_in_hf",
+        "true",
+        "--training.steps",
+        hf_steps,
+    ]
     cases = [
         Case(
             "pp2",
@@ -239,7 +247,7 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
                     "--checkpoint.enable_checkpoint",
                     "true",
                     "--checkpoint.interval",
-                    "5",
+                    hf_steps,
                     "--checkpoint.async_mode",
                     "disabled",
                 ],

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests.helpers.distributed import REPO, run_env, run_mains, run_ranks
+from tests.runs.equivalence import QWEN3_MOE
 
 TIMEOUT_S = 300  # generous: several test suites share 2 cores
 VOCAB = ["--vocab-size", "128256"]  # the presets' tokenizer is not shipped
@@ -270,7 +271,6 @@ def test_the_presets_comments_and_planning_md_say_what_the_planner_prints():
     assert results[-1].stdout == sample_command.group(2), "docs/planning.md's sample is not the planner's output"
 
 
-QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 # The real runs the planner's figures are checked against: name -> (processes, layout).
 MEASURED = {
     "1": (1, []),
