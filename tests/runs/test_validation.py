@@ -12,9 +12,7 @@ from tests.helpers.distributed import EQUIVALENCE_ARGS, read_tensorboard, run_ra
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
 # 5 steps, not EQUIVALENCE_ARGS' 3: validation follows its step's update, and the last step's is at
 # lr 0 (the schedule's end), so at 3 steps the last validation would see step 2's weights again.
-ARGS = with_overrides(
-    [a for a in EQUIVALENCE_ARGS if a not in ("--metrics.enable_tensorboard", "false")], ["--training.steps", "5"]
-)
+ARGS = with_overrides(EQUIVALENCE_ARGS, ["--training.steps", "5", "--metrics.enable_tensorboard", "true"])
 LAYOUTS = {  # global batch 8 everywhere
     "single": (1, ["--training.local_batch_size", "8"]),
     "fsdp2": (2, ["--training.local_batch_size", "4"]),
