@@ -170,6 +170,24 @@ def test_a_stopped_rank_is_named_with_the_collective_that_waited_for_it(tmp_path
     assert failure_line(failures, []) == ("titanlite: rank 0: an all-reduce timed out after 10 s", 3)
 
 
+def test_the_collective_that_timed_out_is_named_before_one_that_met_the_kill(tmp_path, monkeypatch):
+    """SIGSTOP of rank 2 on a loaded host: rank 3's all-gather timed out, the launcher killed
+    rank 2, and rank 0, still waiting, met its connection closed: the line is rank 3's timeout
+    (what the job waited for), not rank 0's closed connection (tests/runs/test_faults_runtime.py)."""
+    closed = "titanlite: rank 0: a pipeline send/receive failed: a peer rank closed its connection (it died)"
+    timeout = (
+        "titanlite: rank 3: all_gather_single on group mesh_dp timed out after 10 s: a peer rank stopped answering"
+    )
+    failures = {
+        0: failure(0, COLLECTIVE_FAILURE_EXIT_CODE, 100, handed(tmp_path, monkeypatch, 0, closed)),
+        3: failure(3, COLLECTIVE_FAILURE_EXIT_CODE, 100, handed(tmp_path, monkeypatch, 3, timeout)),
+    }
+    assert (
+        failure_line(failures, [2])[0]
+        == f"titanlite: rank 2 stopped responding (its process was stopped); {timeout[11:]}"
+    )
+
+
 def test_outside_titanlites_launcher_a_worker_hands_nothing_over(tmp_path, monkeypatch):
     monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
     monkeypatch.setenv(ERROR_FILE_ENV, str(tmp_path / "error.json"))  # bare torchrun sets it too

@@ -109,8 +109,10 @@ def failure_line(
 def _stopped_line(failures: dict[int, ProcessFailure], stopped_ranks: list[int], stuck: dict[int, Stuck]) -> str:
     """Every rank failed because of another: name the rank found stopped, or else the one
     stuck longest in its own code, if one was, with the line of a collective that timed out
-    waiting (a rank's own, as it handed it over)."""
-    timed_out = next((line for _, f in sorted(failures.items()) if (line := _said(f))), None)
+    waiting (a rank's own, as it handed it over; before the line of a rank that met its
+    connection closed, once the launcher killed the stopped rank before that rank's own timeout)."""
+    said = [line for _, f in sorted(failures.items()) if (line := _said(f))]
+    timed_out = next((line for line in said if " timed out after " in line), said[0] if said else None)
     waited = f"; {timed_out.removeprefix('titanlite: ')}" if timed_out else ""
     if stopped_ranks:
         return f"titanlite: rank {min(stopped_ranks)} stopped responding (its process was stopped){waited}"

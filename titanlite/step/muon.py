@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titanlite.step.local_shards import like_param, local
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's defaults
 NS_EPS = 1e-7  # the norm's floor before the iterations, torch.optim.Muon's default
 BLOCKS = "layers."  # every model's transformer blocks (parallel/units.py, the pipeline split)
@@ -37,10 +39,6 @@ def takes_muon(name: str, param: torch.Tensor) -> bool:
     output head: a model's first and last layers) and every 1-D parameter take AdamW, as the
     Muon papers do."""
     return param.ndim in (2, 3) and name.startswith(BLOCKS)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 MatrixKey = tuple[str, int | None]  # (parameter key, expert index of a stacked weight or None)
@@ -114,8 +112,8 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(param)
             state["step"] += 1
             step = state["step"].item()
-            grad = _local(_like_param(param.grad, param))
-            exp_avg, exp_avg_sq, value = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(param)
+            grad = local(like_param(param.grad, param))
+            exp_avg, exp_avg_sq, value = local(state["exp_avg"]), local(state["exp_avg_sq"]), local(param)
             exp_avg.lerp_(grad, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             value.mul_(1 - lr * weight_decay)
@@ -127,11 +125,11 @@ class Muon(torch.optim.Optimizer):
         updates: dict[int, torch.Tensor] = {}
         for group, param in params:
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            grad = _local(_like_param(grad, param))
+            grad = local(like_param(grad, param))
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param)
-            buffer = _local(state["momentum_buffer"])
+            buffer = local(state["momentum_buffer"])
             if param.grad is not None:
                 buffer.lerp_(grad, 1 - group["momentum"])
             updates[id(param)] = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
@@ -148,7 +146,7 @@ class Muon(torch.optim.Optimizer):
             if param.grad is None:
                 continue
             lr = group["lr"]
-            value = _local(param)
+            value = local(param)
             value.mul_(1 - lr * group["weight_decay"])
             value.add_(orthogonal[id(param)], alpha=-lr * _lr_scale(group["adjust_lr_fn"], *param.shape[-2:]))
 
@@ -189,13 +187,6 @@ def _matrices(key: str, update: torch.Tensor, first_expert: dict[str, int]) -> l
     if key not in first_expert:
         return [((key, None), update)]
     return [((key, first_expert[key] + index), matrix) for index, matrix in enumerate(update)]
-
-
-def _like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The gradient laid out as its parameter (a TP embedding's gradient can arrive Replicate)."""
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad
 
 
 def _orthogonal(update: torch.Tensor, ns_steps: int) -> torch.Tensor:

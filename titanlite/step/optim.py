@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.config.param_groups import GroupSpec, group_of, parse_groups
 from titanlite.parallel.optim_state import GROUP_KEY, clean_name
+from titanlite.step.local_shards import AdamW
 from titanlite.step.muon import Muon, takes_muon
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
@@ -30,7 +31,8 @@ def trained_parameters(model: torch.nn.Module) -> NamedParams:
 
 
 def build_optimizer(named_params: NamedParams, optimizer_cfg, *, no_decay: tuple[str, ...]) -> torch.optim.Optimizer:
-    """AdamW with torchtitan's knobs (`implementation` picks fused, foreach or for-loop kernels),
+    """AdamW with torchtitan's knobs (`implementation` picks fused, foreach or for-loop kernels;
+    stepped on DTensors' local shards: step/local_shards.py),
     or Muon (`step/muon.py`) for the hidden matrices with AdamW for the rest. `named_params`:
     (name as the model names it, parameter) for every trained parameter; `no_decay`: the model's
     no-decay patterns (`ModelSpec.no_decay`), which a `@no_decay` in the groups stands for."""
@@ -48,7 +50,7 @@ def build_optimizer(named_params: NamedParams, optimizer_cfg, *, no_decay: tuple
             names={id(param): name for name, param in named_params},
         )
     impl = optimizer_cfg.implementation
-    return torch.optim.AdamW(groups, **common, fused=impl == "fused", foreach=impl == "foreach")
+    return AdamW(groups, **common, fused=impl == "fused", foreach=impl == "foreach")
 
 
 def param_groups(named_params: NamedParams, optimizer_cfg, no_decay: tuple[str, ...]) -> list[dict]:
