@@ -6,7 +6,7 @@ The longest files run first. run_tests.sh gives each xdist worker whole files (`
 loadfile`) in the collection's order (`--no-loadscope-reorder`; xdist's own order, by the
 number of tests in a file, started the few-test, many-process files last, and the last file
 to start set the end of the run); with the long files first, the short ones fill in at the
-end and both workers finish together."""
+end and the workers finish together."""
 
 import os
 from pathlib import Path

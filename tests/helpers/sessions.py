@@ -116,7 +116,7 @@ def shared_session(
 ) -> SessionResult:
     """`run_session` once per pytest run, whichever module asks first: the references that
     several modules compare against (the equivalence layouts of each world size live in files
-    of their own, so that the two xdist workers run them side by side). Under xdist the
+    of their own, so that the xdist workers run them side by side). Under xdist the
     workers share their basetemp's parent; a lock makes a second asker wait for the first's
     result, which it then reads from disk. `make_cases(folder)` gives the cases (and writes any
     file they read into the session's folder) where the session runs. Ask for it after the

@@ -12,7 +12,7 @@ Real gloo runs of the trainer on the debug model, fp32, fixed seed, the same glo
 1e-5 relative, and where FSDP and TP share the model each rank holds only its share of
 parameters, gradients and optimizer state. Layouts of one world size run as cases of one
 training session (tests/helpers/sessions.py): one process start and rendezvous per world size.
-The world sizes are split over three files, so that the two xdist workers run them side by
+The world sizes are split over three files, so that the xdist workers run them side by
 side: test_parallel_equivalence.py (2 processes), test_parallel_equivalence_4ranks.py (4) and
 test_parallel_equivalence_8_16ranks.py (8 and 16); the references run once for all three
 (`shared_session`), in whichever file finishes its own sessions first. The checks the

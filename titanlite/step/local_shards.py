@@ -3,9 +3,9 @@
 An elementwise update (AdamW's; Muon's momentum and its AdamW) of a DTensor parameter is the
 same update of its local shard, given the local shards of its gradient and state laid out
 alike. Stepping the shards skips DTensor's dispatch, whose sharding propagation for a fused or
-foreach kernel over a list of DTensors misses its cache for every new layout or model: on the
-debug models that miss cost 0.13-2.6 s of CPU per rank on the first step (most under MoE
-layouts), about a sixth of a 3-step run's CPU in the test sessions (docs/performance.md).
+foreach kernel over a list of DTensors misses its cache on the first step of every new layout
+or model: 0.13-0.50 s of CPU per rank on 4-rank debug-model layouts, 2.6 s on a 16-rank MoE one,
+about a tenth of a 3-step test run (docs/performance.md, "What changed", 6).
 The state stays DTensors laid out as their parameters, which checkpoints save and reshard.
 """
 

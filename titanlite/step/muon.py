@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.step.local_shards import like_param, local
+from titanlite.step.local_shards import AdamW, like_param, local
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's defaults
 NS_EPS = 1e-7  # the norm's floor before the iterations, torch.optim.Muon's default
@@ -63,18 +63,8 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: str = "original",
         names: Mapping[int, str] | None = None,
     ):
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-            algorithm="muon",
-        )
-        super().__init__(params, defaults)
+        settings = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+        super().__init__(params, {**settings, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn, "algorithm": "muon"})
         for group in self.param_groups:
             if group["algorithm"] == "muon" and any(p.ndim not in (2, 3) for p in group["params"]):
                 raise ValueError("Muon: a muon group holds a parameter that is not 2-D or stacked 3-D")
@@ -90,35 +80,13 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        muon_params = []
-        for group in self.param_groups:
-            if group["algorithm"] == "adamw":
-                self._adamw(group)
-            else:
-                muon_params += [(group, p) for p in group["params"]]
-        self._muon(muon_params)
+        adamw_groups = [group for group in self.param_groups if group["algorithm"] == "adamw"]
+        if adamw_groups:  # torch's AdamW (on local shards) over them and this state, its defaults filled in
+            adamw = AdamW(adamw_groups, foreach=False)
+            adamw.state = self.state
+            adamw.step()
+        self._muon([(group, p) for group in self.param_groups if group["algorithm"] == "muon" for p in group["params"]])
         return loss
-
-    def _adamw(self, group: dict) -> None:
-        beta1, beta2 = group["betas"]
-        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
-        for param in group["params"]:
-            if param.grad is None:
-                continue
-            state = self.state[param]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(param)
-                state["exp_avg_sq"] = torch.zeros_like(param)
-            state["step"] += 1
-            step = state["step"].item()
-            grad = local(like_param(param.grad, param))
-            exp_avg, exp_avg_sq, value = local(state["exp_avg"]), local(state["exp_avg_sq"]), local(param)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            value.mul_(1 - lr * weight_decay)
-            denominator = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-            value.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1**step))
 
     def _muon(self, params: list[tuple[dict, torch.Tensor]]) -> None:
         """Momentum per shard, Newton-Schulz per whole matrix on its owner, the update per shard."""
