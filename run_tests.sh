@@ -11,9 +11,10 @@ source scripts/ensure_env.sh
     echo "titanlite: the files above are not formatted: run '$PYTHON -m ruff format .'" >&2
     exit 1
 }
-# Three workers by default (TITANLITE_TEST_WORKERS; 0 = in this process), each taking whole
-# files so a module's fixtures run once: most tests start processes that spend seconds
-# importing, rendezvousing or waiting for a fault's timeout, which a third worker fills on two
-# cores (a fresh clone's suite measured 1,262 s with three, 1,308 s with two). The files go
+# Two workers by default (TITANLITE_TEST_WORKERS; 0 = in this process), each taking whole
+# files so a module's fixtures run once: most tests start processes that spend their first
+# seconds importing and rendezvousing, which two at a time overlap on two cores. (A third
+# worker measured 1,262 s against two's 1,308 s on one host, but on a slower one stretched a
+# 2-rank session past its 420 s hang guard: the guards are sized for two.) The files go
 # out in the collection's order, the longest first (tests/conftest.py).
-exec "$PYTHON" -m pytest -q -n "${TITANLITE_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
+exec "$PYTHON" -m pytest -q -n "${TITANLITE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
