@@ -51,11 +51,9 @@ def test_scheduler_sets_the_lr_each_step():
     assert seen[-1] == pytest.approx(0.0)
 
 
-@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
-def test_optimizer_implementations_agree(implementation):
-    initial = torch.randn(16, generator=torch.Generator().manual_seed(0))
-    param = torch.nn.Parameter(initial.clone())
-    cfg = SimpleNamespace(
+def adamw_settings(implementation: str) -> SimpleNamespace:
+    """The optimizer section both AdamW tests build from: lr 1e-2, betas (0.9, 0.95), eps 1e-8, decay 0.1."""
+    return SimpleNamespace(
         name="AdamW",
         param_groups=[],
         lr=1e-2,
@@ -65,6 +63,13 @@ def test_optimizer_implementations_agree(implementation):
         weight_decay=0.1,
         implementation=implementation,
     )
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
+def test_optimizer_implementations_agree(implementation):
+    initial = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    param = torch.nn.Parameter(initial.clone())
+    cfg = adamw_settings(implementation)
     optimizer = build_optimizer([("w", param)], cfg, no_decay=())
     param.grad = torch.ones(16)
     optimizer.step()
@@ -111,16 +116,7 @@ def test_adamw_steps_dtensor_parameters_on_their_local_shards(implementation, mo
                 for v, p in zip(values, placements)
             ]
 
-        cfg = SimpleNamespace(
-            name="AdamW",
-            param_groups=[],
-            lr=1e-2,
-            beta1=0.9,
-            beta2=0.95,
-            eps=1e-8,
-            weight_decay=0.1,
-            implementation=implementation,
-        )
+        cfg = adamw_settings(implementation)
         ours, theirs = parameters(), parameters()
         optimizer = build_optimizer([(f"w{i}", p) for i, p in enumerate(ours)], cfg, no_decay=())
         kinds = dict(fused=implementation == "fused", foreach=implementation == "foreach")
