@@ -35,6 +35,7 @@ one line and the first cause's exit code, whichever rank met it.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from collections.abc import MutableMapping
@@ -110,13 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[CPU_BIND_ENV] = encode(core_blocks(sorted(os.sched_getaffinity(0)), int(args.nproc_per_node)))
     supervise(args)
     set_cpu_worker_defaults(str(args.nproc_per_node))
+    code = 0
     try:
         run(args)
     except ChildFailedError as error:
         line, code = failure_line(error.failures)
         print(line, file=sys.stderr)
-        return code
     except SignalException as error:
         print(signal_line(error.sigval), file=sys.stderr)
-        return 128 + error.sigval
-    return 0
+        code = 128 + error.sigval
+    # A signal leaves torch's rendezvous, and the keep-alive timer it holds, in a reference cycle.
+    # Collect it here, on the main thread: a collection the timer's own thread ran would make the
+    # timer's finalizer join that thread from itself and print a traceback at exit.
+    gc.collect()
+    return code
