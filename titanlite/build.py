@@ -45,6 +45,7 @@ class RunPlan:
     tokenizer: Tokenizer | None  # None when planned from a given vocab_size
     dims: ParallelDims
     grad_accum_steps: int
+    n_params: int  # the whole model's, the same at every layout (a DTensor's numel is the global one)
     pipeline: PipelineLayout | None = None  # the stages when pipeline_parallel_degree > 1
 
     @property
@@ -81,13 +82,6 @@ class RunPlan:
         """A new plan and config with `values` in `section`: no config is edited after load."""
         changed = dataclasses.replace(getattr(self.cfg, section), **values)
         return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, **{section: changed}))
-
-    @functools.cached_property
-    def n_params(self) -> int:
-        """The model's parameter count, from a build on the meta device (no memory); the
-        same for every layout (a DTensor's numel is the global one)."""
-        with torch.device("meta"):
-            return sum(p.numel() for p in self.spec.model_class(self.model_args).parameters())
 
 
 def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> RunPlan:
@@ -131,7 +125,8 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     grad_accum_steps = dims.grad_accum_steps(cfg.training.local_batch_size, cfg.training.global_batch_size)
     if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
         raise TitanliteError(f"checkpoint.create_seed_checkpoint: run it on 1 process (got {world_size})")
-    plan = RunPlan(cfg, spec, args, tokenizer, dims, grad_accum_steps)
+    n_params = sum(p.numel() for p in model.parameters())
+    plan = RunPlan(cfg, spec, args, tokenizer, dims, grad_accum_steps, n_params)
     return dataclasses.replace(plan, pipeline=_plan_pipeline(plan, model)) if dims.pp_enabled else plan
 
 

@@ -284,7 +284,7 @@ def run(argv: list[str]) -> int:
     model = build_on_meta(plan, meshes)
     report = build_report(plan, args, vocab_note, model, meshes.world)
     measured = measured_lines(report, model) if args.materialize else []
-    shards = (  # last: it leaves rank r's world
+    shards = (
         census(shard_specs(model), meshes.world.mesh_dim_names, tuple(meshes.world.shape), plan.dims.ep)
         if meshes.world is not None and args.world_size <= CENSUS_MAX_WORLD and plan.pipeline is None
         else None

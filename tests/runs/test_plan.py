@@ -33,7 +33,7 @@ def plans(*argvs: list[str]) -> list[subprocess.CompletedProcess]:
     """Several planner runs in one interpreter, each through `titanlite.plan.main` (what
     `python -m titanlite.plan` calls) with its own stdout, stderr and exit code: the imports
     (~5 s of CPU a process) are paid once. Each run joins its own fake world, replacing the
-    previous one, as the planner's census does for every rank."""
+    previous one."""
     return run_mains("titanlite.plan", list(argvs), TIMEOUT_S)
 
 

@@ -11,12 +11,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
@@ -57,13 +55,13 @@ def census(
     specs: Counter[ShardSpec], names: tuple[str, ...], shape: tuple[int, ...], ep: int = 1
 ) -> ShardCensus | None:
     """Every rank's local parameter count, from DTensor's own local shape of each layout
-    (`compute_local_shape_and_global_offset`, which DCP also plans by), for parameters laid out on the whole world mesh
+    (the helper behind `compute_local_shape_and_global_offset`, which DCP also plans by, given
+    the rank's coordinate instead of a mesh), for parameters laid out on the whole world mesh
     (`names`, `shape`) or, with expert parallelism (`ep` > 1), on its experts' view of it
     (`expert_view`); None if some parameter lives on another part of it.
 
-    Joins the fake world as each rank in turn (a millisecond a rank; its mesh is made without
-    process groups, which a local shape does not need), so the process group and meshes
-    this process had are gone afterwards.
+    Pure arithmetic per rank: no process group or mesh is made for the other ranks (joining a
+    fake world and meshing it as each of 512 ranks cost seconds), and this process's are kept.
     """
     views = [(names, shape)] + ([expert_view(names, shape, ep)] if ep > 1 else [])
     layouts = {}
@@ -73,23 +71,29 @@ def census(
             return None
         placements = dict(zip(spec.mesh_dims, spec.placements))
         layouts[spec] = (view, tuple(placements.get(name, Replicate()) for name in view[0]))
-    world_size = math.prod(shape)
     per_rank, summed = [], Counter()
-    ranks = torch.arange(world_size)  # every view's mesh: the world's ranks in its shape
-    for rank in range(world_size):
-        init_fake_world(world_size, rank)
-        meshes = {v: DeviceMesh("cpu", ranks.view(v[1]), mesh_dim_names=v[0], _init_backend=False) for v in views}
+    for rank in range(math.prod(shape)):
+        coordinates = {view: _coordinate(rank, view[1]) for view in views}  # the world's rank order in each view
         held = 0
         for spec, count in specs.items():
             view, placements = layouts[spec]
-            local = math.prod(
-                compute_local_shape_and_global_offset(spec.shape, meshes[view], placements, skip_offset=True)[0]
+            local_shape, _ = _compute_local_shape_and_global_offset(
+                spec.shape, view[1], coordinates[view], placements, skip_offset=True
             )
-            summed[spec] += local
-            held += local * count
+            summed[spec] += math.prod(local_shape)
+            held += math.prod(local_shape) * count
         per_rank.append(held)
     covered = sum(summed[spec] * count // _replicas(*layouts[spec]) for spec, count in specs.items())
     return ShardCensus(per_rank, covered)
+
+
+def _coordinate(rank: int, shape: tuple[int, ...]) -> list[int]:
+    """Where `rank` sits in a mesh of `shape` over the ranks in order (row-major, as DeviceMesh lays them)."""
+    coordinate = []
+    for size in reversed(shape):
+        rank, index = divmod(rank, size)
+        coordinate.append(index)
+    return coordinate[::-1]
 
 
 def expert_view(names: tuple[str, ...], shape: tuple[int, ...], ep: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
