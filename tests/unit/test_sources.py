@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.data import sources as sources_module
-from titanlite.data.sources import BuiltinSource, FilesSource, build_source
+from titanlite.data.sources import BuiltinSource, FilesSource, LocalSource, build_source
 from titanlite.errors import TitanliteError
 
 
@@ -132,6 +132,7 @@ def test_content_digest_follows_the_bytes(corpus):
     (root / "a.txt").write_text("changed\n")
     assert FilesSource(str(root)).content_digest() != before
     assert len(BuiltinSource().content_digest()) == 64 and BuiltinSource().size_bytes() > 1_000_000
+    assert BuiltinSource().content_digest() == LocalSource.content_digest(BuiltinSource())  # the memo is the hash
 
 
 def test_jsonl_without_text_names_file_and_line(tmp_path):
