@@ -9,7 +9,6 @@ and (hf_source.py) a Hugging Face dataset.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -92,6 +91,7 @@ class BuiltinSource(LocalSource):
     version ships other text). Stdlib files are small, so each is read whole."""
 
     name = "builtin"
+    digest: str | None = None  # content_digest's, shared by every instance
     empty_message = "training.dataset: the builtin corpus is empty (no pydoc topics or stdlib sources found)"
 
     def __init__(self) -> None:
@@ -99,15 +99,17 @@ class BuiltinSource(LocalSource):
 
         self.texts = [topics[k] for k in sorted(topics)]
         self.root = Path(sysconfig.get_paths()["stdlib"])
-        self.files = list(_stdlib_files(self.root))
+        self.files = []
+        for folder, dirs, files in os.walk(self.root):
+            dirs[:] = sorted(d for d in dirs if d not in BUILTIN_SKIP_DIRS)
+            self.files.extend(Path(folder) / f for f in sorted(files) if f.endswith(".py"))
 
     def content_digest(self) -> str:
         """LocalSource's, computed once per process: the standard library does not change while a
         process runs, and hashing all of it took ~70 ms of CPU at every trainer start (each case
         of a test session starts one)."""
-        if self.root not in _STDLIB_DIGESTS:
-            _STDLIB_DIGESTS[self.root] = super().content_digest()
-        return _STDLIB_DIGESTS[self.root]
+        BuiltinSource.digest = BuiltinSource.digest or super().content_digest()
+        return BuiltinSource.digest
 
     def _documents(self) -> Iterator[str]:
         yield from self.texts
@@ -116,19 +118,6 @@ class BuiltinSource(LocalSource):
                 yield path.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
                 continue
-
-
-_STDLIB_DIGESTS: dict[Path, str] = {}
-
-
-@functools.cache
-def _stdlib_files(root: Path) -> tuple[Path, ...]:
-    """The standard library's .py files in a sorted walk, skipping BUILTIN_SKIP_DIRS (once per process)."""
-    found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in BUILTIN_SKIP_DIRS)
-        found.extend(Path(folder) / f for f in sorted(files) if f.endswith(".py"))
-    return tuple(found)
 
 
 # --------------------------------------------------------------------------- files

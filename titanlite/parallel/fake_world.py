@@ -11,6 +11,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate
@@ -72,28 +73,20 @@ def census(
         placements = dict(zip(spec.mesh_dims, spec.placements))
         layouts[spec] = (view, tuple(placements.get(name, Replicate()) for name in view[0]))
     per_rank, summed = [], Counter()
-    for rank in range(math.prod(shape)):
-        coordinates = {view: _coordinate(rank, view[1]) for view in views}  # the world's rank order in each view
+    ranks = torch.arange(math.prod(shape))  # each rank's coordinate in each view: the world's ranks in its order
+    coordinates = {v: torch.stack(torch.unravel_index(ranks, v[1]), dim=1).tolist() for v in views}
+    for rank in range(len(ranks)):
         held = 0
         for spec, count in specs.items():
             view, placements = layouts[spec]
             local_shape, _ = _compute_local_shape_and_global_offset(
-                spec.shape, view[1], coordinates[view], placements, skip_offset=True
+                spec.shape, view[1], coordinates[view][rank], placements, skip_offset=True
             )
             summed[spec] += math.prod(local_shape)
             held += math.prod(local_shape) * count
         per_rank.append(held)
     covered = sum(summed[spec] * count // _replicas(*layouts[spec]) for spec, count in specs.items())
     return ShardCensus(per_rank, covered)
-
-
-def _coordinate(rank: int, shape: tuple[int, ...]) -> list[int]:
-    """Where `rank` sits in a mesh of `shape` over the ranks in order (row-major, as DeviceMesh lays them)."""
-    coordinate = []
-    for size in reversed(shape):
-        rank, index = divmod(rank, size)
-        coordinate.append(index)
-    return coordinate[::-1]
 
 
 def expert_view(names: tuple[str, ...], shape: tuple[int, ...], ep: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
