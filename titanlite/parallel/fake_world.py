@@ -79,11 +79,11 @@ def census(
         held = 0
         for spec, count in specs.items():
             view, placements = layouts[spec]
-            local_shape, _ = _compute_local_shape_and_global_offset(
-                spec.shape, view[1], coordinates[view][rank], placements, skip_offset=True
-            )
-            summed[spec] += math.prod(local_shape)
-            held += math.prod(local_shape) * count
+            at = coordinates[view][rank]
+            # skip_offset=True (the last argument): the local shape only
+            local = math.prod(_compute_local_shape_and_global_offset(spec.shape, view[1], at, placements, True)[0])
+            summed[spec] += local
+            held += local * count
         per_rank.append(held)
     covered = sum(summed[spec] * count // _replicas(*layouts[spec]) for spec, count in specs.items())
     return ShardCensus(per_rank, covered)
