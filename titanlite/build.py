@@ -49,6 +49,11 @@ class RunPlan:
     pipeline: PipelineLayout | None = None  # the stages when pipeline_parallel_degree > 1
 
     @property
+    def model_label(self) -> str:
+        """What the start-up lines call the model: its flavor, or the folder it is built from."""
+        return self.cfg.model.hf_assets_path if self.spec.folder_args else self.cfg.model.flavor
+
+    @property
     def float8(self) -> Any:
         """The `[float8]` section when `model.converters` names float8, else None."""
         return self.cfg.float8 if "float8" in self.cfg.model.converters else None
@@ -95,7 +100,7 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     tokenizer = (
         Tokenizer(tokenizer_file(cfg.model.tokenizer_path, cfg.model.hf_assets_path)) if vocab_size is None else None
     )
-    args = spec.args_for(cfg.model.flavor, tokenizer.vocab_size if tokenizer else vocab_size)
+    args = model_args(spec, cfg.model, tokenizer.vocab_size if tokenizer else vocab_size)
     if cfg.checkpoint.last_save_in_hf and (problems := spec.hf_adapter.hf_export_problems(args)):
         raise TitanliteError(
             f"checkpoint.last_save_in_hf: model {spec.name} flavor {cfg.model.flavor} has what Hugging Face's "
@@ -128,6 +133,19 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     n_params = sum(p.numel() for p in model.parameters())
     plan = RunPlan(cfg, spec, args, tokenizer, dims, grad_accum_steps, n_params)
     return dataclasses.replace(plan, pipeline=_plan_pipeline(plan, model)) if dims.pp_enabled else plan
+
+
+def model_args(spec: ModelSpec, model: Any, vocab_size: int) -> DecoderArgs:
+    """The flavor's args with the tokenizer's vocabulary; or, for a model built from its folder
+    (`ModelSpec.folder_args`), the folder's, whose table must hold every token id."""
+    if spec.folder_args is None:
+        return spec.args_for(model.flavor, vocab_size)
+    args = spec.folder_args(model.hf_assets_path)
+    if vocab_size > args.vocab_size:
+        raise TitanliteError(
+            f"model.hf_assets_path: the tokenizer has {vocab_size} ids, the model's vocab_size is {args.vocab_size}"
+        )
+    return args
 
 
 def check_capabilities(spec: ModelSpec, cfg: JobConfig) -> None:

@@ -219,6 +219,9 @@ class ModelSpec:
     # Patterns (config/param_groups.py's) of the parameters that train without weight decay in the
     # default optimizer.param_groups, whose "@no_decay" stands for them: embeddings, norms, biases.
     no_decay: tuple[str, ...] = ()
+    # A model without flavors takes its args from the folder `model.hf_assets_path` names:
+    # folder -> args (models/hf: any transformers causal LM, from its config.json).
+    folder_args: Callable[[str], DecoderArgs] | None = None
 
     def __post_init__(self) -> None:
         for flavor, args in self.flavors.items():

@@ -179,7 +179,7 @@ def header(r: Report) -> list[str]:
     if ac == "selective":
         ac += " (per op)" if option == "op" else f" (every {option})"
     return [
-        f"model: {cfg.model.name} {cfg.model.flavor}, {r.plan.n_params:,} parameters ({r.vocab_note})",
+        f"model: {cfg.model.name} {r.plan.model_label}, {r.plan.n_params:,} parameters ({r.vocab_note})",
         f"world: {dims.world_size} = {' x '.join(degrees) or '1 process'}"
         + (f", experts split over ep {dims.ep} of them" if dims.ep_enabled else "")
         + f"; rank {r.args.rank} ({r.coordinate})",

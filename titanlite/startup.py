@@ -241,7 +241,7 @@ def _say_start(run: RunParts) -> None:
     plan, cfg, size, peak, dims = run.plan, run.cfg, run.size, run.metrics.peak, run.plan.dims
     experts = f" (experts: ep {dims.ep} x efsdp {dims.efsdp})" if dims.ep > 1 else ""
     logger.info(
-        f"model {cfg.model.name} {cfg.model.flavor}: {size.n_params:,} parameters, "
+        f"model {cfg.model.name} {plan.model_label}: {size.n_params:,} parameters, "
         f"{size.flops_per_token / 1e6:,.1f} MFLOPs/token; mesh {run.steps.meshes.world}{experts}; "
         f"grad accumulation {plan.grad_accum_steps}; peak {peak.flops or 0:.3g} FLOP/s ({peak.source})"
     )

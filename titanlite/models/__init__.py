@@ -12,10 +12,11 @@ from titanlite.model_spec import ModelSpec
 def _registry() -> dict[str, ModelSpec]:
     from titanlite.models.deepseek_v3 import deepseek_v3_spec
     from titanlite.models.gpt2 import gpt2_spec
+    from titanlite.models.hf import hf_spec
     from titanlite.models.llama import llama3_spec
     from titanlite.models.qwen3 import qwen3_spec
 
-    return {spec.name: spec for spec in (llama3_spec, gpt2_spec, qwen3_spec, deepseek_v3_spec)}
+    return {spec.name: spec for spec in (llama3_spec, gpt2_spec, qwen3_spec, deepseek_v3_spec, hf_spec)}
 
 
 def model_names() -> list[str]:
@@ -29,6 +30,6 @@ def get_model_spec(name: str, flavor: str | None = None) -> ModelSpec:
     if name not in registry:
         raise TitanliteError(f"model.name: unknown model {name!r}; registered: {', '.join(sorted(registry))}")
     spec = registry[name]
-    if flavor is not None and flavor not in spec.flavors:
+    if flavor is not None and spec.folder_args is None and flavor not in spec.flavors:
         raise TitanliteError(f"model.flavor: {name} has no flavor {flavor!r}; choose one of {', '.join(spec.flavors)}")
     return spec

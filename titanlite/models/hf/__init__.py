@@ -1,0 +1,20 @@
+"""`model.name = "hf"`: the transformers causal LM whose folder `model.hf_assets_path` names
+(its config.json; the tokenizer files beside it), trained with titanlite's parallelisms. The
+model's shape comes from that folder, not from a flavor (`ModelSpec.folder_args`)."""
+
+from titanlite.models.hf.model import HFArgs, HFCausalLM, read_hf_args
+from titanlite.models.hf.parallelize import apply_tp, tp_problems
+from titanlite.model_spec import ModelSpec, decoder_flops_per_token
+
+hf_spec = ModelSpec(
+    name="hf",
+    model_class=HFCausalLM,
+    flavors={},
+    folder_args=read_hf_args,
+    apply_tp=apply_tp,
+    tp_problems=tp_problems,
+    flops_per_token=decoder_flops_per_token,
+    no_decay=("*embed_tokens.*", "*norm.weight", "*.bias"),
+)
+
+__all__ = ["HFArgs", "HFCausalLM", "hf_spec"]

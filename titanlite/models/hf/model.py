@@ -1,0 +1,158 @@
+"""Any transformers causal LM as a titanlite model: the class transformers builds from the
+folder's config.json (`AutoModelForCausalLM`), run by its own forward.
+
+`HFCausalLM` adopts the transformers model's children (`model`, `lm_head`), so every state
+dict key is transformers' own name and the HF files need no mapping; the transformers model
+itself is kept unregistered and runs the forward, so whatever its class does around the
+decoder (Gemma's embedding scale and logit soft-capping, Granite's multipliers, sliding
+windows per layer) is kept. Its blocks are moved from a ModuleList into `LayerDict`, the
+ModuleDict titanlite's contract asks for (`layers`), under the same names.
+
+Weights are initialized by the model's own `_init_weights` (transformers' init for its type:
+normals of `initializer_range`, ones or zeros for norms, RoPE tables), with every random draw
+replaced by models/init.py's counter-based values keyed by the parameter's name: the same
+weights at any layout, each rank computing only its shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from titanlite.errors import TitanliteError
+from titanlite.model_spec import DecoderArgs
+from titanlite.models.init import ShardInit
+
+
+@dataclass(frozen=True)
+class HFArgs(DecoderArgs):
+    """What titanlite reads of a transformers config (its names in brackets); `folder` holds
+    the config.json the model is built from."""
+
+    folder: str
+    model_type: str
+    vocab_size: int  # [vocab_size]: the model's table; the tokenizer may use fewer ids
+    dim: int  # [hidden_size]
+    n_layers: int  # [num_hidden_layers]
+    n_heads: int  # [num_attention_heads]
+    n_kv_heads: int  # [num_key_value_heads]
+    hidden_dim: int  # [intermediate_size]
+    max_seq_len: int  # [max_position_embeddings]
+    head_dim: int = 0  # [head_dim], or hidden_size / heads
+    tie_word_embeddings: bool = False
+    attn_mask_type: str = "causal"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.hidden_dim
+
+    def config(self):
+        """The folder's transformers config (the class its `model_type` names)."""
+        return hf_config(self.folder)
+
+
+def hf_config(folder: str):
+    """`folder`'s config.json as its transformers config class; nothing is downloaded."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, local_files_only=True)
+
+
+def read_hf_args(folder: str) -> HFArgs:
+    """HFArgs from `folder`/config.json; one line naming the folder or key when it cannot be read."""
+    path = Path(folder) / "config.json"
+    if not folder or not path.is_file():
+        raise TitanliteError(f"model.hf_assets_path: {folder or '(empty)'} holds no config.json")
+    try:
+        config = hf_config(folder)
+    except (ValueError, KeyError, OSError) as error:
+        raise TitanliteError(f"model.hf_assets_path: {path} is no transformers config ({error})") from None
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    return HFArgs(
+        folder=str(folder),
+        model_type=config.model_type,
+        vocab_size=text.vocab_size,
+        dim=text.hidden_size,
+        n_layers=text.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        hidden_dim=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        max_seq_len=getattr(text, "max_position_embeddings", 2048),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+class LayerDict(nn.ModuleDict):
+    """The blocks under their ModuleList names ("0", "1", ...), sliced as a list by the
+    transformers forward (`self.layers[: n]`)."""
+
+    def __getitem__(self, key):
+        return list(self.values())[key] if isinstance(key, slice) else super().__getitem__(key)
+
+
+class HFCausalLM(nn.Module):
+    """Token ids [batch, seq] -> logits [batch, seq, vocab] of the folder's transformers model."""
+
+    def __init__(self, args: HFArgs):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.args = args
+        config = args.config()
+        config.use_cache = False
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        base = hf.get_decoder()
+        base.layers = LayerDict({str(i): block for i, block in enumerate(base.layers)})
+        for name, child in list(hf.named_children()):
+            self.add_module(name, child)
+        object.__setattr__(self, "hf", hf)  # not a child: its modules are ours already
+
+    @property
+    def layers(self) -> LayerDict:
+        return self.hf.get_decoder().layers
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """transformers' init for this model type, its random draws layout-independent."""
+        if self.args.tie_word_embeddings:
+            self.hf.tie_weights()  # `to_empty` gave the head a Parameter of its own
+        shard_init = ShardInit(self, seed)
+        with _draws_from(shard_init):
+            for module in self.modules():
+                if module is not self:
+                    self.hf._init_weights(module)
+
+
+@contextlib.contextmanager
+def _draws_from(shard_init: ShardInit) -> Iterator[None]:
+    """transformers' random initializers (`transformers.initialization`) drawing from `shard_init`."""
+    from transformers import initialization
+
+    def normal_(tensor, mean=0.0, std=1.0, generator=None):
+        shard_init.normal(tensor, std)
+        return tensor.add_(mean) if mean else tensor
+
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        shard_init.trunc_normal(tensor, std, a, b)
+        return tensor.add_(mean) if mean else tensor
+
+    saved = initialization.normal_, initialization.trunc_normal_
+    initialization.normal_, initialization.trunc_normal_ = normal_, trunc_normal_
+    try:
+        yield
+    finally:
+        initialization.normal_, initialization.trunc_normal_ = saved
