@@ -1,9 +1,9 @@
 """Tensor parallelism for a transformers model, from the plan its config class ships
 (`base_model_tp_plan`, written by the model's authors), translated to `parallelize_module`
-styles. Every module holding parameters the plan does not name (the norms, an unsplit
-embedding) becomes `ReplicateParallel`, as in titanlite's own plans: each parameter is then
-a DTensor on the tp mesh, which the grad norm and FSDP expect. The head is split by vocab
-(`output_projection`, with loss parallel where asked). The residual stream stays whole on
+styles. The embedding and the head are split by vocab, as in titanlite's own plans (the head
+by `output_projection`, with loss parallel where asked; a tied table stays one). Every other
+module holding parameters the plan does not name (the norms) becomes `ReplicateParallel`:
+each parameter is then a DTensor on the tp mesh, which the grad norm and FSDP expect. The residual stream stays whole on
 every rank: the plans name no norms to run on sequence shards.
 """
 
@@ -20,11 +20,12 @@ from titanlite.models import decoder_tp
 from titanlite.models.hf.model import HFArgs
 from titanlite.parallel import tensor_parallel as tp
 
-# transformers' style names (transformers/integrations/tensor_parallel.py) -> the style.
+# transformers' style names (its tensor-parallel integration's) -> the style.
 STYLES = {
     "colwise": lambda: tp.ColwiseParallel(),
     "rowwise": lambda: tp.RowwiseParallel(),
     "colwise_gather_output": lambda: tp.ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: tp.RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: tp.vocab_sharded_embedding(False),
     "replicated_with_grad_allreduce": tp.norm_over_heads,
 }
@@ -40,8 +41,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequenc
     prefix = model.hf.base_model_prefix
     plan = {f"{prefix}.{key}": STYLES[style]() for key, style in hf_tp_plan(model.args).items()}
     embedding = model.hf.get_input_embeddings()
-    if model.args.tie_word_embeddings:  # the head's table is the embedding's: both split by vocab
-        plan[_name(model, embedding)] = tp.vocab_sharded_embedding(False)
+    plan.setdefault(_name(model, embedding), tp.vocab_sharded_embedding(False))
     plan["lm_head"] = tp.output_projection(loss_parallel, False)
     for name, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is not None and not _covered(name, plan):
@@ -56,7 +56,7 @@ def tp_problems(args: HFArgs, tp_degree: int) -> list[str]:
     apply (named with its module), or a size the split does not divide."""
     unknown = [f"{key}: {style}" for key, style in hf_tp_plan(args).items() if style not in STYLES]
     if tp_degree > 1 and unknown:
-        return [f"its tensor-parallel plan has styles titanlite cannot apply ({', '.join(unknown)})"]
+        return [f"{args.model_type}'s tensor-parallel plan has styles titanlite cannot apply ({', '.join(unknown)})"]
     sizes = {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads, "ffn hidden size": args.hidden_dim}
     return decoder_tp.indivisible({**sizes, "vocab_size": args.vocab_size}, tp_degree)
 

@@ -1,0 +1,92 @@
+"""`--model.name hf` (titanlite/models/hf): a transformers causal LM of any of 13 model types,
+built from its folder's config.json, is the transformers model: titanlite's initialized weights
+load into transformers' own class under the same names (strict), its logits equal that model's
+on the same tokens, and its loss (titanlite's cross-entropy over shifted labels) equals the loss
+transformers computes. A plan titanlite cannot apply, a tokenizer with more ids than the model's
+table and a folder without config.json are refused when the run is planned, in one line.
+(The parallel layouts train like one process in tests/runs/test_parallel_equivalence.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.hf_models import CONFIGS, hf_folder
+from titanlite.build import plan_run
+from titanlite.config.load import load_config
+from titanlite.errors import TitanliteError
+from titanlite.step.loss import cross_entropy
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf_models")
+
+
+def hf_argv(folder, *extra: str) -> list[str]:
+    return ["--config", "debug_model", "--model.name", "hf", "--model.hf_assets_path", str(folder), *extra]
+
+
+@pytest.mark.parametrize("model_type", CONFIGS)
+def test_the_model_is_transformers_own_with_its_logits_and_loss(model_type, root):
+    plan = plan_run(load_config(hf_argv(hf_folder(root, model_type))), 1)
+    assert plan.model_args.model_type == model_type
+    with torch.device("meta"):
+        ours = plan.spec.model_class(plan.model_args)
+    ours.to_empty(device="cpu")
+    ours.init_weights(seed=5)
+    config = transformers.AutoConfig.from_pretrained(root / model_type)
+    theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    theirs.load_state_dict(ours.state_dict(), strict=True)  # every name transformers' own
+    assert len(ours.layers) == config.num_hidden_layers
+    tokens = torch.randint(3, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = ours(tokens)
+        reference = theirs(input_ids=tokens, labels=tokens)
+    assert torch.equal(logits, reference.logits)
+    assert cross_entropy(logits[:, :-1], tokens[:, 1:]).item() == pytest.approx(reference.loss.item(), rel=1e-6)
+
+
+def test_the_init_is_transformers_and_the_same_for_every_seed_and_name(root):
+    """Normals of initializer_range for the linears and the table, ones for the norms (a
+    Gemma-style norm, 1 + w, zeros): transformers' `_init_weights`; the draws are keyed by
+    the seed and the parameter's name (models/init.py), so two builds agree."""
+    plan = plan_run(load_config(hf_argv(hf_folder(root, "gemma3_text"))), 1)
+    weights = []
+    for seed in (5, 5, 6):
+        with torch.device("meta"):
+            model = plan.spec.model_class(plan.model_args)
+        model.to_empty(device="cpu")
+        model.init_weights(seed=seed)
+        weights.append(dict(model.named_parameters()))
+    q = weights[0]["model.layers.0.self_attn.q_proj.weight"]
+    assert q.std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.equal(weights[0]["model.layers.0.input_layernorm.weight"], torch.zeros(64))
+    assert torch.equal(q, weights[1]["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(q, weights[2]["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_a_plan_titanlite_cannot_apply_is_refused_naming_its_styles(root):
+    with pytest.raises(TitanliteError) as refused:
+        plan_run(load_config(hf_argv(hf_folder(root, "mixtral"), "--parallelism.tensor_parallel_degree", "2")), 2)
+    assert str(refused.value) == (
+        "parallelism.tensor_parallel_degree: mixtral's tensor-parallel plan has styles titanlite cannot apply "
+        "(layers.*.mlp.experts.gate_up_proj: packed_colwise, layers.*.mlp.experts: moe_tp_experts)"
+    )
+    plan_run(load_config(hf_argv(hf_folder(root, "mixtral"))), 2)  # FSDP needs no plan
+
+
+def test_a_folder_without_config_or_with_a_smaller_table_is_refused(root, tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes((hf_folder(root, "llama") / "tokenizer.model").read_bytes())
+    with pytest.raises(TitanliteError, match=r"^model.hf_assets_path: .* holds no config.json$"):
+        plan_run(load_config(hf_argv(tmp_path)), 1)
+    small = tmp_path / "small"
+    transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=1, num_attention_heads=4
+    ).save_pretrained(small)
+    (small / "tokenizer.model").write_bytes((tmp_path / "tokenizer.model").read_bytes())
+    with pytest.raises(TitanliteError) as refused:
+        plan_run(load_config(hf_argv(small)), 1)
+    assert str(refused.value) == "model.hf_assets_path: the tokenizer has 4096 ids, the model's vocab_size is 1000"
