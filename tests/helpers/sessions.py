@@ -27,6 +27,7 @@ import pytest
 from filelock import FileLock
 
 from tests.helpers.distributed import run_ranks, timeout_scale, with_overrides
+from tests.helpers.hf_models import with_hf_folders
 
 WORKER = Path(__file__).with_name("session_worker.py")
 
@@ -83,12 +84,13 @@ class SessionCases:
 
 def run_session(nproc: int, cases: list[Case], folder: Path, timeout: float) -> SessionResult:
     """Run `cases` in order on `nproc` ranks; every case's dump folder is `folder/<name>`
-    unless its argv names one."""
+    unless its argv names one. An argument "hf:<model_type>" stands for that tiny transformers
+    model's folder (tests/helpers/hf_models.py), written under `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     spec = [
         {
             "name": c.name,
-            "argv": with_overrides(["--job.dump_folder", str(folder / c.name)], c.argv),
+            "argv": with_hf_folders(with_overrides(["--job.dump_folder", str(folder / c.name)], c.argv), folder),
             "copy_checkpoint": list(c.copy_checkpoint) if c.copy_checkpoint else None,
             "call": c.call,
         }

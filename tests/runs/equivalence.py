@@ -55,6 +55,8 @@ FLOAT8_ROWWISE = ["--model.converters", "float8", "--float8.recipe_name", "rowwi
 DSV3 = ["--model.name", "deepseek_v3"]
 DSV3_Q_LORA = [*DSV3, "--model.flavor", "debugmodel_q_lora"]
 SP = ["--parallelism.sequence_parallel", "on"]
+# `--model.name hf`: a tiny transformers model of the type named (tests/helpers/hf_models.py).
+HF = ["--model.name", "hf", "--model.hf_assets_path"]
 TIED = ["--model.flavor", "debugmodel_tied"]
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
@@ -98,6 +100,7 @@ REFERENCES = {
     "deepseek_v3": DSV3,
     "deepseek_v3_q_lora_block_causal": [*DSV3_Q_LORA, *BLOCK],
     "tied": TIED,
+    **{f"hf_{name}": [*HF, f"hf:{name}"] for name in ("llama", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")},
 }
 
 # name: (processes, overrides, reference). Global batch 8 = local_batch_size x dp x accumulation;
@@ -254,6 +257,17 @@ LAYOUTS = {
     ),
     "deepseek_v3_ep2_tp2": (4, [*batch(4), *EP, *TP, *DSV3], "deepseek_v3"),
     "deepseek_v3_ep2_pp2": (4, [*batch(4), *EP, *PP, *DSV3], "deepseek_v3"),
+    # Any transformers causal LM (`--model.name hf`), run by its own forward: FSDP, and TP from
+    # the plan its config class ships (Qwen3's and Gemma 3's per-head QK norms replicated with
+    # their gradients summed; Gemma 3's sliding-window layers); MoE types (transformers' own
+    # experts) under FSDP.
+    "hf_llama_fsdp2": (2, [*batch(4), *HF, "hf:llama"], "hf_llama"),
+    "hf_llama_tp2": (2, [*batch(8), *TP, *HF, "hf:llama"], "hf_llama"),
+    "hf_qwen3_tp2": (2, [*batch(8), *TP, *HF, "hf:qwen3"], "hf_qwen3"),
+    "hf_gemma3_text_tp2": (2, [*batch(8), *TP, *HF, "hf:gemma3_text"], "hf_gemma3_text"),
+    "hf_mixtral_fsdp2": (2, [*batch(4), *HF, "hf:mixtral"], "hf_mixtral"),
+    "hf_qwen3_moe_fsdp2": (2, [*batch(4), *HF, "hf:qwen3_moe"], "hf_qwen3_moe"),
+    "hf_llama_fsdp2_tp2": (4, [*batch(4), *TP, *HF, "hf:llama"], "hf_llama"),
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
 }
