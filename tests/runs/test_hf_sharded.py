@@ -12,7 +12,7 @@ bias) do the same at FSDP 2 in the same processes (each rank reads and writes it
 experts, one HF tensor each), and Qwen3-MoE and DeepSeek-V3 (its debug flavor: plain
 queries) trainer runs at FSDP 2 and at expert parallelism 2 (each rank holding half the
 experts) start from a Hugging Face folder and end with `last_save_in_hf` beside the Llama
-runs.
+runs, and so does a tiny transformers Gemma 3 trained as `--model.name hf` at FSDP 2.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import hf_models
 from tests.helpers.gloo_llama import ARGS, build, checkpoint_cfg, full_logits, init_gloo, manager_for, spawn
 from tests.helpers import hf_deepseek_v3
 from tests.helpers.hf_qwen3 import SMALL_FILES, TINY, hf_logits, save_source, transformers_model
 from titanlite.checkpoint import hf_io
+from titanlite.models.hf.model import HFCausalLM, read_hf_args
 from titanlite.models.llama import llama3_hf as hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
 
@@ -257,6 +259,22 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
                 [*from_hf, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
             ),
         ]
+    # `--model.name hf`: a tiny transformers Gemma 3 (tied head, sliding-window layers) from its own folder.
+    backend = hf_models.hf_folder(tmp_path, "gemma3_text")
+    torch.manual_seed(0)
+    backend_source = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(backend))
+    backend_source.save_pretrained(backend)
+    cases.append(
+        Case(
+            "hf_backend_fsdp2",
+            [
+                *EQUIVALENCE_ARGS,
+                *("--model.name", "hf", "--model.hf_assets_path", str(backend), "--training.local_batch_size", "4"),
+                *(*start, "--checkpoint.initial_load_path", str(backend), "--checkpoint.enable_checkpoint", "true"),
+                *("--checkpoint.interval", hf_steps, "--checkpoint.async_mode", "disabled"),
+            ],
+        )
+    )
     session = run_session(2, cases, tmp_path / "runs", 360)
     assert_same_curve(session["pp2"]["history"], session["fsdp2"]["history"], "pp2 vs fsdp2")
     steps = session["fsdp2"]["history"][-1]["step"]
@@ -293,3 +311,13 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
         torch.testing.assert_close(
             hf_logits(ep_folder, tokens), theirs, rtol=1e-4, atol=1e-4, msg=lambda m, f=family: f"{f}: {m}"
         )
+
+    # The HF backend's export: transformers' own names, read by transformers as the run's last checkpoint.
+    backend_run = tmp_path / "runs" / "hf_backend_fsdp2" / "checkpoint"
+    assert session["hf_backend_fsdp2"]["history"][-1]["step"] == steps
+    ours = HFCausalLM(read_hf_args(str(backend)))
+    ours.load_state_dict(export.read_dcp_model(backend_run / f"step-{steps}"))
+    theirs = hf_logits(backend_run / f"step-{steps}-hf", tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs, ours.eval()(tokens), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(theirs, backend_source(tokens).logits, atol=1e-3)  # trained since the start

@@ -1,0 +1,79 @@
+"""The Hugging Face files of a `--model.name hf` model: its state-dict keys are transformers'
+own names (models/hf/model.py), so the mapping is the identity, but for a tied head, which
+transformers stores once, as the embedding. config.json is the model's folder's, with the
+saved dtype. Mixture-of-experts types are refused for now: transformers keeps their experts
+stacked in the model and writes them one tensor per expert under older names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from titanlite.config.dtypes import dtype_name
+from titanlite.model_spec import HFAdapter
+from titanlite.models.hf.model import HFArgs, read_hf_args
+
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+"""config.json keys that give a mixture-of-experts model its routed experts."""
+
+
+class FolderAdapter(HFAdapter):
+    """The identity mapping onto the transformers class of the model's own folder."""
+
+    HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ()  # any
+
+    def hf_config(self, args: HFArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        config = json.loads((Path(args.folder) / "config.json").read_text())
+        return {**config, "dtype": dtype_name(dtype), "torch_dtype": dtype_name(dtype)}
+
+    def check_hf_config(self, config: dict[str, Any], args: HFArgs) -> list[str]:
+        ours = self.hf_config(args)
+        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
+        return [
+            f"{key} {config.get(key)} (this model: {ours.get(key)})" for key in keys if config.get(key) != ours.get(key)
+        ]
+
+    def args_from_hf_config(self, config: dict[str, Any], base: HFArgs | None = None) -> HFArgs:
+        return read_hf_args(base.folder)
+
+    def hf_export_problems(self, args: HFArgs) -> list[str]:
+        config = self.hf_config(args)
+        return (
+            ["experts stored per expert (a mixture-of-experts model)"]
+            if any(config.get(k) for k in EXPERT_COUNTS)
+            else []
+        )
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
+        return {key: value for key, value in state_dict.items() if not self.tied_to(key, args)}
+
+    def from_hf(self, state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
+        tied = {"lm_head.weight": state_dict["model.embed_tokens.weight"]} if args.tie_word_embeddings else {}
+        return {**state_dict, **tied}
+
+    def hf_name(self, key: str) -> str:
+        return key
+
+    def tied_to(self, key: str, args: HFArgs) -> str | None:
+        return "model.embed_tokens.weight" if key == "lm_head.weight" and args.tie_word_embeddings else None
+
+    def stacked_hf_names(self, key: str, args: HFArgs) -> list[str] | None:
+        return None
+
+    def zero_in_hf(self, key: str, args: HFArgs) -> bool:
+        return False
+
+    def rotary_heads(self, key: str, args: HFArgs) -> int | None:
+        return None
+
+    def ignored_hf_tensor(self, name: str, args: HFArgs) -> bool:
+        return name == "lm_head.weight" and args.tie_word_embeddings
+
+    def interleaved_to_half(self, weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+        return weight
+
+
+folder_adapter = FolderAdapter()
