@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -136,16 +138,28 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
 
 
 def model_args(spec: ModelSpec, model: Any, vocab_size: int) -> DecoderArgs:
-    """The flavor's args with the tokenizer's vocabulary; or, for a model built from its folder
-    (`ModelSpec.folder_args`), the folder's, whose table must hold every token id."""
-    if spec.folder_args is None:
+    """The flavor's args with the tokenizer's vocabulary; or, with flavor "hf" or a model built
+    from its folder (`ModelSpec.folder_args`), the args of `model.hf_assets_path`'s config.json,
+    whose table must hold every token id."""
+    if model.flavor != "hf" and spec.folder_args is None:
         return spec.args_for(model.flavor, vocab_size)
-    args = spec.folder_args(model.hf_assets_path)
+    args = _folder_args(spec, model.hf_assets_path)
     if vocab_size > args.vocab_size:
         raise TitanliteError(
             f"model.hf_assets_path: the tokenizer has {vocab_size} ids, the model's vocab_size is {args.vocab_size}"
         )
     return args
+
+
+def _folder_args(spec: ModelSpec, folder: str) -> DecoderArgs:
+    """A model built from its folder reads it itself; a native family's adapter reads config.json."""
+    if spec.folder_args is not None:
+        return spec.folder_args(folder)
+    path = Path(folder) / "config.json"
+    try:
+        return spec.hf_adapter.args_from_hf_config(json.loads(path.read_text()))
+    except (OSError, KeyError, ValueError) as error:
+        raise TitanliteError(f"model.hf_assets_path: {path}: {error}") from None
 
 
 def check_capabilities(spec: ModelSpec, cfg: JobConfig) -> None:

@@ -15,6 +15,7 @@ from tests.helpers.hf_models import CONFIGS, hf_folder
 from titanlite.build import plan_run
 from titanlite.config.load import load_config
 from titanlite.errors import TitanliteError
+from titanlite.parallel.distributed import shutdown
 from titanlite.step.loss import cross_entropy
 
 transformers = pytest.importorskip("transformers")
@@ -23,6 +24,13 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("hf_models")
+
+
+@pytest.fixture
+def trainer_process():
+    """The process group a one-process trainer starts is gone after the test, as at the end of a run."""
+    yield
+    shutdown()
 
 
 def hf_argv(folder, *extra: str) -> list[str]:
@@ -92,7 +100,7 @@ def test_a_folder_without_config_or_with_a_smaller_table_is_refused(root, tmp_pa
     assert str(refused.value) == "model.hf_assets_path: the tokenizer has 4096 ids, the model's vocab_size is 1000"
 
 
-def test_three_trainer_steps_equal_a_plain_torch_loop_over_the_transformers_model(root, tmp_path):
+def test_three_trainer_steps_equal_a_plain_torch_loop_over_the_transformers_model(root, tmp_path, trainer_process):
     """The trainer at one process (titanlite's data, loss, AdamW with the default no-decay group,
     warmup, clipping) against a loop written here on transformers' own model from the same
     initial weights and batches: torch's AdamW, its clip_grad_norm_, F.cross_entropy. Every
@@ -134,3 +142,30 @@ def test_three_trainer_steps_equal_a_plain_torch_loop_over_the_transformers_mode
         assert (ours[name] - value).norm() <= 1e-5 * value.norm(), name
     assert not torch.equal(ours["model.layers.0.mlp.up_proj.weight"], initial), "trained"
     trainer.close()
+
+
+def test_a_native_family_reads_an_off_flavor_folder_and_trains_as_the_hf_backend(root, tmp_path, trainer_process):
+    """`--model.flavor hf`: Qwen3's own model with the shape of the folder's config.json (no flavor
+    has it), started from the folder's weights, trains the curve the transformers model of the
+    same folder trains (`--model.name hf`), within 1e-5."""
+    from titanlite.trainer import Trainer
+
+    folder = hf_folder(tmp_path, "qwen3")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder)).save_pretrained(
+        folder
+    )
+    common = ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "3"]
+    common += ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_format", "hf"]
+    common += ["--metrics.enable_tensorboard", "false", "--metrics.peak_flops", "1e11", "--metrics.log_freq", "1"]
+    curves = {}
+    for name, model in {"native": ["qwen3", "--model.flavor", "hf"], "hf": ["hf"]}.items():
+        argv = ["--config", "debug_model", "--model.hf_assets_path", str(folder), "--model.name", *model, *common]
+        argv += ["--job.dump_folder", str(tmp_path / name)]
+        plan = plan_run(load_config(argv), 1)
+        assert plan.model_args.dim == 64 and plan.spec.name == model[0]
+        curves[name] = Trainer(plan).train()
+    assert [h["step"] for h in curves["native"]] == [1, 2, 3]
+    for ours, theirs in zip(curves["native"], curves["hf"]):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)

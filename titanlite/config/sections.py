@@ -42,7 +42,11 @@ class Model:
     """Which model to build and how to tokenize its input."""
 
     name: str = _opt("llama3", "model name in the registry (titanlite.models)", nonempty=True)
-    flavor: str = _opt("debugmodel", "size preset of the model, e.g. debugmodel, 8B, 70B, 405B", nonempty=True)
+    flavor: str = _opt(
+        "debugmodel",
+        "size preset of the model, e.g. debugmodel, 8B, 70B, 405B; hf: the shape of model.hf_assets_path's config.json",
+        nonempty=True,
+    )
     tokenizer_path: str = _opt(
         "assets/tokenizer/titanlite.model",
         "tokenizer model file (relative paths are from the working directory)",

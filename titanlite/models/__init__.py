@@ -30,6 +30,7 @@ def get_model_spec(name: str, flavor: str | None = None) -> ModelSpec:
     if name not in registry:
         raise TitanliteError(f"model.name: unknown model {name!r}; registered: {', '.join(sorted(registry))}")
     spec = registry[name]
-    if flavor is not None and spec.folder_args is None and flavor not in spec.flavors:
+    from_folder = spec.folder_args is not None or (flavor == "hf" and spec.hf_adapter is not None)
+    if flavor is not None and not from_folder and flavor not in spec.flavors:
         raise TitanliteError(f"model.flavor: {name} has no flavor {flavor!r}; choose one of {', '.join(spec.flavors)}")
     return spec
