@@ -15,6 +15,7 @@ from tests.helpers.hf_models import CONFIGS, hf_folder
 from titanlite.build import plan_run
 from titanlite.config.load import load_config
 from titanlite.errors import TitanliteError
+from titanlite.logging import logger
 from titanlite.parallel.distributed import shutdown
 from titanlite.step.loss import cross_entropy
 
@@ -28,9 +29,14 @@ def root(tmp_path_factory):
 
 @pytest.fixture
 def trainer_process():
-    """The process group a one-process trainer starts is gone after the test, as at the end of a run."""
+    """The process group a one-process trainer starts is gone after the test, as at the end of a
+    run, and the titanlite logger (set up by the trainer) is as later tests in this process found it."""
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
     yield
     shutdown()
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
 
 
 def hf_argv(folder, *extra: str) -> list[str]:
