@@ -12,12 +12,15 @@ bias) do the same at FSDP 2 in the same processes (each rank reads and writes it
 experts, one HF tensor each), and Qwen3-MoE and DeepSeek-V3 (its debug flavor: plain
 queries) trainer runs at FSDP 2 and at expert parallelism 2 (each rank holding half the
 experts) start from a Hugging Face folder and end with `last_save_in_hf` beside the Llama
-runs, and so does a tiny transformers Gemma 3 trained as `--model.name hf` at FSDP 2.
+runs, and so does a tiny transformers Gemma 3 trained as `--model.name hf` at FSDP 2 (whose
+greedy `titanlite.generate` text is transformers' greedy text of the export).
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +30,9 @@ from tests.helpers import hf_models
 from tests.helpers.gloo_llama import ARGS, build, checkpoint_cfg, full_logits, init_gloo, manager_for, spawn
 from tests.helpers import hf_deepseek_v3
 from tests.helpers.hf_qwen3 import SMALL_FILES, TINY, hf_logits, save_source, transformers_model
+from tests.helpers.distributed import REPO, run_env
 from titanlite.checkpoint import hf_io
+from titanlite.data.tokenizers import Tokenizer
 from titanlite.models.hf.model import HFCausalLM, read_hf_args
 from titanlite.models.llama import llama3_hf as hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
@@ -321,3 +326,22 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(theirs, ours.eval()(tokens), rtol=1e-5, atol=1e-5)
         assert not torch.allclose(theirs, backend_source(tokens).logits, atol=1e-3)  # trained since the start
+    # Greedy `titanlite.generate` on the run's checkpoint prints transformers' greedy text of its export.
+    prompt, tokenizer = "The quick brown", Tokenizer(str(backend / "tokenizer.model"))
+    command = ["--checkpoint", str(backend_run), "--prompt", prompt, "--max-new-tokens", "8", "--config", "debug_model"]
+    command += [
+        "--model.name",
+        "hf",
+        "--model.hf_assets_path",
+        str(backend),
+        "--training.mixed_precision_param",
+        "float32",
+    ]
+    printed = subprocess.run(
+        [sys.executable, "-m", "titanlite.generate", *command], cwd=REPO, env=run_env(), capture_output=True, text=True
+    )
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(backend_run / f"step-{steps}-hf")
+    ids = torch.tensor([tokenizer.encode(prompt, eos=False)])
+    greedy = exported.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert printed.stdout.splitlines()[-1] == tokenizer.decode(greedy[0])
