@@ -82,7 +82,7 @@ def test_the_init_is_transformers_and_the_same_for_every_seed_and_name(root):
     assert not torch.equal(q, weights[2]["model.layers.0.self_attn.q_proj.weight"])
 
 
-def test_a_plan_titanlite_cannot_apply_is_refused_naming_its_styles(root):
+def test_a_plan_titanlite_cannot_apply_and_an_moe_export_are_refused(root):
     with pytest.raises(TitanliteError) as refused:
         plan_run(load_config(hf_argv(hf_folder(root, "mixtral"), "--parallelism.tensor_parallel_degree", "2")), 2)
     assert str(refused.value) == (
@@ -90,6 +90,8 @@ def test_a_plan_titanlite_cannot_apply_is_refused_naming_its_styles(root):
         "(layers.*.mlp.experts.gate_up_proj: packed_colwise, layers.*.mlp.experts: moe_tp_experts)"
     )
     plan_run(load_config(hf_argv(hf_folder(root, "mixtral"))), 2)  # FSDP needs no plan
+    with pytest.raises(TitanliteError, match=r"^checkpoint.last_save_in_hf: .*experts stored per expert"):
+        plan_run(load_config(hf_argv(hf_folder(root, "mixtral"), "--checkpoint.last_save_in_hf", "true")), 1)
 
 
 def test_a_folder_without_config_or_with_a_smaller_table_is_refused(root, tmp_path):

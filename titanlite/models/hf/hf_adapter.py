@@ -13,17 +13,19 @@ from typing import Any, ClassVar
 import torch
 
 from titanlite.config.dtypes import dtype_name
-from titanlite.model_spec import HFAdapter
 from titanlite.models.hf.model import HFArgs, read_hf_args
+from titanlite.models.hf_names import HFAdapterBase
 
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 """config.json keys that give a mixture-of-experts model its routed experts."""
 
 
-class FolderAdapter(HFAdapter):
-    """The identity mapping onto the transformers class of the model's own folder."""
+class FolderAdapter(HFAdapterBase):
+    """The identity mapping onto the transformers class of the model's own folder (the base's
+    answers for the rest: nothing stacked, zero or rotated; a tied head's HF copy ignored)."""
 
     HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ()  # any
+    NAMES: ClassVar[dict[str, str]] = {}
 
     def hf_config(self, args: HFArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         config = json.loads((Path(args.folder) / "config.json").read_text())
@@ -40,15 +42,8 @@ class FolderAdapter(HFAdapter):
         return read_hf_args(base.folder)
 
     def hf_export_problems(self, args: HFArgs) -> list[str]:
-        config = self.hf_config(args)
-        return (
-            ["experts stored per expert (a mixture-of-experts model)"]
-            if any(config.get(k) for k in EXPERT_COUNTS)
-            else []
-        )
-
-    def to_hf(self, state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
-        return {key: value for key, value in state_dict.items() if not self.tied_to(key, args)}
+        moe = any(self.hf_config(args).get(key) for key in EXPERT_COUNTS)
+        return ["experts stored per expert (a mixture-of-experts model)"] if moe else []
 
     def from_hf(self, state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
         tied = {"lm_head.weight": state_dict["model.embed_tokens.weight"]} if args.tie_word_embeddings else {}
@@ -59,21 +54,6 @@ class FolderAdapter(HFAdapter):
 
     def tied_to(self, key: str, args: HFArgs) -> str | None:
         return "model.embed_tokens.weight" if key == "lm_head.weight" and args.tie_word_embeddings else None
-
-    def stacked_hf_names(self, key: str, args: HFArgs) -> list[str] | None:
-        return None
-
-    def zero_in_hf(self, key: str, args: HFArgs) -> bool:
-        return False
-
-    def rotary_heads(self, key: str, args: HFArgs) -> int | None:
-        return None
-
-    def ignored_hf_tensor(self, name: str, args: HFArgs) -> bool:
-        return name == "lm_head.weight" and args.tie_word_embeddings
-
-    def interleaved_to_half(self, weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-        return weight
 
 
 folder_adapter = FolderAdapter()
