@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +24,7 @@ from titanlite.config.param_groups import check_matched
 from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec, moe
-from titanlite.model_spec import Capability, DecoderArgs, ModelSpec
+from titanlite.model_spec import HF_CONFIG_FILE, read_hf_config, Capability, DecoderArgs, ModelSpec
 from titanlite.parallel import parallelize as parallel
 from titanlite.parallel.activation_checkpoint import ac_setting
 from titanlite.parallel.memory import check_training_state_fits
@@ -52,8 +50,7 @@ class RunPlan:
 
     @property
     def model_label(self) -> str:
-        """What the start-up lines call the model: its flavor, or the folder it is built from."""
-        return self.cfg.model.hf_assets_path if self.spec.folder_args else self.cfg.model.flavor
+        return model_label(self.spec, self.cfg.model)
 
     @property
     def float8(self) -> Any:
@@ -105,7 +102,7 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     args = model_args(spec, cfg.model, tokenizer.vocab_size if tokenizer else vocab_size)
     if cfg.checkpoint.last_save_in_hf and (problems := spec.hf_adapter.hf_export_problems(args)):
         raise TitanliteError(
-            f"checkpoint.last_save_in_hf: model {spec.name} flavor {cfg.model.flavor} has what Hugging Face's "
+            f"checkpoint.last_save_in_hf: model {spec.name} {model_label(spec, cfg.model)} has what Hugging Face's "
             f"class cannot hold: {', '.join(problems)}"
         )
     if spec.supports("document_mask"):
@@ -155,11 +152,15 @@ def _folder_args(spec: ModelSpec, folder: str) -> DecoderArgs:
     """A model built from its folder reads it itself; a native family's adapter reads config.json."""
     if spec.folder_args is not None:
         return spec.folder_args(folder)
-    path = Path(folder) / "config.json"
     try:
-        return spec.hf_adapter.args_from_hf_config(json.loads(path.read_text()))
-    except (OSError, KeyError, ValueError) as error:
-        raise TitanliteError(f"model.hf_assets_path: {path}: {error}") from None
+        return spec.hf_adapter.args_from_hf_config(read_hf_config(folder))
+    except (KeyError, ValueError) as error:
+        raise TitanliteError(f"model.hf_assets_path: {folder}/{HF_CONFIG_FILE}: {error}") from None
+
+
+def model_label(spec: ModelSpec, model: Any) -> str:
+    """What messages call the model: its flavor, or the folder it is built from."""
+    return model.hf_assets_path if spec.folder_args else model.flavor
 
 
 def check_capabilities(spec: ModelSpec, cfg: JobConfig) -> None:

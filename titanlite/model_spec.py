@@ -12,13 +12,18 @@ inside the model's first forward. docs/adding_a_model.md explains each capabilit
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from titanlite.errors import TitanliteError
 
 Capability = Literal["pipeline_split", "context_parallel", "document_mask", "kv_cache", "moe", "hf_adapter"]
 
@@ -121,6 +126,20 @@ class DecoderArgs(Protocol):
 
 
 DECODER_ARGS_MEMBERS = sorted({*DecoderArgs.__annotations__, *(n for n in vars(DecoderArgs) if not n.startswith("_"))})
+
+
+HF_CONFIG_FILE = "config.json"
+
+
+def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """A Hugging Face folder's config.json, or one line saying why it cannot be read."""
+    path = Path(folder) / HF_CONFIG_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TitanliteError(f"{path}: missing (a Hugging Face model folder needs its config.json)") from None
+    except ValueError as error:
+        raise TitanliteError(f"{path}: not valid JSON ({error})") from None
 
 
 class HFAdapter(Protocol):

@@ -15,7 +15,7 @@ MAX_TOP_LEVEL_MODULES = 10
 ALLOWED = {
     "errors": set(),
     "logging": set(),
-    "model_spec": set(),
+    "model_spec": {"errors"},
     "config": {"errors"},
     "parallel": {"config", "errors", "logging", "model_spec"},
     "compat": {"errors", "parallel"},

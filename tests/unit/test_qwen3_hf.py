@@ -116,7 +116,7 @@ def test_an_expert_bias_is_refused_on_export_and_zero_from_hf(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
     argv = ["--config", "debug_model", "--model.name", "qwen3", "--checkpoint.last_save_in_hf", "true"]
     with pytest.raises(
-        TitanliteError, match="^checkpoint.last_save_in_hf: model qwen3 flavor debugmodel_moe has what .* expert bias"
+        TitanliteError, match="^checkpoint.last_save_in_hf: model qwen3 debugmodel_moe has what .* expert bias"
     ):
         plan_run(load_config([*argv, "--model.flavor", "debugmodel_moe"]), 1, vocab_size=64)
     plan_run(load_config([*argv, "--model.flavor", "debugmodel_moe_aux"]), 1, vocab_size=64)

@@ -40,22 +40,11 @@ from titanlite.checkpoint.export import cast_floating, single_process
 from titanlite.checkpoint.hf_plan import HFReadPlanner, HFWritePlanner, to_hf_rows
 from titanlite.checkpoint.load_progress import HFProgressReader, HFProgressWriter
 from titanlite.errors import TitanliteError, user_errors
-from titanlite.model_spec import DecoderArgs, HFAdapter
+from titanlite.model_spec import HF_CONFIG_FILE, DecoderArgs, HFAdapter, read_hf_config
 
-HF_CONFIG_FILE = "config.json"
 HF_INDEX_FILE = "model.safetensors.index.json"
 # transformers' default `max_shard_size` for save_pretrained.
 DEFAULT_MAX_FILE_BYTES = 5 * 1024**3
-
-
-def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
-    path = Path(folder) / HF_CONFIG_FILE
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TitanliteError(f"{path}: missing (a Hugging Face model folder needs its config.json)") from None
-    except ValueError as error:
-        raise TitanliteError(f"{path}: not valid JSON ({error})") from None
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:

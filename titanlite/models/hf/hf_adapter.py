@@ -6,13 +6,13 @@ stacked in the model and writes them one tensor per expert under older names."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from titanlite.config.dtypes import dtype_name
+from titanlite.errors import TitanliteError
+from titanlite.model_spec import read_hf_config
 from titanlite.models.hf.model import HFArgs, read_hf_args
 from titanlite.models.hf_names import HFAdapterBase
 
@@ -28,7 +28,7 @@ class FolderAdapter(HFAdapterBase):
     NAMES: ClassVar[dict[str, str]] = {}
 
     def hf_config(self, args: HFArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-        config = json.loads((Path(args.folder) / "config.json").read_text())
+        config = read_hf_config(args.folder)
         return {**config, "dtype": dtype_name(dtype), "torch_dtype": dtype_name(dtype)}
 
     def check_hf_config(self, config: dict[str, Any], args: HFArgs) -> list[str]:
@@ -39,6 +39,8 @@ class FolderAdapter(HFAdapterBase):
         ]
 
     def args_from_hf_config(self, config: dict[str, Any], base: HFArgs | None = None) -> HFArgs:
+        if base is None:  # a bare config.json has no folder to build the transformers class from
+            raise TitanliteError("model hf: its shape is read from model.hf_assets_path, not from a config alone")
         return read_hf_args(base.folder)
 
     def hf_export_problems(self, args: HFArgs) -> list[str]:
