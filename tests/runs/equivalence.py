@@ -58,6 +58,7 @@ SP = ["--parallelism.sequence_parallel", "on"]
 # `--model.name hf`: a tiny transformers model of the type named (tests/helpers/hf_models.py).
 HF = ["--model.name", "hf", "--model.hf_assets_path"]
 TIED = ["--model.flavor", "debugmodel_tied"]
+HF_PP = ("llama", "qwen3", "granite", "mixtral", "qwen3_moe")  # types with an untied head (PP cannot split a tied one)
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
@@ -100,7 +101,10 @@ REFERENCES = {
     "deepseek_v3": DSV3,
     "deepseek_v3_q_lora_block_causal": [*DSV3_Q_LORA, *BLOCK],
     "tied": TIED,
-    **{f"hf_{name}": [*HF, f"hf:{name}"] for name in ("llama", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")},
+    **{
+        f"hf_{name}": [*HF, f"hf:{name}"]
+        for name in ("llama", "qwen3", "gemma3_text", "granite", "mixtral", "qwen3_moe")
+    },
 }
 
 # name: (processes, overrides, reference). Global batch 8 = local_batch_size x dp x accumulation;
@@ -260,8 +264,11 @@ LAYOUTS = {
     # Any transformers causal LM (`--model.name hf`), run by its own forward: FSDP, and TP from
     # the plan its config class ships (Qwen3's and Gemma 3's per-head QK norms replicated with
     # their gradients summed; Gemma 3's sliding-window layers); MoE types (transformers' own
-    # experts) under FSDP.
+    # experts) under FSDP; PP split as the config's base_model_pp_plan names the children (a
+    # later stage's first block fed the previous stage's output: Granite's embedding multiplier
+    # applied once; Qwen3's per-block attention types read by position).
     "hf_llama_fsdp2": (2, [*batch(4), *HF, "hf:llama"], "hf_llama"),
+    **{f"hf_{name}_pp2": (2, [*batch(8), *PP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_PP},
     "hf_llama_tp2": (2, [*batch(8), *TP, *HF, "hf:llama"], "hf_llama"),
     "hf_qwen3_tp2": (2, [*batch(8), *TP, *HF, "hf:qwen3"], "hf_qwen3"),
     "hf_gemma3_text_tp2": (2, [*batch(8), *TP, *HF, "hf:gemma3_text"], "hf_gemma3_text"),

@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.hf_models import CONFIGS, hf_folder
+from tests.helpers.hf_models import CONFIGS, SHAPE, hf_folder
 from titanlite.build import plan_run
 from titanlite.config.load import load_config
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
+from titanlite.models.hf.hf_adapter import folder_adapter
 from titanlite.parallel.distributed import shutdown
 from titanlite.step.loss import cross_entropy
 
@@ -39,6 +40,11 @@ def trainer_process():
     logger.propagate = propagate
 
 
+def hf_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict under transformers' names (the HF backend's adapter)."""
+    return {folder_adapter.hf_name(key): value for key, value in model.state_dict().items()}
+
+
 def hf_argv(folder, *extra: str) -> list[str]:
     return ["--config", "debug_model", "--model.name", "hf", "--model.hf_assets_path", str(folder), *extra]
 
@@ -53,7 +59,7 @@ def test_the_model_is_transformers_own_with_its_logits_and_loss(model_type, root
     ours.init_weights(seed=5)
     config = transformers.AutoConfig.from_pretrained(root / model_type)
     theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    theirs.load_state_dict(ours.state_dict(), strict=True)  # every name transformers' own
+    theirs.load_state_dict(hf_names(ours), strict=True)  # every tensor under transformers' name
     assert len(ours.layers) == config.num_hidden_layers
     tokens = torch.randint(3, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -61,6 +67,34 @@ def test_the_model_is_transformers_own_with_its_logits_and_loss(model_type, root
         reference = theirs(input_ids=tokens, labels=tokens)
     assert torch.equal(logits, reference.logits)
     assert cross_entropy(logits[:, :-1], tokens[:, 1:]).item() == pytest.approx(reference.loss.item(), rel=1e-6)
+
+
+def test_pipeline_stages_run_in_a_row_give_the_whole_models_logits(root, tmp_path):
+    """Stages cut as the pipeline cuts them (parallel/pipeline.py: the RoPE table on each,
+    the head on the last) and run one after another: the whole model's logits, for a Gemma 3
+    whose second stage holds a sliding and a full layer (read by position) and a Granite whose
+    embedding multiplier the second stage must not apply again."""
+    from titanlite.parallel.pipeline import split_stage
+    from titanlite.parallel.pipeline_plan import StageSpec
+
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    gemma = dict(num_hidden_layers=4, layer_types=layer_types, tie_word_embeddings=False)
+    transformers.Gemma3TextConfig(**{**SHAPE, **CONFIGS["gemma3_text"][1], **gemma}).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.model").write_bytes((hf_folder(root, "llama") / "tokenizer.model").read_bytes())
+    tokens = torch.randint(3, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    for folder in (tmp_path, hf_folder(root, "granite")):
+        plan = plan_run(load_config(hf_argv(folder)), 1)
+        with torch.device("meta"):
+            whole = plan.spec.model_class(plan.model_args)
+        blocks = list(whole.layers)
+        first = split_stage(whole, StageSpec(0, tuple(blocks[:1]), True, False))
+        second = split_stage(whole, StageSpec(1, tuple(blocks[1:]), False, True))
+        for model in (whole, first, second):
+            model.to_empty(device="cpu")
+            model.init_weights(seed=5)
+        assert "rotary_emb" in dict(first.named_children()) and first.norm is None and second.embed_tokens is None
+        with torch.no_grad():
+            torch.testing.assert_close(second(first(tokens)), whole(tokens), rtol=1e-6, atol=1e-6)
 
 
 def test_the_init_is_transformers_and_the_same_for_every_seed_and_name(root):
@@ -75,11 +109,11 @@ def test_the_init_is_transformers_and_the_same_for_every_seed_and_name(root):
         model.to_empty(device="cpu")
         model.init_weights(seed=seed)
         weights.append(dict(model.named_parameters()))
-    q = weights[0]["model.layers.0.self_attn.q_proj.weight"]
+    q = weights[0]["layers.0.self_attn.q_proj.weight"]
     assert q.std().item() == pytest.approx(0.02, rel=0.1)
-    assert torch.equal(weights[0]["model.layers.0.input_layernorm.weight"], torch.zeros(64))
-    assert torch.equal(q, weights[1]["model.layers.0.self_attn.q_proj.weight"])
-    assert not torch.equal(q, weights[2]["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(weights[0]["layers.0.input_layernorm.weight"], torch.zeros(64))
+    assert torch.equal(q, weights[1]["layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(q, weights[2]["layers.0.self_attn.q_proj.weight"])
 
 
 def test_a_plan_titanlite_cannot_apply_and_an_moe_export_are_refused(root):
@@ -122,7 +156,7 @@ def test_three_trainer_steps_equal_a_plain_torch_loop_over_the_transformers_mode
     trainer = Trainer(plan_run(load_config([*argv, "--job.dump_folder", str(tmp_path)]), 1))
     cfg = trainer.plan.cfg
     theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(root / "qwen3"))
-    theirs.load_state_dict(trainer.model.state_dict())
+    theirs.load_state_dict(hf_names(trainer.model))
     initial = theirs.model.layers[0].mlp.up_proj.weight.detach().clone()
     no_decay = [p for n, p in theirs.named_parameters() if "norm" in n or "embed_tokens" in n]
     decay = [p for n, p in theirs.named_parameters() if not ("norm" in n or "embed_tokens" in n)]
@@ -145,7 +179,7 @@ def test_three_trainer_steps_equal_a_plain_torch_loop_over_the_transformers_mode
         torch.nn.utils.clip_grad_norm_(theirs.parameters(), cfg.training.max_norm)
         optimizer.step()
         optimizer.zero_grad()
-    ours = trainer.model.state_dict()
+    ours = hf_names(trainer.model)
     for name, value in theirs.state_dict().items():  # AdamW's first updates amplify rounding: 5e-6 measured
         assert (ours[name] - value).norm() <= 1e-5 * value.norm(), name
     assert not torch.equal(ours["model.layers.0.mlp.up_proj.weight"], initial), "trained"

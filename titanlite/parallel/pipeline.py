@@ -41,7 +41,8 @@ def shared_parameters(model: nn.Module) -> list[str]:
 
 def split_stage(model: nn.Module, stage: StageSpec) -> nn.Module:
     """A copy of `model` (on meta) holding only `stage`: the other blocks deleted, the children
-    before `layers` kept only on the first stage and those after it only on the last."""
+    before `layers` kept only on the first stage and those after it only on the last; a child
+    without parameters (a RoPE table) on every stage."""
     part = copy.deepcopy(model)
     names = [name for name, _ in part.named_children()]
     at = names.index("layers")
@@ -49,6 +50,8 @@ def split_stage(model: nn.Module, stage: StageSpec) -> nn.Module:
         if name == "layers":
             for key in [k for k in part.layers.keys() if k not in stage.blocks]:
                 del part.layers[key]
+        elif next(getattr(part, name).parameters(), None) is None:
+            continue
         elif (position < at and not stage.first) or (position > at and not stage.last):
             setattr(part, name, None)
     return part

@@ -5,7 +5,7 @@ model's shape comes from that folder, not from a flavor (`ModelSpec.folder_args`
 from titanlite.models.hf.hf_adapter import folder_adapter
 from titanlite.models.hf.model import HFArgs, HFCausalLM, read_hf_args
 from titanlite.models.hf.parallelize import apply_tp, tp_problems
-from titanlite.model_spec import ModelSpec, decoder_flops_per_token
+from titanlite.model_spec import Capabilities, ModelSpec, decoder_flops_per_token
 
 hf_spec = ModelSpec(
     name="hf",
@@ -17,6 +17,7 @@ hf_spec = ModelSpec(
     tp_problems=tp_problems,
     flops_per_token=decoder_flops_per_token,
     no_decay=("*embed_tokens.*", "*norm.weight", "*.bias"),
+    capabilities=Capabilities(pipeline_split=True),
 )
 
 __all__ = ["HFArgs", "HFCausalLM", "hf_spec"]

@@ -13,7 +13,7 @@ import torch
 from titanlite.config.dtypes import dtype_name
 from titanlite.errors import TitanliteError
 from titanlite.model_spec import read_hf_config
-from titanlite.models.hf.model import HFArgs, read_hf_args
+from titanlite.models.hf.model import DECODER, HFArgs, read_hf_args
 from titanlite.models.hf_names import HFAdapterBase
 
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -48,14 +48,15 @@ class FolderAdapter(HFAdapterBase):
         return ["experts stored per expert (a mixture-of-experts model)"] if moe else []
 
     def from_hf(self, state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
-        tied = {"lm_head.weight": state_dict["model.embed_tokens.weight"]} if args.tie_word_embeddings else {}
-        return {**state_dict, **tied}
+        ours = {name.removeprefix(f"{DECODER}."): value for name, value in state_dict.items()}
+        tied = {"lm_head.weight": ours["embed_tokens.weight"]} if args.tie_word_embeddings else {}
+        return {**ours, **tied}
 
     def hf_name(self, key: str) -> str:
-        return key
+        return key if key.startswith("lm_head.") else f"{DECODER}.{key}"
 
     def tied_to(self, key: str, args: HFArgs) -> str | None:
-        return "model.embed_tokens.weight" if key == "lm_head.weight" and args.tie_word_embeddings else None
+        return "embed_tokens.weight" if key == "lm_head.weight" and args.tie_word_embeddings else None
 
 
 folder_adapter = FolderAdapter()

@@ -93,6 +93,9 @@ def read_hf_args(folder: str) -> HFArgs:
     )
 
 
+DECODER = "model"  # where a transformers causal LM keeps its decoder (`base_model_prefix`)
+
+
 class LayerDict(nn.ModuleDict):
     """The blocks under their ModuleList names ("0", "1", ...), sliced as a list by the
     transformers forward (`self.layers[: n]`)."""
@@ -102,7 +105,14 @@ class LayerDict(nn.ModuleDict):
 
 
 class HFCausalLM(nn.Module):
-    """Token ids [batch, seq] -> logits [batch, seq, vocab] of the folder's transformers model."""
+    """Token ids [batch, seq] -> logits [batch, seq, vocab] of the folder's transformers model.
+
+    Its children are the decoder's (`embed_tokens`, `layers`, `norm`, `rotary_emb`: the
+    config's `base_model_pp_plan` names) and the head's, so the pipeline split
+    (parallel/pipeline.py) cuts it as a native family. A stage runs the transformers forward
+    over the blocks it holds: a later stage's first block takes the previous stage's hidden
+    states in place of the embedding's, and a stage before the last ends at its last block.
+    """
 
     def __init__(self, args: HFArgs):
         super().__init__()
@@ -113,17 +123,31 @@ class HFCausalLM(nn.Module):
         config.use_cache = False
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         base = hf.get_decoder()
+        if base is not getattr(hf, DECODER, None) or not isinstance(getattr(base, "layers", None), nn.ModuleList):
+            raise TitanliteError(f"model.hf_assets_path: {args.model_type}'s decoder is not at .{DECODER}.layers")
         base.layers = LayerDict({str(i): block for i, block in enumerate(base.layers)})
-        for name, child in list(hf.named_children()):
-            self.add_module(name, child)
+        for name, child in [*base.named_children(), *hf.named_children()]:
+            if child is not base:
+                self.add_module(name, child)
         object.__setattr__(self, "hf", hf)  # not a child: its modules are ours already
+        self.layer_types = getattr(config, "layer_types", None)  # each block's attention, read by position
 
-    @property
-    def layers(self) -> LayerDict:
-        return self.hf.get_decoder().layers
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=tokens, use_cache=False).logits
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.hf.get_decoder()
+        base.norm = self.norm if self.norm is not None else nn.Identity()
+        if self.layer_types is not None:  # the forward reads config.layer_types[i] for its i-th block
+            base.config.layer_types = [self.layer_types[int(key)] for key in self.layers]
+        inputs, hook = {"input_ids": x}, None
+        if self.embed_tokens is None:  # a later stage: zeros for the embedding, x into its first block
+            inputs = {"inputs_embeds": x.new_zeros(()).expand_as(x)}
+            hook = next(iter(self.layers.values())).register_forward_pre_hook(_input_from(x), with_kwargs=True)
+        try:
+            if self.lm_head is None:
+                return base(**inputs, use_cache=False).last_hidden_state
+            return self.hf(**inputs, use_cache=False).logits
+        finally:
+            if hook is not None:
+                hook.remove()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -135,6 +159,18 @@ class HFCausalLM(nn.Module):
             for module in self.modules():
                 if module is not self:
                     self.hf._init_weights(module)
+
+
+def _input_from(hidden: torch.Tensor):
+    """A forward pre-hook giving a block `hidden` as its input (the first positional or
+    `hidden_states`)."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    return hook
 
 
 @contextlib.contextmanager

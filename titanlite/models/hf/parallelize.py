@@ -38,17 +38,15 @@ def hf_tp_plan(args: HFArgs) -> dict[str, str]:
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
     """The translated plan, the head by vocab, every other parameter replicated on `tp_mesh`."""
-    prefix = model.hf.base_model_prefix
-    plan = {f"{prefix}.{key}": STYLES[style]() for key, style in hf_tp_plan(model.args).items()}
-    embedding = model.hf.get_input_embeddings()
-    plan.setdefault(_name(model, embedding), tp.vocab_sharded_embedding(False))
+    plan = {key: STYLES[style]() for key, style in hf_tp_plan(model.args).items()}
+    plan.setdefault("embed_tokens", tp.vocab_sharded_embedding(False))
     plan["lm_head"] = tp.output_projection(loss_parallel, False)
     for name, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is not None and not _covered(name, plan):
             plan[name] = tp.ReplicateParallel(use_local_output=True)
     parallelize_module(model, tp_mesh, plan)
     if model.args.tie_word_embeddings:
-        model.lm_head.weight = embedding.weight
+        model.lm_head.weight = model.embed_tokens.weight
 
 
 def tp_problems(args: HFArgs, tp_degree: int) -> list[str]:
@@ -59,10 +57,6 @@ def tp_problems(args: HFArgs, tp_degree: int) -> list[str]:
         return [f"{args.model_type}'s tensor-parallel plan has styles titanlite cannot apply ({', '.join(unknown)})"]
     sizes = {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads, "ffn hidden size": args.hidden_dim}
     return decoder_tp.indivisible({**sizes, "vocab_size": args.vocab_size}, tp_degree)
-
-
-def _name(model: nn.Module, module: nn.Module) -> str:
-    return next(name for name, m in model.named_modules() if m is module)
 
 
 def _covered(name: str, plan: dict[str, ParallelStyle]) -> bool:
