@@ -269,6 +269,7 @@ LAYOUTS = {
     # applied once; Qwen3's per-block attention types read by position).
     "hf_llama_fsdp2": (2, [*batch(4), *HF, "hf:llama"], "hf_llama"),
     **{f"hf_{name}_pp2": (2, [*batch(8), *PP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_PP},
+    **{f"hf_{name}_cp2": (2, [*batch(8), *CP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_PP},
     "hf_llama_tp2": (2, [*batch(8), *TP, *HF, "hf:llama"], "hf_llama"),
     "hf_qwen3_tp2": (2, [*batch(8), *TP, *HF, "hf:qwen3"], "hf_qwen3"),
     "hf_gemma3_text_tp2": (2, [*batch(8), *TP, *HF, "hf:gemma3_text"], "hf_gemma3_text"),

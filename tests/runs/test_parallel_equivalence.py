@@ -12,9 +12,12 @@ import fnmatch
 
 import pytest
 
-from tests.helpers.distributed import timeout_scale
+from tests.helpers.distributed import EQUIVALENCE_ARGS, timeout_scale
 from tests.helpers.sessions import Case, SessionCases
 from tests.runs.equivalence import (
+    CP,
+    HF,
+    batch,
     FLOAT8_LAYOUTS,
     LAYOUTS,
     MUON,
@@ -39,6 +42,7 @@ def sessions(tmp_path_factory) -> SessionCases:
     calls = [
         Case("expert_parallel_layer", [], call="tests.helpers.expert_parallel_checks:run_checks"),
         Case("float8_fsdp", [], call="tests.helpers.float8_checks:run_checks"),
+        Case("hf_sliding_window_cp2", [*EQUIVALENCE_ARGS, *batch(8), *CP, *HF, "hf:gemma3_text"]),
     ]
     return run_sessions(tmp_path_factory, {WORLD: calls})
 
@@ -184,3 +188,13 @@ def test_replicate_only_keeps_whole_weights_and_all_reduces_gradients(sessions):
         assert rank["param_layouts"] == ["dp_replicate=R"]
         assert rank["param_bytes"] == rank["grad_bytes"] == rank["full_param_bytes"] > 0
     assert ranks[0]["local_param_sum"] == ranks[1]["local_param_sum"]
+
+
+def test_context_parallel_refuses_an_hf_models_sliding_window_in_one_line(sessions):
+    """Gemma 3's sliding layers attend 8 tokens back: chunked attention has no window, so the
+    first forward stops with one line (every rank alike, none left waiting)."""
+    session = sessions.sessions["hf_sliding_window_cp2"]
+    assert session.cases["hf_sliding_window_cp2"]["error"].splitlines()[0] == (
+        "TitanliteError: parallelism.context_parallel_degree: Gemma3Attention attends a sliding window of 8 tokens, "
+        "which context-parallel attention does not (the window is 64)"
+    )

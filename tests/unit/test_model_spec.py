@@ -8,9 +8,12 @@ import dataclasses
 import inspect
 import types
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from tests.helpers.hf_models import hf_folder
 from titanlite import build
 from titanlite.build import plan_run
 from titanlite.config import load_config
@@ -122,19 +125,21 @@ def test_gpt2_declares_what_its_code_supports_today():
 # ---------------------------------------------------------------- declarations hold
 
 
-def tiny(spec: ModelSpec) -> torch.nn.Module:
+def tiny(spec: ModelSpec, folder: Path) -> torch.nn.Module:
+    """The debug flavor, or a tiny Llama's HF folder for a model built from its folder."""
     torch.manual_seed(0)
-    model = spec.model_class(spec.args_for("debugmodel", VOCAB))
+    args = spec.folder_args(str(hf_folder(folder, "llama"))) if spec.folder_args else spec.args_for("debugmodel", VOCAB)
+    model = spec.model_class(args)
     model.init_weights(seed=0)
     return model
 
 
 @pytest.mark.parametrize("name", sorted(_registry()))
-def test_each_declared_capability_holds_for_the_models_code(name):
+def test_each_declared_capability_holds_for_the_models_code(name, tmp_path):
     spec = get_model_spec(name)
     declared = spec.capabilities
     if declared.pipeline_split:  # two stages run through the model's own forward give its logits
-        model = tiny(spec)
+        model = tiny(spec, tmp_path)
         layout = plan_layout(
             load_config(["--config", "debug_model", "--parallelism.pipeline_parallel_degree", "2"]).parallelism,
             len(model.layers),

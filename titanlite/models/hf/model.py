@@ -26,7 +26,10 @@ from torch import nn
 
 from titanlite.errors import TitanliteError
 from titanlite.model_spec import DecoderArgs
+from titanlite.models.chunked_attention import plan_chunks
+from titanlite.models.hf.attention import register_cp_attention
 from titanlite.models.init import ShardInit
+from titanlite.parallel.context_parallel import ContextParallel
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,13 @@ class HFCausalLM(nn.Module):
                 self.add_module(name, child)
         object.__setattr__(self, "hf", hf)  # not a child: its modules are ours already
         self.layer_types = getattr(config, "layer_types", None)  # each block's attention, read by position
+        self.context_parallel: ContextParallel | None = None
+
+    def enable_context_parallel(self, context_parallel: ContextParallel) -> None:
+        """Context parallelism: this rank's tokens at their global positions, attended to every
+        cp rank's keys and values (models/hf/attention.py)."""
+        self.context_parallel = context_parallel
+        self.hf.set_attn_implementation(register_cp_attention())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.hf.get_decoder()
@@ -141,6 +151,10 @@ class HFCausalLM(nn.Module):
         if self.embed_tokens is None:  # a later stage: zeros for the embedding, x into its first block
             inputs = {"inputs_embeds": x.new_zeros(()).expand_as(x)}
             hook = next(iter(self.layers.values())).register_forward_pre_hook(_input_from(x), with_kwargs=True)
+        if (cp := self.context_parallel) is not None:  # this rank's two chunks of the window
+            seq = x.shape[1]
+            plan = plan_chunks("causal", None, cp.chunk_starts(seq), seq // 2, torch.float32)
+            inputs.update(position_ids=cp.positions(seq, x.device)[None], context_parallel=cp, chunk_plan=plan)
         try:
             if self.lm_head is None:
                 return base(**inputs, use_cache=False).last_hidden_state
@@ -165,7 +179,7 @@ def _input_from(hidden: torch.Tensor):
     """A forward pre-hook giving a block `hidden` as its input (the first positional or
     `hidden_states`)."""
 
-    def hook(module, args, kwargs):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden}
