@@ -58,6 +58,7 @@ SP = ["--parallelism.sequence_parallel", "on"]
 # `--model.name hf`: a tiny transformers model of the type named (tests/helpers/hf_models.py).
 HF = ["--model.name", "hf", "--model.hf_assets_path"]
 TIED = ["--model.flavor", "debugmodel_tied"]
+HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v2")  # titanlite's MoE layer in place of their sparse blocks
 HF_PP = ("llama", "qwen3", "granite", "mixtral", "qwen3_moe")  # types with an untied head (PP cannot split a tied one)
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
@@ -101,10 +102,8 @@ REFERENCES = {
     "deepseek_v3": DSV3,
     "deepseek_v3_q_lora_block_causal": [*DSV3_Q_LORA, *BLOCK],
     "tied": TIED,
-    **{
-        f"hf_{name}": [*HF, f"hf:{name}"]
-        for name in ("llama", "qwen3", "gemma3_text", "granite", "mixtral", "qwen3_moe")
-    },
+    **{f"hf_{name}": [*HF, f"hf:{name}"] for name in ("llama", "qwen3", "gemma3_text", "granite", *HF_MOE)},
+    **{f"hf_{name}_block_causal": [*HF, f"hf:{name}", *BLOCK] for name in ("llama", "qwen3_moe")},
 }
 
 # name: (processes, overrides, reference). Global batch 8 = local_batch_size x dp x accumulation;
@@ -270,6 +269,9 @@ LAYOUTS = {
     "hf_llama_fsdp2": (2, [*batch(4), *HF, "hf:llama"], "hf_llama"),
     **{f"hf_{name}_pp2": (2, [*batch(8), *PP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_PP},
     **{f"hf_{name}_cp2": (2, [*batch(8), *CP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_PP},
+    **{f"hf_{name}_ep2": (2, [*batch(4), *EP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_MOE},
+    "hf_llama_cp2_block_causal": (2, [*batch(8), *CP, *HF, "hf:llama", *BLOCK], "hf_llama_block_causal"),
+    "hf_qwen3_moe_pp2_block_causal": (2, [*batch(8), *PP, *HF, "hf:qwen3_moe", *BLOCK], "hf_qwen3_moe_block_causal"),
     "hf_llama_tp2": (2, [*batch(8), *TP, *HF, "hf:llama"], "hf_llama"),
     "hf_qwen3_tp2": (2, [*batch(8), *TP, *HF, "hf:qwen3"], "hf_qwen3"),
     "hf_gemma3_text_tp2": (2, [*batch(8), *TP, *HF, "hf:gemma3_text"], "hf_gemma3_text"),

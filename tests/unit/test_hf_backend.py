@@ -17,6 +17,7 @@ from titanlite.config.load import load_config
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 from titanlite.models.hf.hf_adapter import folder_adapter
+from titanlite.models.moe import MoE
 from titanlite.parallel.distributed import shutdown
 from titanlite.step.loss import cross_entropy
 
@@ -49,17 +50,50 @@ def hf_argv(folder, *extra: str) -> list[str]:
     return ["--config", "debug_model", "--model.name", "hf", "--model.hf_assets_path", str(folder), *extra]
 
 
+def titanlite_names(theirs: dict[str, torch.Tensor], moe_blocks: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """transformers' state dict -> titanlite's names: the decoder's prefix dropped, and where the
+    MoE layer replaced a sparse block, the router's weight, gate_up_proj split into w1 and w3,
+    down_proj as w2, the shared experts' projections as w1, w3, w2."""
+    ours = {}
+    for name, value in theirs.items():
+        key = name.removeprefix("model.")
+        block = key.split(".")[1] if key.startswith("layers.") else None
+        if block is None or int(block) not in moe_blocks or ".mlp." not in key:
+            ours[key] = value
+            continue
+        prefix, rest = key.split(".mlp.")
+        mlp = f"{prefix}.mlp"
+        if rest == "gate.weight":
+            ours[f"{mlp}.router.gate.weight"] = value
+        elif rest == "experts.gate_up_proj":
+            ours[f"{mlp}.experts.w1"], ours[f"{mlp}.experts.w3"] = value.chunk(2, dim=1)
+        elif rest == "experts.down_proj":
+            ours[f"{mlp}.experts.w2"] = value
+        else:  # shared_experts.{gate,up,down}_proj.weight
+            ours[
+                f"{mlp}.shared_experts.{dict(gate_proj='w1', up_proj='w3', down_proj='w2')[rest.split('.')[1]]}.weight"
+            ] = value
+    return ours
+
+
 @pytest.mark.parametrize("model_type", CONFIGS)
 def test_the_model_is_transformers_own_with_its_logits_and_loss(model_type, root):
+    """transformers' weights load under titanlite's names (the decoder's prefix dropped; where
+    titanlite's MoE layer replaced a sparse block, models/hf/moe.py, its router and experts) and
+    give transformers' logits to the bit: the swapped layer routes and sums as the block did
+    (two experts per token: the sum of two products is the same in either order)."""
     plan = plan_run(load_config(hf_argv(hf_folder(root, model_type))), 1)
-    assert plan.model_args.model_type == model_type
-    with torch.device("meta"):
-        ours = plan.spec.model_class(plan.model_args)
-    ours.to_empty(device="cpu")
-    ours.init_weights(seed=5)
+    args = plan.model_args
+    assert args.model_type == model_type
+    assert args.moe_layers == {"mixtral": (0, 1), "olmoe": (0, 1), "qwen3_moe": (0, 1), "deepseek_v2": (1,)}.get(
+        model_type, ()
+    )
+    ours = plan.spec.model_class(args)
+    assert all(isinstance(ours.layers[str(i)].mlp, MoE) for i in args.moe_layers)
     config = transformers.AutoConfig.from_pretrained(root / model_type)
+    torch.manual_seed(0)
     theirs = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    theirs.load_state_dict(hf_names(ours), strict=True)  # every tensor under transformers' name
+    ours.load_state_dict(titanlite_names(theirs.state_dict(), args.moe_layers), strict=True)
     assert len(ours.layers) == config.num_hidden_layers
     tokens = torch.randint(3, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -95,6 +129,26 @@ def test_pipeline_stages_run_in_a_row_give_the_whole_models_logits(root, tmp_pat
         assert "rotary_emb" in dict(first.named_children()) and first.norm is None and second.embed_tokens is None
         with torch.no_grad():
             torch.testing.assert_close(second(first(tokens)), whole(tokens), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_block_causal_gives_each_document_its_logits_alone(model_type, root):
+    """`model.attn_mask_type block_causal`: titanlite's attention inside the transformers model,
+    with the document mask; a window of two documents gives each the logits it has alone (RoPE
+    is relative, so the second's later positions change nothing)."""
+    plan = plan_run(load_config(hf_argv(hf_folder(root, model_type), "--model.attn_mask_type", "block_causal")), 1)
+    with torch.device("meta"):
+        model = plan.spec.model_class(plan.model_args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=5)
+    tokens = torch.randint(3, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    documents = (torch.arange(24) >= 10).long().expand(2, -1)
+    with torch.no_grad():
+        together = model(tokens, document_ids=documents)
+        alone = torch.cat([model(tokens[:, :10], documents[:, :10]), model(tokens[:, 10:], documents[:, 10:])], 1)
+        causal = model.hf(input_ids=tokens).logits
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    assert torch.equal(together[:, :10], causal[:, :10]) and not torch.allclose(together[:, 10:], causal[:, 10:])
 
 
 def test_the_init_is_transformers_and_the_same_for_every_seed_and_name(root):

@@ -157,8 +157,11 @@ def test_each_declared_capability_holds_for_the_models_code(name, tmp_path):
     if declared.kv_cache:
         assert callable(getattr(spec.model_class, "enable_kv_cache", None))
     # MoE: declared exactly when some flavor builds MoE layers (the planner and MFU count active parameters).
+    shapes = [spec.args_for(flavor, VOCAB) for flavor in spec.flavors]
+    if spec.folder_args:  # a model built from its folder: a dense one and an MoE one
+        shapes = [spec.folder_args(str(hf_folder(tmp_path, kind))) for kind in ("llama", "mixtral")]
     with torch.device("meta"):
-        has_experts = any(moe_layers(spec.model_class(spec.args_for(flavor, VOCAB))) for flavor in spec.flavors)
+        has_experts = any(moe_layers(spec.model_class(args)) for args in shapes)
     assert declared.moe == has_experts
 
 

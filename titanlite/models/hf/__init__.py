@@ -17,7 +17,7 @@ hf_spec = ModelSpec(
     tp_problems=tp_problems,
     flops_per_token=decoder_flops_per_token,
     no_decay=("*embed_tokens.*", "*norm.weight", "*.bias"),
-    capabilities=Capabilities(pipeline_split=True, context_parallel=True),
+    capabilities=Capabilities(pipeline_split=True, context_parallel=True, document_mask=True, moe=True),
 )
 
 __all__ = ["HFArgs", "HFCausalLM", "hf_spec"]

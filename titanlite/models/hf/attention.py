@@ -1,12 +1,14 @@
-"""Context parallelism for a transformers model: an attention function registered with
-transformers' `AttentionInterface`, which attends this rank's queries to every cp rank's keys
-and values with titanlite's chunked attention (parallel/context_parallel.py,
-models/chunked_attention.py), as the native families' attention does.
+"""titanlite's attention inside a transformers model: a function registered with transformers'
+`AttentionInterface`, used when titanlite's masks are needed (context parallelism, document
+masking); otherwise the model keeps transformers' SDPA.
 
-The model's forward hands it, as keyword arguments transformers passes down to attention,
-the rank's `ContextParallel` and the forward's `ChunkPlan`; the tokens' global positions go
-in as `position_ids`, so RoPE rotates each at its place in the window. transformers builds no
-mask for a function it has no mask maker for, and none is needed: the plan is the mask.
+The model's forward hands it, as keyword arguments transformers passes down to attention, the
+forward's mask (`models/attention.Mask`: a boolean document mask, a flex BlockMask, or under
+context parallelism the `ChunkPlan`) and the rank's `ContextParallel`, whose gather gives every
+cp rank's keys and values; the tokens' global positions go in as `position_ids`, so RoPE
+rotates each at its place in the window. transformers builds no mask of its own for a function
+it has no mask maker for. A sliding window shorter than the window, a score cap and attention
+dropout are transformers' alone: they stop the first forward in one line.
 """
 
 from __future__ import annotations
@@ -15,21 +17,21 @@ import torch
 from torch import nn
 
 from titanlite.errors import TitanliteError
-from titanlite.models.chunked_attention import ChunkPlan, chunked_attention
+from titanlite.models.attention import Mask, attend
 from titanlite.parallel.context_parallel import ContextParallel
 
-CP_ATTENTION = "titanlite_context_parallel"
+ATTENTION = "titanlite"
 
 
-def register_cp_attention() -> str:
-    """The name `config._attn_implementation` takes under context parallelism."""
+def register_attention() -> str:
+    """The name `config._attn_implementation` takes for titanlite's attention."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(CP_ATTENTION, cp_attention)
-    return CP_ATTENTION
+    AttentionInterface.register(ATTENTION, titanlite_attention)
+    return ATTENTION
 
 
-def cp_attention(
+def titanlite_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -39,20 +41,21 @@ def cp_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    titanlite_mask: Mask = None,
     context_parallel: ContextParallel | None = None,
-    chunk_plan: ChunkPlan | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [batch, heads, local seq, head_dim], key and value [batch, kv_heads, local seq,
-    head_dim] -> output [batch, local seq, heads, head_dim] over the whole window's keys."""
-    key, value = context_parallel.gather((key, value), dim=2)
+    """query [batch, heads, seq, head_dim], key and value [batch, kv_heads, seq, head_dim] ->
+    output [batch, seq, heads, head_dim]; under context parallelism over the whole window's keys."""
+    if context_parallel is not None:
+        key, value = context_parallel.gather((key, value), dim=2)
+    name = type(module).__name__
     if sliding_window is not None and sliding_window < key.shape[2]:
         raise TitanliteError(
-            f"parallelism.context_parallel_degree: {type(module).__name__} attends a sliding window"
-            f" of {sliding_window} tokens, which context-parallel attention does not (the window is {key.shape[2]})"
+            f"model.hf_assets_path: {name} attends a sliding window of {sliding_window} tokens, which titanlite's "
+            f"context-parallel and document-masked attention do not (the window is {key.shape[2]})"
         )
     if softcap or (dropout and module.training):
-        raise TitanliteError(
-            f"parallelism.context_parallel_degree: {type(module).__name__} caps or drops attention scores"
-        )
-    return chunked_attention(query, key, value, chunk_plan, scaling).transpose(1, 2), None
+        raise TitanliteError(f"model.hf_assets_path: {name} caps or drops attention scores, which titanlite's does not")
+    out = attend(query, key, value, titanlite_mask, key.shape[1] != query.shape[1], scaling)
+    return out.transpose(1, 2), None

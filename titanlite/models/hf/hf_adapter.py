@@ -14,10 +14,8 @@ from titanlite.config.dtypes import dtype_name
 from titanlite.errors import TitanliteError
 from titanlite.model_spec import read_hf_config
 from titanlite.models.hf.model import DECODER, HFArgs, read_hf_args
+from titanlite.models.hf.moe import EXPERT_COUNTS
 from titanlite.models.hf_names import HFAdapterBase
-
-EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
-"""config.json keys that give a mixture-of-experts model its routed experts."""
 
 
 class FolderAdapter(HFAdapterBase):

@@ -26,9 +26,12 @@ from torch import nn
 
 from titanlite.errors import TitanliteError
 from titanlite.model_spec import DecoderArgs
+from titanlite.models.attention import build_mask
 from titanlite.models.chunked_attention import plan_chunks
-from titanlite.models.hf.attention import register_cp_attention
+from titanlite.models.hf.attention import register_attention
+from titanlite.models.hf.moe import moe_args, sparse_blocks
 from titanlite.models.init import ShardInit
+from titanlite.models.moe import MoE, MoEArgs, moe_layers
 from titanlite.parallel.context_parallel import ContextParallel
 
 
@@ -49,6 +52,11 @@ class HFArgs(DecoderArgs):
     head_dim: int = 0  # [head_dim], or hidden_size / heads
     tie_word_embeddings: bool = False
     attn_mask_type: str = "causal"
+    moe: MoEArgs | None = None  # titanlite's MoE layer in place of the sparse blocks (models/hf/moe.py)
+    moe_layers: tuple[int, ...] = ()  # the blocks it replaces
+
+    def moe_layer(self, layer_id: int) -> bool:
+        return layer_id in self.moe_layers
 
     @property
     def kv_heads(self) -> int:
@@ -81,6 +89,12 @@ def read_hf_args(folder: str) -> HFArgs:
         raise TitanliteError(f"model.hf_assets_path: {path} is no transformers config ({error})") from None
     text = config.get_text_config()
     heads = text.num_attention_heads
+    moe = moe_args(text)
+    if moe is not None:  # which blocks are sparse: the type's own rule, read off the model built on meta
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            sparse = tuple(sparse_blocks(AutoModelForCausalLM.from_config(config).get_decoder()))
     return HFArgs(
         folder=str(folder),
         model_type=config.model_type,
@@ -93,6 +107,8 @@ def read_hf_args(folder: str) -> HFArgs:
         hidden_dim=getattr(text, "intermediate_size", 4 * text.hidden_size),
         max_seq_len=getattr(text, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        moe=moe,
+        moe_layers=sparse if moe is not None else (),
     )
 
 
@@ -124,11 +140,14 @@ class HFCausalLM(nn.Module):
         self.args = args
         config = args.config()
         config.use_cache = False
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        attention = register_attention() if args.attn_mask_type == "block_causal" else "sdpa"
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
         base = hf.get_decoder()
         if base is not getattr(hf, DECODER, None) or not isinstance(getattr(base, "layers", None), nn.ModuleList):
             raise TitanliteError(f"model.hf_assets_path: {args.model_type}'s decoder is not at .{DECODER}.layers")
         base.layers = LayerDict({str(i): block for i, block in enumerate(base.layers)})
+        for i in args.moe_layers:
+            base.layers[str(i)].mlp = MoE(args.dim, args.moe)
         for name, child in [*base.named_children(), *hf.named_children()]:
             if child is not base:
                 self.add_module(name, child)
@@ -140,9 +159,11 @@ class HFCausalLM(nn.Module):
         """Context parallelism: this rank's tokens at their global positions, attended to every
         cp rank's keys and values (models/hf/attention.py)."""
         self.context_parallel = context_parallel
-        self.hf.set_attn_implementation(register_cp_attention())
+        self.hf.set_attn_implementation(register_attention())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states);
+        document_ids [batch, window] under block_causal attention (models/hf/attention.py)."""
         base = self.hf.get_decoder()
         base.norm = self.norm if self.norm is not None else nn.Identity()
         if self.layer_types is not None:  # the forward reads config.layer_types[i] for its i-th block
@@ -151,10 +172,13 @@ class HFCausalLM(nn.Module):
         if self.embed_tokens is None:  # a later stage: zeros for the embedding, x into its first block
             inputs = {"inputs_embeds": x.new_zeros(()).expand_as(x)}
             hook = next(iter(self.layers.values())).register_forward_pre_hook(_input_from(x), with_kwargs=True)
+        dtype = x.dtype if x.is_floating_point() else self.embed_tokens.weight.dtype  # the masks' (the queries')
+        mask_type, seq = self.args.attn_mask_type, x.shape[1]
         if (cp := self.context_parallel) is not None:  # this rank's two chunks of the window
-            seq = x.shape[1]
-            plan = plan_chunks("causal", None, cp.chunk_starts(seq), seq // 2, torch.float32)
-            inputs.update(position_ids=cp.positions(seq, x.device)[None], context_parallel=cp, chunk_plan=plan)
+            mask = plan_chunks(mask_type, document_ids, cp.chunk_starts(seq), seq // 2, dtype)
+            inputs.update(position_ids=cp.positions(seq, x.device)[None], context_parallel=cp, titanlite_mask=mask)
+        elif mask_type == "block_causal":
+            inputs.update(titanlite_mask=build_mask(mask_type, document_ids, None, None, flex=x.is_cuda))
         try:
             if self.lm_head is None:
                 return base(**inputs, use_cache=False).last_hidden_state
@@ -173,6 +197,8 @@ class HFCausalLM(nn.Module):
             for module in self.modules():
                 if module is not self:
                     self.hf._init_weights(module)
+        for layer in moe_layers(self).values():  # titanlite's own init for the layers it swapped in
+            layer.init_weights(shard_init, self.hf.config.initializer_range)
 
 
 def _input_from(hidden: torch.Tensor):
