@@ -12,11 +12,13 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers.distributed import REPO, run_env, run_mains, run_ranks
-from tests.runs.equivalence import QWEN3_MOE
+from tests.helpers.hf_models import with_hf_folders
+from tests.runs.equivalence import HF, QWEN3_MOE
 
 # A hang guard: the presets test plans 31 layouts in 60-100 s alone, over 300 s beside two busy
 # workers on a slow host.
@@ -289,6 +291,10 @@ MEASURED = {
         [*QWEN3_MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
     ),
     "deepseek_v3": (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_q_lora"]),
+    # Any transformers causal LM (`--model.name hf`): a dense one, and an MoE one whose sparse
+    # blocks are titanlite's MoE layer, at ep 2.
+    "hf_llama": (2, [*HF, "hf:llama"]),
+    "hf_mixtral_ep2": (2, [*HF, "hf:mixtral", "--parallelism.expert_parallel_degree", "2"]),
 }
 MEASURED_ARGS = [
     "--config",
@@ -301,7 +307,7 @@ MEASURED_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict[str, list[dict]]:
+def measured(tmp_path_factory) -> tuple[dict[str, list[dict]], Path]:
     """Each of MEASURED's runs: every rank's bytes and step peak (tests/helpers/memory_worker.py),
     the runs of one world size one after another in one set of new interpreters (a fork's heap
     holds its server's freed memory, which a step would reuse unseen). Freed tensors' pages go
@@ -313,7 +319,7 @@ def measured(tmp_path_factory) -> dict[str, list[dict]]:
     results = {}
     for nproc in sorted({n for n, _ in MEASURED.values()}):
         cases = {
-            name: [*MEASURED_ARGS, *layout, "--job.dump_folder", str(folder / name)]
+            name: with_hf_folders([*MEASURED_ARGS, *layout, "--job.dump_folder", str(folder / name)], folder)
             for name, (n, layout) in MEASURED.items()
             if n == nproc
         }
@@ -324,7 +330,7 @@ def measured(tmp_path_factory) -> dict[str, list[dict]]:
         )
         assert result.returncode == 0, result.stderr[-3000:]
         results.update(json.loads(out.read_text()))
-    return results
+    return results, folder
 
 
 @pytest.mark.parametrize("name", MEASURED)
@@ -334,9 +340,10 @@ def test_debug_model_figures_match_a_real_run(name, measured):
     buffers) is within 30% of the measured peak of a training step above everything else
     the process holds."""
     nproc, layout = MEASURED[name]
-    args = [*MEASURED_ARGS, *layout]
+    runs, folder = measured
+    args = with_hf_folders([*MEASURED_ARGS, *layout], folder)
     reports = plans(*([*args, "--world-size", str(nproc), "--rank", str(rank)] for rank in range(nproc)))
-    for rank, (real, report) in enumerate(zip(measured[name], reports)):
+    for rank, (real, report) in enumerate(zip(runs[name], reports)):
         planned = figures(report.stdout)
         assert (planned["parameters"], planned["gradients"], planned["optimizer"]) == (
             real["param_bytes"],
