@@ -270,6 +270,7 @@ LAYOUTS = {
     **{f"hf_{name}_pp2": (2, [*batch(8), *PP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_PP},
     **{f"hf_{name}_cp2": (2, [*batch(8), *CP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_PP},
     **{f"hf_{name}_ep2": (2, [*batch(4), *EP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_MOE},
+    **{f"hf_{name}_tp2": (2, [*batch(8), *TP, *HF, f"hf:{name}"], f"hf_{name}") for name in ("mixtral", "qwen3_moe")},
     "hf_llama_cp2_block_causal": (2, [*batch(8), *CP, *HF, "hf:llama", *BLOCK], "hf_llama_block_causal"),
     "hf_qwen3_moe_pp2_block_causal": (2, [*batch(8), *PP, *HF, "hf:qwen3_moe", *BLOCK], "hf_qwen3_moe_block_causal"),
     "hf_llama_tp2": (2, [*batch(8), *TP, *HF, "hf:llama"], "hf_llama"),

@@ -195,6 +195,6 @@ def test_context_parallel_refuses_an_hf_models_sliding_window_in_one_line(sessio
     first forward stops with one line (every rank alike, none left waiting)."""
     session = sessions.sessions["hf_sliding_window_cp2"]
     assert session.cases["hf_sliding_window_cp2"]["error"].splitlines()[0] == (
-        "TitanliteError: parallelism.context_parallel_degree: Gemma3Attention attends a sliding window of 8 tokens, "
-        "which context-parallel attention does not (the window is 64)"
+        "TitanliteError: model.hf_assets_path: Gemma3Attention attends a sliding window of 8 tokens, which "
+        "titanlite's context-parallel and document-masked attention do not (the window is 64)"
     )

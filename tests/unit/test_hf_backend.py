@@ -172,12 +172,12 @@ def test_the_init_is_transformers_and_the_same_for_every_seed_and_name(root):
 
 def test_a_plan_titanlite_cannot_apply_and_an_moe_export_are_refused(root):
     with pytest.raises(TitanliteError) as refused:
-        plan_run(load_config(hf_argv(hf_folder(root, "mixtral"), "--parallelism.tensor_parallel_degree", "2")), 2)
+        plan_run(load_config(hf_argv(hf_folder(root, "deepseek_v2"), "--parallelism.tensor_parallel_degree", "2")), 2)
     assert str(refused.value) == (
-        "parallelism.tensor_parallel_degree: mixtral's tensor-parallel plan has styles titanlite cannot apply "
-        "(layers.*.mlp.experts.gate_up_proj: packed_colwise, layers.*.mlp.experts: moe_tp_experts)"
+        "parallelism.tensor_parallel_degree: deepseek_v2's tensor-parallel plan has styles titanlite cannot apply "
+        "(layers.*.self_attn.kv_a_proj_with_mqa: mla_kv_a_proj)"
     )
-    plan_run(load_config(hf_argv(hf_folder(root, "mixtral"))), 2)  # FSDP needs no plan
+    plan_run(load_config(hf_argv(hf_folder(root, "deepseek_v2"))), 2)  # FSDP needs no plan
     with pytest.raises(TitanliteError, match=r"^checkpoint.last_save_in_hf: .*experts stored per expert"):
         plan_run(load_config(hf_argv(hf_folder(root, "mixtral"), "--checkpoint.last_save_in_hf", "true")), 1)
 

@@ -32,14 +32,19 @@ STYLES = {
 
 
 def hf_tp_plan(args: HFArgs) -> dict[str, str]:
-    """The config's plan: decoder module patterns (`layers.*.self_attn.q_proj`) -> style names."""
-    return dict(args.config().base_model_tp_plan or {})
+    """The config's plan: decoder module patterns (`layers.*.self_attn.q_proj`) -> style names;
+    without its entries inside the sparse blocks titanlite's MoE layer replaced."""
+    plan = dict(args.config().base_model_tp_plan or {})
+    return {key: style for key, style in plan.items() if args.moe is None or not _inside_moe(key)}
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
     """The translated plan, the head by vocab, every other parameter replicated on `tp_mesh`."""
     plan = {key: STYLES[style]() for key, style in hf_tp_plan(model.args).items()}
     plan.setdefault("embed_tokens", tp.vocab_sharded_embedding(False))
+    for key in model.layers:  # titanlite's MoE layers: whole on every rank (expert parallelism splits experts)
+        if model.args.moe_layer(int(key)):
+            plan[f"layers.{key}.mlp"] = tp.WholeOnEachRank(sequence_parallel=False)
     plan["lm_head"] = tp.output_projection(loss_parallel, False)
     for name, module in model.named_modules():
         if next(module.parameters(recurse=False), None) is not None and not _covered(name, plan):
@@ -57,6 +62,12 @@ def tp_problems(args: HFArgs, tp_degree: int) -> list[str]:
         return [f"{args.model_type}'s tensor-parallel plan has styles titanlite cannot apply ({', '.join(unknown)})"]
     sizes = {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads, "ffn hidden size": args.hidden_dim}
     return decoder_tp.indivisible({**sizes, "vocab_size": args.vocab_size}, tp_degree)
+
+
+def _inside_moe(key: str) -> bool:
+    """Whether a plan key names a part of a sparse block (its router, experts, shared experts)."""
+    _, moe, inside = key.partition(".mlp.")
+    return bool(moe) and inside.split(".")[0] in ("gate", "experts", "shared_experts", "shared_expert")
 
 
 def _covered(name: str, plan: dict[str, ParallelStyle]) -> bool:
