@@ -183,8 +183,8 @@ def _plan_pipeline(plan: RunPlan, model: torch.nn.Module) -> PipelineLayout:
     """The stages of a pipelined run, from `model`, the whole model built on meta (no memory)."""
     if shared := shared_parameters(model):
         raise TitanliteError(
-            f"parallelism.pipeline_parallel_degree: the {plan.cfg.model.flavor} flavor shares one tensor between "
-            f"{shared[0]}, which sit on the first and the last stage; pipeline an untied flavor"
+            f"parallelism.pipeline_parallel_degree: model {plan.spec.name} {plan.model_label} shares one tensor "
+            f"between {shared[0]}, which sit on the first and the last stage; pipeline an untied model"
         )
     costs = None
     if plan.cfg.parallelism.pipeline_parallel_balance == "flops":

@@ -267,6 +267,8 @@ LAYOUTS = {
     # later stage's first block fed the previous stage's output: Granite's embedding multiplier
     # applied once; Qwen3's per-block attention types read by position).
     "hf_llama_fsdp2": (2, [*batch(4), *HF, "hf:llama"], "hf_llama"),
+    "hf_granite_fsdp2": (2, [*batch(4), *HF, "hf:granite"], "hf_granite"),
+    "hf_qwen3_fsdp2_ac_full": (2, [*batch(4), *HF, "hf:qwen3", "--activation_checkpoint.mode", "full"], "hf_qwen3"),
     **{f"hf_{name}_pp2": (2, [*batch(8), *PP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_PP},
     **{f"hf_{name}_cp2": (2, [*batch(8), *CP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_PP},
     **{f"hf_{name}_ep2": (2, [*batch(4), *EP, *HF, f"hf:{name}"], f"hf_{name}") for name in HF_MOE},

@@ -264,22 +264,38 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
                 [*from_hf, "--training.local_batch_size", "4", "--parallelism.expert_parallel_degree", "2"],
             ),
         ]
-    # `--model.name hf`: a tiny transformers Gemma 3 (tied head, sliding-window layers) from its own folder.
-    backend = hf_models.hf_folder(tmp_path, "gemma3_text")
-    torch.manual_seed(0)
-    backend_source = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(backend))
-    backend_source.save_pretrained(backend)
-    cases.append(
-        Case(
-            "hf_backend_fsdp2",
-            [
-                *EQUIVALENCE_ARGS,
-                *("--model.name", "hf", "--model.hf_assets_path", str(backend), "--training.local_batch_size", "4"),
-                *(*start, "--checkpoint.initial_load_path", str(backend), "--checkpoint.enable_checkpoint", "true"),
-                *("--checkpoint.interval", hf_steps, "--checkpoint.async_mode", "disabled"),
-            ],
+    # `--model.name hf`: a tiny transformers Gemma 3 (tied head, sliding-window layers) from its own
+    # folder at FSDP 2, and a Qwen3-MoE (titanlite's MoE layer in its blocks) at ep 2, each rank
+    # reading and writing its own experts.
+    backends = {"hf_backend_fsdp2": ("gemma3_text", "4"), "hf_backend_moe_ep2": ("qwen3_moe", "4")}
+    backend_sources = {}
+    for name, (model_type, batch) in backends.items():
+        folder = hf_models.hf_folder(tmp_path, model_type)
+        torch.manual_seed(0)
+        backend_sources[name] = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(folder)
         )
-    )
+        backend_sources[name].save_pretrained(folder)
+        ep = ["--parallelism.expert_parallel_degree", "2"] if "ep2" in name else []
+        cases.append(
+            Case(
+                name,
+                [
+                    *EQUIVALENCE_ARGS,
+                    *(
+                        "--model.name",
+                        "hf",
+                        "--model.hf_assets_path",
+                        str(folder),
+                        "--training.local_batch_size",
+                        batch,
+                    ),
+                    *(*start, "--checkpoint.initial_load_path", str(folder), "--checkpoint.enable_checkpoint", "true"),
+                    *("--checkpoint.interval", hf_steps, "--checkpoint.async_mode", "disabled", *ep),
+                ],
+            )
+        )
+    backend = hf_models.hf_folder(tmp_path, "gemma3_text")
     session = run_session(2, cases, tmp_path / "runs", 360)
     assert_same_curve(session["pp2"]["history"], session["fsdp2"]["history"], "pp2 vs fsdp2")
     steps = session["fsdp2"]["history"][-1]["step"]
@@ -317,16 +333,22 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
             hf_logits(ep_folder, tokens), theirs, rtol=1e-4, atol=1e-4, msg=lambda m, f=family: f"{f}: {m}"
         )
 
-    # The HF backend's export: transformers' own names, read by transformers as the run's last checkpoint.
+    # The HF backend's exports: transformers' own names, read by transformers as the run's last checkpoint.
+    for name, (model_type, _) in backends.items():
+        backend_run = tmp_path / "runs" / name / "checkpoint"
+        assert session[name]["history"][-1]["step"] == steps
+        ours = HFCausalLM(read_hf_args(str(hf_models.hf_folder(tmp_path, model_type))))
+        ours.load_state_dict(export.read_dcp_model(backend_run / f"step-{steps}"))
+        theirs = hf_logits(backend_run / f"step-{steps}-hf", tokens)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                theirs, ours.eval()(tokens), rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
+            assert not torch.allclose(
+                theirs, backend_sources[name](tokens).logits, atol=1e-3
+            )  # trained since the start
+    # Greedy `titanlite.generate` on the Gemma run's checkpoint prints transformers' greedy text of its export.
     backend_run = tmp_path / "runs" / "hf_backend_fsdp2" / "checkpoint"
-    assert session["hf_backend_fsdp2"]["history"][-1]["step"] == steps
-    ours = HFCausalLM(read_hf_args(str(backend)))
-    ours.load_state_dict(export.read_dcp_model(backend_run / f"step-{steps}"))
-    theirs = hf_logits(backend_run / f"step-{steps}-hf", tokens)
-    with torch.no_grad():
-        torch.testing.assert_close(theirs, ours.eval()(tokens), rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(theirs, backend_source(tokens).logits, atol=1e-3)  # trained since the start
-    # Greedy `titanlite.generate` on the run's checkpoint prints transformers' greedy text of its export.
     prompt, tokenizer = "The quick brown", Tokenizer(str(backend / "tokenizer.model"))
     command = ["--checkpoint", str(backend_run), "--prompt", prompt, "--max-new-tokens", "8", "--config", "debug_model"]
     command += [

@@ -8,6 +8,8 @@ table and a folder without config.json are refused when the run is planned, in o
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -151,6 +153,32 @@ def test_block_causal_gives_each_document_its_logits_alone(model_type, root):
     assert torch.equal(together[:, :10], causal[:, :10]) and not torch.allclose(together[:, 10:], causal[:, 10:])
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v2"])
+def test_an_moe_folder_reads_into_the_swapped_layers_and_writes_back_what_transformers_reads(
+    model_type, root, tmp_path
+):
+    """transformers' files of an MoE model (one tensor per expert, `mlp.experts.E.gate_proj`) read
+    per tensor into titanlite's stacked experts and router (checkpoint/hf_io.py through the HF
+    backend's adapter) give transformers' logits, and the folder titanlite writes back loads in
+    transformers with the same logits."""
+    from titanlite.checkpoint import hf_io
+    from titanlite.models.hf import HFCausalLM
+
+    args = plan_run(load_config(hf_argv(hf_folder(root, model_type))), 1).model_args
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(args.config(), attn_implementation="sdpa")
+    theirs.save_pretrained(tmp_path / "source")
+    ours = HFCausalLM(dataclasses.replace(args, folder=str(tmp_path / "source")))
+    ours.load_state_dict(hf_io.read_hf_model(tmp_path / "source", folder_adapter, ours.args, HFCausalLM))
+    hf_io.save_hf_weights(ours.state_dict(), tmp_path / "saved", folder_adapter, ours.args)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="sdpa")
+    tokens = torch.randint(3, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = theirs(input_ids=tokens).logits
+        assert torch.equal(ours(tokens), expected)
+        assert torch.equal(again(input_ids=tokens).logits, expected)
+
+
 def test_the_init_is_transformers_and_the_same_for_every_seed_and_name(root):
     """Normals of initializer_range for the linears and the table, ones for the norms (a
     Gemma-style norm, 1 + w, zeros): transformers' `_init_weights`; the draws are keyed by
@@ -170,7 +198,7 @@ def test_the_init_is_transformers_and_the_same_for_every_seed_and_name(root):
     assert not torch.equal(q, weights[2]["layers.0.self_attn.q_proj.weight"])
 
 
-def test_a_plan_titanlite_cannot_apply_and_an_moe_export_are_refused(root):
+def test_a_plan_titanlite_cannot_apply_an_moe_export_and_a_tied_pipeline_are_refused(root):
     with pytest.raises(TitanliteError) as refused:
         plan_run(load_config(hf_argv(hf_folder(root, "deepseek_v2"), "--parallelism.tensor_parallel_degree", "2")), 2)
     assert str(refused.value) == (
@@ -178,8 +206,17 @@ def test_a_plan_titanlite_cannot_apply_and_an_moe_export_are_refused(root):
         "(layers.*.self_attn.kv_a_proj_with_mqa: mla_kv_a_proj)"
     )
     plan_run(load_config(hf_argv(hf_folder(root, "deepseek_v2"))), 2)  # FSDP needs no plan
-    with pytest.raises(TitanliteError, match=r"^checkpoint.last_save_in_hf: .*experts stored per expert"):
+    with pytest.raises(
+        TitanliteError, match=r"^checkpoint.last_save_in_hf: .*mixtral's experts under names titanlite does not write$"
+    ):
         plan_run(load_config(hf_argv(hf_folder(root, "mixtral"), "--checkpoint.last_save_in_hf", "true")), 1)
+    gemma = hf_folder(root, "gemma3_text")  # its head is its embedding table
+    with pytest.raises(TitanliteError) as refused:
+        plan_run(load_config(hf_argv(gemma, "--parallelism.pipeline_parallel_degree", "2")), 2)
+    assert str(refused.value) == (
+        f"parallelism.pipeline_parallel_degree: model hf {gemma} shares one tensor between embed_tokens and lm_head, "
+        "which sit on the first and the last stage; pipeline an untied model"
+    )
 
 
 def test_a_folder_without_config_or_with_a_smaller_table_is_refused(root, tmp_path):

@@ -60,6 +60,8 @@ class HFAdapterBase(HFAdapter):
     NAMES: ClassVar[dict[str, str]]  # our name (with {i} for the layer) -> HF's, for tensors stored whole
     MISSING_MODEL_TYPE: ClassVar[str | None] = None  # the model_type of a config.json without one
     UNREADABLE: ClassVar[str] = "settings"  # what check_hf_config calls a config.json `described` cannot read
+    HEAD: ClassVar[str] = "output.weight"  # our output head's key, and the embedding table's
+    EMBEDDING: ClassVar[str] = "tok_embeddings.weight"
 
     def __init__(self) -> None:
         # Our state-dict key <-> its Hugging Face name, for every pattern of NAMES, both ways.
@@ -75,9 +77,13 @@ class HFAdapterBase(HFAdapter):
         """Our key -> its HF name (KeyError for a key the table has no pattern for)."""
         return _rename(key, self._to_hf)
 
+    def our_name(self, name: str) -> str:
+        """An HF name -> our key (KeyError for a name the table has no pattern for)."""
+        return _rename(name, self._from_hf)
+
     def tied_to(self, key: str, args: DecoderArgs) -> str | None:
         """A tied model's head is its embedding table: HF stores it once, as `embed_tokens`."""
-        return "tok_embeddings.weight" if key == "output.weight" and args.tie_word_embeddings else None
+        return self.EMBEDDING if key == self.HEAD and args.tie_word_embeddings else None
 
     def stacked_hf_names(self, key: str, args: DecoderArgs) -> list[str] | None:
         return None
@@ -141,14 +147,14 @@ class HFAdapterBase(HFAdapter):
             if stacked := self.stacked_key(name):
                 slices.setdefault(stacked[0], {})[stacked[1]] = value
                 continue
-            key = _rename(name, self._from_hf)  # KeyError for a name the table has no pattern for
+            key = self.our_name(name)
             heads = self.rotary_heads(key, args)
             out[key] = self.half_to_interleaved(value, heads).contiguous() if heads else value
         for key, parts in slices.items():
             out[key] = torch.stack([parts[e] for e in range(args.moe.n_experts)])
         out.update(self.zeros_hf_lacks(args))
         if args.tie_word_embeddings:
-            out["output.weight"] = out["tok_embeddings.weight"]
+            out[self.HEAD] = out[self.EMBEDDING]
         return out
 
     def check_hf_config(self, config: dict[str, Any], args: DecoderArgs) -> list[str]:
@@ -186,7 +192,7 @@ class HFAdapterBase(HFAdapter):
 
 # A stacked expert weight of ours is one HF tensor per expert: w1 [E, hidden, dim] <-> expert e's gate_proj (SWIGLU).
 ROUTER_NAMES = {"layers.{i}.feed_forward.router.gate.weight": "model.layers.{i}.mlp.gate.weight"}
-_STACKED = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
+_STACKED = re.compile(r"^layers\.(\d+)\.(\w+)\.experts\.(w[123])$")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
 
 
@@ -198,12 +204,13 @@ class MoEHFAdapterBase(HFAdapterBase):
     to the per-expert tensors it covers, on load and on save."""
 
     EXPERT_BIAS_IN_HF: ClassVar[bool]  # False: HF's router has no expert bias, which acts as a zero one
+    FEED_FORWARD: ClassVar[str] = "feed_forward"  # our name of a block's MoE layer
 
     def stacked_hf_names(self, key: str, args: DecoderArgs) -> list[str] | None:
         """`layers.L.feed_forward.experts.w1` -> `model.layers.L.mlp.experts.{0..E-1}.gate_proj.weight`."""
-        if (match := _STACKED.match(key)) is None:
+        if (match := _STACKED.match(key)) is None or match[2] != self.FEED_FORWARD:
             return None
-        layer, weight = match.groups()
+        layer, _, weight = match.groups()
         return [f"model.layers.{layer}.mlp.experts.{e}.{SWIGLU[weight]}.weight" for e in range(args.moe.n_experts)]
 
     def stacked_key(self, name: str) -> tuple[str, int] | None:
@@ -211,7 +218,7 @@ class MoEHFAdapterBase(HFAdapterBase):
             return None
         layer, e, kind = match.groups()
         weight = next(w for w, k in SWIGLU.items() if k == kind)
-        return f"layers.{layer}.feed_forward.experts.{weight}", int(e)
+        return f"layers.{layer}.{self.FEED_FORWARD}.experts.{weight}", int(e)
 
     def zero_in_hf(self, key: str, args: DecoderArgs) -> bool:
         return not self.EXPERT_BIAS_IN_HF and key.endswith("feed_forward.expert_bias")

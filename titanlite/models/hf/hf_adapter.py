@@ -1,8 +1,12 @@
 """The Hugging Face files of a `--model.name hf` model: its state-dict keys are transformers'
-own names (models/hf/model.py), so the mapping is the identity, but for a tied head, which
-transformers stores once, as the embedding. config.json is the model's folder's, with the
-saved dtype. Mixture-of-experts types are refused for now: transformers keeps their experts
-stacked in the model and writes them one tensor per expert under older names."""
+own names under the decoder's prefix (models/hf/model.py), but for a tied head, which
+transformers stores once, as the embedding, and titanlite's MoE layer where it replaced a
+sparse block (models/hf/moe.py): its stacked experts are one tensor per expert in the files,
+`mlp.experts.E.gate_proj.weight` (up_proj, down_proj), as transformers 5 writes and reads
+Qwen3-MoE, OLMoE and DeepSeek-V2 (`MoEHFAdapterBase`), its router `mlp.gate`, its shared
+experts transformers' MLP names. Mixtral's files use older names (`block_sparse_moe`, w1-w3)
+and MoE blocks transformers keeps are stored as it keeps them: both refused for export.
+config.json is the model's folder's, with the saved dtype."""
 
 from __future__ import annotations
 
@@ -15,15 +19,25 @@ from titanlite.errors import TitanliteError
 from titanlite.model_spec import read_hf_config
 from titanlite.models.hf.model import DECODER, HFArgs, read_hf_args
 from titanlite.models.hf.moe import EXPERT_COUNTS
-from titanlite.models.hf_names import HFAdapterBase
+from titanlite.models.hf_names import SWIGLU, MoEHFAdapterBase
+
+# Our names inside a swapped MoE layer -> transformers' (the stacked experts aside).
+MOE_NAMES = {"mlp.router.gate.weight": "mlp.gate.weight"} | {
+    f"mlp.shared_experts.{ours}.weight": f"mlp.shared_experts.{theirs}.weight" for ours, theirs in SWIGLU.items()
+}
+MOE_OURS = {theirs: ours for ours, theirs in MOE_NAMES.items()}
 
 
-class FolderAdapter(HFAdapterBase):
-    """The identity mapping onto the transformers class of the model's own folder (the base's
-    answers for the rest: nothing stacked, zero or rotated; a tied head's HF copy ignored)."""
+class FolderAdapter(MoEHFAdapterBase):
+    """Transformers' names of the model's own folder (the base's answers for the rest: nothing
+    zero or rotated; a tied head's HF copy ignored; the experts one tensor per expert)."""
 
     HF_MODEL_TYPES: ClassVar[tuple[str, ...]] = ()  # any
     NAMES: ClassVar[dict[str, str]] = {}
+    EXPERT_BIAS_IN_HF: ClassVar[bool] = False  # the swapped layers have none
+    FEED_FORWARD: ClassVar[str] = "mlp"
+    HEAD: ClassVar[str] = "lm_head.weight"
+    EMBEDDING: ClassVar[str] = "embed_tokens.weight"
 
     def hf_config(self, args: HFArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         config = read_hf_config(args.folder)
@@ -43,18 +57,21 @@ class FolderAdapter(HFAdapterBase):
 
     def hf_export_problems(self, args: HFArgs) -> list[str]:
         moe = any(self.hf_config(args).get(key) for key in EXPERT_COUNTS)
-        return ["experts stored per expert (a mixture-of-experts model)"] if moe else []
+        if moe and (args.moe is None or args.model_type == "mixtral"):
+            return [f"{args.model_type}'s experts under names titanlite does not write"]
+        return []
 
-    def from_hf(self, state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
-        ours = {name.removeprefix(f"{DECODER}."): value for name, value in state_dict.items()}
-        tied = {"lm_head.weight": ours["embed_tokens.weight"]} if args.tie_word_embeddings else {}
-        return {**ours, **tied}
+    def our_name(self, name: str) -> str:
+        return _suffix_renamed(name.removeprefix(f"{DECODER}."), MOE_OURS)
 
     def hf_name(self, key: str) -> str:
-        return key if key.startswith("lm_head.") else f"{DECODER}.{key}"
+        return key if key.startswith("lm_head.") else f"{DECODER}.{_suffix_renamed(key, MOE_NAMES)}"
 
-    def tied_to(self, key: str, args: HFArgs) -> str | None:
-        return "embed_tokens.weight" if key == "lm_head.weight" and args.tie_word_embeddings else None
+
+def _suffix_renamed(key: str, table: dict[str, str]) -> str:
+    """`key` with the first of `table`'s suffixes it ends with replaced by its value."""
+    suffix = next((end for end in table if key.endswith(end)), None)
+    return key if suffix is None else key.removesuffix(suffix) + table[suffix]
 
 
 folder_adapter = FolderAdapter()

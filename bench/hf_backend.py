@@ -1,0 +1,106 @@
+"""Training throughput of the any-model backend (`--model.name hf`: transformers' own model run
+by titanlite, models/hf/) beside the native family of the same shape, one process, in one run.
+
+    python bench/hf_backend.py [--steps 10] [--warmup-steps 3] [--seq-len 512] [--batch 4]
+                               [--vocab 4096] [--threads N] [--rounds 2]
+
+Pairs: Llama's `debugmodel` and Qwen3's `debugmodel_moe` (8 experts of width 256, top 2). The
+HF model of each is built from the config.json the family's own Hugging Face adapter writes for
+that flavor (so both have the same parameters; the count is printed, and must agree), and the
+HF Qwen3-MoE runs titanlite's MoE layer in place of transformers' sparse blocks
+(models/hf/moe.py). Each model trains `--warmup-steps` + `--steps` steps of a plain loop on
+random tokens (forward, cross-entropy plus the MoE aux loss, backward, fused AdamW): the
+models' own cost, not the trainer's. The pairs are measured in `--rounds` alternating rounds
+and each model's best median kept, so a noisy moment hurts neither side alone. Printed:
+parameters, tokens/s, and the ratio HF backend / native. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from titanlite.models import get_model_spec  # noqa: E402
+from titanlite.models.hf import read_hf_args  # noqa: E402
+from titanlite.models.moe import aux_losses  # noqa: E402
+
+PAIRS = {"llama": ("llama3", "debugmodel"), "qwen3-moe": ("qwen3", "debugmodel_moe")}
+
+
+def build_pair(family: str, flavor: str, vocab: int, folder: Path) -> dict[str, torch.nn.Module]:
+    """The native model of `flavor` and the HF backend's model of the config.json its adapter writes."""
+    spec = get_model_spec(family)
+    args = spec.args_for(flavor, vocab)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(spec.hf_adapter.hf_config(args), indent=2))
+    hf_spec = get_model_spec("hf")
+    models = {"native": spec.model_class(args), "hf backend": hf_spec.model_class(read_hf_args(str(folder)))}
+    for model in models.values():
+        model.init_weights(seed=0)
+    return models
+
+
+def measure(model: torch.nn.Module, vocab: int, batch: int, seq_len: int, steps: int, warmup: int) -> float:
+    """The median seconds of the measured steps of a plain training loop."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for step in range(warmup + steps):
+        tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
+        started = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux_losses(model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= warmup:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096, help="the bundled tokenizer's size by default")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"one process, float32, batch {args.batch} x seq {args.seq_len}, {torch.get_num_threads()} threads, "
+        f"{args.steps} steps after {args.warmup_steps} warmup, best of {args.rounds} rounds"
+    )
+    with tempfile.TemporaryDirectory() as root:
+        pairs = {name: build_pair(*family, args.vocab, Path(root) / name) for name, family in PAIRS.items()}
+        best: dict[tuple[str, str], float] = {}
+        for _ in range(args.rounds):
+            for name, models in pairs.items():
+                for side, model in models.items():
+                    seconds = measure(model, args.vocab, args.batch, args.seq_len, args.steps, args.warmup_steps)
+                    best[name, side] = min(best.get((name, side), seconds), seconds)
+    tokens = args.batch * args.seq_len
+    for name, models in pairs.items():
+        for side, model in models.items():
+            params = sum(p.numel() for p in model.parameters())
+            print(f"{name:10s} {side:11s} {params:>11,} parameters  {tokens / best[name, side]:>9,.0f} tokens/s")
+        print(f"ratio {name} hf backend / native tokens/s: {best[name, 'native'] / best[name, 'hf backend']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
