@@ -8,16 +8,19 @@ Pairs: Llama's `debugmodel` and Qwen3's `debugmodel_moe` (8 experts of width 256
 HF model of each is built from the config.json the family's own Hugging Face adapter writes for
 that flavor (so both have the same parameters; the count is printed, and must agree), and the
 HF Qwen3-MoE runs titanlite's MoE layer in place of transformers' sparse blocks
-(models/hf/moe.py). Each model trains `--warmup-steps` + `--steps` steps of a plain loop on
-random tokens (forward, cross-entropy plus the MoE aux loss, backward, fused AdamW): the
-models' own cost, not the trainer's. The pairs are measured in `--rounds` alternating rounds
-and each model's best median kept, so a noisy moment hurts neither side alone. Printed:
-parameters, tokens/s, and the ratio HF backend / native. Nothing is asserted.
+(models/hf/moe.py); the native one runs without its flavor's aux loss and expert bias, as
+transformers' model trains by default (`output_router_logits` off, no bias). Each model trains
+`--warmup-steps` + `--steps` steps of a plain loop on random tokens (forward, cross-entropy
+plus the MoE aux loss, backward, fused AdamW): the models' own cost, not the trainer's. The
+pairs are measured in `--rounds` alternating rounds and each model's best median kept, so a
+noisy moment hurts neither side alone. Printed: parameters, tokens/s, and the ratio HF backend
+/ native. Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -42,6 +45,8 @@ def build_pair(family: str, flavor: str, vocab: int, folder: Path) -> dict[str, 
     """The native model of `flavor` and the HF backend's model of the config.json its adapter writes."""
     spec = get_model_spec(family)
     args = spec.args_for(flavor, vocab)
+    if args.moe is not None:  # as transformers' model trains: no aux loss (output_router_logits off), no expert bias
+        args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, aux_loss_coef=0.0, use_expert_bias=False))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(spec.hf_adapter.hf_config(args), indent=2))
     hf_spec = get_model_spec("hf")
