@@ -55,8 +55,10 @@ FLOAT8_ROWWISE = ["--model.converters", "float8", "--float8.recipe_name", "rowwi
 DSV3 = ["--model.name", "deepseek_v3"]
 DSV3_Q_LORA = [*DSV3, "--model.flavor", "debugmodel_q_lora"]
 SP = ["--parallelism.sequence_parallel", "on"]
-# `--model.name hf`: a tiny transformers model of the type named (tests/helpers/hf_models.py).
-HF = ["--model.name", "hf", "--model.hf_assets_path"]
+# `--model.name hf`: a tiny transformers model of the type named (tests/helpers/hf_models.py);
+# its layouts and references train 5 steps.
+HF_MODEL = ["--model.name", "hf", "--model.hf_assets_path"]
+HF = ["--training.steps", "5", *HF_MODEL]
 TIED = ["--model.flavor", "debugmodel_tied"]
 HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v2")  # titanlite's MoE layer in place of their sparse blocks
 HF_PP = ("llama", "qwen3", "granite", "mixtral", "qwen3_moe")  # types with an untied head (PP cannot split a tied one)

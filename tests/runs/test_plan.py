@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers.distributed import REPO, run_env, run_mains, run_ranks
 from tests.helpers.hf_models import with_hf_folders
-from tests.runs.equivalence import HF, QWEN3_MOE
+from tests.runs.equivalence import HF_MODEL, QWEN3_MOE
 
 # A hang guard: the presets test plans 31 layouts in 60-100 s alone, over 300 s beside two busy
 # workers on a slow host.
@@ -293,8 +293,8 @@ MEASURED = {
     "deepseek_v3": (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_q_lora"]),
     # Any transformers causal LM (`--model.name hf`): a dense one, and an MoE one whose sparse
     # blocks are titanlite's MoE layer, at ep 2.
-    "hf_llama": (2, [*HF, "hf:llama"]),
-    "hf_mixtral_ep2": (2, [*HF, "hf:mixtral", "--parallelism.expert_parallel_degree", "2"]),
+    "hf_llama": (2, [*HF_MODEL, "hf:llama"]),
+    "hf_mixtral_ep2": (2, [*HF_MODEL, "hf:mixtral", "--parallelism.expert_parallel_degree", "2"]),
 }
 MEASURED_ARGS = [
     "--config",
