@@ -16,8 +16,8 @@ from tests.helpers.distributed import EQUIVALENCE_ARGS, timeout_scale
 from tests.helpers.sessions import Case, SessionCases
 from tests.runs.equivalence import (
     CP,
-    HF,
     batch,
+    hf,
     FLOAT8_LAYOUTS,
     LAYOUTS,
     MUON,
@@ -42,7 +42,7 @@ def sessions(tmp_path_factory) -> SessionCases:
     calls = [
         Case("expert_parallel_layer", [], call="tests.helpers.expert_parallel_checks:run_checks"),
         Case("float8_fsdp", [], call="tests.helpers.float8_checks:run_checks"),
-        Case("hf_sliding_window_cp2", [*EQUIVALENCE_ARGS, *batch(8), *CP, *HF, "hf:gemma3_text"]),
+        Case("hf_sliding_window_cp2", [*EQUIVALENCE_ARGS, *batch(8), *CP, *hf("gemma3_text")]),
     ]
     return run_sessions(tmp_path_factory, {WORLD: calls})
 
