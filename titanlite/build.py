@@ -298,4 +298,6 @@ def build_model(plan: RunPlan, device: torch.device, meshes: Meshes, processes_p
     has_moe = bool(moe.moe_layers(model))
     if has_moe and not plan.spec.supports("moe"):
         raise ValueError(f"model {plan.spec.name} has MoE layers but does not declare ModelSpec.capabilities.moe")
+    # A pipeline stage of dense blocks only still joins the stages' load report (a pp collective).
+    has_moe = has_moe or plan.model_args.n_moe_layers > 0
     return BuiltModel(parts, model, size, experts=moe if has_moe else None)

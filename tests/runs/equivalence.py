@@ -67,8 +67,8 @@ def hf(model_type: str) -> list[str]:
 
 
 TIED = ["--model.flavor", "debugmodel_tied"]
-HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v2")  # titanlite's MoE layer in place of their sparse blocks
-HF_PP = ("llama", "qwen3", "granite", "mixtral", "qwen3_moe")  # types with an untied head (PP cannot split a tied one)
+HF_MOE = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v2")  # titanlite's MoE layer in place of their sparse blocks
+HF_PP = ("llama", "qwen3", "granite", *HF_MOE)  # types with an untied head (PP cannot split a tied one)
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
@@ -281,14 +281,13 @@ LAYOUTS = {
     **{f"hf_{name}_pp2": (2, [*batch(8), *PP, *hf(name)], f"hf_{name}") for name in HF_PP},
     **{f"hf_{name}_cp2": (2, [*batch(8), *CP, *hf(name)], f"hf_{name}") for name in HF_PP},
     **{f"hf_{name}_ep2": (2, [*batch(4), *EP, *hf(name)], f"hf_{name}") for name in HF_MOE},
-    **{f"hf_{name}_tp2": (2, [*batch(8), *TP, *hf(name)], f"hf_{name}") for name in ("mixtral", "qwen3_moe")},
+    **{f"hf_{name}_tp2": (2, [*batch(8), *TP, *hf(name)], f"hf_{name}") for name in HF_MOE[:3]},  # not MLA
     "hf_llama_cp2_block_causal": (2, [*batch(8), *CP, *hf("llama"), *BLOCK], "hf_llama_block_causal"),
     "hf_qwen3_moe_pp2_block_causal": (2, [*batch(8), *PP, *hf("qwen3_moe"), *BLOCK], "hf_qwen3_moe_block_causal"),
     "hf_llama_tp2": (2, [*batch(8), *TP, *hf("llama")], "hf_llama"),
     "hf_qwen3_tp2": (2, [*batch(8), *TP, *hf("qwen3")], "hf_qwen3"),
     "hf_gemma3_text_tp2": (2, [*batch(8), *TP, *hf("gemma3_text")], "hf_gemma3_text"),
-    "hf_mixtral_fsdp2": (2, [*batch(4), *hf("mixtral")], "hf_mixtral"),
-    "hf_qwen3_moe_fsdp2": (2, [*batch(4), *hf("qwen3_moe")], "hf_qwen3_moe"),
+    **{f"hf_{name}_fsdp2": (2, [*batch(4), *hf(name)], f"hf_{name}") for name in HF_MOE},
     "hf_llama_fsdp2_tp2": (4, [*batch(4), *TP, *hf("llama")], "hf_llama"),
     "pp2_dp2_tp2": (8, [*batch(4), *PP, *TP], "causal"),
     "cp2_hsdp2x2": (8, [*batch(2), *CP, "--parallelism.data_parallel_replicate_degree", "2"], "causal"),
