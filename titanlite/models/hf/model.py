@@ -1,12 +1,15 @@
 """Any transformers causal LM as a titanlite model: the class transformers builds from the
 folder's config.json (`AutoModelForCausalLM`), run by its own forward.
 
-`HFCausalLM` adopts the transformers model's children (`model`, `lm_head`), so every state
-dict key is transformers' own name and the HF files need no mapping; the transformers model
-itself is kept unregistered and runs the forward, so whatever its class does around the
-decoder (Gemma's embedding scale and logit soft-capping, Granite's multipliers, sliding
-windows per layer) is kept. Its blocks are moved from a ModuleList into `LayerDict`, the
-ModuleDict titanlite's contract asks for (`layers`), under the same names.
+`HFCausalLM` adopts the children of the transformers model's decoder (`embed_tokens`,
+`layers`, `norm`, `rotary_emb`) and its head (`lm_head`), so every state dict key is
+transformers' own name without the decoder's `model.` prefix (hf_adapter.py adds it back);
+the transformers model itself is kept unregistered and runs the forward, so whatever its class
+does around the decoder (Gemma's embedding scale and logit soft-capping, Granite's
+multipliers, sliding windows per layer) is kept. Its blocks are moved from a ModuleList into
+`LayerDict`, the ModuleDict titanlite's contract asks for (`layers`), under the same names; the
+sparse-MoE blocks titanlite's layer expresses are replaced by it (moe.py), and titanlite's
+attention (attention.py) runs where its masks are needed.
 
 Weights are initialized by the model's own `_init_weights` (transformers' init for its type:
 normals of `initializer_range`, ones or zeros for norms, RoPE tables), with every random draw
@@ -89,7 +92,7 @@ def read_hf_args(folder: str) -> HFArgs:
         raise TitanliteError(f"model.hf_assets_path: {path} is no transformers config ({error})") from None
     text = config.get_text_config()
     heads = text.num_attention_heads
-    moe = moe_args(text)
+    moe, sparse = moe_args(text), ()
     if moe is not None:  # which blocks are sparse: the type's own rule, read off the model built on meta
         from transformers import AutoModelForCausalLM
 
@@ -108,7 +111,7 @@ def read_hf_args(folder: str) -> HFArgs:
         max_seq_len=getattr(text, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         moe=moe,
-        moe_layers=sparse if moe is not None else (),
+        moe_layers=sparse,
     )
 
 
