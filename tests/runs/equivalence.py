@@ -277,6 +277,7 @@ LAYOUTS = {
     # applied once; Qwen3's per-block attention types read by position).
     "hf_llama_fsdp2": (2, [*batch(4), *hf("llama")], "hf_llama"),
     "hf_granite_fsdp2": (2, [*batch(4), *hf("granite")], "hf_granite"),
+    "hf_granite_tp2": (2, [*batch(8), *TP, *hf("granite")], "hf_granite"),
     "hf_qwen3_fsdp2_ac_full": (2, [*batch(4), *hf("qwen3"), "--activation_checkpoint.mode", "full"], "hf_qwen3"),
     **{f"hf_{name}_pp2": (2, [*batch(8), *PP, *hf(name)], f"hf_{name}") for name in HF_PP},
     **{f"hf_{name}_cp2": (2, [*batch(8), *CP, *hf(name)], f"hf_{name}") for name in HF_PP},
