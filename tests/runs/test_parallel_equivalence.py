@@ -42,6 +42,7 @@ def sessions(tmp_path_factory) -> SessionCases:
     calls = [
         Case("expert_parallel_layer", [], call="tests.helpers.expert_parallel_checks:run_checks"),
         Case("float8_fsdp", [], call="tests.helpers.float8_checks:run_checks"),
+        Case("checkpoint_overwrite", [], call="tests.helpers.checkpoint_overwrite_checks:run_checks"),
         Case("hf_sliding_window_cp2", [*EQUIVALENCE_ARGS, *batch(8), *CP, *hf("gemma3_text")]),
     ]
     return run_sessions(tmp_path_factory, {WORLD: calls})
@@ -198,3 +199,12 @@ def test_context_parallel_refuses_an_hf_models_sliding_window_in_one_line(sessio
         "TitanliteError: model.hf_assets_path: Gemma3Attention attends a sliding window of 8 tokens, which "
         "titanlite's context-parallel and document-masked attention do not (the window is 64)"
     )
+
+
+def test_a_step_saved_over_its_folder_waits_for_rank_0_to_move_the_old_one(sessions):
+    """tests/helpers/checkpoint_overwrite_checks.py: every rank's DCP writer makes the step's
+    folder after rank 0 moved the old one aside (its retire slowed by 0.5 s), and the save commits."""
+    checks = sessions["checkpoint_overwrite"]["checks"]
+    retired = checks["ranks"][0]["retired"]
+    assert all(rank["made"] > retired for rank in checks["ranks"]), checks
+    assert checks["committed"]

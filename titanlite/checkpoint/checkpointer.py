@@ -229,13 +229,19 @@ class Checkpointer:
             self.housekeeper.delete(retired)
 
     def _prepare_folder(self, step: int) -> Path:
-        """Rank 0 clears the target folder (retiring it) before DCP writes into it. No barrier
-        needed: other ranks write only after DCP's planning collective, which rank 0 joins later."""
+        """Rank 0 clears the target folder (retiring it) while the other ranks wait: DCP's writer
+        makes the folder on every rank in its local planning (`prepare_local_plan`), before any
+        collective, and a rank making it while rank 0 moved the old one aside failed
+        (FileExistsError: mkdir found the folder, is_dir no longer did)."""
         path = commit.step_dir(self.root, step)
-        if self.rank == 0 and path.exists():
-            if path.is_dir() and commit.read_commit(path) is not None:
-                logger.warning(f"checkpoint: overwriting the existing checkpoint {path}")
-            self._retire(step)
+
+        def clear() -> None:
+            if path.exists():
+                if path.is_dir() and commit.read_commit(path) is not None:
+                    logger.warning(f"checkpoint: overwriting the existing checkpoint {path}")
+                self._retire(step)
+
+        on_rank0(self.group, clear, broadcast_result=False)
         return path
 
 
