@@ -11,7 +11,7 @@ HF Qwen3-MoE runs titanlite's MoE layer in place of transformers' sparse blocks
 (models/hf/moe.py); the native one runs without its flavor's aux loss and expert bias, as
 transformers' model trains by default (`output_router_logits` off, no bias). Each model trains
 `--warmup-steps` + `--steps` steps of a plain loop on random tokens (forward, cross-entropy
-plus the MoE aux loss, backward, fused AdamW): the models' own cost, not the trainer's. The
+plus the MoE aux loss, backward, fused AdamW; bench/moe_throughput.py's loop): the models' own cost. The
 pairs are measured in `--rounds` alternating rounds and each model's best median kept, so a
 noisy moment hurts neither side alone. Printed: parameters, tokens/s, and the ratio HF backend
 / native. Nothing is asserted.
@@ -25,18 +25,16 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from titanlite.models import get_model_spec  # noqa: E402
 from titanlite.models.hf import read_hf_args  # noqa: E402
-from titanlite.models.moe import aux_losses  # noqa: E402
+from moe_throughput import loop_arguments, step_seconds  # noqa: E402  (bench/, beside this file)
 
 PAIRS = {"llama": ("llama3", "debugmodel"), "qwen3-moe": ("qwen3", "debugmodel_moe")}
 
@@ -56,32 +54,9 @@ def build_pair(family: str, flavor: str, vocab: int, folder: Path) -> dict[str, 
     return models
 
 
-def measure(model: torch.nn.Module, vocab: int, batch: int, seq_len: int, steps: int, warmup: int) -> float:
-    """The median seconds of the measured steps of a plain training loop."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    generator = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(warmup + steps):
-        tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
-        started = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux_losses(model)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step >= warmup:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096, help="the bundled tokenizer's size by default")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    loop_arguments(parser)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     if args.threads:
@@ -96,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for name, models in pairs.items():
                 for side, model in models.items():
-                    seconds = measure(model, args.vocab, args.batch, args.seq_len, args.steps, args.warmup_steps)
+                    times = step_seconds(model, args.vocab, args.batch, args.seq_len, args.steps, args.warmup_steps)
+                    seconds = statistics.median(times)
                     best[name, side] = min(best.get((name, side), seconds), seconds)
     tokens = args.batch * args.seq_len
     for name, models in pairs.items():

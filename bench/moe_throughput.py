@@ -53,15 +53,14 @@ def models(vocab: int) -> dict[str, tuple[str, object]]:
     }
 
 
-def measure(family: str, args, batch: int, seq_len: int, steps: int, warmup: int) -> tuple[list[float], int, int]:
-    """Seconds of each measured step, and (active, total) parameters."""
-    model = get_model_spec(family).model_class(args)
-    model.init_weights(seed=0)
+def step_seconds(model: torch.nn.Module, vocab: int, batch: int, seq_len: int, steps: int, warmup: int) -> list[float]:
+    """Seconds of each measured step of a plain training loop on random tokens (forward,
+    cross-entropy plus the MoE aux loss, backward, fused AdamW, the expert-bias update)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     generator = torch.Generator().manual_seed(0)
     times = []
     for step in range(warmup + steps):
-        tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=generator)
+        tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
         started = time.perf_counter()
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + aux_losses(model)
@@ -71,18 +70,31 @@ def measure(family: str, args, batch: int, seq_len: int, steps: int, warmup: int
         update_expert_biases(model)
         if step >= warmup:
             times.append(time.perf_counter() - started)
+    return times
+
+
+def measure(family: str, args, batch: int, seq_len: int, steps: int, warmup: int) -> tuple[list[float], int, int]:
+    """Seconds of each measured step, and (active, total) parameters."""
+    model = get_model_spec(family).model_class(args)
+    model.init_weights(seed=0)
+    times = step_seconds(model, args.vocab_size, batch, seq_len, steps, warmup)
     total = sum(p.numel() for p in model.parameters())
     return times, active_parameters(args, total), total
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def loop_arguments(parser: argparse.ArgumentParser) -> None:
+    """The plain loop's options, shared by the one-process benches that time it."""
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096, help="the bundled tokenizer's size by default")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    loop_arguments(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
