@@ -24,6 +24,7 @@ from titanlite.config.param_groups import check_matched
 from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec, moe
+from titanlite.models.lora import convert as lora_adapters, init_adapters
 from titanlite.model_spec import HF_CONFIG_FILE, read_hf_config, Capability, DecoderArgs, ModelSpec
 from titanlite.parallel import parallelize as parallel
 from titanlite.parallel.activation_checkpoint import ac_setting
@@ -56,6 +57,11 @@ class RunPlan:
     def float8(self) -> Any:
         """The `[float8]` section when `model.converters` names float8, else None."""
         return self.cfg.float8 if "float8" in self.cfg.model.converters else None
+
+    @property
+    def lora(self) -> Any:
+        """The `[lora]` section when `model.converters` names lora, else None."""
+        return self.cfg.lora if "lora" in self.cfg.model.converters else None
 
     @property
     def precomputes_float8_scales(self) -> bool:
@@ -111,6 +117,8 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
     with torch.device("meta"):  # the whole model without memory: every pipeline stage's names, every MoE layer
         model = spec.model_class(args)
+    if "lora" in cfg.model.converters:  # a target that matches nothing is refused here, before any device
+        lora_adapters(model, cfg.lora)
     check_matched(cfg.optimizer.param_groups, [name for name, _ in model.named_parameters()])
     if dims.ep_enabled or dims.etp_enabled:
         n_experts = [layer.args.n_experts for layer in moe.moe_layers(model).values()]
@@ -224,6 +232,7 @@ def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:
         pipelined=dims.pp_enabled,
         expert_tensor_parallel=dims.etp_enabled,
         float8=plan.float8,
+        lora=plan.lora,
     )
 
 
@@ -282,6 +291,7 @@ def materialize(model: torch.nn.Module, plan: RunPlan, device: torch.device) -> 
     for part in model.parts if isinstance(model, ModelParts) else [model]:
         part.to_empty(device="cpu" if plan.cpu_offload else device)
         part.init_weights(seed=plan.cfg.training.seed)
+        init_adapters(part, seed=plan.cfg.training.seed)
         part.train()
 
 

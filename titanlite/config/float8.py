@@ -23,6 +23,9 @@ REFUSED_CONVERTERS = {
 }
 
 
+CONVERTERS = ("float8", "lora")  # what model.converters may name ([float8] here, [lora] in lora.py)
+
+
 @dataclass
 class Float8:
     """float8 training (torchao) of the linear layers, with model.converters = ["float8"]. torchtitan's
@@ -54,9 +57,10 @@ def check_float8(converters: list[str], float8: Float8) -> None:
     for name in converters:
         if name in REFUSED_CONVERTERS:
             raise TitanliteError(f"model.converters: {name} is not supported: {REFUSED_CONVERTERS[name]}")
-        if name != "float8":
+        if name not in CONVERTERS:
             raise TitanliteError(
-                f"model.converters: unknown converter {name!r} (titanlite has float8; got {converters})"
+                f"model.converters: unknown converter {name!r} (titanlite has "
+                f"{', '.join(CONVERTERS)}; got {converters})"
             )
     if len(set(converters)) < len(converters):
         raise TitanliteError(f"model.converters: a converter named twice (got {converters})")

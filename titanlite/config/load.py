@@ -22,6 +22,7 @@ from titanlite.config.parse import Override, apply_toml, cli_pairs, parse_overri
 from titanlite.config.output import help_lines, to_toml
 from titanlite.config.fault_tolerance import check_fault_tolerance
 from titanlite.config.float8 import check_float8
+from titanlite.config.lora import check_lora
 from titanlite.config.param_groups import parse_groups
 from titanlite.config.sections import JobConfig
 from titanlite.config.torchtitan import TorchtitanKeys
@@ -111,6 +112,7 @@ def validate(cfg: JobConfig) -> None:
     _check_batch_and_data(cfg)
     _check_layout(cfg)
     check_float8(cfg.model.converters, cfg.float8)
+    check_lora(cfg.model.converters, cfg.lora)
     for name in cfg.parallelism.fsdp_shard_modules:
         if not name.isidentifier():
             raise TitanliteError(

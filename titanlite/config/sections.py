@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from titanlite.config.engine import option as _opt
 from titanlite.config.fault_tolerance import FaultTolerance
 from titanlite.config.float8 import Float8
+from titanlite.config.lora import LoRA
 from titanlite.config.optimizer import Optimizer
 from titanlite.config.parallelism import ActivationCheckpoint, Comm, Compile, Parallelism
 from titanlite.config.records import Checkpoint, Metrics, Profiling
@@ -67,7 +68,8 @@ class Model:
     converters: list[str] = _opt(
         [],
         "conversions before parallelism: float8 (torchao's float8 linears, set in [float8]; emulated on devices "
-        "without float8 matmuls; torchtitan's quantize.linear.float8 is the same)",
+        "without float8 matmuls; torchtitan's quantize.linear.float8 is the same); lora (adapters on a frozen "
+        "model, set in [lora])",
     )
 
 
@@ -209,5 +211,6 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     float8: Float8 = field(default_factory=Float8)
+    lora: LoRA = field(default_factory=LoRA)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

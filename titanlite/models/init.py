@@ -66,6 +66,10 @@ class ShardInit:
         low, high = (math.erf(bound / (std * math.sqrt(2.0))) for bound in (a, b))
         self._fill(param, lambda s: normal_from_uniform(s, std, low, high).clamp_(a, b))
 
+    def uniform(self, param: torch.Tensor, bound: float) -> None:
+        """Uniform in (-bound, bound)."""
+        self._fill(param, lambda s: s.mul_(bound))
+
     @torch.no_grad()
     def ones(self, param: torch.Tensor) -> None:
         _local(param).fill_(1.0)

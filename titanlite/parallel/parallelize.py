@@ -4,7 +4,8 @@ path the trainer (`build.parallelize`) and a library user's own loop share.
 The order is torchtitan's: the float8 conversion of the linears (`float8.py`) before anything
 else (every later step then shards and wraps Float8Linear modules), then expert parallelism
 and the TP plan (they turn parameters into DTensors on the ep and tp meshes, which FSDP then
-shards further; the experts first, so the TP plan finds them laid out and leaves them), the
+shards further; the experts first, so the TP plan finds them laid out and leaves them), LoRA's
+adapters (after the plan: each takes its base weight's layout, `models/lora.py`), the
 model's context-parallel attention, activation checkpointing and `torch.compile` per block
 (so FSDP's hooks sit outside the wrappers and the compiled graphs), and last `fully_shard`
 per unit, innermost first, then the root.
@@ -21,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titanlite.errors import TitanliteError
+from titanlite.models.lora import convert as lora_adapters
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context_parallel import ContextParallelModel
@@ -57,6 +59,7 @@ def parallelize(
     pipelined: bool = False,
     expert_tensor_parallel: bool = False,
     float8: Any = None,
+    lora: Any = None,
 ) -> nn.Module:
     """Parallelize `model` in place over `mesh` (from `build_mesh`) and return it.
 
@@ -85,6 +88,8 @@ def parallelize(
     experts = apply_ep(model, meshes.ep, meshes.tp, expert_tensor_parallel)
     if tp_plan is not None:
         tp_plan(model, meshes.tp) if callable(tp_plan) else parallelize_module(model, meshes.tp, tp_plan)
+    if lora is not None:
+        lora_adapters(model, lora)
     if meshes.context_parallel is not None:
         model.enable_context_parallel(meshes.context_parallel)
     names = _block_names(model, blocks, wrapped=ac != "none" or compile)
