@@ -24,7 +24,8 @@ from titanlite.config.param_groups import check_matched
 from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec, moe
-from titanlite.models.lora import convert as lora_adapters, init_adapters
+from titanlite.models.init import init_adapters
+from titanlite.parallel.lora import convert as lora_adapters
 from titanlite.model_spec import HF_CONFIG_FILE, read_hf_config, Capability, DecoderArgs, ModelSpec
 from titanlite.parallel import parallelize as parallel
 from titanlite.parallel.activation_checkpoint import ac_setting

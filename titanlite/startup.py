@@ -216,7 +216,14 @@ def _checkpoint_manager(plan: RunPlan, model: nn.Module, **parts: Any) -> Checkp
     optimizer, schedule, loader, train state and tokenizer)."""
     cfg = plan.cfg
     return CheckpointManager(
-        cfg.checkpoint, cfg.job.dump_folder, plan.spec, cfg.model.flavor, plan.model_args, model=model, **parts
+        cfg.checkpoint,
+        cfg.job.dump_folder,
+        plan.spec,
+        cfg.model.flavor,
+        plan.model_args,
+        model=model,
+        lora=plan.lora,
+        **parts,
     )
 
 

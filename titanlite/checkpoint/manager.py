@@ -50,11 +50,14 @@ class CheckpointManager:
         dataloader: Stateful | None = None,
         train_state: Stateful | None = None,
         tokenizer: Any = None,
+        lora: Any = None,
     ):
         self.cfg = cfg
         self.root = Path(dump_folder) / cfg.folder
         self.model_args = commit.args_dict(model_args)
-        self.contents = Contents(model, optimizer, lr_scheduler, dataloader, train_state)
+        self.lora = lora  # the [lora] section of a LoRA run, else None
+        adapters_only = lora is not None and lora.save == "adapters"
+        self.contents = Contents(model, optimizer, lr_scheduler, dataloader, train_state, adapters_only)
         self.pipeline = Checkpointer(self.root, async_mode=cfg.async_mode, keep_latest_k=cfg.keep_latest_k)
         # `tokenizer` (anything with .path and .vocab_size): recorded, and compared on resume.
         self.tokenizer = (

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from titanlite.checkpoint import hf_io, integrity, policy
 from titanlite.checkpoint.commit import CommitRecord, args_dict, dcp_tensors, fingerprint, read_dcp_index
@@ -78,8 +77,14 @@ class Restorer:
                 for note in choice.notes:
                     logger.warning(note)
             if choice.step is not None:
+                if self.contents.adapters_only and not choice.record.model_weights_only:
+                    self._load_initial()  # a LoRA run's frozen weights are not in its checkpoints
                 self._resume(choice)
                 return
+        self._load_initial()
+
+    def _load_initial(self) -> None:
+        """The model from `initial_load_path` (its adapters, if any, keep their init)."""
         if self.cfg.initial_load_path:
             initialize = self._load_hf if self.cfg.initial_load_format == "hf" else self._load_initial_dcp
             initialize(Path(self.cfg.initial_load_path))
@@ -148,15 +153,15 @@ class Restorer:
         path, prefix, checksums = on_rank0(self.group, check)
         started = time.perf_counter()
         integrity.verify(path, checksums, self.group)
-        self._load_model_dcp(path, prefix)
+        self._load_model_dcp(path, prefix, base=True)
         _initialized(str(path), started)
 
-    def _load_model_dcp(self, path: Path, prefix: str) -> None:
+    def _load_model_dcp(self, path: Path, prefix: str, base: bool = False) -> None:
         """Model weights only; `prefix` "" reads checkpoints that keep weights at top level
-        (torchtitan's seed and weights-only exports do)."""
-        model_sd = self.contents.model_state()
+        (torchtitan's seed and weights-only exports do); `base`: initial weights, no adapters."""
+        model_sd = self.contents.model_state(base)
         dcp_load({"model": model_sd} if prefix else model_sd, path, self.group)
-        set_model_state_dict(self.contents.model, model_sd)
+        self.contents.set_model_state(model_sd, base)
 
     def _load_hf(self, folder: Path) -> None:
         """`initial_load_path` (hf): rank 0 checks the folder (config.json, the index's
@@ -172,9 +177,9 @@ class Restorer:
 
         on_rank0(self.group, check)
         started = time.perf_counter()
-        model_sd = self.contents.model_state()
+        model_sd = self.contents.model_state(base=True)
         hf_io.load_hf_weights(model_sd, folder, adapter, self.model_args, self.group)
-        set_model_state_dict(self.contents.model, model_sd)
+        self.contents.set_model_state(model_sd, base=True)
         _initialized(f"Hugging Face weights {folder}", started)
 
 

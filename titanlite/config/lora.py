@@ -1,5 +1,5 @@
 """The `[lora]` section: low-rank adapters trained on a frozen model, with model.converters =
-["lora"] (`titanlite/models/lora.py` applies it; docs/fine_tuning.md). The keys are PEFT's
+["lora"] (`titanlite/parallel/lora.py` applies it; docs/fine_tuning.md). The keys are PEFT's
 `LoraConfig` ones (r is `rank`, lora_alpha `alpha`), so an exported adapter folder reads the same."""
 
 from __future__ import annotations

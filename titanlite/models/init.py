@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlite.parallel.lora import LoRALinear
 from titanlite.parallel.placement import shard_indices
 
 CHUNK_ELEMENTS = 1 << 16
@@ -157,3 +158,16 @@ def _outer_sum(offsets: list[torch.Tensor]) -> torch.Tensor:
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """PEFT's start for every adapter of `model`, this rank's shard only: A uniform within
+    1 / sqrt(in) (kaiming-uniform with a = sqrt(5)), B zero. Nothing without adapters."""
+    adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    if not adapted:
+        return
+    init = ShardInit(model, seed)
+    for module in adapted:
+        init.uniform(module.lora_a, 1 / math.sqrt(module.in_features))
+        init.zeros(module.lora_b)

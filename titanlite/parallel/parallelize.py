@@ -5,7 +5,7 @@ The order is torchtitan's: the float8 conversion of the linears (`float8.py`) be
 else (every later step then shards and wraps Float8Linear modules), then expert parallelism
 and the TP plan (they turn parameters into DTensors on the ep and tp meshes, which FSDP then
 shards further; the experts first, so the TP plan finds them laid out and leaves them), LoRA's
-adapters (after the plan: each takes its base weight's layout, `models/lora.py`), the
+adapters (after the plan: each takes its base weight's layout, `lora.py`), the
 model's context-parallel attention, activation checkpointing and `torch.compile` per block
 (so FSDP's hooks sit outside the wrappers and the compiled graphs), and last `fully_shard`
 per unit, innermost first, then the root.
@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from titanlite.errors import TitanliteError
-from titanlite.models.lora import convert as lora_adapters
+from titanlite.parallel.lora import convert as lora_adapters
 from titanlite.parallel.activation_checkpoint import apply_ac
 from titanlite.parallel.compile import apply_compile
 from titanlite.parallel.context_parallel import ContextParallelModel
@@ -79,6 +79,10 @@ def parallelize(
     expert_tensor_parallel: split each routed expert's weights over tp (needs a tp mesh).
     float8: train the linears in float8 through torchao: the `[float8]` section (`Float8`
         from `titanlite.config`: recipe_name, enable_fsdp_float8_all_gather, filter_fqns).
+    lora: train low-rank adapters on the frozen model (`lora.py`): the `[lora]` section (`LoRA`
+        from `titanlite.config.lora`: rank, alpha, dropout, target_modules); applied after the TP
+        plan, so each adapter is laid out like its base weight. Fill them with
+        `titanlite.models.init.init_adapters(model, seed)` once the model is materialized.
     """
     meshes = as_meshes(mesh)
     _check(meshes, tp_plan, ac, prefetch, reshard_after_forward)

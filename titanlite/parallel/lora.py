@@ -15,13 +15,12 @@ the base's, in the same all-reduce); a replicated weight gets replicated adapter
 shards them over the data-parallel ranks like any parameter.
 
 A starts as PEFT's default (kaiming-uniform with a = sqrt(5): uniform within 1 / sqrt(in)) and
-B at zero, so the converted model starts as the base; the values are a function of the seed and
-the parameter's name (`models/init.py`), the same at every layout.
+B at zero, so the converted model starts as the base (`models/init.init_adapters`: the values are
+a function of the seed and the parameter's name, the same at every layout).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from titanlite.errors import TitanliteError
-from titanlite.models.init import ShardInit
 
 ADAPTERS = ("lora_a", "lora_b")
 
@@ -88,19 +86,6 @@ def _placements(key: str, weight: DTensor) -> list[Any]:
     A [rank, in] its columns (dim 1); each is sharded where the weight is along the dim they share."""
     shared = 0 if key == "lora_b" else 1
     return [Shard(shared) if p == Shard(shared) else Replicate() for p in weight.placements]
-
-
-@torch.no_grad()
-def init_adapters(model: nn.Module, seed: int) -> None:
-    """PEFT's start for every adapter of `model`, this rank's shard only: A uniform within
-    1 / sqrt(in) (kaiming-uniform with a = sqrt(5)), B zero. Nothing without adapters."""
-    adapted = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    if not adapted:
-        return
-    init = ShardInit(model, seed)
-    for module in adapted:
-        init.uniform(module.lora_a, 1 / math.sqrt(module.in_features))
-        init.zeros(module.lora_b)
 
 
 def is_adapter(key: str) -> bool:

@@ -1,0 +1,116 @@
+"""LoRA (`model.converters = ["lora"]`, titanlite/parallel/lora.py) against Hugging Face's PEFT: the
+same frozen weights, adapters and batches train the same losses and adapters in titanlite's trainer
+and in PEFT's LoRA model under a plain torch loop; an exported adapter folder loads with
+`peft.PeftModel.from_pretrained` and a merged folder with transformers, both giving titanlite's
+logits. (The parallel layouts train like one process in tests/runs/test_parallel_equivalence*.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.hf_models import hf_folder
+from tests.unit.test_hf_backend import trainer_process  # noqa: F401  (a fixture)
+from titanlite.build import plan_run
+from titanlite.config.load import load_config
+from titanlite.errors import TitanliteError
+from titanlite.parallel.lora import LoRALinear
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TARGETS = {"wq": "q_proj", "wv": "v_proj", "wo": "o_proj", "w2": "down_proj"}
+
+
+def saved_folder(root, model_type: str):
+    """A tiny transformers model of `model_type` with seeded weights, saved with its tokenizer."""
+    folder = hf_folder(root, model_type)
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def lora_argv(folder, tmp_path, *extra: str) -> list[str]:
+    argv = ["--config", "debug_model", "--model.name", "qwen3", "--model.flavor", "hf"]
+    argv += ["--model.hf_assets_path", str(folder), "--model.converters", "lora"]
+    argv += ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_format", "hf"]
+    argv += ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", ",".join(TARGETS)]
+    argv += ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "3"]
+    argv += ["--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3", "--metrics.enable_tensorboard", "false"]
+    return [*argv, "--metrics.peak_flops", "1e11", "--job.dump_folder", str(tmp_path), *extra]
+
+
+def adapters(model: torch.nn.Module, hf_adapter) -> dict[str, torch.Tensor]:
+    """titanlite's adapters under PEFT's names (Qwen3's rows are HF's: no permutation)."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            hf = hf_adapter.hf_name(f"{name}.weight").removesuffix(".weight")
+            found[f"base_model.model.{hf}.lora_A.default.weight"] = module.lora_a
+            found[f"base_model.model.{hf}.lora_B.default.weight"] = module.lora_b
+    return found
+
+
+def test_three_steps_equal_peft_lora_on_the_transformers_model(tmp_path, trainer_process):
+    """The trainer at one process (LoRA on q, v, o and down projections, rank 4, alpha 8) against
+    PEFT's LoRA of the same rank, alpha and targets on transformers' Qwen3, from the same folder,
+    with titanlite's initial A (B is zero in both), under torch's AdamW (the adapters' weight
+    decay), clip_grad_norm_ and F.cross_entropy on the same batches: the loss of each step within
+    1e-6 and every adapter within 1e-5 of its norm after 3 steps; the base weights unchanged."""
+    from titanlite.step.optim import lr_factor
+    from titanlite.trainer import Trainer
+
+    folder = saved_folder(tmp_path, "qwen3")
+    trainer = Trainer(plan_run(load_config(lora_argv(folder, tmp_path / "run")), 1))
+    trainer.run.checkpoint.load(trainer.run.state)  # the folder's weights, as train() starts
+    cfg = trainer.plan.cfg
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(TARGETS.values()))
+    theirs = peft.get_peft_model(base, config)
+    ours = adapters(trainer.model, trainer.plan.spec.hf_adapter)
+    assert len(ours) == 2 * 4 * 2  # 4 linears of 2 layers
+    theirs.load_state_dict({k: v.detach() for k, v in ours.items()}, strict=False)
+    trained = [p for p in theirs.parameters() if p.requires_grad]
+    assert len(trained) == len(ours)
+    frozen_before = theirs.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    optimizer = torch.optim.AdamW(
+        trained,
+        lr=cfg.optimizer.lr,
+        betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
+        eps=cfg.optimizer.eps,
+        weight_decay=cfg.optimizer.weight_decay,
+        fused=True,
+    )
+    batches = iter(trainer.data)
+    for step in range(1, 4):
+        inputs, labels = next(batches)
+        loss, _, _ = trainer.train_step([(inputs, labels)])
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.optimizer.lr * lr_factor(step, 3, 2, None, "linear", 0.0)
+        logits = theirs(input_ids=inputs).logits
+        reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        assert loss.item() == pytest.approx(reference.item(), rel=1e-6), f"step {step}"
+        reference.backward()
+        torch.nn.utils.clip_grad_norm_(trained, cfg.training.max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = theirs.state_dict()
+    for name, value in adapters(trainer.model, trainer.plan.spec.hf_adapter).items():
+        assert (value.detach() - state[name]).norm() <= 1e-5 * state[name].norm(), name
+    assert state["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"].abs().sum() > 0, "trained"
+    wq = trainer.model.layers["0"].attention.wq
+    assert torch.equal(wq.weight, frozen_before) and not wq.weight.requires_grad
+    trainer.close()
+
+
+def test_a_target_that_matches_no_linear_is_refused_with_the_models_linears(tmp_path):
+    argv = ["--config", "debug_model", "--model.converters", "lora", "--lora.target_modules", "q_proj"]
+    with pytest.raises(TitanliteError) as refused:
+        plan_run(load_config(argv), 1)
+    assert str(refused.value) == (
+        "lora.target_modules: ['q_proj'] match no linear layer of the model (its linears: output, w1, w2, w3, "
+        "wk, wo, wq, wv)"
+    )
+    with pytest.raises(TitanliteError, match=r"^model.converters: lora and float8 together are not supported"):
+        load_config(["--config", "debug_model", "--model.converters", "lora,float8"])
