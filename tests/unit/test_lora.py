@@ -31,12 +31,14 @@ def saved_folder(root, model_type: str):
     return folder
 
 
-def lora_argv(folder, tmp_path, *extra: str) -> list[str]:
-    argv = ["--config", "debug_model", "--model.name", "qwen3", "--model.flavor", "hf"]
+def lora_argv(
+    folder, tmp_path, *extra: str, family: str = "qwen3", targets: str = ",".join(TARGETS), steps: int = 3
+) -> list[str]:
+    argv = ["--config", "debug_model", "--model.name", family, "--model.flavor", "hf"]
     argv += ["--model.hf_assets_path", str(folder), "--model.converters", "lora"]
     argv += ["--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_format", "hf"]
-    argv += ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", ",".join(TARGETS)]
-    argv += ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", "3"]
+    argv += ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", targets]
+    argv += ["--training.mixed_precision_param", "float32", "--training.seq_len", "64", "--training.steps", str(steps)]
     argv += ["--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "3e-3", "--metrics.enable_tensorboard", "false"]
     return [*argv, "--metrics.peak_flops", "1e11", "--job.dump_folder", str(tmp_path), *extra]
 
@@ -114,3 +116,36 @@ def test_a_target_that_matches_no_linear_is_refused_with_the_models_linears(tmp_
     )
     with pytest.raises(TitanliteError, match=r"^model.converters: lora and float8 together are not supported"):
         load_config(["--config", "debug_model", "--model.converters", "lora,float8"])
+
+
+@pytest.mark.parametrize("save", ["adapters", "merged"])
+def test_the_exported_adapters_load_with_peft_and_the_merged_folder_with_transformers(save, tmp_path, trainer_process):
+    """Llama (its q and k rows permuted on the way to HF's layout, the adapters' B with them)
+    trained 2 steps with adapters on every attention projection, then `last_save_in_hf`: PEFT's
+    `PeftModel.from_pretrained` on the transformers base model (adapters), or transformers alone
+    (merged), gives titanlite's logits within 1e-5."""
+    from titanlite.trainer import Trainer
+
+    folder = saved_folder(tmp_path, "llama")
+    argv = lora_argv(folder, tmp_path / "run", family="llama3", targets="wq,wk,wv,wo", steps=2)
+    argv += ["--checkpoint.enable_checkpoint", "true", "--checkpoint.last_save_in_hf", "true"]
+    trainer = Trainer(plan_run(load_config([*argv, "--lora.save", save]), 1))
+    trainer.train()
+    tokens = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = trainer.model(tokens)
+    exported = tmp_path / "run" / "checkpoint" / "step-2-hf"
+    if save == "adapters":
+        assert sorted(p.name for p in exported.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        theirs = peft.PeftModel.from_pretrained(base, exported)
+        assert sorted(theirs.peft_config["default"].target_modules) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    else:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+        assert not any("lora" in name for name in theirs.state_dict())
+    with torch.no_grad():
+        logits = theirs(input_ids=tokens).logits
+    assert (logits - ours).abs().max() <= 1e-5 * ours.abs().max()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert (plain(input_ids=tokens).logits - ours).abs().max() > 1e-3, "the adapters changed the model"
+    trainer.close()

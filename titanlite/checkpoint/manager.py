@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from titanlite.checkpoint import commit, hf_io, integrity, policy
+from titanlite.checkpoint import lora_export, commit, hf_io, integrity, policy
 from titanlite.checkpoint.async_save import Saver
 from titanlite.checkpoint.checkpointer import Checkpointer
 from titanlite.checkpoint.contents import Contents
@@ -100,13 +100,22 @@ class CheckpointManager:
     def save_hf(self, step: int) -> Path:
         """`last_save_in_hf`: the model as a Hugging Face folder `<root>/step-N-hf` (not a
         checkpoint to resume from: `commit.scan` lists only `step-N`), every rank writing
-        its own shards (`hf_io.save_hf_weights`). Blocking and collective."""
+        its own shards (`hf_io.save_hf_weights`); a LoRA run's adapters as a PEFT folder, or
+        merged into the weights (`lora_export`, by lora.save). Blocking and collective."""
         out = self.root / f"step-{step}-hf"
         extra = hf_io.tokenizer_files(self.tokenizer_path) if self.tokenizer_path is not None else []
         spec, args, dtype = self.restorer.spec, self.restorer.model_args, torch_dtype(self.cfg.export_dtype)
-        hf_io.save_hf_weights(
-            self.contents.model_state(), out, spec.hf_adapter, args, self.pipeline.group, dtype, extra
-        )
+        state, group, lora = self.contents.model_state(), self.pipeline.group, self.lora
+        if lora is not None and lora.save == "adapters":
+            base = self.cfg.initial_load_path if self.cfg.initial_load_format == "hf" else ""
+            lora_export.save_peft_adapter(
+                state, out, spec.hf_adapter, args, lora, group=group, dtype=dtype, base_model=base
+            )
+            logger.info(f"checkpoint: step {step}'s LoRA adapters written as a PEFT folder {out}")
+            return out
+        if lora is not None:
+            state = lora_export.merged_state(state, lora.alpha / lora.rank)
+        hf_io.save_hf_weights(state, out, spec.hf_adapter, args, group, dtype, extra)
         logger.info(f"checkpoint: step {step} written as a Hugging Face folder {out}")
         return out
 
