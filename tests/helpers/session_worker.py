@@ -55,6 +55,9 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
         "grad_bytes": local_bytes(p.grad for p in params),
         "optim_bytes": local_bytes(optim),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in params),
+        # What a LoRA run freezes: this rank's shards of it, and of any gradient it got (none should).
+        "frozen_param_bytes": local_bytes(p for p in trainer.model.parameters() if not p.requires_grad),
+        "frozen_grad_bytes": local_bytes(p.grad for p in trainer.model.parameters() if not p.requires_grad),
         "norm_param_bytes": sum(
             p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "norm" in n
         ),

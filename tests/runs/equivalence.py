@@ -52,6 +52,20 @@ FLOAT8 = [
     "true",
 ]
 FLOAT8_ROWWISE = ["--model.converters", "float8", "--float8.recipe_name", "rowwise"]
+# LoRA (scale alpha / rank = 16: the loss falls within 3 steps) on a colwise (wq) and a rowwise
+# (wo) projection of equal shapes: under TP a rank holds A whole and half of B for one, half of A
+# and B whole for the other, 3/4 of the adapters.
+LORA = ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "64", "--lora.target_modules", "wq,wo"]
+HF_LORA = [
+    "--model.converters",
+    "lora",
+    "--lora.rank",
+    "4",
+    "--lora.alpha",
+    "64",
+    "--lora.target_modules",
+    "q_proj,o_proj",
+]
 DSV3 = ["--model.name", "deepseek_v3"]
 DSV3_Q_LORA = [*DSV3, "--model.flavor", "debugmodel_q_lora"]
 SP = ["--parallelism.sequence_parallel", "on"]
@@ -111,6 +125,9 @@ REFERENCES = {
     "deepseek_v3": DSV3,
     "deepseek_v3_q_lora_block_causal": [*DSV3_Q_LORA, *BLOCK],
     "tied": TIED,
+    "lora": LORA,
+    "qwen3_moe_lora": [*QWEN3_MOE, *LORA],
+    "hf_llama_lora": [*hf("llama"), *HF_LORA],
     **{f"hf_{name}": [*hf(name)] for name in ("llama", "qwen3", "gemma3_text", "granite", *HF_MOE)},
     **{f"hf_{name}_block_causal": [*hf(name), *BLOCK] for name in ("llama", "qwen3_moe")},
 }
@@ -301,6 +318,16 @@ FLOAT8_LAYOUTS = {
     "float8_rowwise_tp2": (2, [*batch(4), "--training.global_batch_size", "8", *TP, *FLOAT8_ROWWISE], "float8_rowwise"),
     "float8_fsdp2_tp2": (4, [*batch(4), *TP, *FLOAT8], "float8"),
 }
+# LoRA (tests/unit/test_lora.py has the rest): name -> (processes, overrides, reference, each
+# rank's share of the adapters' bytes; None under pp, whose stages hold different blocks).
+LORA_LAYOUTS = {
+    "lora_fsdp2": (2, [*batch(4), *LORA], "lora", 1 / 2),
+    "lora_tp2": (2, [*batch(8), *TP, *LORA], "lora", 3 / 4),
+    "lora_pp2": (2, [*batch(8), *PP, *LORA], "lora", None),
+    "lora_qwen3_moe_ep2": (2, [*batch(4), *EP, *QWEN3_MOE, *LORA], "qwen3_moe_lora", 1 / 2),
+    "hf_llama_lora_tp2": (2, [*batch(8), *TP, *hf("llama"), *HF_LORA], "hf_llama_lora", 3 / 4),
+    "lora_fsdp2_tp2": (4, [*batch(4), *TP, *LORA], "lora", 3 / 8),
+}
 # Layouts whose tests check what is theirs (in the files of their world sizes): GPT-2's TP
 # plan (its replicated position table, LayerNorms and c_proj biases), tied embeddings (one
 # table for lookup and head) under FSDP x TP, and FSDP x TP with compiled blocks (the
@@ -338,7 +365,7 @@ def reference_cases(folder: Path) -> list[Case]:
 
 
 def layouts_of(nproc: int, layouts: dict) -> list[str]:
-    return [name for name, (n, _, _) in layouts.items() if n == nproc]
+    return [name for name, (n, *_) in layouts.items() if n == nproc]
 
 
 def run_sessions(tmp_path_factory: pytest.TempPathFactory, extra: dict[int, list[Case]]) -> SessionCases:
@@ -346,7 +373,7 @@ def run_sessions(tmp_path_factory: pytest.TempPathFactory, extra: dict[int, list
     references; case name -> result (a session that timed out fails the first test that needs
     one of its unfinished cases)."""
     results = SessionCases()
-    every = {**LAYOUTS, **FLOAT8_LAYOUTS, **OWN_CHECK_LAYOUTS}
+    every = {**LAYOUTS, **FLOAT8_LAYOUTS, **OWN_CHECK_LAYOUTS, **LORA_LAYOUTS}
     for nproc, cases in extra.items():
         layouts = [Case(name, [*EQUIVALENCE_ARGS, *every[name][1]]) for name in layouts_of(nproc, every)]
         folder = tmp_path_factory.mktemp(f"world{nproc}")

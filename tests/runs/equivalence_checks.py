@@ -9,7 +9,18 @@ import torch
 
 from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve
 from tests.helpers.sessions import SessionCases
-from tests.runs.equivalence import CP, EP, ETP, FLOAT8_LAYOUTS, LAYOUTS, MUON, ONE_TOKEN, OWN_CHECK_LAYOUTS, PP
+from tests.runs.equivalence import (
+    CP,
+    EP,
+    ETP,
+    FLOAT8_LAYOUTS,
+    LAYOUTS,
+    LORA_LAYOUTS,
+    MUON,
+    ONE_TOKEN,
+    OWN_CHECK_LAYOUTS,
+    PP,
+)
 from titanlite.build import plan_run
 from titanlite.config.load import load_config
 from titanlite.models.moe import moe_layers
@@ -95,6 +106,24 @@ def check_layout(layout: str, sessions: SessionCases) -> None:
             if kind == "optim_bytes" and MUON[1] in overrides:
                 continue  # Muon keeps one buffer per matrix, AdamW two per other parameter
             assert sizes[kind] == pytest.approx(factor * expected, rel=0.05), f"{kind} on a rank of {layout}"
+
+
+def check_lora_layout(layout: str, sessions: SessionCases) -> None:
+    """A LoRA layout's curve is its one-process reference's; only the adapters are trained: each
+    rank holds gradients and AdamW's two moments for its share of them and nothing for the frozen
+    weights, and that share is the layout's (adapters laid out like their base weights, then
+    sharded by FSDP): a TP that left the adapters whole, or sharded A with B, holds another."""
+    _, _, reference_name, share = LORA_LAYOUTS[layout]
+    reference = sessions[f"reference_{reference_name}"]
+    assert reference["history"][-1]["loss"] < reference["history"][0]["loss"]
+    assert_same_curve(sessions[layout]["history"], reference["history"], layout)
+    whole = reference["ranks"][0]
+    assert 0 < whole["full_param_bytes"] < whole["frozen_param_bytes"] / 20, "adapters only are trained"
+    for sizes in sessions[layout]["ranks"]:
+        assert sizes["frozen_param_bytes"] > 0 and sizes["frozen_grad_bytes"] == 0
+        assert sizes["grad_bytes"] == sizes["param_bytes"] and sizes["optim_bytes"] == 2 * sizes["param_bytes"]
+        if share is not None:
+            assert sizes["param_bytes"] == pytest.approx(share * whole["full_param_bytes"]), layout
 
 
 # float8's casts round at the 4th bit (e4m3) and the 3rd (e5m2 gradients): a layout's sums in

@@ -19,6 +19,7 @@ from tests.runs.equivalence import (
     batch,
     hf,
     FLOAT8_LAYOUTS,
+    LORA_LAYOUTS,
     LAYOUTS,
     MUON,
     TIMEOUT_S,
@@ -28,6 +29,7 @@ from tests.runs.equivalence import (
 )
 from tests.runs.equivalence_checks import (
     check_float8_layout,
+    check_lora_layout,
     check_gpt2_tp,
     check_layout,
     check_muon,
@@ -52,6 +54,12 @@ def sessions(tmp_path_factory) -> SessionCases:
 @pytest.mark.parametrize("layout", layouts_of(WORLD, LAYOUTS))
 def test_layout_matches_single_process(layout, sessions):
     check_layout(layout, sessions)
+
+
+@pytest.mark.timeout(sum(TIMEOUT_S.values()) * timeout_scale())
+@pytest.mark.parametrize("layout", layouts_of(WORLD, LORA_LAYOUTS))
+def test_lora_layout_matches_one_lora_process(layout, sessions):
+    check_lora_layout(layout, sessions)
 
 
 @pytest.mark.timeout(sum(TIMEOUT_S.values()) * timeout_scale())

@@ -11,6 +11,7 @@ from tests.helpers.sessions import Case, SessionCases
 from tests.runs.equivalence import (
     COMPILED,
     FLOAT8_LAYOUTS,
+    LORA_LAYOUTS,
     LAYOUTS,
     MUON,
     TIMEOUT_S,
@@ -19,6 +20,7 @@ from tests.runs.equivalence import (
 )
 from tests.runs.equivalence_checks import (
     check_float8_layout,
+    check_lora_layout,
     check_gpt2_tp,
     check_layout,
     check_muon,
@@ -37,6 +39,12 @@ def sessions(tmp_path_factory) -> SessionCases:
 @pytest.mark.parametrize("layout", layouts_of(WORLD, LAYOUTS))
 def test_layout_matches_single_process(layout, sessions):
     check_layout(layout, sessions)
+
+
+@pytest.mark.timeout(sum(TIMEOUT_S.values()) * timeout_scale())
+@pytest.mark.parametrize("layout", layouts_of(WORLD, LORA_LAYOUTS))
+def test_lora_layout_matches_one_lora_process(layout, sessions):
+    check_lora_layout(layout, sessions)
 
 
 @pytest.mark.timeout(sum(TIMEOUT_S.values()) * timeout_scale())
