@@ -19,6 +19,8 @@ And with Muon (its momentum buffers laid out like the weights): FSDP 2 resumed a
 and at 1 process (1e-6).
 DeepSeek-V3's debug flavor (MLA, expert bias, group-limited routing): ep 2 resumed at ep 2 (==),
 and its ep 2 checkpoint resumed at pp 2 x tp 2 (1e-6).
+LoRA (its checkpoints hold the adapters and their optimizer state only): FSDP 2 resumed at FSDP 2
+(==) and at 1 process (1e-6).
 Tied embeddings (Llama 3.2's one table for lookup and head) at FSDP 2 x TP 2, saved
 asynchronously, resumed there (==; moved from test_tied_embeddings.py, which resumed 2 -> 5).
 And a one-process seed checkpoint (weights of another seed) starts a pp 2 run: it trains as a
@@ -34,7 +36,7 @@ import pytest
 
 from tests.helpers.distributed import EQUIVALENCE_ARGS, timeout_scale
 from tests.helpers.sessions import Case, run_session
-from tests.runs.equivalence import DSV3, FLOAT8, MUON, QWEN3_MOE
+from tests.runs.equivalence import DSV3, FLOAT8, LORA, MUON, QWEN3_MOE
 
 STEPS = 4
 SAVED = 2  # the step every resume starts from
@@ -78,6 +80,9 @@ LAYOUTS = {
         ["--training.local_batch_size", "2", EP, "2", "--parallelism.data_parallel_replicate_degree", "2", *QWEN3_MOE],
     ),
     "float8_fsdp2": (2, ["--training.local_batch_size", "4", *FLOAT8]),
+    # LoRA saving its adapters only: the frozen weights come from the seeded init again on resume.
+    "lora_single": (1, ["--training.local_batch_size", "8", *LORA]),
+    "lora_fsdp2": (2, ["--training.local_batch_size", "4", *LORA]),
     "dsv3_ep2": (2, ["--training.local_batch_size", "4", EP, "2", *DSV3]),
     # Tied embeddings (one table for lookup and head) under FSDP 2 x TP 2, saved asynchronously.
     "tied_fsdp2_tp2": (
@@ -127,6 +132,8 @@ RESUMES = {
     "dsv3_ep2_from_dsv3_ep2": ("dsv3_ep2", "dsv3_ep2"),
     "dsv3_pp2_tp2_from_dsv3_ep2": ("dsv3_pp2_tp2", "dsv3_ep2"),
     "tied_fsdp2_tp2_from_tied_fsdp2_tp2": ("tied_fsdp2_tp2", "tied_fsdp2_tp2"),
+    "lora_fsdp2_from_lora_fsdp2": ("lora_fsdp2", "lora_fsdp2"),
+    "lora_single_from_lora_fsdp2": ("lora_single", "lora_fsdp2"),
 }
 # A float8 checkpoint holds the high-precision weights under their usual names: it resumes a
 # run without float8, and a float8 run resumes from a checkpoint without it.
@@ -165,7 +172,16 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
         )
 
     plan = [
-        (1, [uninterrupted("single"), seed, uninterrupted("moe_single"), uninterrupted("muon_single")]),
+        (
+            1,
+            [
+                uninterrupted("single"),
+                seed,
+                uninterrupted("moe_single"),
+                uninterrupted("muon_single"),
+                uninterrupted("lora_single"),
+            ],
+        ),
         (
             4,
             [
@@ -189,6 +205,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
                 uninterrupted("moe_etp2_tp2"),
                 uninterrupted("float8_fsdp2"),
                 uninterrupted("dsv3_ep2"),
+                uninterrupted("lora_fsdp2"),
                 from_seed("pp2"),
                 *[resume(n) for n, (at, _) in {**RESUMES, **FLOAT8_RESUMES}.items() if LAYOUTS[at][0] == 2],
             ],

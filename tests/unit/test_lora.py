@@ -149,3 +149,30 @@ def test_the_exported_adapters_load_with_peft_and_the_merged_folder_with_transfo
     plain = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert (plain(input_ids=tokens).logits - ours).abs().max() > 1e-3, "the adapters changed the model"
     trainer.close()
+
+
+def test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly_on_the_folders_weights(tmp_path, trainer_process):
+    """lora.save = adapters: step 2's checkpoint holds the adapters and their AdamW state, not
+    the frozen weights; a run resumed from it reloads those from checkpoint.initial_load_path
+    (the HF folder) and logs steps 3-4 exactly as the uninterrupted run did."""
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from titanlite.trainer import Trainer
+
+    folder = saved_folder(tmp_path, "qwen3")
+    common = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2", "--lr_scheduler.decay_ratio", "0"]
+    common += ["--metrics.log_freq", "1"]
+    straight = Trainer(plan_run(load_config(lora_argv(folder, tmp_path / "straight", *common, steps=4)), 1)).train()
+    saved = tmp_path / "straight" / "checkpoint" / "step-2"
+    keys = list(FileSystemReader(saved).read_metadata().state_dict_metadata)
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), model_keys
+    assert len(model_keys) == 2 * 4 * 2  # A and B of 4 linears in 2 layers
+    state_keys = [k for k in keys if k.startswith("optimizer.state.")]
+    assert state_keys and all(".lora_" in k for k in state_keys), state_keys
+    shutil.copytree(saved, tmp_path / "resumed" / "checkpoint" / "step-2")
+    resumed = Trainer(plan_run(load_config(lora_argv(folder, tmp_path / "resumed", *common, steps=4)), 1)).train()
+    assert [h["step"] for h in resumed] == [3, 4]
+    assert [(h["loss"], h["grad_norm"]) for h in resumed] == [(h["loss"], h["grad_norm"]) for h in straight[2:]]
