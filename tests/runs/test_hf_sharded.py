@@ -38,6 +38,7 @@ from titanlite.models.llama import llama3_hf as hf_adapter
 from titanlite.models.llama.model import Llama, LlamaArgs
 
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.slow
 
 
@@ -191,6 +192,7 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     summed (`own_ranks`, test_parallel_equivalence.py), 0.0 now."""
     from tests.helpers.distributed import EQUIVALENCE_ARGS, assert_same_curve
     from tests.helpers.sessions import Case, run_session
+    from tests.runs.equivalence import LORA, TP
     from titanlite.build import plan_run
     from titanlite.checkpoint import export
     from titanlite.config.load import load_config
@@ -238,6 +240,15 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
             ],
         ),
     ]
+    # LoRA from the same folder (tests/runs/equivalence.py's adapters on wq and wo): merged into the
+    # weights at FSDP 2, and as a PEFT adapter folder at TP 2 (the two layouts train one curve).
+    lora_layouts = {
+        "lora_merged_fsdp2": ["--training.local_batch_size", "4", "--lora.save", "merged"],
+        "lora_adapters_tp2": ["--training.local_batch_size", "8", *TP],
+    }
+    for name, layout in lora_layouts.items():
+        from_llama = [*EQUIVALENCE_ARGS, *start, "--checkpoint.initial_load_path", str(tmp_path / "hf")]
+        cases.append(Case(name, [*from_llama, *LORA, *layout]))
     moe_models = {}
     for family, (flags, make_transformers_model) in MOE_RUNS.items():
         moe_args = plan_run(load_config([*EQUIVALENCE_ARGS, *flags]), 1).model_args
@@ -310,6 +321,19 @@ def test_pipeline_and_fsdp_runs_start_from_hf_and_write_it_back(tmp_path):
     torch.testing.assert_close(logits["pp2"], logits["fsdp2"], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert not torch.allclose(logits["fsdp2"], model(tokens).logits, atol=1e-3)  # trained since the start
+
+    # The merged folder is a plain Llama for transformers; PEFT puts the TP run's adapters on the source folder.
+    lora_runs = {
+        name: tmp_path / "runs" / name / "checkpoint" / f"step-{steps}-hf"
+        for name in ("lora_merged_fsdp2", "lora_adapters_tp2")
+    }
+    assert weight_map(lora_runs["lora_merged_fsdp2"]).keys() == model.state_dict().keys()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, lora_runs["lora_adapters_tp2"])(tokens).logits
+        merged = hf_logits(lora_runs["lora_merged_fsdp2"], tokens)
+        torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(merged, model(tokens).logits, atol=1e-3)  # the adapters trained
 
     for family, (moe_args, moe_model) in moe_models.items():
         assert session[f"{family}_fsdp2"]["history"][-1]["step"] == steps
