@@ -204,8 +204,9 @@ def holdings(r: Report) -> list[str]:
         + (f", pipeline receive buffers {gib(a.buffers)}" if a.buffers else "")
         + (f", all-to-all buffers {gib(a.all_to_all)}" if a.all_to_all else "")
     )
+    frozen = f", {s.n_trained:,} trained, {s.n_params - s.n_trained:,} frozen" if s.n_trained < s.n_params else ""
     rows = [
-        ("parameters", s.params, f"{s.params:,} bytes: {s.n_params:,} elements of the local shards{place}"),
+        ("parameters", s.params, f"{s.params:,} bytes: {s.n_params:,} elements of the local shards{frozen}{place}"),
         ("gradients", s.grads, f"{s.grads:,} bytes{place}"),
         ("optimizer", s.optimizer, f"{s.optimizer:,} bytes: AdamW exp_avg and exp_avg_sq{place}"),
         ("buffers", s.buffers, f"{s.buffers:,} bytes"),

@@ -39,9 +39,10 @@ def measure(argv: list[str]) -> list[dict]:
     batches = iter(trainer.data)
     microbatches = trainer.plan.grad_accum_steps
     trainer.train_step([next(batches) for _ in range(microbatches)])
-    params = trainer.params
+    params = trainer.params  # the trained ones
     sizes = {
-        "param_bytes": local_bytes(params),
+        "param_bytes": local_bytes(trainer.model.parameters()),
+        "trained_param_bytes": local_bytes(params),
         "grad_bytes": local_bytes(p.grad for p in params),
         "optim_bytes": local_bytes(v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0),
     }

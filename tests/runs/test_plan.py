@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers.distributed import REPO, run_env, run_mains, run_ranks
 from tests.helpers.hf_models import with_hf_folders
-from tests.runs.equivalence import HF_MODEL, QWEN3_MOE
+from tests.runs.equivalence import HF_MODEL, LORA, QWEN3_MOE
 
 # A hang guard: the presets test plans 31 layouts in 60-100 s alone, over 300 s beside two busy
 # workers on a slow host.
@@ -45,6 +45,8 @@ def figures(stdout: str) -> dict[str, float]:
     for name in ("parameters", "gradients", "optimizer", "buffers"):
         out[name] = int(re.search(rf"^  {name} .*?([\d,]+) bytes", stdout, re.M).group(1).replace(",", ""))
     out["elements"] = int(re.search(r"bytes: ([\d,]+) elements", stdout).group(1).replace(",", ""))
+    trained = re.search(r"elements of the local shards, ([\d,]+) trained", stdout)
+    out["trained"] = int(trained.group(1).replace(",", "")) if trained else out["elements"]
     for name in ("activations", "FSDP gathered", "total"):
         match = re.search(rf"^  {name} +([\d.,]+) GiB", stdout, re.M)
         out[name] = float(match.group(1).replace(",", "")) * 2**30 if match else 0.0
@@ -295,6 +297,8 @@ MEASURED = {
     # blocks are titanlite's MoE layer, at ep 2.
     "hf_llama": (2, [*HF_MODEL, "hf:llama"]),
     "hf_mixtral_ep2": (2, [*HF_MODEL, "hf:mixtral", "--parallelism.expert_parallel_degree", "2"]),
+    # LoRA: gradients and optimizer state for the adapters alone, under TP laid out like their base.
+    "lora_tp2": (2, [*LORA, "--parallelism.tensor_parallel_degree", "2"]),
 }
 MEASURED_ARGS = [
     "--config",
@@ -350,6 +354,7 @@ def test_debug_model_figures_match_a_real_run(name, measured):
             real["grad_bytes"],
             real["optim_bytes"],
         )
+        assert planned["trained"] * 4 == real["trained_param_bytes"]  # float32
         estimate = planned["activations"] + planned["FSDP gathered"]
         if (
             "--parallelism.pipeline_parallel_degree" in layout

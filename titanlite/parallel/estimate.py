@@ -58,6 +58,7 @@ class StateBytes:
     """This rank's exact share of the training state, from the local shards."""
 
     n_params: int  # local elements of all parameters
+    n_trained: int  # those the optimizer updates (fewer where some are frozen: LoRA)
     params: int
     grads: int
     optimizer: int  # AdamW exp_avg and exp_avg_sq, like the parameters
@@ -75,7 +76,8 @@ def state_bytes(model: nn.Module) -> StateBytes:
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.numel() * p.element_size() for p in trained)
     buffer_bytes = sum(local_tensor(b).numel() * b.element_size() for b in model.buffers())
-    return StateBytes(sum(p.numel() for p in params), param_bytes, grad_bytes, 2 * grad_bytes, buffer_bytes)
+    n_params, n_trained = sum(p.numel() for p in params), sum(p.numel() for p in trained)
+    return StateBytes(n_params, n_trained, param_bytes, grad_bytes, 2 * grad_bytes, buffer_bytes)
 
 
 @dataclass(frozen=True)
