@@ -116,10 +116,7 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
         args = dataclasses.replace(args, attn_mask_type=cfg.model.attn_mask_type)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
     dims.check_model(spec.tp_problems(args, dims.tp), cfg.training.seq_len)
-    with torch.device("meta"):  # the whole model without memory: every pipeline stage's names, every MoE layer
-        model = spec.model_class(args)
-    if "lora" in cfg.model.converters:  # a target that matches nothing is refused here, before any device
-        lora_adapters(model, cfg.lora)
+    model = _whole_model_on_meta(spec, args, cfg)
     check_matched(cfg.optimizer.param_groups, [name for name, _ in model.named_parameters()])
     if dims.ep_enabled or dims.etp_enabled:
         n_experts = [layer.args.n_experts for layer in moe.moe_layers(model).values()]
@@ -141,6 +138,16 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     n_params = sum(p.numel() for p in model.parameters())
     plan = RunPlan(cfg, spec, args, tokenizer, dims, grad_accum_steps, n_params)
     return dataclasses.replace(plan, pipeline=_plan_pipeline(plan, model)) if dims.pp_enabled else plan
+
+
+def _whole_model_on_meta(spec: ModelSpec, args: DecoderArgs, cfg: JobConfig) -> torch.nn.Module:
+    """The whole model without memory (every pipeline stage's names, every MoE layer), with LoRA's
+    adapters when converted: a target that matches nothing is refused here, before any device."""
+    with torch.device("meta"):
+        model = spec.model_class(args)
+    if "lora" in cfg.model.converters:
+        lora_adapters(model, cfg.lora)
+    return model
 
 
 def model_args(spec: ModelSpec, model: Any, vocab_size: int) -> DecoderArgs:

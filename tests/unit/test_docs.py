@@ -64,10 +64,11 @@ ORDER_CALLS = {
     "float8": "convert_to_float8(",
     "EP": "apply_ep(",
     "TP": "parallelize_module(",
+    "LoRA": "lora_adapters(",
     "CP": "enable_context_parallel(",
     "AC": "apply_ac(",
     "compile": "apply_compile(",
-    "FSDP": "shard_model(",
+    "FSDP": "_data_parallel(",
 }
 
 

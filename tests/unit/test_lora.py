@@ -176,3 +176,41 @@ def test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly_on_the_folders
     resumed = Trainer(plan_run(load_config(lora_argv(folder, tmp_path / "resumed", *common, steps=4)), 1)).train()
     assert [h["step"] for h in resumed] == [3, 4]
     assert [(h["loss"], h["grad_norm"]) for h in resumed] == [(h["loss"], h["grad_norm"]) for h in straight[2:]]
+
+
+def test_dropout_drops_the_adapters_input_in_training_only_and_a_dotted_target_picks_one_linear():
+    """lora.dropout = 0.5: in train mode the adapters see a dropped input (another output than
+    without dropout), in eval mode the same; `feed_forward.w2` converts w2 alone, not attention."""
+    from titanlite.config.lora import LoRA
+    from titanlite.models.init import init_adapters
+    from titanlite.parallel.lora import convert
+
+    model = torch.nn.Module()
+    model.feed_forward = torch.nn.Module()
+    model.feed_forward.w2 = torch.nn.Linear(16, 16)
+    model.attention = torch.nn.Module()
+    model.attention.w2 = torch.nn.Linear(16, 16)
+    assert convert(model, LoRA(rank=4, alpha=4.0, dropout=0.5, target_modules=["feed_forward.w2"])) == [
+        "feed_forward.w2"
+    ]
+    assert type(model.attention.w2) is torch.nn.Linear and not model.attention.w2.weight.requires_grad
+    init_adapters(model, seed=0)
+    adapted = model.feed_forward.w2
+    torch.nn.init.normal_(adapted.lora_b)  # B = 0 would hide the adapters' input
+    x = torch.randn(8, 16)
+    undropped = torch.nn.functional.linear(x, adapted.weight, adapted.bias) + adapted.scale * (
+        x @ adapted.lora_a.T @ adapted.lora_b.T
+    )
+    torch.manual_seed(0)
+    assert not torch.allclose(adapted.train()(x), undropped)
+    torch.testing.assert_close(adapted.eval()(x), undropped)
+
+
+def test_bad_lora_settings_are_one_line():
+    with pytest.raises(TitanliteError, match=r"^lora.rank: "):
+        load_config(["--config", "debug_model", "--model.converters", "lora", "--lora.rank", "0"])
+    with pytest.raises(TitanliteError, match=r"^model.converters: unknown converter 'qlora'"):
+        load_config(["--config", "debug_model", "--model.converters", "qlora"])
+    gpt2 = ["--config", "debug_model", "--model.name", "gpt2", "--model.converters", "lora"]
+    with pytest.raises(TitanliteError, match=r"^checkpoint.last_save_in_hf: model gpt2 "):
+        plan_run(load_config([*gpt2, "--lora.target_modules", "c_attn", "--checkpoint.last_save_in_hf", "true"]), 1)

@@ -21,7 +21,7 @@ class LoRA:
     target_modules: list[str] = _opt(
         ["wq", "wv"],
         "the linears that get adapters, by their last name in the model (wq, wk, wv, wo, w1, w2, w3; the hf "
-        "model's own, q_proj, v_proj, ...), or a dotted end of their name (attention.wo)",
+        "model's own, q_proj, v_proj, ...), or a dotted end of their name (feed_forward.w2)",
     )
     save: str = _opt(
         "adapters",

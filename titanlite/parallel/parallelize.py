@@ -92,7 +92,7 @@ def parallelize(
     experts = apply_ep(model, meshes.ep, meshes.tp, expert_tensor_parallel)
     if tp_plan is not None:
         tp_plan(model, meshes.tp) if callable(tp_plan) else parallelize_module(model, meshes.tp, tp_plan)
-    if lora is not None:
+    if lora is not None:  # after the plan: each adapter is laid out like the weight it left beside it
         lora_adapters(model, lora)
     if meshes.context_parallel is not None:
         model.enable_context_parallel(meshes.context_parallel)
@@ -102,12 +102,19 @@ def parallelize(
         apply_compile(model, [(name, model.get_submodule(name)) for name in names])
     units = _units(model, meshes, names, fsdp_modules)
     options = FsdpOptions(mixed_precision, reshard_after_forward, cpu_offload, prefetch, pipelined)
+    _data_parallel(model, meshes, units, options, experts, float8)
+    return model
+
+
+def _data_parallel(
+    model: nn.Module, meshes: Meshes, units: list[nn.Module], options: FsdpOptions, experts: Any, float8: Any
+) -> None:
+    """Replicate, or FSDP's `fully_shard` per unit then the root, where the mesh has data parallelism."""
     if meshes.replicate is not None:
         replicate_model(model, meshes.replicate, units, options)
     elif meshes.fsdp is not None:
         refuse_float8_only_units(model, units, float8, meshes.fsdp.device_type)
         shard_model(model, meshes.fsdp, units, options, experts, meshes.expert_fsdp)
-    return model
 
 
 def _block_names(model: nn.Module, blocks: Selector, wrapped: bool) -> list[str]:
