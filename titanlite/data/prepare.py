@@ -190,17 +190,18 @@ def prepare(
         size = source.size_bytes() if hasattr(source, "size_bytes") else None
         progress = Progress(f"prepare {source.name}", total=size, unit="B")
         entries = _tokenize_all(source, tokenizer, folder, workers, shard_chars, progress, chat)
-        manifest = _manifest(source, tokenizer, dtype, entries)
-        if chat:
-            counts = ("conversations", "truncated", "dropped")
-            manifest["chat"] = {**job["chat"], **{k: sum(e[k] for e in entries) for k in counts}}
+        manifest = _manifest(source, tokenizer, dtype, entries, job.get("chat"))
         shard_format.write_manifest(folder, manifest)
         progress.finish()
         return manifest
 
 
-def _manifest(source: Source, tokenizer: Tokenizer, dtype: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """manifest.json's content (docs/data.md): the format, what the shards were made from, and the shards."""
+def _manifest(
+    source: Source, tokenizer: Tokenizer, dtype: str, entries: list[dict[str, Any]], chat: dict[str, Any] | None
+) -> dict[str, Any]:
+    """manifest.json's content (docs/data.md): the format, what the shards were made from, and the
+    shards; for chat data, its packing and conversation counts."""
+    counts = ("conversations", "truncated", "dropped")
     return {
         "format": shard_format.FORMAT,
         "format_version": shard_format.FORMAT_VERSION,
@@ -217,6 +218,7 @@ def _manifest(source: Source, tokenizer: Tokenizer, dtype: str, entries: list[di
             "eos_id": tokenizer.eos_id,
         },
         "shards": entries,
+        **({"chat": {**chat, **{k: sum(e[k] for e in entries) for k in counts}}} if chat else {}),
     }
 
 
@@ -257,6 +259,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=DEFAULT_SHARD_CHARS / 1e6,
         help="text per shard, in millions of characters (default 64)",
     )
+    _chat_arguments(parser)
+    # The trainer's first-use run: die with the trainer, and name its config keys in errors.
+    parser.add_argument("--from-trainer", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.workers < 1 or not args.shard_mb > 0 or (args.chat is not None and args.chat < 1):
+        parser.error("--workers and --chat must be >= 1 and --shard-mb > 0")
+    return args
+
+
+def _chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """--chat and its options (data/chat.py; docs/fine_tuning.md)."""
     parser.add_argument(
         "--chat",
         type=int,
@@ -266,12 +279,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--chat-template", default="", help="with --chat: a Jinja file (default: the tokenizer's own)")
     parser.add_argument("--overlong", choices=OVERLONG, default="truncate", help="with --chat: a longer conversation")
-    # The trainer's first-use run: die with the trainer, and name its config keys in errors.
-    parser.add_argument("--from-trainer", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.workers < 1 or not args.shard_mb > 0 or (args.chat is not None and args.chat < 1):
-        parser.error("--workers and --chat must be >= 1 and --shard-mb > 0")
-    return args
 
 
 # Source and tokenizer errors name the training config keys; here they are arguments.
