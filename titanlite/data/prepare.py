@@ -263,8 +263,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # The trainer's first-use run: die with the trainer, and name its config keys in errors.
     parser.add_argument("--from-trainer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.workers < 1 or not args.shard_mb > 0 or (args.chat is not None and args.chat < 1):
-        parser.error("--workers and --chat must be >= 1 and --shard-mb > 0")
+    if args.workers < 1 or not args.shard_mb > 0:
+        parser.error("--workers must be >= 1 and --shard-mb > 0")
+    if args.chat is not None and args.chat < 1:
+        parser.error("--chat must be >= 1")
     return args
 
 
