@@ -214,3 +214,16 @@ def test_messages_need_a_template_with_generation_blocks(files, tmp_path):
     source = ChatFiles(str(write_jsonl(tmp_path / "m.jsonl", conversations(2))))
     with pytest.raises(TitanliteError, match=r"has no \{% generation %\} block"):
         prepare(source, tokenizer, tmp_path / "out", chat=chat_packing(str(template), tokenizer, 65, "truncate"))
+
+
+def test_a_hugging_face_dataset_of_conversations_prepares_as_the_local_file(files, tmp_path):
+    """`python -m titanlite.data.prepare hf:... --chat N`: rows of `datasets` are conversations too."""
+    pytest.importorskip("datasets")
+    from titanlite.data.prepare import open_source
+
+    tokenizer = Tokenizer(str(files["tokenizer.json"]))
+    packing = chat_packing("", tokenizer, 65, "truncate")
+    path = str(write_jsonl(tmp_path / "rows.jsonl", conversations(20)))
+    for name, spec in (("local", path), ("hf", f"hf:{path}")):
+        prepare(open_source(spec, chat=True), tokenizer, tmp_path / name, chat=packing)
+    assert documents(TokenShards(tmp_path / "hf")) == documents(TokenShards(tmp_path / "local"))
