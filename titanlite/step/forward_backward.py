@@ -60,7 +60,7 @@ class Runner:
     nan_fault_here: bool  # this rank's loss takes the tests' NaN fault (step/nonfinite.py)
     context_parallel: ContextParallel | None
     experts: ExpertLayers | None
-    labels: LabelCount | None  # the labels are masked (chat data)
+    label_count: LabelCount | None  # the labels are masked (chat data)
 
     def on_device(self, batch: Microbatch) -> tuple:
         """(inputs, labels, document ids or None) on the device, cut to this cp rank's tokens."""
@@ -72,7 +72,7 @@ class Runner:
     def tokens(self, batches: list[tuple], losses: int) -> torch.Tensor | None:
         """What each of this rank's `losses` losses of the step divides by: None (its mean) unless
         the labels are masked."""
-        return None if self.labels is None else self.labels([labels for _, labels, _ in batches], losses)
+        return None if self.label_count is None else self.label_count([labels for _, labels, _ in batches], losses)
 
 
 @dataclass
