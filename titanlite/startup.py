@@ -26,6 +26,7 @@ from titanlite.config import JobConfig, to_dict
 from titanlite.config.dtypes import DTYPES
 from titanlite.data import build_dataloader, open_corpus
 from titanlite.data.loader import TokenWindowLoader
+from titanlite.errors import TitanliteError
 from titanlite.logging import init_logger, logger
 from titanlite.observe.metrics import MetricsLogger
 from titanlite.observe.peak_flops import peak_flops
@@ -180,7 +181,7 @@ def _build_training(run: RunParts) -> tuple[TokenWindowLoader | None, ExpertLaye
     run.data, validation_data = _loaders(plan, run.steps)
     built = build_model(plan, run.device, meshes, run.dist.local_world_size)
     run.model_parts, run.model, run.size = built.parts, built.model, built.size
-    run.forward_backward = run.steps.forward_backward(run.model, run.model_parts, built.experts)
+    run.forward_backward = run.steps.forward_backward(run.model, run.model_parts, built.experts, run.data.stream.masked)
     named_params = trained_parameters(run.model)
     run.params = [p for _, p in named_params]
     run.optimizer = build_optimizer(named_params, cfg.optimizer, no_decay=plan.spec.no_decay)
@@ -203,7 +204,12 @@ def _loaders(plan: RunPlan, steps: StepBuilder) -> tuple[TokenWindowLoader, Toke
     this replica group's share of every global batch."""
     cfg = plan.cfg
     dp_rank, dp_degree = data_share(cfg.fault_tolerance, steps.meshes.dp_rank, plan.dims.dp)
-    corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer)
+    corpus = open_corpus(cfg.training, cfg.validation, plan.tokenizer, cfg.sft)
+    if corpus.train.masked and not steps.documents:
+        raise TitanliteError(
+            "model.attn_mask_type: chat data packs several conversations in a window; set block_causal so that "
+            "none attends to another"
+        )
     per_rank = (cfg.training.local_batch_size, dp_rank, dp_degree, steps.device)  # the same for both loaders
     data = build_dataloader(corpus.train, *per_rank, documents=steps.documents)
     if corpus.validation is None:

@@ -60,5 +60,13 @@ def hf_folder(root: Path, model_type: str) -> Path:
 
 
 def with_hf_folders(argv: list[str], root: Path) -> list[str]:
-    """`argv` with each "hf:<model_type>" replaced by that model's folder under `root`."""
-    return [str(hf_folder(root, arg[3:])) if arg.startswith("hf:") else arg for arg in argv]
+    """`argv` with each "hf:<model_type>" replaced by that model's folder under `root`, and each
+    "chat:<file>" by that chat data file there (tests/helpers/chat_data.py)."""
+    from tests.helpers.chat_data import chat_files
+
+    def replaced(arg: str) -> str:
+        if arg.startswith("hf:"):
+            return str(hf_folder(root, arg[3:]))
+        return str(chat_files(root)[arg[5:]]) if arg.startswith("chat:") else arg
+
+    return [replaced(arg) for arg in argv]

@@ -85,7 +85,8 @@ class SessionCases:
 def run_session(nproc: int, cases: list[Case], folder: Path, timeout: float) -> SessionResult:
     """Run `cases` in order on `nproc` ranks; every case's dump folder is `folder/<name>`
     unless its argv names one. An argument "hf:<model_type>" stands for that tiny transformers
-    model's folder (tests/helpers/hf_models.py), written under `folder`."""
+    model's folder (tests/helpers/hf_models.py), and "chat:<file>" for a chat data file
+    (tests/helpers/chat_data.py), written under `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     spec = [
         {

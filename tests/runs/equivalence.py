@@ -86,6 +86,14 @@ HF_PP = ("llama", "qwen3", "granite", *HF_MOE)  # types with an untied head (PP 
 # Validated at the end: the held-out windows exist whether validation is on or not, so the
 # training curve is the causal reference's too.
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "100", "--validation.steps", "2"]
+# Supervised fine-tuning: 300 conversations (tests/helpers/chat_data.py, its tokenizer.json and
+# chat template; "chat:<file>" stands for the file, written in the session's folder), packed whole
+# into block-causal windows, the labels of all but the assistant's tokens masked: every layout
+# divides by the step's trained tokens (step/loss.LabelCount), in training and validation (10% of
+# the windows held out, 16 validated; with accumulation the validation batches are smaller, and a
+# mean of batch means over unequal token counts is another figure, so that layout does not validate).
+SFT = ["--model.tokenizer_path", "chat:tokenizer.json", "--training.dataset", "chat", *BLOCK]
+SFT += ["--training.dataset_path", "chat:conversations.jsonl", "--validation.holdout_fraction", "0.1"]
 
 
 def batch(n: int) -> list[str]:
@@ -113,6 +121,8 @@ REFERENCES = {
     "block_causal": BLOCK,
     "gpt2": GPT2,
     "validation": VALIDATION,
+    "sft": SFT,
+    "sft_validation": [*SFT, *VALIDATION],
     "qwen3": QWEN3,
     "qwen3_moe": QWEN3_MOE,
     "qwen3_moe_aux": QWEN3_MOE_AUX,
@@ -205,6 +215,10 @@ LAYOUTS = {
     "cp2_block_causal": (2, [*batch(8), *CP, *BLOCK], "block_causal"),
     "cp2_validation": (2, [*batch(8), *CP, *VALIDATION], "validation"),
     "fsdp2_block_causal": (2, [*batch(4), *BLOCK], "block_causal"),
+    "sft_fsdp2_accum2": (2, [*batch(2), "--training.global_batch_size", "8", *SFT], "sft"),
+    "sft_tp2": (2, [*batch(8), *TP, *SFT, *VALIDATION], "sft_validation"),
+    "sft_pp2": (2, [*batch(8), *PP, *SFT, *VALIDATION], "sft_validation"),
+    "sft_cp2": (2, [*batch(8), *CP, *SFT, *VALIDATION], "sft_validation"),
     "tp2_block_causal": (2, [*batch(8), *TP, *BLOCK], "block_causal"),
     # Sequence parallelism is the GPU default (off on CPU), so FSDP 2 x TP 2 is checked with it
     # here; without it (the CPU default) in test_tied_embeddings.py, test_gpt2.py, test_compile.py.

@@ -81,9 +81,9 @@ def test_the_pipeline_loss_takes_its_scale_and_step_from_each_call(takes_loss_kw
     logits, labels = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
     loss = StepLoss(nan_fault_here=True)
     schedule = Schedule(loss, takes_loss_kwargs)
-    with loss.passing(schedule, 0.25, 3) as arguments:
+    with loss.passing(schedule, 0.25, 3, None) as arguments:
         assert schedule.step(logits, target=labels, **arguments) == cross_entropy(logits, labels) * 0.25
     assert loss._held is None  # nothing outlives the call
     monkeypatch.setenv("TITANLITE_FAULT_NAN_AT_STEP", "3")
-    with loss.passing(schedule, 0.25, 3) as arguments:
+    with loss.passing(schedule, 0.25, 3, None) as arguments:
         assert schedule.step(logits, target=labels, **arguments).isnan()

@@ -11,12 +11,14 @@ from titanlite.config.load import help_text, load_config, parse_blend, validate
 from titanlite.config.float8 import Float8
 from titanlite.config.records import Checkpoint, Metrics
 from titanlite.config.sections import JobConfig, Training, Validation
+from titanlite.config.sft import SFT
 
 __all__ = [
     "Checkpoint",
     "Float8",
     "JobConfig",
     "Metrics",
+    "SFT",
     "Training",
     "Validation",
     "help_text",

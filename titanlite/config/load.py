@@ -130,7 +130,7 @@ def _check_batch_and_data(cfg: JobConfig) -> None:
             f"{training.local_batch_size} (got {training.global_batch_size})"
         )
     for name, data in (("training", training), ("validation", validation)):
-        if data.dataset in ("files", "prepared") and not data.dataset_path:
+        if data.dataset in ("files", "prepared", "chat") and not data.dataset_path:
             raise TitanliteError(f"{name}.dataset_path: dataset {data.dataset!r} needs a path (got '')")
         if data.dataset == "prepared":
             parse_blend(data.dataset_path, f"{name}.dataset_path")

@@ -21,6 +21,7 @@ from titanlite.config.lora import LoRA
 from titanlite.config.optimizer import Optimizer
 from titanlite.config.parallelism import ActivationCheckpoint, Comm, Compile, Parallelism
 from titanlite.config.records import Checkpoint, Metrics, Profiling
+from titanlite.config.sft import SFT
 
 # training.steps' bound: a run of more steps cannot finish (see its help), so a number past it
 # (10**20, a typo, a stand-in for "forever") is refused instead of training until killed.
@@ -99,13 +100,14 @@ class Training:
     dataset: str = _opt(
         "builtin",
         "data: builtin (text that ships with Python) or files (local text), both prepared "
-        "into token shards on first use; or prepared (written by python -m titanlite.data.prepare)",
-        choices=("builtin", "files", "prepared"),
+        "into token shards on first use; or prepared (written by python -m titanlite.data.prepare); "
+        "or chat (conversations, prepared on first use as [sft] says)",
+        choices=("builtin", "files", "prepared", "chat"),
     )
     dataset_path: str = _opt(
         "",
         "files: a .txt/.jsonl/.parquet file or folder; prepared: a prepared folder, or "
-        "several blended by weight as 'web:0.7,code:0.3'",
+        "several blended by weight as 'web:0.7,code:0.3'; chat: a .jsonl file or folder",
     )
     dataset_cache_dir: str = _opt(
         "",
@@ -214,3 +216,4 @@ class JobConfig:
     lora: LoRA = field(default_factory=LoRA)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    sft: SFT = field(default_factory=SFT)

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from titanlite.data.chat import ChatFiles, ChatPacking
 from titanlite.data.shard_format import FORMAT_VERSION, MANIFEST
 from titanlite.data.sources import build_source
 from titanlite.data.tokenizers import Tokenizer
@@ -40,10 +41,12 @@ def cache_root(configured: str) -> Path:
     return Path(base) / "titanlite" / "data"
 
 
-def ensure_prepared(dataset: str, dataset_path: str, tokenizer: Tokenizer, cache_dir: str) -> Path:
-    """The cache folder holding `dataset` ("builtin" or "files") prepared with `tokenizer`,
-    preparing it first if no process has yet."""
-    source = build_source(dataset, dataset_path)
+def ensure_prepared(
+    dataset: str, dataset_path: str, tokenizer: Tokenizer, cache_dir: str, chat: ChatPacking | None = None
+) -> Path:
+    """The cache folder holding `dataset` ("builtin", "files", or "chat" packed as `chat` says)
+    prepared with `tokenizer`, preparing it first if no process has yet."""
+    source = ChatFiles(dataset_path) if chat else build_source(dataset, dataset_path)
     size = source.size_bytes()
     if size > MAX_FIRST_USE_BYTES:
         raise TitanliteError(
@@ -52,7 +55,8 @@ def ensure_prepared(dataset: str, dataset_path: str, tokenizer: Tokenizer, cache
             f"{dataset_path} DIR --tokenizer {tokenizer.path}, then train with --training.dataset prepared "
             "--training.dataset_path DIR"
         )
-    key = hashlib.sha256(f"{FORMAT_VERSION}\0{source.content_digest()}\0{tokenizer.sha256}".encode()).hexdigest()[:16]
+    made = f"{FORMAT_VERSION}\0{source.content_digest()}\0{tokenizer.sha256}" + (f"\0{chat.job()}" if chat else "")
+    key = hashlib.sha256(made.encode()).hexdigest()[:16]
     root = cache_root(cache_dir)
     folder = root / f"{dataset}-{key}"
     if (folder / MANIFEST).is_file():
@@ -64,7 +68,7 @@ def ensure_prepared(dataset: str, dataset_path: str, tokenizer: Tokenizer, cache
     with open(root / f"{folder.name}.lock", "a+") as lock:
         _acquire(lock, folder)
         if not (folder / MANIFEST).is_file():
-            _run_prepare("builtin" if dataset == "builtin" else dataset_path, folder, tokenizer, size)
+            _run_prepare("builtin" if dataset == "builtin" else dataset_path, folder, tokenizer, size, chat)
     return folder
 
 
@@ -83,13 +87,15 @@ def _acquire(lock, folder: Path) -> None:
             time.sleep(0.2)
 
 
-def _run_prepare(source: str, folder: Path, tokenizer: Tokenizer, size: int) -> None:
+def _run_prepare(source: str, folder: Path, tokenizer: Tokenizer, size: int, chat: ChatPacking | None) -> None:
     """`python -m titanlite.data.prepare` in a child process: its workers are spawned from a
     process that imported neither torch nor the trainer, and it dies with this one."""
     workers = max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
     shard_chars = min(max(size // (4 * workers), 1_000_000), 64_000_000)
     command = [sys.executable, "-m", "titanlite.data.prepare", source, str(folder), "--tokenizer", tokenizer.path]
     command += ["--workers", str(workers), "--shard-mb", str(shard_chars / 1e6), "--from-trainer"]
+    if chat:
+        command += ["--chat", str(chat.window - 1), "--chat-template", chat.configured, "--overlong", chat.overlong]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]))
     logger.info(f"data: preparing {source} into {folder} (first use; {workers} tokenizer processes)")
     result = subprocess.run(command, env=env, stderr=subprocess.PIPE, text=True)

@@ -2,7 +2,7 @@
 
 Reading a shard catches ids outside the vocabulary (token_shards.py), but a flipped bit
 that leaves an id inside it trains silently. So the manifest records a CRC-32 of each
-shard's .bin and .idx when the shard is written, and `python -m titanlite.data.verify` (or
+shard's .bin and .idx (and chat data's .mask) when the shard is written, and `python -m titanlite.data.verify` (or
 `training.verify_data`, the first time a run reads a shard) compares them. Checkpoints
 use the same `file_crc32` for their shard files (checkpoint/integrity.py): zlib's CRC-32,
 read in 1 MiB blocks, so a file of any size costs 1 MiB of memory and a few hundred MB/s
@@ -32,15 +32,16 @@ def file_crc32(path: str | os.PathLike) -> str:
     return f"{crc:08x}"
 
 
-def shard_crc32(folder: Path, name: str) -> dict[str, str]:
-    """What a manifest entry records of shard `name`: {"bin": CRC-32, "idx": CRC-32}."""
-    return {suffix: file_crc32(folder / f"{name}.{suffix}") for suffix in SHARD_FILES}
+def shard_crc32(folder: Path, name: str, suffixes: tuple[str, ...] = SHARD_FILES) -> dict[str, str]:
+    """What a manifest entry records of shard `name`: {"bin": CRC-32, "idx": CRC-32}, and
+    {"mask": CRC-32} for chat data's loss mask."""
+    return {suffix: file_crc32(folder / f"{name}.{suffix}") for suffix in suffixes}
 
 
 def check_shard(folder: Path, name: str, recorded: dict[str, str], field: str) -> None:
     """Compare shard `name`'s files with the CRC-32s its manifest entry recorded; one line
     naming the first file that differs (or cannot be read) otherwise."""
-    for suffix in SHARD_FILES:
+    for suffix in recorded:
         path = folder / f"{name}.{suffix}"
         try:
             actual = file_crc32(path)

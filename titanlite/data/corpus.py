@@ -6,6 +6,9 @@ tokenizer is not `model.tokenizer_path` (another file, or another vocabulary) is
 With `training.verify_data` each shard is checked against its manifest's CRC-32s the first
 time this rank reads it (token_shards.py), so a rank checks only what it trains on.
 
+Chat data (`chat`, data/chat.py) is prepared for one window length: a folder of conversations
+packed for another `training.seq_len` is refused, and its conversation counts are logged.
+
 The held-out split: with `validation.dataset` empty, the last `holdout_fraction` of each
 training dataset's windows never enter training (whether validation is on or not) and are
 the validation windows, so the two sets are disjoint by construction.
@@ -18,13 +21,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from titanlite.config import parse_blend
+from titanlite.config import SFT, parse_blend
 from titanlite.data.cache import ensure_prepared
+from titanlite.data.chat import ChatPacking, chat_counts, chat_packing
 from titanlite.data.loader import TokenWindowLoader
 from titanlite.data.token_shards import TokenShards
 from titanlite.data.tokenizers import Tokenizer
 from titanlite.data.windows import DatasetWindows, WindowStream, window_count
 from titanlite.errors import TitanliteError
+from titanlite.logging import logger
 
 if TYPE_CHECKING:
     from titanlite.config import Training, Validation
@@ -39,7 +44,7 @@ class Corpus:
 
 
 def open_datasets(
-    dataset: str, dataset_path: str, tokenizer: Tokenizer, training: Training, section: str
+    dataset: str, dataset_path: str, tokenizer: Tokenizer, training: Training, section: str, chat: ChatPacking | None
 ) -> list[tuple[TokenShards, float]]:
     """The prepared folders of a validated `dataset`/`dataset_path` pair of `section`, opened
     and checked (and, with `training.verify_data`, each shard's checksums before its first
@@ -48,7 +53,8 @@ def open_datasets(
     if dataset == "prepared":
         folders = parse_blend(dataset_path, field)
     else:
-        folders = [(str(ensure_prepared(dataset, dataset_path, tokenizer, training.dataset_cache_dir)), 1.0)]
+        prepared = ensure_prepared(dataset, dataset_path, tokenizer, training.dataset_cache_dir, chat)
+        folders = [(str(prepared), 1.0)]
     opened = []
     for folder, weight in folders:
         shards = TokenShards(folder, field, training.verify_data)
@@ -64,6 +70,13 @@ def open_datasets(
 
 
 def _windows_of(shards: TokenShards, window: int, field: str) -> int:
+    if shards.chat and shards.chat["window"] != window:
+        raise TitanliteError(
+            f"{field}: {shards.folder} holds conversations packed for training.seq_len {shards.chat['window'] - 1}, "
+            f"not {window - 1}"
+        )
+    if shards.chat:
+        logger.info(f"{shards.folder}: {chat_counts(shards.chat)}")
     count = window_count(shards, window)
     if count < 1:
         raise TitanliteError(
@@ -77,10 +90,13 @@ def _name(dataset: str, path: str, seed: int | None) -> str:
     return f"{dataset}{':' + path if path else ''}" + (f" shuffled(seed {seed})" if seed is not None else "")
 
 
-def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer) -> Corpus:
-    """The training stream (shuffled when `training.shuffle`) and the validation stream."""
+def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer, sft: SFT | None = None) -> Corpus:
+    """The training stream (shuffled when `training.shuffle`) and the validation stream; `sft`
+    (its defaults when None) packs `training.dataset` "chat"."""
     window = training.seq_len + 1
-    datasets = open_datasets(training.dataset, training.dataset_path, tokenizer, training, "training")
+    sft = sft or SFT()
+    chat = chat_packing(sft.chat_template, tokenizer, window, sft.overlong) if training.dataset == "chat" else None
+    datasets = open_datasets(training.dataset, training.dataset_path, tokenizer, training, "training", chat)
     holdout = 0.0 if validation.dataset else validation.holdout_fraction
     seed = training.seed if training.shuffle else None
     train, held = [], []
@@ -103,7 +119,7 @@ def open_corpus(training: Training, validation: Validation, tokenizer: Tokenizer
 
 
 def _validation_stream(validation: Validation, tokenizer: Tokenizer, window: int, training: Training) -> WindowStream:
-    datasets = open_datasets(validation.dataset, validation.dataset_path, tokenizer, training, "validation")
+    datasets = open_datasets(validation.dataset, validation.dataset_path, tokenizer, training, "validation", None)
     parts = [DatasetWindows(s, window, 0, _windows_of(s, window, "validation.dataset_path"), None) for s, _ in datasets]
     return WindowStream(parts, [w for _, w in datasets], _name(validation.dataset, validation.dataset_path, None))
 

@@ -31,12 +31,14 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 PREFETCH_DEPTH = 2
+IGNORE = -100  # the label of a token that is not trained (chat data), as in transformers and TRL
 
 
 class TokenWindowLoader:
     """Yields `(inputs, labels)`, LongTensors of shape `[local_batch_size, seq_len]`, forever;
     with `documents`, `(inputs, labels, document_ids)`: the inputs' document numbers within
-    each window (int32, same shape), for block-causal attention. Stateful: `state_dict()` /
+    each window (int32, same shape), for block-causal attention. Over chat data, the labels of
+    tokens that are not trained are IGNORE. Stateful: `state_dict()` /
     `load_state_dict()` = {"windows", "data", "seq_len"}."""
 
     def __init__(
@@ -69,6 +71,9 @@ class TokenWindowLoader:
         windows = range(first, first + self.local_batch_size)
         block = torch.from_numpy(np.stack([self.stream.tokens(g) for g in windows]))
         batch = [block[:, :-1].contiguous(), block[:, 1:].contiguous()]
+        if self.stream.masked:
+            trained = torch.from_numpy(np.stack([self.stream.trained(g)[1:] for g in windows]))
+            batch[1].masked_fill_(~trained, IGNORE)
         if self.documents:
             batch.append(torch.from_numpy(np.stack([self.stream.documents(g)[:-1] for g in windows])))
         return tuple(t.pin_memory() for t in batch) if self.pin_memory else tuple(batch)

@@ -1,11 +1,14 @@
 """Prepare a text source into token shards, once, with N tokenizer worker processes.
 
     python -m titanlite.data.prepare SOURCE OUTPUT [--tokenizer PATH] [--workers N] [--shard-mb M]
+                                     [--chat SEQ_LEN [--chat-template FILE] [--overlong truncate|drop]]
 
 SOURCE is `builtin` (the corpus that ships with Python), a local .txt/.jsonl/.parquet file
 or folder, or `hf:NAME[:CONFIG]` (a Hugging Face dataset; `pip install titanlite[hf]`).
 OUTPUT is a folder in the format of docs/data.md; train on it with
-`--training.dataset prepared --training.dataset_path OUTPUT`.
+`--training.dataset prepared --training.dataset_path OUTPUT`. With `--chat`, SOURCE holds
+conversations (a .jsonl file or folder, or hf:), packed into windows of SEQ_LEN + 1 tokens with
+their loss masks (data/chat.py; docs/fine_tuning.md).
 
 This process reads the source once, in order, and cuts it into units of about `--shard-mb`
 million characters at document boundaries; unit k becomes shard k, tokenized and written
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.data import shard_format
+from titanlite.data.chat import OVERLONG, ChatFiles, ChatHF, ChatPacking, chat_counts, chat_packing, pack_shard
 from titanlite.data.hf_source import HFSource
 from titanlite.data.sources import BuiltinSource, FilesSource, Source
 from titanlite.data.tokenizers import Tokenizer
@@ -41,11 +45,11 @@ DEFAULT_TOKENIZER = "assets/tokenizer/titanlite.model"
 DEFAULT_SHARD_CHARS = 64_000_000
 
 
-def open_source(spec: str) -> Source:
-    """`builtin`, `hf:NAME[:CONFIG]`, or a local file or folder."""
+def open_source(spec: str, chat: bool = False) -> Source:
+    """`builtin`, `hf:NAME[:CONFIG]`, or a local file or folder (of conversations with `chat`)."""
     if spec.startswith("hf:"):
-        return HFSource(spec[3:])
-    return BuiltinSource() if spec == "builtin" else FilesSource(spec)
+        return (ChatHF if chat else HFSource)(spec[3:])
+    return BuiltinSource() if spec == "builtin" else (ChatFiles if chat else FilesSource)(spec)
 
 
 def units(texts: Iterator[str], shard_chars: int) -> Iterator[tuple[list[str], int]]:
@@ -67,6 +71,7 @@ def units(texts: Iterator[str], shard_chars: int) -> Iterator[tuple[list[str], i
 # --------------------------------------------------------------------------- workers
 
 _TOKENIZER: Tokenizer | None = None
+_CHAT: ChatPacking | None = None
 
 
 def die_with_parent() -> None:
@@ -81,15 +86,18 @@ def die_with_parent() -> None:
             os._exit(1)
 
 
-def _init_worker(tokenizer_path: str) -> None:
-    global _TOKENIZER
+def _init_worker(tokenizer_path: str, chat: ChatPacking | None) -> None:
+    global _TOKENIZER, _CHAT
     die_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process (tokenizer.json)
-    _TOKENIZER = Tokenizer(tokenizer_path)
+    _TOKENIZER, _CHAT = Tokenizer(tokenizer_path), chat
 
 
 def _tokenize_shard(folder: str, index: int, texts: list[str], dtype_name: str) -> dict[str, Any]:
-    return shard_format.write_shard(Path(folder), index, _TOKENIZER.encode_documents(texts), dtype_name)
+    if _CHAT is None:
+        return shard_format.write_shard(Path(folder), index, _TOKENIZER.encode_documents(texts), dtype_name)
+    documents, masks, counts = pack_shard(texts, _TOKENIZER, _CHAT)
+    return shard_format.write_shard(Path(folder), index, documents, dtype_name, (masks, counts))
 
 
 # --------------------------------------------------------------------------- the job
@@ -112,7 +120,13 @@ def _check_job(folder: Path, job: dict[str, Any]) -> None:
 
 
 def _tokenize_all(
-    source: Source, tokenizer: Tokenizer, folder: Path, workers: int, shard_chars: int, progress: Progress
+    source: Source,
+    tokenizer: Tokenizer,
+    folder: Path,
+    workers: int,
+    shard_chars: int,
+    progress: Progress,
+    chat: ChatPacking | None,
 ) -> list[dict[str, Any]]:
     """Every unit of the source as a shard (complete ones kept); manifest entries in order."""
     dtype = shard_format.token_dtype(tokenizer.vocab_size)
@@ -126,9 +140,10 @@ def _tokenize_all(
             progress.advance(size)
 
     context = multiprocessing.get_context("spawn")  # never fork a process that holds threads
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer.path,)) as pool:
+    initargs = (tokenizer.path, chat)
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=initargs) as pool:
         for index, (texts, size) in enumerate(units(source.one_pass(), shard_chars)):
-            if (done := shard_format.complete_shard(folder, index, dtype)) is not None:
+            if (done := shard_format.complete_shard(folder, index, dtype, chat is not None)) is not None:
                 entries[index] = done
                 progress.advance(size)
                 continue
@@ -140,9 +155,15 @@ def _tokenize_all(
 
 
 def prepare(
-    source: Source, tokenizer: Tokenizer, output: str | Path, workers: int = 1, shard_chars: int = DEFAULT_SHARD_CHARS
+    source: Source,
+    tokenizer: Tokenizer,
+    output: str | Path,
+    workers: int = 1,
+    shard_chars: int = DEFAULT_SHARD_CHARS,
+    chat: ChatPacking | None = None,
 ) -> dict[str, Any]:
-    """Prepare `source` into `output` (resuming an unfinished run); returns the manifest."""
+    """Prepare `source` into `output` (resuming an unfinished run); returns the manifest.
+    `chat`: the source holds conversations (chat.py), packed and masked so."""
     folder = Path(output)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -155,6 +176,7 @@ def prepare(
         "tokenizer_sha256": tokenizer.sha256,
         "dtype": dtype,
         "shard_chars": shard_chars,
+        **({"chat": chat.job()} if chat else {}),
     }
     with open(folder / ".lock", "a+") as lock:  # held until the end; released by the kernel if this process dies
         try:
@@ -167,15 +189,19 @@ def prepare(
         shard_format.remove_temporaries(folder)
         size = source.size_bytes() if hasattr(source, "size_bytes") else None
         progress = Progress(f"prepare {source.name}", total=size, unit="B")
-        entries = _tokenize_all(source, tokenizer, folder, workers, shard_chars, progress)
-        manifest = _manifest(source, tokenizer, dtype, entries)
+        entries = _tokenize_all(source, tokenizer, folder, workers, shard_chars, progress, chat)
+        manifest = _manifest(source, tokenizer, dtype, entries, job.get("chat"))
         shard_format.write_manifest(folder, manifest)
         progress.finish()
         return manifest
 
 
-def _manifest(source: Source, tokenizer: Tokenizer, dtype: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """manifest.json's content (docs/data.md): the format, what the shards were made from, and the shards."""
+def _manifest(
+    source: Source, tokenizer: Tokenizer, dtype: str, entries: list[dict[str, Any]], chat: dict[str, Any] | None
+) -> dict[str, Any]:
+    """manifest.json's content (docs/data.md): the format, what the shards were made from, and the
+    shards; for chat data, its packing and conversation counts."""
+    counts = ("conversations", "truncated", "dropped")
     return {
         "format": shard_format.FORMAT,
         "format_version": shard_format.FORMAT_VERSION,
@@ -192,6 +218,7 @@ def _manifest(source: Source, tokenizer: Tokenizer, dtype: str, entries: list[di
             "eos_id": tokenizer.eos_id,
         },
         "shards": entries,
+        **({"chat": {**chat, **{k: sum(e[k] for e in entries) for k in counts}}} if chat else {}),
     }
 
 
@@ -232,16 +259,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=DEFAULT_SHARD_CHARS / 1e6,
         help="text per shard, in millions of characters (default 64)",
     )
+    _chat_arguments(parser)
     # The trainer's first-use run: die with the trainer, and name its config keys in errors.
     parser.add_argument("--from-trainer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.workers < 1 or not args.shard_mb > 0:
         parser.error("--workers must be >= 1 and --shard-mb > 0")
+    if args.chat is not None and args.chat < 1:
+        parser.error("--chat must be >= 1")
     return args
 
 
+def _chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """--chat and its options (data/chat.py; docs/fine_tuning.md)."""
+    parser.add_argument(
+        "--chat",
+        type=int,
+        metavar="SEQ_LEN",
+        help="SOURCE holds conversations (JSONL messages or prompt/completion): pack them into windows of "
+        "SEQ_LEN + 1 tokens, trained on the assistant's tokens only",
+    )
+    parser.add_argument("--chat-template", default="", help="with --chat: a Jinja file (default: the tokenizer's own)")
+    parser.add_argument("--overlong", choices=OVERLONG, default="truncate", help="with --chat: a longer conversation")
+
+
 # Source and tokenizer errors name the training config keys; here they are arguments.
-CLI_NAMES = {"training.dataset_path": "SOURCE", "training.dataset": "SOURCE", "model.tokenizer_path": "--tokenizer"}
+CLI_NAMES = {
+    "training.dataset_path": "SOURCE",
+    "training.dataset": "SOURCE",
+    "model.tokenizer_path": "--tokenizer",
+    "sft.chat_template": "--chat-template",
+}
 
 
 def _cli_message(error: TitanliteError) -> str:
@@ -255,9 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()
     init_logger(0)
     try:
-        manifest = prepare(
-            open_source(args.source), Tokenizer(args.tokenizer), args.output, args.workers, int(args.shard_mb * 1e6)
-        )
+        tokenizer, chat = Tokenizer(args.tokenizer), None
+        if args.chat is not None:
+            chat = chat_packing(args.chat_template, tokenizer, args.chat + 1, args.overlong)
+        source = open_source(args.source, chat is not None)
+        manifest = prepare(source, tokenizer, args.output, args.workers, int(args.shard_mb * 1e6), chat)
     except TitanliteError as error:
         say(f"titanlite: error: {error if args.from_trainer else _cli_message(error)}")
         return USER_ERROR_EXIT_CODE
@@ -274,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.output}: {manifest['tokens']:,} tokens, {manifest['documents']:,} documents, "
         f"{len(manifest['shards'])} shards ({manifest['dtype']})"
     )
+    if "chat" in manifest:
+        logger.info(chat_counts(manifest["chat"]))
     return 0
 
 

@@ -6,6 +6,8 @@ indexes and the manifest; written atomically, read by memory map.
     shard-00000.bin       the shard's token ids, little-endian uint16 (vocab <= 65,536) or uint32
     shard-00000.idx       little-endian uint64 offsets of its documents: documents + 1 entries,
                           0 first, the shard's token count last
+    shard-00000.mask      chat data only (manifest "chat", data/chat.py): one byte a token, 1
+                          where it is trained; and shard-00000.chat.json, its conversation counts
 
 A shard is written as `<name>.bin.tmp-<pid>` and `<name>.idx.tmp-<pid>`, each flushed to
 disk, then renamed: the .bin first, the .idx last. So a shard counts as complete exactly when its
@@ -78,30 +80,48 @@ class ShardEntry(NamedTuple):
     crc32: dict[str, str] | None
 
 
-def write_shard(folder: Path, index: int, documents: list[list[int]], dtype_name: str) -> dict[str, Any]:
-    """Write one shard atomically (see the module docstring); returns its manifest entry."""
+def write_shard(
+    folder: Path, index: int, documents: list[list[int]], dtype_name: str, chat: tuple[list, dict] | None = None
+) -> dict[str, Any]:
+    """Write one shard atomically (see the module docstring); returns its manifest entry. `chat`:
+    the documents' loss masks and their counts (chat.py), written as the shard's .mask and
+    .chat.json before its .idx."""
     name, dtype = shard_name(index), DTYPES[dtype_name]
     lengths = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
     offsets = np.zeros(len(documents) + 1, dtype=_OFFSET)
     np.cumsum(lengths, out=offsets[1:])
     tokens = np.fromiter((t for d in documents for t in d), dtype=dtype, count=int(offsets[-1]))
     _write_atomically(folder / f"{name}.bin", tokens)
+    if chat is not None:
+        masks, counts = chat
+        _write_atomically(folder / f"{name}.mask", np.fromiter((m for d in masks for m in d), np.uint8, len(tokens)))
+        _write_atomically(folder / f"{name}.chat.json", json.dumps(counts).encode())
     _write_atomically(folder / f"{name}.idx", offsets)  # last: a shard with its .idx is complete
-    return {"name": name, "tokens": int(offsets[-1]), "documents": len(documents), "crc32": shard_crc32(folder, name)}
+    return complete_shard(folder, index, dtype_name, chat is not None)
 
 
-def complete_shard(folder: Path, index: int, dtype_name: str) -> dict[str, Any] | None:
+def complete_shard(folder: Path, index: int, dtype_name: str, chat: bool = False) -> dict[str, Any] | None:
     """The manifest entry of shard `index` if it was completely written, else None."""
     name, dtype = shard_name(index), DTYPES[dtype_name]
     idx, bin_ = folder / f"{name}.idx", folder / f"{name}.bin"
     try:
         offsets = np.fromfile(idx, dtype=_OFFSET)
         size = bin_.stat().st_size
-    except OSError:
+        chat_entry = _chat_entry(folder, name, int(offsets[-1])) if chat and len(offsets) else {}
+    except (OSError, ValueError):
         return None
     if len(offsets) == 0 or offsets[0] != 0 or int(offsets[-1]) * dtype.itemsize != size:
         return None
-    return {"name": name, "tokens": int(offsets[-1]), "documents": len(offsets) - 1, "crc32": shard_crc32(folder, name)}
+    suffixes = SHARD_FILES + (("mask",) if chat else ())
+    entry = {"name": name, "tokens": int(offsets[-1]), "documents": len(offsets) - 1}
+    return {**entry, **chat_entry, "crc32": shard_crc32(folder, name, suffixes)}
+
+
+def _chat_entry(folder: Path, name: str, tokens: int) -> dict[str, int]:
+    """A chat shard's counts, once its mask holds one byte a token (ValueError otherwise)."""
+    if (folder / f"{name}.mask").stat().st_size != tokens:
+        raise ValueError(f"{name}.mask is incomplete")
+    return json.loads((folder / f"{name}.chat.json").read_text())
 
 
 def remove_temporaries(folder: Path) -> None:
@@ -155,4 +175,4 @@ def _recorded_crc32(entry: dict[str, Any]) -> dict[str, str] | None:
     recorded = entry["crc32"]
     if not all(isinstance(recorded[suffix], str) for suffix in SHARD_FILES):  # KeyError, TypeError: not a manifest
         raise ValueError(f"shard {entry['name']}: crc32 {recorded!r} is not two hex strings")
-    return {suffix: recorded[suffix] for suffix in SHARD_FILES}
+    return {suffix: str(value) for suffix, value in recorded.items()}  # "mask" too, for chat data

@@ -215,15 +215,20 @@ def _read_txt(path: Path) -> Iterator[str]:
     yield "".join(parts).rstrip("\r\n")
 
 
-def _read_jsonl(path: Path) -> Iterator[str]:
+def jsonl_records(path: Path) -> Iterator[tuple[Any, str]]:
+    """Each non-blank line's JSON value, with where it is (`file:line`, for errors)."""
     for raw, number in _lines(path):
         if not raw.strip():
             continue
         where = f"{path}:{number}"
         try:
-            record = json.loads(raw)
+            yield json.loads(raw), where
         except json.JSONDecodeError as e:
             raise TitanliteError(f"training.dataset_path: {where}: not valid JSON ({e.msg})") from None
+
+
+def _read_jsonl(path: Path) -> Iterator[str]:
+    for record, where in jsonl_records(path):
         if not isinstance(record, dict) or "text" not in record:
             raise TitanliteError(f'training.dataset_path: {where}: line has no "text" field')
         text = record["text"]

@@ -36,6 +36,7 @@ class TokenShards:
         self.dtype = DTYPES[manifest["dtype"]]
         self.vocab_size = int(manifest["tokenizer"]["vocab_size"])
         self.entries = manifest["_entries"]
+        self.chat = manifest.get("chat")  # chat data (data/chat.py): a loss mask beside the tokens
         self.names = [entry.name for entry in self.entries]
         self.shard_bytes = [self._check_files(entry.name, entry.tokens, entry.documents) for entry in self.entries]
         self.starts = list(itertools.accumulate((entry.tokens for entry in self.entries), initial=0))
@@ -52,7 +53,11 @@ class TokenShards:
 
     def _check_files(self, name: str, tokens: int, documents: int) -> int:
         """The shard's .bin and .idx exist with the sizes the manifest implies; returns their sum."""
-        sizes = {".bin": tokens * self.dtype.itemsize, ".idx": (documents + 1) * 8}
+        sizes = {
+            ".bin": tokens * self.dtype.itemsize,
+            ".idx": (documents + 1) * 8,
+            **({".mask": tokens} if self.chat else {}),
+        }
         for suffix, size in sizes.items():
             path = self.folder / f"{name}{suffix}"
             try:
@@ -76,10 +81,10 @@ class TokenShards:
             self._unverified.discard(shard)
 
     def _map(self, shard: int, suffix: str) -> np.memmap:
-        """Shard `shard`'s tokens ("bin") or document offsets ("idx"), mapped on first use."""
+        """Shard `shard`'s tokens ("bin"), document offsets ("idx") or loss mask ("mask"), mapped on first use."""
         self._verify_once(shard)
         if (shard, suffix) not in self._maps:
-            dtype = self.dtype if suffix == "bin" else "<u8"
+            dtype = {"bin": self.dtype, "idx": "<u8", "mask": "u1"}[suffix]
             self._maps[shard, suffix] = np.memmap(self.folder / f"{self.names[shard]}.{suffix}", dtype=dtype, mode="r")
         return self._maps[shard, suffix]
 
@@ -97,6 +102,15 @@ class TokenShards:
                     f"{int(piece.max()):,}, outside the manifest's vocabulary of {self.vocab_size:,}"
                 )
             out[done : done + take] = piece
+        return out
+
+    def read_mask(self, start: int, length: int) -> np.ndarray:
+        """Whether each of tokens [start, start + length) is trained (bool): all are, but in chat data."""
+        if not self.chat:
+            return np.ones(length, dtype=bool)
+        out = np.empty(length, dtype=bool)
+        for shard, offset, take, done in self._pieces(start, length):
+            out[done : done + take] = self._map(shard, "mask")[offset : offset + take]
         return out
 
     def _pieces(self, start: int, length: int) -> Iterator[tuple[int, int, int, int]]:

@@ -53,6 +53,10 @@ class DatasetWindows:
         """Which document each token of window k belongs to, from 0 (see TokenShards.document_ids)."""
         return self.shards.document_ids(self.index(k) * self.window, self.window)
 
+    def trained(self, k: int) -> np.ndarray:
+        """Whether each token of window k is trained (see TokenShards.read_mask)."""
+        return self.shards.read_mask(self.index(k) * self.window, self.window)
+
 
 class WindowStream:
     """Several datasets' windows blended by weight (see blend.py); one dataset is the identity."""
@@ -61,6 +65,7 @@ class WindowStream:
         self.parts, self.name = parts, name
         self.pattern = BlendPattern(weights) if len(parts) > 1 else None
         self.window = parts[0].window
+        self.masked = any(part.shards.chat for part in parts)  # labels masked where a token is not trained
 
     def locate(self, g: int) -> tuple[int, int]:
         """(dataset, its k) of global window g."""
@@ -73,6 +78,10 @@ class WindowStream:
     def documents(self, g: int) -> np.ndarray:
         d, k = self.locate(g)
         return self.parts[d].documents(k)
+
+    def trained(self, g: int) -> np.ndarray:
+        d, k = self.locate(g)
+        return self.parts[d].trained(k)
 
     def __len__(self) -> int:
         """Windows in one pass over every part (for validation: how many there are)."""

@@ -14,7 +14,8 @@ What it owns:
 - the document flag: the loaders hand out document ids when `model.attn_mask_type` is
   "block_causal", and the runners pass them to the model's forward;
 - the loss: the compute context (autocast where FSDP does not own mixed precision) and the
-  pipeline's `StepLoss`, to which each schedule call passes its scale;
+  pipeline's `StepLoss`, to which each schedule call passes its scale; over masked labels
+  (chat data), the count of the step's trained tokens over the loss group (`LabelCount`);
 - mixture-of-experts layers (`experts`, from the built model): their aux loss trained in each
   forward, and `ExpertBalance` after each optimizer step, over the dp x cp ranks.
 """
@@ -35,6 +36,7 @@ from titanlite.parallel.mesh import Meshes, ParallelDims
 from titanlite.parallel.pipeline_plan import PipelineLayout
 from titanlite.step.experts import ExpertBalance, ExpertLayers
 from titanlite.step.forward_backward import Pipelined, Unpipelined
+from titanlite.step.loss import LabelCount
 from titanlite.step.participants import StepParticipant
 from titanlite.step.precision import autocast_dtype
 
@@ -88,11 +90,14 @@ class StepBuilder:
         return contextlib.nullcontext()
 
     def forward_backward(
-        self, model: nn.Module, parts: list[nn.Module], experts: ExpertLayers | None = None
+        self, model: nn.Module, parts: list[nn.Module], experts: ExpertLayers | None = None, masked: bool = False
     ) -> Unpipelined | Pipelined:
         """The step's forward and backward: on the whole `model`, or through the pipeline
-        schedule over this rank's stage `parts`; with `experts`, training their aux loss."""
-        shared = (self.compute_context, self.device, self.rank == self.loss_rank, self.meshes.context_parallel, experts)
+        schedule over this rank's stage `parts`; with `experts`, training their aux loss; with
+        `masked` labels (chat data), each loss over the step's trained tokens of the loss group."""
+        labels = LabelCount(self.loss_group) if masked else None
+        fault = self.rank == self.loss_rank
+        shared = (self.compute_context, self.device, fault, self.meshes.context_parallel, experts, labels)
         if self.pipeline is None:
             return Unpipelined(*shared, model)
         return Pipelined(*shared, self.pipeline, parts, self.meshes.pp)

@@ -12,7 +12,9 @@ trainer sums over the pipeline ranks, then averages over the dp ranks). Gradient
 that mean either way: an accumulated step's microbatches weigh 1/accumulation each, and a
 pipeline's loss function carries 1/(microbatches x accumulation), so the schedule scales
 nothing and several schedule steps accumulate exactly. That scale and the step number are
-arguments of each schedule call (`StepLoss`), not state set on the runner before it.
+arguments of each schedule call (`StepLoss`), not state set on the runner before it. Over masked
+labels (chat data, `labels`), each of those losses is its trained tokens' sum over the step's
+count (`step/loss.LabelCount`) instead of its mean, weighted as before.
 
 A model with mixture-of-experts layers (`experts`) trains their aux loss in the same
 forwards: each layer adds its gradient to the backward of its own output, weighted as that
@@ -38,7 +40,7 @@ from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.pipeline import build_schedule
 from titanlite.parallel.pipeline_plan import PipelineLayout
 from titanlite.step.experts import ExpertLayers, aux_loss_gradients, uncounted_metadata_forwards
-from titanlite.step.loss import cross_entropy
+from titanlite.step.loss import LabelCount, cross_entropy
 from titanlite.step.nonfinite import inject_nan
 
 Microbatch = tuple[torch.Tensor, ...]
@@ -58,6 +60,7 @@ class Runner:
     nan_fault_here: bool  # this rank's loss takes the tests' NaN fault (step/nonfinite.py)
     context_parallel: ContextParallel | None
     experts: ExpertLayers | None
+    label_count: LabelCount | None  # the labels are masked (chat data)
 
     def on_device(self, batch: Microbatch) -> tuple:
         """(inputs, labels, document ids or None) on the device, cut to this cp rank's tokens."""
@@ -65,6 +68,11 @@ class Runner:
         if self.context_parallel is not None:
             inputs, labels = self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
         return inputs, labels, (documents[0] if documents else None)
+
+    def tokens(self, batches: list[tuple], losses: int) -> torch.Tensor | None:
+        """What each of this rank's `losses` losses of the step divides by: None (its mean) unless
+        the labels are masked."""
+        return None if self.label_count is None else self.label_count([labels for _, labels, _ in batches], losses)
 
 
 @dataclass
@@ -75,12 +83,14 @@ class Unpipelined(Runner):
 
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
+        batches = [self.on_device(batch) for batch in microbatches]
+        tokens = self.tokens(batches, len(batches))
         with aux_loss_gradients(self.experts, [self.model], 1.0 / len(microbatches)):
-            for index, batch in enumerate(microbatches):
+            for index, (inputs, labels, documents) in enumerate(batches):
                 set_gradient_sync(self.model, index == len(microbatches) - 1)
-                inputs, labels, documents = self.on_device(batch)
                 with self.compute_context():
-                    loss = cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels) / len(microbatches)
+                    logits = self.model(inputs, **_model_kwargs(documents))
+                    loss = cross_entropy(logits, labels, tokens) / len(microbatches)
                     loss = inject_nan(step, loss, self.nan_fault_here)
                     loss.backward()
                 loss_sum += loss.detach()
@@ -89,14 +99,16 @@ class Unpipelined(Runner):
     def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one batch, no gradient (the caller sets eval mode)."""
         inputs, labels, documents = self.on_device(batch)
+        tokens = self.tokens([(inputs, labels, documents)], 1)
         with torch.no_grad(), self.compute_context():
-            return cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels)
+            return cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels, tokens)
 
 
 class StepLoss:
     """What a pipeline schedule computes on the last stage for each of its microbatches:
-    cross-entropy times the call's scale, with the NaN fault on the loss rank. The scale and
-    the step come with each schedule call (`passing`) as the schedule's `loss_kwargs`."""
+    cross-entropy (over `tokens` when the labels are masked) times the call's scale, with the NaN
+    fault on the loss rank. The scale, the tokens and the step come with each schedule call
+    (`passing`) as the schedule's `loss_kwargs`."""
 
     def __init__(self, nan_fault_here: bool):
         self.nan_fault_here = nan_fault_here
@@ -104,17 +116,18 @@ class StepLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, **loss_kwargs: float | int) -> torch.Tensor:
         arguments = loss_kwargs or self._held
-        return inject_nan(arguments["step"], cross_entropy(logits, labels) * arguments["scale"], self.nan_fault_here)
+        loss = cross_entropy(logits, labels, arguments["tokens"]) * arguments["scale"]
+        return inject_nan(arguments["step"], loss, self.nan_fault_here)
 
     @contextlib.contextmanager
-    def passing(self, schedule, scale: float, step: int) -> Iterator[dict]:
-        """The keyword arguments that hand `scale` and `step` to this loss through one call of
-        `schedule`. torch 2.11's schedules (the GPU machines') take no `loss_kwargs`: there
-        they are held here for the length of the call only."""
+    def passing(self, schedule, scale: float, step: int, tokens: torch.Tensor | None) -> Iterator[dict]:
+        """The keyword arguments that hand `scale`, `step` and `tokens` to this loss through one
+        call of `schedule`. torch 2.11's schedules (the GPU machines') take no `loss_kwargs`:
+        there they are held here for the length of the call only."""
         if "loss_kwargs" in inspect.signature(schedule.step).parameters:
-            yield {"loss_kwargs": {"scale": scale, "step": step}}
+            yield {"loss_kwargs": {"scale": scale, "step": step, "tokens": tokens}}
             return
-        self._held = {"scale": scale, "step": step}
+        self._held = {"scale": scale, "step": step, "tokens": tokens}
         try:
             yield {}
         finally:
@@ -147,24 +160,29 @@ class Pipelined(Runner):
     def train(self, microbatches: list[Microbatch], step: int) -> torch.Tensor:
         scale = 1.0 / (self.n_microbatches * len(microbatches))
         loss_sum = torch.zeros((), device=self.device)
+        batches = [self.on_device(batch) for batch in microbatches]
+        tokens = self.tokens(batches, self.n_microbatches * len(batches))
         with aux_loss_gradients(self.experts, self.parts, scale):
-            for batch in microbatches:
-                loss_sum += self._run(self.schedule.step, batch, scale, step)
+            for batch in batches:
+                loss_sum += self._run(self.schedule.step, batch, scale, step, tokens)
         return loss_sum
 
     def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
+        batch = self.on_device(batch)
+        tokens = self.tokens([batch], self.n_microbatches)
         with torch.no_grad():
-            return self._run(self.schedule.eval, batch, 1.0 / self.n_microbatches, 0)
+            return self._run(self.schedule.eval, batch, 1.0 / self.n_microbatches, 0, tokens)
 
-    def _run(self, run: Callable, batch: Microbatch, scale: float, step: int) -> torch.Tensor:
-        """One schedule step; every stage gets the document ids (each of its blocks needs them)."""
-        inputs, labels, documents = self.on_device(batch)
+    def _run(self, run: Callable, batch: tuple, scale: float, step: int, tokens: torch.Tensor | None) -> torch.Tensor:
+        """One schedule step over a batch on the device; every stage gets the document ids (each
+        of its blocks needs them)."""
+        inputs, labels, documents = batch
         args = (inputs,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": losses, **self._no_outputs} if self.has_last else {}
         with (
             self.compute_context(),
-            self.loss.passing(self.schedule, scale, step) as loss_arguments,
+            self.loss.passing(self.schedule, scale, step, tokens) as loss_arguments,
             uncounted_metadata_forwards(self.experts, self.parts, self.n_microbatches),
         ):
             run(*args, **kwargs, **loss_arguments, **_model_kwargs(documents))

@@ -6,7 +6,8 @@ tokens are used (`<|begin_of_text|>`, `<s>`, ... ). A tokenizer with none adds n
 Documents are encoded without the file's own post-processor (`add_special_tokens=False`):
 titanlite adds bos/eos itself, the same way for every kind; and, where `tokenizers` has
 `encode_special_tokens` (0.20 on), a special token's text inside a document is encoded
-as the text it is, like the tiktoken kind does.
+as the text it is, like the tiktoken kind does; a chat template's rendering (data/chat.py)
+is read with its special tokens.
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ class HFTokenizerJSON:
 
     def encode_plain(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and character offsets of a rendered conversation, read as transformers reads it:
+        the special tokens' text the chat template wrote is those tokens."""
+        toggles = hasattr(self.tok, "encode_special_tokens")
+        if toggles:
+            self.tok.encode_special_tokens = False
+        try:
+            encoding = self.tok.encode(text, add_special_tokens=False)
+        finally:
+            if toggles:
+                self.tok.encode_special_tokens = True
+        return encoding.ids, encoding.offsets
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
