@@ -363,3 +363,22 @@ def test_debug_model_figures_match_a_real_run(name, measured):
         assert estimate == pytest.approx(real["step_peak_bytes"], rel=0.3), (
             f"rank {rank}: {estimate:,.0f} vs {real['step_peak_bytes']:,}"
         )
+
+
+def test_the_sft_lora_preset_plans_as_its_comment_says_on_qwen3_8b_config(tmp_path):
+    """train_configs/qwen3_8b_sft_lora.toml on a folder holding Qwen3-8B's config.json (written
+    by titanlite's adapter from the published shape): the planner's verdict and total are its
+    comment's, and the ranks' trained elements add up to the count the comment states."""
+    from titanlite.models import get_model_spec
+
+    spec = get_model_spec("qwen3", "8B")
+    (tmp_path / "config.json").write_text(json.dumps(spec.hf_adapter.hf_config(spec.args_for("8B", 151936))))
+    text = (REPO / "train_configs" / "qwen3_8b_sft_lora.toml").read_text()
+    [(world, _, verdict, gib)] = PRESET_LINE.findall(text)
+    argv = ["--config", "qwen3_8b_sft_lora", "--world-size", world, "--vocab-size", "151665"]
+    [report] = plans([*argv, "--model.hf_assets_path", str(tmp_path), "--checkpoint.initial_load_path", str(tmp_path)])
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert f"verdict: {verdict}: {gib} GiB" in report.stdout
+    trained = int(re.search(r"([\d,]+) trained", report.stdout).group(1).replace(",", ""))
+    stated = int(re.search(r"([\d,]+) parameters are trained", text).group(1).replace(",", ""))
+    assert trained * int(world) == stated == 36 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 12288))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.distributed import REPO
 from tests.helpers.chat_data import TEMPLATE, chat_files, conversations, write_jsonl
 from titanlite.data.chat import ChatFiles, chat_packing, conversation, encode, special_tokens
 from titanlite.data.chat_template import ChatTemplate
@@ -227,3 +228,25 @@ def test_a_hugging_face_dataset_of_conversations_prepares_as_the_local_file(file
     for name, spec in (("local", path), ("hf", f"hf:{path}")):
         prepare(open_source(spec, chat=True), tokenizer, tmp_path / name, chat=packing)
     assert documents(TokenShards(tmp_path / "hf")) == documents(TokenShards(tmp_path / "local"))
+
+
+def test_the_shipped_chatml_template_renders_and_marks_the_answers_as_transformers_does():
+    """assets/chat_templates/chatml.jinja (the SFT preset's, for Qwen's tokenizer): the text and the
+    {% generation %} spans of a conversation are what transformers' own renderer gives."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    text = (REPO / "assets" / "chat_templates" / "chatml.jinja").read_text()
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Goodbye."},
+    ]
+    ours, spans = ChatTemplate(text, "chatml", {"bos_token": "", "eos_token": ""}).render(conversation)
+    rendered, generation = render_jinja_template(
+        conversations=[conversation], chat_template=text, return_assistant_tokens_mask=True
+    )
+    assert ours == rendered[0]
+    assert [(span.start, span.stop) for span in spans] == [tuple(pair) for pair in generation[0]]
+    assert [ours[span.start : span.stop] for span in spans] == ["Hello.<|im_end|>", "Goodbye.<|im_end|>"]

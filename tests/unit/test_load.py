@@ -283,7 +283,8 @@ def test_every_choice_is_accepted():
     for section, cls in sections(JobConfig).items():
         for field in dataclasses.fields(cls):
             for choice in field.metadata["choices"]:
-                extra = [f"--{section}.dataset_path", "x"] if choice in ("files", "prepared") else []
+                extra = [f"--{section}.dataset_path", "x"] if choice in ("files", "prepared", "chat") else []
+                extra += ["--model.attn_mask_type", "block_causal"] if choice == "chat" else []
                 load_config([f"--{section}.{field.name}", choice, *extra])
 
 
