@@ -1,5 +1,6 @@
 """Supervised fine-tuning on a chat file through the real trainer (`training.dataset chat`, one
-process): the conversations are prepared on first use, the loss on the assistant's tokens falls;
+process): the conversations are prepared on first use, the loss on the assistant's tokens falls (with
+LoRA on every projection of the frozen model too: 6.35 -> 1.64 in 20 steps);
 and each bad chat input is one line with exit code 2. The 2-rank runs are equivalence layouts
 (tests/runs/equivalence.py: sft_*)."""
 
@@ -11,6 +12,8 @@ from tests.helpers.chat_data import chat_files, conversations, write_jsonl
 from tests.helpers.distributed import read_tensorboard, run_mains, with_overrides
 
 STEPS = 20
+LORA_EVERYWHERE = ["--model.converters", "lora", "--lora.rank", "8", "--lora.alpha", "32", "--lora.target_modules"]
+LORA_EVERYWHERE += ["wq,wk,wv,wo,w1,w2,w3"]
 
 
 def chat_args(files: dict, dump, *extra: str) -> list[str]:
@@ -59,6 +62,8 @@ def test_a_chat_file_trains_and_bad_chat_input_is_one_line(tmp_path):
     failing.write_text("{% generation %}{% endgeneration %}{{ raise_exception('this template renders nothing') }}")
     runs = {
         "trains": chat_args(files, tmp_path / "trains"),
+        # The fine-tuning preset's combination: LoRA on every projection of the frozen model.
+        "lora": chat_args(files, tmp_path / "lora", *LORA_EVERYWHERE),
         "unknown_role": chat_args(files, tmp_path / "role", "--training.dataset_path", str(bad_file)),
         "template_fails": chat_args(files, tmp_path / "template", "--sft.chat_template", str(failing)),
         "causal": chat_args(files, tmp_path / "causal", "--model.attn_mask_type", "causal"),
@@ -69,6 +74,9 @@ def test_a_chat_file_trains_and_bad_chat_input_is_one_line(tmp_path):
     assert "chat data: 300 conversations in windows of 65 tokens; longer ones: " in trained.stderr + trained.stdout
     losses = [loss for _, loss in read_tensorboard(tmp_path / "trains" / "tb")["loss"]]
     assert len(losses) == STEPS and losses[-1] < 0.5 * losses[0], losses
+    assert results["lora"].returncode == 0, results["lora"].stderr[-3000:]
+    adapted = [loss for _, loss in read_tensorboard(tmp_path / "lora" / "tb")["loss"]]
+    assert len(adapted) == STEPS and adapted[-1] < 0.5 * adapted[0], adapted
     expected = {
         "unknown_role": f"training.dataset_path: {bad_file}:4: unknown role 'narrator' in 'messages'",
         "template_fails": f"sft.chat_template: {failing} failed to render a conversation (TemplateError: this",
