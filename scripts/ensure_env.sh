@@ -13,7 +13,7 @@ export PYTHONPATH="$repo_root${PYTHONPATH:+:$PYTHONPATH}"
 
 # run_tests.sh sets TITANLITE_TESTS=1: the test tools are then needed too.
 # Found, not imported: importing datasets and transformers alone takes seconds.
-modules="torch sentencepiece tensorboard numpy${TITANLITE_TESTS:+ pytest pytest_timeout xdist safetensors tiktoken tokenizers pyarrow matplotlib datasets transformers megatron wandb torchft torchao ruff}"
+modules="torch sentencepiece tensorboard numpy${TITANLITE_TESTS:+ pytest pytest_timeout xdist safetensors tiktoken tokenizers pyarrow matplotlib datasets transformers megatron wandb torchft torchao ruff peft trl}"
 has_deps() {
     "$1" -c 'import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))' \
         $modules >/dev/null 2>&1
