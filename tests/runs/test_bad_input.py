@@ -172,6 +172,17 @@ CASES: dict[str, Case] = {
     "torchtitan_list_option_as_one_name": Case(
         ["model.converters: mx is not supported: MXFP8 needs an SM100 GPU"], extra=["--model.converters", "mx"]
     ),
+    # LoRA: a target no linear has (the model's linears listed), rank 0, an export the model has no HF names for
+    "lora_target_matching_no_linear": Case(
+        ["lora.target_modules: ['q_proj'] match no linear layer", "wq"],
+        extra=["--model.converters", "lora", "--lora.target_modules", "q_proj"],
+    ),
+    "lora_rank_zero": Case(["lora.rank", "0"], extra=["--model.converters", "lora", "--lora.rank", "0"]),
+    "lora_export_of_a_model_without_hf_names": Case(
+        ["checkpoint.last_save_in_hf", "gpt2"],
+        {"model.name": "gpt2", "checkpoint.last_save_in_hf": "true"},
+        extra=["--model.converters", "lora", "--lora.target_modules", "c_attn"],
+    ),
     # zero, negative and out-of-range values
     "steps_zero": Case(["training.steps", "0"], {"training.steps": "0"}),
     "steps_negative": Case(["training.steps", "-3"], {"training.steps": "-3"}),
