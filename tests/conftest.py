@@ -75,3 +75,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
     # A stable sort: each file's tests stay together and in their order.
     items.sort(key=lambda item: -FILE_SECONDS.get(Path(str(item.path)).as_posix().rpartition("/tests/")[2], 0))
+
+
+@pytest.fixture
+def logger_left_as_found():
+    """A command's `main` or a trainer run in this process sets the titanlite logger up as a
+    command does (`init_logger`: a handler on this test's captured stdout, no propagation); a
+    later test in the same process finds it as it was, not writing to a closed capture."""
+    from titanlite.logging import logger
+
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate

@@ -25,6 +25,8 @@ from titanlite.data.tokenizers import Tokenizer
 from titanlite.data.windows import DatasetWindows, WindowStream
 from titanlite.errors import TitanliteError
 
+pytestmark = pytest.mark.usefixtures("logger_left_as_found")  # the prepare command sets the logger up
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:

@@ -17,7 +17,6 @@ from tests.helpers.hf_models import CONFIGS, SHAPE, hf_folder
 from titanlite.build import plan_run
 from titanlite.config.load import load_config
 from titanlite.errors import TitanliteError
-from titanlite.logging import logger
 from titanlite.models.hf.hf_adapter import folder_adapter
 from titanlite.models.moe import MoE
 from titanlite.parallel.distributed import shutdown
@@ -32,15 +31,11 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture
-def trainer_process():
+def trainer_process(logger_left_as_found):
     """The process group a one-process trainer starts is gone after the test, as at the end of a
     run, and the titanlite logger (set up by the trainer) is as later tests in this process found it."""
-    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
     yield
     shutdown()
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
-    logger.propagate = propagate
 
 
 def hf_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:

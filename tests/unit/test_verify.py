@@ -17,18 +17,9 @@ from tests.helpers.token_data import (  # noqa: F401 (fixtures)
 )
 from titanlite.data.token_shards import TokenShards
 from titanlite.data.verify import main
-from titanlite.logging import logger
 
 
-@pytest.fixture(autouse=True)
-def logger_left_as_found():
-    """main() sets the titanlite logger up as a command does (init_logger); later tests in this
-    process expect it as they found it."""
-    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
-    yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
-    logger.propagate = propagate
+pytestmark = pytest.mark.usefixtures("logger_left_as_found")  # main() sets the logger up (tests/conftest.py)
 
 
 def run(folder, capsys) -> tuple[int, list[str], list[str]]:

@@ -13,7 +13,7 @@ from titanlite.errors import TitanliteError
 @dataclass
 class LoRA:
     """LoRA (Hu et al. 2021) as PEFT trains it: each target linear computes W x + (alpha / rank) B A x
-    with W frozen, A [rank, in] and B [out, rank] trained (B starts at zero)."""
+    with W frozen, A (rank x in) and B (out x rank) trained (B starts at zero)."""
 
     rank: int = _opt(8, "the adapters' inner dimension (PEFT's r)", gt=0)
     alpha: float = _opt(16.0, "the adapters' scale is alpha / rank (PEFT's lora_alpha)", gt=0)
