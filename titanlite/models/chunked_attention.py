@@ -172,7 +172,7 @@ def chunked_attention(
 class _ChunkedAttention(torch.autograd.Function):
     """Forward: each piece's output and LSE, merged per query chunk. Backward: each piece's
     kernel backward with the merged output and LSE of its rows (exact, as in ring attention),
-    gradients summed over the pieces in float32. q, k, v are padded to one head dim for the
+    gradients summed over the pieces in float32 (float64 for float64 pieces). q, k, v are padded to one head dim for the
     kernels (attention_lse.common_head_dim) once, outside the pieces."""
 
     @staticmethod
@@ -181,7 +181,8 @@ class _ChunkedAttention(torch.autograd.Function):
         q, k, v = attention_lse.common_head_dim(q, k, v)
         batch, heads, queries, head_dim = q.shape
         out = q.new_empty(batch, queries, heads, head_dim).transpose(1, 2)
-        lse = q.new_empty(batch, heads, queries, dtype=torch.float32)
+        wide = torch.promote_types(q.dtype, torch.float32)  # the kernels' LSE dtype, and the merge's
+        lse = q.new_empty(batch, heads, queries, dtype=wide)
         saved = []
         for chunk in plan.chunks:
             rows = slice(chunk.first, chunk.first + chunk.length)
@@ -194,8 +195,8 @@ class _ChunkedAttention(torch.autograd.Function):
                 saved.append(state)
                 merged_out, merged_lse = _merge(merged_out, merged_lse, part, part_lse)
             if sinks is not None:  # a piece of zero output whose LSE is the sink
-                total = torch.logaddexp(merged_lse, sinks.float().view(1, -1, 1))
-                merged_out, merged_lse = merged_out.float() * (merged_lse - total).exp_().unsqueeze(-1), total
+                total = torch.logaddexp(merged_lse, sinks.to(wide).view(1, -1, 1))
+                merged_out, merged_lse = merged_out.to(wide) * (merged_lse - total).exp_().unsqueeze(-1), total
             out[:, :, rows] = merged_out
             lse[:, :, rows] = merged_lse
         ctx.plan, ctx.states, ctx.scale, ctx.dims = plan, saved, scale, (qk_dim, v_dim)
@@ -208,7 +209,8 @@ class _ChunkedAttention(torch.autograd.Function):
         qk_dim, v_dim = ctx.dims
         if v_dim < out.shape[-1]:  # the padded output columns are zero and take no gradient
             grad = torch.nn.functional.pad(grad, (0, out.shape[-1] - v_dim))
-        dq, dk, dv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
+        wide = lse.dtype
+        dq, dk, dv = [torch.zeros(t.shape, dtype=wide, device=t.device) for t in (q, k, v)]
         states = iter(ctx.states)
         for chunk in ctx.plan.chunks:
             rows = slice(chunk.first, chunk.first + chunk.length)
@@ -232,17 +234,18 @@ class _ChunkedAttention(torch.autograd.Function):
         dq, dk, dv = dq[..., :qk_dim], dk[..., :qk_dim], dv[..., :v_dim]
         d_sinks = None
         if sinks is not None:  # -sum over rows of p(sink) * rowsum(grad * out)
-            sink_share = (sinks.float().view(1, -1, 1) - lse).exp()
-            d_sinks = -(sink_share * (grad.float() * out.float()).sum(-1)).sum((0, 2)).to(sinks.dtype)
+            sink_share = (sinks.to(wide).view(1, -1, 1) - lse).exp()
+            d_sinks = -(sink_share * (grad.to(wide) * out.to(wide)).sum(-1)).sum((0, 2)).to(sinks.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, d_sinks
 
 
 def _merge(
     out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor, part_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the union of two key sets from each set's output and LSE (in float32)."""
+    """Softmax over the union of two key sets from each set's output and LSE (in float32, or
+    float64 for float64 pieces)."""
     if out is None:
         return part, part_lse
-    merged = torch.logaddexp(lse, part_lse)
-    out = out.float() * (lse - merged).exp_().unsqueeze(-1) + part.float() * (part_lse - merged).exp_().unsqueeze(-1)
+    merged, wide = torch.logaddexp(lse, part_lse), lse.dtype
+    out = out.to(wide) * (lse - merged).exp_().unsqueeze(-1) + part.to(wide) * (part_lse - merged).exp_().unsqueeze(-1)
     return out, merged
