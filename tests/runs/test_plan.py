@@ -228,6 +228,8 @@ PRESET_VOCAB = {
     "qwen3_235b_a22b": "151936",
     "deepseek_v3_16b": "102400",
     "deepseek_v3_671b": "129280",
+    "gpt_oss_20b": "201088",
+    "gpt_oss_120b": "201088",
 }
 
 
