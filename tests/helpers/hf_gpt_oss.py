@@ -54,14 +54,14 @@ def randomize(named: dict[str, torch.Tensor], seed: int, std: float = 0.1) -> No
             tensor.copy_(std * noise)
 
 
-def transformers_model(args: GptOssArgs, seed: int = 0, dtype: torch.dtype = torch.float32):
+def transformers_model(args: GptOssArgs, seed: int = 0, std: float = 0.1, dtype: torch.dtype = torch.float32):
     """transformers' GptOssForCausalLM with these hyperparameters (through our config.json),
-    every weight drawn (`randomize`), eval mode."""
+    every weight drawn (`randomize` at `std`), eval mode."""
     import transformers
 
     config = transformers.GptOssConfig.from_dict({**hf_adapter.hf_config(args), **EAGER})
     model = transformers.GptOssForCausalLM(config).to(dtype)
-    randomize(dict(model.named_parameters()), seed)
+    randomize(dict(model.named_parameters()), seed, std)
     return model.eval()
 
 
