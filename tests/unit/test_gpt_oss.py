@@ -126,3 +126,35 @@ def test_flavors_have_the_published_shapes_and_tp_splits_heads_only():
     debug = dataclasses.replace(gpt_oss_flavors["debugmodel"], vocab_size=4096)
     assert gpt_oss_spec.tp_problems(debug, 2) == []
     assert gpt_oss_spec.tp_problems(debug, 8) == ["n_kv_heads 4 is not divisible by tensor_parallel_degree 8"]
+
+
+def test_the_grouped_matmul_path_equals_the_loop(monkeypatch):
+    """The path CUDA takes in bf16 (torch's grouped matmul, biases gathered per row), run here in
+    float32 on CPU, where torch has the kernel: the loop's outputs and gradients."""
+    from titanlite.models import moe_experts
+
+    experts = ClampedSwiGLUExperts(3, 8, 8, alpha=1.702, limit=0.5)
+    randomize(dict(experts.named_parameters()), seed=0)
+    x, counts = torch.randn(9, 8, requires_grad=True), torch.tensor([4, 0, 5])
+    results = []
+    for grouped in (False, True):
+        monkeypatch.setattr(moe_experts, "use_grouped_mm", lambda device, dtype, grouped=grouped: grouped)
+        out = experts(x, counts)
+        results.append((out, *gradients(out, (x, *experts.parameters()))))
+    for loop, grouped in zip(*results):
+        torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_tensor_parallelism_refuses_the_output_bias_in_one_line():
+    """Split over tp, each rank's partial output would add the output bias again: refused."""
+    from titanlite.errors import TitanliteError
+    from titanlite.parallel.expert_tensor_parallel import tp_placement
+
+    experts = ClampedSwiGLUExperts(2, 8, 8, alpha=1.702, limit=7.0)
+    assert [tp_placement(experts, name, True).dim for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj")] == [
+        2,
+        1,
+        1,
+    ]
+    with pytest.raises(TitanliteError, match="^parallelism.expert_tensor_parallel_degree: ClampedSwiGLUExperts's"):
+        tp_placement(experts, "down_proj_bias", True)
