@@ -2,11 +2,12 @@
 fixed tokens: the Hugging Face source of the gpt-oss tests.
 
 Four blocks (sliding, full, full, sliding: a `layer_types` other than the default) with a
-window of 5 tokens over 16-token sequences, GQA (4 heads, 2 kv heads), YaRN x4 with truncate
-false, 8 experts top 3 of the clamped SwiGLU. Every weight is drawn (std 0.1; norms around 1;
-biases and sinks around 0 with std 0.5, so that sinks take a visible share of each row), and
-the experts' input projection with std 1, so that their pre-activations pass the clamp limit
-(set to 0.5 here): a dropped clamp, bias or sink changes the logits."""
+window of 4 tokens over 16-token sequences (attended in chunks of 4 queries), GQA (4 heads,
+2 kv heads), YaRN x4 with truncate false, 8 experts top 3 of the clamped SwiGLU. Every weight
+is drawn (std 0.1; norms around 1; biases and sinks around 0 with std 0.5, so that sinks take
+a visible share of each row), and the experts' input projection with std 1, so that their
+pre-activations pass the clamp limit (set to 0.5 here): a dropped clamp, bias or sink changes
+the logits."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ TINY = GptOssArgs(
     head_dim=8,
     vocab_size=64,
     moe=gpt_oss_moe(8, 16, top_k=3, clamped_swiglu=(1.702, 0.5)),
-    window=5,
+    window=4,
     layer_types=(SLIDING, FULL, FULL, SLIDING),
     rope_scaling=YaRN(factor=4.0, original_max_position_embeddings=16, truncate=False),
     max_seq_len=64,

@@ -84,7 +84,7 @@ def test_a_window_changes_the_plan_only_where_it_cuts_into_the_keys():
 
 
 def test_kv_cache_decoding_with_windows_and_sinks_equals_the_full_forward():
-    """A 6-token prompt, then one token at a time past the window (5): the logits of the whole
+    """A 6-token prompt, then one token at a time past the window (4): the logits of the whole
     sequence's forward."""
     model = GptOss(TINY).double()
     model.init_weights(seed=0)

@@ -223,12 +223,15 @@ class Decoder(nn.Module):
 
     def _mask(self, seq: int, document_ids: torch.Tensor | None, h: torch.Tensor, window: int | None) -> Mask:
         """The mask of the blocks with this sliding window (None: none): the KV cache's, this
-        cp rank's chunk plan, or the whole window's."""
+        cp rank's chunk plan, the window's chunks, or the whole sequence's."""
         if self.kv_cache is not None:
             return self.kv_cache.mask(seq, h.device, window)
         if (cp := self.context_parallel) is not None:
             starts = cp.chunk_starts(seq)
             return plan_chunks(self.args.attn_mask_type, document_ids, starts, seq // 2, h.dtype, window, h.device)
+        if window is not None and seq > window and seq % window == 0:  # chunks of `window` queries, each
+            starts = range(0, seq, window)  # over the keys its window reaches: O(seq x window), not seq^2
+            return plan_chunks(self.args.attn_mask_type, document_ids, starts, window, h.dtype, window, h.device)
         positions = None if window is None else torch.arange(seq, device=h.device)
         flex = h.is_cuda and self.flex_masks
         return build_mask(self.args.attn_mask_type, document_ids, positions, positions, flex=flex, window=window)
