@@ -1,5 +1,5 @@
-"""Training throughput of the MoE debug models (Qwen3-MoE's, DeepSeek-V3's) each beside a dense
-model of its family with the same active parameters, one process, same settings, in one run.
+"""Training throughput of the MoE debug models (Qwen3-MoE's, DeepSeek-V3's, gpt-oss's) each beside a
+dense model of its family with the same active parameters, one process, same settings, in one run.
 
     python bench/moe_throughput.py [--steps 10] [--warmup-steps 3] [--seq-len 512] [--batch 4]
                                    [--vocab 4096] [--threads N]
@@ -13,7 +13,9 @@ plus the MoE aux loss, backward, fused AdamW, the expert-bias update): the model
 not the trainer's. Printed: active and total parameters, tokens/s and achieved model FLOP/s
 (the registry's FLOPs per token, PaLM's accounting on active parameters), and the ratio MoE /
 dense. On CPU the experts run as a loop (models/moe_experts.py): routing, sorting and the
-per-expert matmuls of smaller groups are what the ratio prices. Nothing is asserted.
+per-expert matmuls of smaller groups are what the ratio prices. gpt-oss has no dense blocks: its peer
+is one expert of width top_k x 256 that every token takes (its attention, sinks and windows the same
+in both). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -45,11 +47,15 @@ def models(vocab: int) -> dict[str, tuple[str, object]]:
     deepseek = get_model_spec("deepseek_v3").args_for("debugmodel", vocab)
     width = (deepseek.moe.top_k + deepseek.moe.n_shared_experts) * deepseek.moe.hidden_dim
     deepseek_dense = dataclasses.replace(deepseek, moe=None, hidden_dim=width)
+    gpt_oss = get_model_spec("gpt_oss").args_for("debugmodel", vocab)
+    one = dataclasses.replace(gpt_oss.moe, n_experts=1, top_k=1, hidden_dim=gpt_oss.moe.top_k * gpt_oss.moe.hidden_dim)
     return {
         "qwen3 moe (debugmodel_moe)": ("qwen3", moe),
         f"qwen3 dense (debugmodel, hidden {dense.hidden_dim})": ("qwen3", dense),
         "deepseek_v3 moe (debugmodel)": ("deepseek_v3", deepseek),
         f"deepseek_v3 dense (every block {width} wide)": ("deepseek_v3", deepseek_dense),
+        "gpt_oss moe (debugmodel)": ("gpt_oss", gpt_oss),
+        f"gpt_oss dense (one expert {one.hidden_dim} wide)": ("gpt_oss", dataclasses.replace(gpt_oss, moe=one)),
     }
 
 

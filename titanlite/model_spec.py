@@ -120,6 +120,11 @@ class DecoderArgs(Protocol):
         """Whether block `layer_id` has the MoE feed-forward."""
         return False
 
+    def sliding_window(self, layer_id: int) -> int | None:
+        """The sliding window of block `layer_id`'s attention in tokens (gpt-oss's alternate
+        layers); None: it attends to every earlier token its mask allows."""
+        return None
+
     @property
     def n_moe_layers(self) -> int:
         return sum(self.moe_layer(i) for i in range(self.n_layers))

@@ -69,6 +69,8 @@ HF_LORA = [
 DSV3 = ["--model.name", "deepseek_v3"]
 DSV3_Q_LORA = [*DSV3, "--model.flavor", "debugmodel_q_lora"]
 SP = ["--parallelism.sequence_parallel", "on"]
+GPT_OSS = ["--model.name", "gpt_oss"]
+GPT_OSS_WINDOW8 = [*GPT_OSS, "--model.flavor", "debugmodel_window8"]
 # `--model.name hf`: a tiny transformers model of the type named (tests/helpers/hf_models.py).
 HF_MODEL = ["--model.name", "hf", "--model.hf_assets_path"]
 
@@ -134,6 +136,9 @@ REFERENCES = {
     "float8_rowwise": [*batch(4), "--training.global_batch_size", "8", *FLOAT8_ROWWISE],
     "deepseek_v3": DSV3,
     "deepseek_v3_q_lora_block_causal": [*DSV3_Q_LORA, *BLOCK],
+    "gpt_oss": GPT_OSS,
+    "gpt_oss_window8": GPT_OSS_WINDOW8,
+    "gpt_oss_window8_block_causal": [*GPT_OSS_WINDOW8, *BLOCK],
     "tied": TIED,
     "lora": LORA,
     "qwen3_moe_lora": [*QWEN3_MOE, *LORA],
@@ -298,6 +303,18 @@ LAYOUTS = {
         [*batch(8), *CP, *DSV3_Q_LORA, *BLOCK],
         "deepseek_v3_q_lora_block_causal",
     ),
+    # gpt-oss (sinks, sliding windows of 32 tokens on alternate blocks, biases, clamped experts)
+    # at each parallelism: its sinks split with the heads, its windows planned per cp chunk (16
+    # tokens: a window longer than a chunk, and with debugmodel_window8 a shorter one, also
+    # within documents), its experts and their biases over ep.
+    "gpt_oss_fsdp2": (2, [*batch(4), *GPT_OSS], "gpt_oss"),
+    "gpt_oss_tp2": (2, [*batch(8), *TP, *GPT_OSS], "gpt_oss"),
+    "gpt_oss_pp2": (2, [*batch(8), *PP, *GPT_OSS], "gpt_oss"),
+    "gpt_oss_cp2": (2, [*batch(8), *CP, *GPT_OSS], "gpt_oss"),
+    "gpt_oss_window8_cp2": (2, [*batch(8), *CP, *GPT_OSS_WINDOW8], "gpt_oss_window8"),
+    "gpt_oss_window8_cp2_block_causal": (2, [*batch(8), *CP, *GPT_OSS_WINDOW8, *BLOCK], "gpt_oss_window8_block_causal"),
+    "gpt_oss_ep2": (2, [*batch(4), *EP, *GPT_OSS], "gpt_oss"),
+    "gpt_oss_ep2_tp2": (4, [*batch(4), *EP, *TP, *GPT_OSS], "gpt_oss"),
     "deepseek_v3_ep2_tp2": (4, [*batch(4), *EP, *TP, *DSV3], "deepseek_v3"),
     "deepseek_v3_ep2_pp2": (4, [*batch(4), *EP, *PP, *DSV3], "deepseek_v3"),
     # Any transformers causal LM (`--model.name hf`), run by its own forward: FSDP, and TP from

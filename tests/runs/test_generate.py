@@ -129,7 +129,7 @@ def hf_folders(tmp_path_factory, tok) -> dict[str, tuple[list[str], str]]:
         import transformers
     except ImportError:
         return {}
-    from tests.helpers import hf_deepseek_v3
+    from tests.helpers import hf_deepseek_v3, hf_gpt_oss
     from tests.helpers.hf_qwen3 import transformers_model
     from titanlite.models import get_model_spec
     from titanlite.models.llama import llama3_hf as hf_adapter
@@ -177,6 +177,15 @@ def hf_folders(tmp_path_factory, tok) -> dict[str, tuple[list[str], str]]:
     out["hf_deepseek_v3_debugmodel"] = (
         argv_for(folder / "deepseek_v3", "--model.name", "deepseek_v3", "--model.flavor", "debugmodel"),
         greedy(lambda x: deepseek(x).logits, tok),
+    )
+    # gpt-oss with sinks, biases and windows of 8 tokens on alternate blocks (the prompts and their
+    # new tokens pass them: the KV cache's window mask decides)
+    args = get_model_spec("gpt_oss").args_for("debugmodel_window8", tok.vocab_size)
+    gpt_oss = hf_gpt_oss.transformers_model(args, seed=2)
+    gpt_oss.save_pretrained(folder / "gpt_oss")
+    out["hf_gpt_oss_window8"] = (
+        argv_for(folder / "gpt_oss", "--model.name", "gpt_oss", "--model.flavor", "debugmodel_window8"),
+        greedy(lambda x: gpt_oss(x).logits, tok),
     )
     return out
 
@@ -367,7 +376,8 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, args, mentions):
 
 
 @pytest.mark.parametrize(
-    "name", ["hf_llama", "hf_qwen3_debugmodel", "hf_qwen3_debugmodel_moe", "hf_deepseek_v3_debugmodel"]
+    "name",
+    ["hf_llama", "hf_qwen3_debugmodel", "hf_qwen3_debugmodel_moe", "hf_deepseek_v3_debugmodel", "hf_gpt_oss_window8"],
 )
 def test_hugging_face_folder_gives_transformers_tokens(one_process, hf_folders, name):
     if not hf_folders:

@@ -28,7 +28,7 @@ import torch
 
 from tests.helpers import hf_models
 from tests.helpers.gloo_llama import ARGS, build, checkpoint_cfg, full_logits, init_gloo, manager_for, spawn
-from tests.helpers import hf_deepseek_v3
+from tests.helpers import hf_deepseek_v3, hf_gpt_oss
 from tests.helpers.hf_qwen3 import SMALL_FILES, TINY, hf_logits, save_source, transformers_model
 from tests.helpers.distributed import REPO, run_env
 from titanlite.checkpoint import hf_io
@@ -169,6 +169,8 @@ def test_fsdp2_x_tp2_and_fsdp4_load_and_save(source):
 MOE_RUNS = {
     "qwen3_moe": (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_aux"], transformers_model),
     "deepseek_v3": (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"], hf_deepseek_v3.transformers_model),
+    # sinks, windows (32 of 64 tokens), biases, the experts stacked in HF's own layout
+    "gpt_oss": (["--model.name", "gpt_oss", "--model.flavor", "debugmodel"], hf_gpt_oss.transformers_model),
 }
 
 

@@ -228,6 +228,8 @@ PRESET_VOCAB = {
     "qwen3_235b_a22b": "151936",
     "deepseek_v3_16b": "102400",
     "deepseek_v3_671b": "129280",
+    "gpt_oss_20b": "201088",
+    "gpt_oss_120b": "201088",
 }
 
 
@@ -293,6 +295,7 @@ MEASURED = {
         [*QWEN3_MOE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"],
     ),
     "deepseek_v3": (2, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_q_lora"]),
+    "gpt_oss": (2, ["--model.name", "gpt_oss"]),
     # Any transformers causal LM (`--model.name hf`): a dense one, and an MoE one whose sparse
     # blocks are titanlite's MoE layer, at ep 2.
     "hf_llama": (2, [*HF_MODEL, "hf:llama"]),

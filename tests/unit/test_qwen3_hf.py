@@ -76,7 +76,7 @@ def test_from_hf_names_the_folders_model_type_when_the_model_does_not_read_it(tm
     assert convert()(["from-hf", str(tmp_path / "hf"), str(tmp_path / "out.pt")]) == 2
     assert capsys.readouterr().err == (
         f"titanlite: error: {config_path}: model_type 'mistral' is not one titanlite converts "
-        "('deepseek_v3', 'llama', 'qwen3', 'qwen3_moe')\n"
+        "('deepseek_v3', 'gpt_oss', 'llama', 'qwen3', 'qwen3_moe')\n"
     )
     assert not (tmp_path / "out.pt").exists()
 

@@ -159,9 +159,9 @@ def test_a_torchtitan_model_family_titanlite_lacks_is_named_before_the_keys_of_i
     with pytest.raises(TitanliteError, match=rf"^model.name: 'llama4' in {path} is a torchtitan model family"):
         load_config(["--config", str(path)])
     with pytest.raises(TitanliteError) as refused:
-        load_config(["--config", "debug_model", "--model.name", "gpt_oss"])
+        load_config(["--config", "debug_model", "--model.name", "llama4"])
     assert str(refused.value) == (
-        "model.name: 'gpt_oss' on the command line is a torchtitan model family titanlite does not have; "
+        "model.name: 'llama4' on the command line is a torchtitan model family titanlite does not have; "
         "torchtitan's deepseek_v3, llama3 and qwen3 files run here"
     )
     # the command line's model wins; then the file's keys are read

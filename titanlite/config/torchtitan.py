@@ -25,8 +25,9 @@ options titanlite does not have.
   for the model families titanlite has (llama3, qwen3, deepseek_v3) `model.flavor = "debugmodel"`
   becomes `torchtitan:debugmodel`, torchtitan v0.2.2's shape (models/<family>/__init__.py), with a
   notice, so the file trains what it trains under torchtitan; titanlite's own, faster debug
-  flavors stay for titanlite's files. A family titanlite does not have (llama4, gpt_oss, ...) is refused by name before
+  flavors stay for titanlite's files. A family titanlite does not have (llama4, flux, ...) is refused by name before
   any key of its file is read: those keys would otherwise be the first error, and a misleading one.
+  A torchtitan file of gpt_oss (a family titanlite has, without torchtitan's flavors) is refused.
 - `model.num_nextn_predict_layers` (DeepSeek-V3's multi-token prediction) is refused unless 0.
 
 Notices are collected (`TorchtitanKeys.notices`); the command lines print them once, rank 0.
@@ -71,7 +72,9 @@ FLOAT8_SECTION = ("quantize", "linear", "float8")  # torchtitan v0.2's home of t
 # torchtitan v0.2.2's model families (torchtitan/models/__init__.py): those titanlite has, whose
 # torchtitan flavors are registered as FLAVOR_PREFIX + name, and those it does not have.
 SHARED_MODELS = ("deepseek_v3", "llama3", "qwen3")
-ABSENT_MODELS = ("flux", "gpt_oss", "llama3_ft", "llama4")
+ABSENT_MODELS = ("flux", "llama3_ft", "llama4")
+# Families titanlite has without torchtitan's flavors: a torchtitan file of one is refused.
+UNMAPPED_MODELS = ("gpt_oss",)
 FLAVOR_PREFIX = "torchtitan:"
 _COMMAND_LINE = "on the command line"  # the `where` of an override (config/parse.py)
 _PREPARE = (
@@ -206,6 +209,11 @@ class TorchtitanKeys:
             self.notices.append(
                 f"optimizer.param_groups = [] {self._file}: torchtitan decays every parameter alike "
                 "(titanlite's default exempts embeddings, norms and biases; set optimizer.param_groups to use it)"
+            )
+        if cfg.model.name in UNMAPPED_MODELS:
+            raise TitanliteError(
+                f"model.name: {cfg.model.name!r} {self._file} is a torchtitan file of a family whose torchtitan "
+                f"flavors titanlite does not have; titanlite's own {cfg.model.name} flavors run from its own files"
             )
         flavor = cfg.model.flavor
         if cfg.model.name in SHARED_MODELS and not flavor.startswith(FLAVOR_PREFIX):

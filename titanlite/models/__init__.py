@@ -12,11 +12,12 @@ from titanlite.model_spec import ModelSpec
 def _registry() -> dict[str, ModelSpec]:
     from titanlite.models.deepseek_v3 import deepseek_v3_spec
     from titanlite.models.gpt2 import gpt2_spec
+    from titanlite.models.gpt_oss import gpt_oss_spec
     from titanlite.models.hf import hf_spec
     from titanlite.models.llama import llama3_spec
     from titanlite.models.qwen3 import qwen3_spec
 
-    return {spec.name: spec for spec in (llama3_spec, gpt2_spec, qwen3_spec, deepseek_v3_spec, hf_spec)}
+    return {spec.name: spec for spec in (llama3_spec, gpt2_spec, qwen3_spec, deepseek_v3_spec, gpt_oss_spec, hf_spec)}
 
 
 def model_names() -> list[str]:

@@ -7,6 +7,12 @@
 - "block_causal": a token attends only to earlier tokens of its own document, as Llama 3 was
   pretrained. The loader hands each window's document ids (`data/loader.py`).
 
+A sliding window (gpt-oss's alternate layers) narrows either rule further: a query at position
+p sees keys at p - window + 1 .. p only (transformers' `sliding_window`). It is a mask, not a
+kernel of its own. Attention sinks (gpt-oss: one learned logit per head in the softmax's
+denominator) need each row's log-sum-exp, so attention with sinks always runs through the
+chunked kernels (models/chunked_attention.py), a whole-sequence mask as one chunk.
+
 Under context parallelism (parallel/context_parallel.py) the local queries are chunks of the
 window at global positions and the keys are the whole window's: attention runs per chunk
 without a dense mask (models/chunked_attention.py, a `ChunkPlan` in place of the mask).
@@ -29,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from titanlite.models.chunked_attention import ChunkPlan, chunked_attention
+from titanlite.models.chunked_attention import ChunkPlan, chunked_attention, whole_plan
 
 Mask = Union[torch.Tensor, BlockMask, ChunkPlan, None]
 
@@ -40,14 +46,16 @@ def build_mask(
     q_positions: torch.Tensor | None,
     k_positions: torch.Tensor | None,
     flex: bool,
+    window: int | None = None,
 ) -> Mask:
     """The mask of a forward: None for plain causal attention over a local whole sequence,
     else a boolean [batch or 1, 1, queries, keys] tensor (SDPA) or a BlockMask (`flex`).
 
     document_ids: [batch, seq_len] over the whole window (block_causal only); positions: the
-    global positions of the local queries and of the keys (None: the whole window, in order).
+    global positions of the local queries and of the keys (None: the whole window, in order);
+    window: the sliding window's width in tokens (None: unlimited).
     """
-    if mask_type == "causal" and q_positions is None:
+    if mask_type == "causal" and q_positions is None and window is None:
         return None
     if mask_type == "block_causal" and document_ids is None:
         raise ValueError("block_causal attention needs the windows' document ids")
@@ -57,36 +65,56 @@ def build_mask(
         q_positions = k_positions = torch.arange(seq_len, device=device)
     docs = document_ids if mask_type == "block_causal" else None
     if flex:
-        return _block_mask(docs, q_positions, k_positions)
+        return _block_mask(docs, q_positions, k_positions, window)
     allowed = q_positions[:, None] >= k_positions[None, :]
+    if window is not None:
+        allowed = allowed & (q_positions[:, None] - k_positions[None, :] < window)
     if docs is not None:
         allowed = allowed & (docs[:, q_positions, None] == docs[:, None, k_positions])
     return allowed[None, None] if allowed.dim() == 2 else allowed[:, None]
 
 
-def _block_mask(docs: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor) -> BlockMask:
+def _block_mask(
+    docs: torch.Tensor | None, q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None
+) -> BlockMask:
     """The same rule as a flex_attention mask_mod, over query and key indices."""
 
     def causal(b, h, q, k):
         return q_positions[q] >= k_positions[k]
 
-    def block_causal(b, h, q, k):
-        return (q_positions[q] >= k_positions[k]) & (docs[b, q_positions[q]] == docs[b, k_positions[k]])
+    def windowed(b, h, q, k):
+        return causal(b, h, q, k) & (q_positions[q] - k_positions[k] < window)
 
-    batch, mask_mod = (None, causal) if docs is None else (docs.shape[0], block_causal)
+    rule = causal if window is None else windowed
+
+    def block_causal(b, h, q, k):
+        return rule(b, h, q, k) & (docs[b, q_positions[q]] == docs[b, k_positions[k]])
+
+    batch, mask_mod = (None, rule) if docs is None else (docs.shape[0], block_causal)
     make = _compiled(create_block_mask) if q_positions.is_cuda else create_block_mask
     return make(mask_mod, batch, None, len(q_positions), len(k_positions), device=q_positions.device)
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, grouped: bool, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    grouped: bool,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [batch, heads, queries, head_dim] over k, v [batch, kv_heads, keys,
     head_dim] (GQA when `grouped`; v's head dim may differ, as in DeepSeek-V3's MLA), scores
     times `scale` (None: head_dim ** -0.5): SDPA causal, SDPA with a boolean mask, flex, or
-    per chunk."""
+    per chunk. `sinks` [heads]: a logit per head added to each row's softmax denominator
+    (gpt-oss), computed per chunk whatever the mask (a BlockMask is refused)."""
+    if sinks is not None and not isinstance(mask, ChunkPlan):
+        if isinstance(mask, BlockMask):
+            raise ValueError("attention sinks need a boolean mask or a chunk plan, not a flex BlockMask")
+        mask = whole_plan(mask, q.shape[2], k.shape[2], q.dtype)
     if isinstance(mask, ChunkPlan):
-        return chunked_attention(q, k, v, mask, scale)
+        return chunked_attention(q, k, v, mask, scale, sinks)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped, scale=scale)
     if isinstance(mask, BlockMask):

@@ -16,8 +16,18 @@ case when documents are longer than a chunk) is computed as above; only a chunk 
 a document boundary, or whose sequences' documents start at different places, gets a mask,
 and only over its own keys (one call, so no row is ever fully masked).
 
-The plan (which keys, which kernel, which mask) depends only on the chunk starts and the
-document ids, so the model makes it once per forward and every layer reuses it.
+A sliding window (gpt-oss) drops the keys before the window of the chunk's first query; when
+it cuts into the chunk's keys, the chunk is one call with a mask over the keys it keeps.
+
+Attention sinks (gpt-oss: a learned logit per head in every row's softmax denominator) are one
+more piece whose output is zero and whose log-sum-exp is the sink: merged like the others,
+they scale each row by sigmoid(lse - sink). The kernels' backward given the merged output
+and LSE is then exact for q, k and v, and the sink's own gradient is
+-sum over rows of exp(sink - lse) * rowsum(grad * out).
+
+The plan (which keys, which kernel, which mask) depends only on the chunk starts, the
+document ids and the window, so the model makes it once per forward and every layer with that
+window reuses it.
 """
 
 from __future__ import annotations
@@ -59,26 +69,63 @@ class ChunkPlan:
 
 
 def plan_chunks(
-    mask_type: str, document_ids: torch.Tensor | None, starts: Sequence[int], chunk_len: int, dtype: torch.dtype
+    mask_type: str,
+    document_ids: torch.Tensor | None,
+    starts: Sequence[int],
+    chunk_len: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> ChunkPlan:
     """The plan for local queries made of chunks of `chunk_len` tokens at global `starts` (in
     local order), under "causal" or "block_causal" (document_ids [batch, window], whose ids
     count up along the window as the loader numbers them; other ids get a mask per chunk,
-    still exact). Masks are made in `dtype`, the queries' (the CPU kernel wants it)."""
+    still exact), within a sliding `window` when given. Masks are made in `dtype`, the
+    queries' (the CPU kernel wants it), on `device` (the ids' when there are ids)."""
     if mask_type == "block_causal" and document_ids is None:
         raise ValueError("block_causal attention needs the windows' document ids")
     documents = _Documents(document_ids) if mask_type == "block_causal" else None
+    ids = documents.ids if documents is not None else None
     chunks = []
     for i, start in enumerate(starts):
-        pieces = _causal_pieces(0, start, chunk_len) if documents is None else documents.pieces(start, chunk_len, dtype)
+        stop = start + chunk_len
+        lo, plain = (0, True) if documents is None else documents.span(start, stop)
+        if window is not None and stop - 1 - lo >= window:  # the window cuts into the keys
+            lo, plain = max(lo, start - window + 1), False
+        masked = () if plain else (_masked(ids, lo, start, stop, dtype, window, device),)
+        pieces = masked or _causal_pieces(lo, start, chunk_len)
         chunks.append(QueryChunk(i * chunk_len, chunk_len, pieces))
     return ChunkPlan(tuple(chunks))
+
+
+def whole_plan(mask: torch.Tensor | None, queries: int, keys: int, dtype: torch.dtype) -> ChunkPlan:
+    """A whole-sequence mask as a plan of one chunk: None (causal, queries == keys) the
+    kernel's causal rule, a boolean [batch or 1, 1, queries, keys] mask an additive one."""
+    if mask is None:
+        return ChunkPlan((QueryChunk(0, queries, (Piece(0, keys, causal=True),)),))
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return ChunkPlan((QueryChunk(0, queries, (Piece(0, keys, bias=bias),)),))
 
 
 def _causal_pieces(first_key: int, start: int, chunk_len: int) -> tuple[Piece, ...]:
     """Keys [first_key, start) unmasked, then the diagonal block under the causal rule."""
     past = (Piece(first_key, start),) if first_key < start else ()
     return (*past, Piece(start, start + chunk_len, causal=True))
+
+
+def _masked(
+    ids: torch.Tensor | None, lo: int, start: int, stop: int, dtype: torch.dtype, window: int | None, device
+) -> Piece:
+    """Queries [start, stop) over keys [lo, stop) under the causal rule, within the window and
+    the documents when given, as an additive mask."""
+    device = ids.device if ids is not None else device
+    queries, keys = torch.arange(start, stop, device=device), torch.arange(lo, stop, device=device)
+    allowed = queries[:, None] >= keys[None, :]
+    if window is not None:
+        allowed = allowed & (queries[:, None] - keys[None, :] < window)
+    allowed = allowed[None] if ids is None else allowed & (ids[:, start:stop, None] == ids[:, None, lo:stop])
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return Piece(lo, stop, bias=bias[:, None])
 
 
 class _Documents:
@@ -94,49 +141,48 @@ class _Documents:
         self.doc_start = torch.where(boundary, positions, 0).cummax(dim=1).values  # where each token's document starts
         self.host = host
 
-    def pieces(self, start: int, chunk_len: int, dtype: torch.dtype) -> tuple[Piece, ...]:
-        stop = start + chunk_len
+    def span(self, start: int, stop: int) -> tuple[int, bool]:
+        """The first key any query of [start, stop) sees, and whether every sequence's chunk
+        lies in one document starting there (the causal pieces suffice; else a mask)."""
         if not self.counts_up:  # ids that repeat apart: no shortcut, the rule over every earlier key
-            return (self._masked(0, start, stop, dtype),)
+            return 0, False
         first = self.doc_start[:, start]
         lo = int(first.min())  # no query of the chunk sees a key before its earliest document
         one_document = bool((first == lo).all()) and bool((self.host[:, stop - 1] == self.host[:, start]).all())
-        return _causal_pieces(lo, start, chunk_len) if one_document else (self._masked(lo, start, stop, dtype),)
-
-    def _masked(self, lo: int, start: int, stop: int, dtype: torch.dtype) -> Piece:
-        """Queries [start, stop) over keys [lo, stop) under the block-causal rule, as an additive mask."""
-        device = self.ids.device
-        queries, keys = torch.arange(start, stop, device=device), torch.arange(lo, stop, device=device)
-        allowed = (queries[:, None] >= keys[None, :]) & (self.ids[:, start:stop, None] == self.ids[:, None, lo:stop])
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-        return Piece(lo, stop, bias=bias[:, None])
+        return lo, one_document
 
 
 def chunked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ChunkPlan, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ChunkPlan,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [batch, heads, local queries, head_dim] over the window's k, v [batch, kv_heads, window,
     head_dim] (GQA when kv_heads < heads; v's head dim may differ from q's and k's) as `plan`
     says, scores times `scale` (None: q's head_dim ** -0.5); the output [batch, heads, queries,
     v head_dim] is laid out like [batch, queries, heads, v head_dim] memory, so merging the
-    heads afterwards is a view."""
+    heads afterwards is a view. `sinks` [heads]: each head's sink logit (see the module docstring)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _ChunkedAttention.apply(q, k, v, plan, scale)
+    return _ChunkedAttention.apply(q, k, v, plan, scale, sinks)
 
 
 class _ChunkedAttention(torch.autograd.Function):
     """Forward: each piece's output and LSE, merged per query chunk. Backward: each piece's
     kernel backward with the merged output and LSE of its rows (exact, as in ring attention),
-    gradients summed over the pieces in float32. q, k, v are padded to one head dim for the
+    gradients summed over the pieces in float32 (float64 for float64 pieces). q, k, v are padded to one head dim for the
     kernels (attention_lse.common_head_dim) once, outside the pieces."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ChunkPlan, scale: float) -> torch.Tensor:
+    def forward(ctx, q, k, v, plan: ChunkPlan, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
         qk_dim, v_dim = q.shape[-1], v.shape[-1]
         q, k, v = attention_lse.common_head_dim(q, k, v)
         batch, heads, queries, head_dim = q.shape
         out = q.new_empty(batch, queries, heads, head_dim).transpose(1, 2)
-        lse = q.new_empty(batch, heads, queries, dtype=torch.float32)
+        wide = torch.promote_types(q.dtype, torch.float32)  # the kernels' LSE dtype, and the merge's
+        lse = q.new_empty(batch, heads, queries, dtype=wide)
         saved = []
         for chunk in plan.chunks:
             rows = slice(chunk.first, chunk.first + chunk.length)
@@ -148,19 +194,23 @@ class _ChunkedAttention(torch.autograd.Function):
                 )
                 saved.append(state)
                 merged_out, merged_lse = _merge(merged_out, merged_lse, part, part_lse)
+            if sinks is not None:  # a piece of zero output whose LSE is the sink
+                total = torch.logaddexp(merged_lse, sinks.to(wide).view(1, -1, 1))
+                merged_out, merged_lse = merged_out.to(wide) * (merged_lse - total).exp_().unsqueeze(-1), total
             out[:, :, rows] = merged_out
             lse[:, :, rows] = merged_lse
         ctx.plan, ctx.states, ctx.scale, ctx.dims = plan, saved, scale, (qk_dim, v_dim)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out[..., :v_dim]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         qk_dim, v_dim = ctx.dims
         if v_dim < out.shape[-1]:  # the padded output columns are zero and take no gradient
             grad = torch.nn.functional.pad(grad, (0, out.shape[-1] - v_dim))
-        dq, dk, dv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
+        wide = lse.dtype
+        dq, dk, dv = [torch.zeros(t.shape, dtype=wide, device=t.device) for t in (q, k, v)]
         states = iter(ctx.states)
         for chunk in ctx.plan.chunks:
             rows = slice(chunk.first, chunk.first + chunk.length)
@@ -182,15 +232,20 @@ class _ChunkedAttention(torch.autograd.Function):
                 dk[:, :, keys] += d_k
                 dv[:, :, keys] += d_v
         dq, dk, dv = dq[..., :qk_dim], dk[..., :qk_dim], dv[..., :v_dim]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        d_sinks = None
+        if sinks is not None:  # -sum over rows of p(sink) * rowsum(grad * out)
+            sink_share = (sinks.to(wide).view(1, -1, 1) - lse).exp()
+            d_sinks = -(sink_share * (grad.to(wide) * out.to(wide)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, d_sinks
 
 
 def _merge(
     out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor, part_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the union of two key sets from each set's output and LSE (in float32)."""
+    """Softmax over the union of two key sets from each set's output and LSE (in float32, or
+    float64 for float64 pieces)."""
     if out is None:
         return part, part_lse
-    merged = torch.logaddexp(lse, part_lse)
-    out = out.float() * (lse - merged).exp_().unsqueeze(-1) + part.float() * (part_lse - merged).exp_().unsqueeze(-1)
+    merged, wide = torch.logaddexp(lse, part_lse), lse.dtype
+    out = out.to(wide) * (lse - merged).exp_().unsqueeze(-1) + part.to(wide) * (part_lse - merged).exp_().unsqueeze(-1)
     return out, merged

@@ -25,6 +25,7 @@ from titanlite.models.attention import Mask, attend, build_mask
 from titanlite.models.chunked_attention import plan_chunks
 from titanlite.models.init import ShardInit
 from titanlite.models.kv_cache import KVCache, LayerKVCache
+from titanlite.models.moe_experts import local_weight
 from titanlite.model_spec import DecoderArgs
 from titanlite.models.rope import RopeScaling, apply_rope, rope_cos_sin
 from titanlite.parallel.context_parallel import ContextParallel
@@ -67,16 +68,20 @@ class FeedForward(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query attention over args.n_heads query heads and args.kv_heads key/value heads
-    of args.head_dim, RoPE'd by `rotate` (interleaved pairs unless a family overrides it)."""
+    of args.head_dim, RoPE'd by `rotate` (interleaved pairs unless a family overrides it).
+    `bias` gives the four projections biases; a family with attention sinks (gpt-oss) sets
+    `sinks` to a parameter of one logit per head, which `attend` adds to each softmax's
+    denominator."""
 
-    def __init__(self, args: DecoderModelArgs):
+    def __init__(self, args: DecoderModelArgs, bias: bool = False):
         super().__init__()
         self.head_dim = args.head_dim
         self.grouped = args.kv_heads != args.n_heads
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
+        self.sinks: nn.Parameter | None = None
         self.context_parallel: ContextParallel | None = None  # set by Decoder.enable_context_parallel
         self.kv_cache: LayerKVCache | None = None  # set by Decoder.enable_kv_cache (generation only)
 
@@ -92,7 +97,8 @@ class Attention(nn.Module):
         # of a TP shard), read in place instead of copied by repeat_interleave. The transposes
         # are views; the CPU and CUDA kernels take strided heads, and the output's
         # [batch, seq, heads, head_dim] memory makes the reshape below a view too.
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.grouped)
+        sinks = None if self.sinks is None else local_weight(self.sinks)  # this rank's heads' under TP
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.grouped, sinks=sinks)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +150,9 @@ class Decoder(nn.Module):
     final norm, head (optionally tied to the embedding), RoPE table from `rope_table`."""
 
     block_class: type[nn.Module] = DecoderBlock
+    # Whether a CUDA forward attends with flex_attention's BlockMask; False for attention sinks,
+    # which need the kernels that return a log-sum-exp (models/attention.attend).
+    flex_masks: bool = True
 
     def __init__(self, args: DecoderModelArgs):
         super().__init__()
@@ -199,18 +208,33 @@ class Decoder(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = tokens.shape[1] if self.tok_embeddings is not None else h.shape[1] * self.sequence_shards
         if self.kv_cache is not None:  # generation: these tokens follow the cached ones
-            cos_sin, mask = self.rope_cache[self.kv_cache.positions(seq, h.device)], self.kv_cache.mask(seq, h.device)
-        elif (cp := self.context_parallel) is not None:  # this rank's two chunks, attended per chunk
-            cos_sin = self.rope_cache[cp.positions(seq, h.device)]
-            mask = plan_chunks(self.args.attn_mask_type, document_ids, cp.chunk_starts(seq), seq // 2, h.dtype)
+            cos_sin = self.rope_cache[self.kv_cache.positions(seq, h.device)]
+        elif self.context_parallel is not None:  # this rank's two chunks, attended per chunk
+            cos_sin = self.rope_cache[self.context_parallel.positions(seq, h.device)]
         else:
             cos_sin = self.rope_cache[:seq]
-            mask = build_mask(self.args.attn_mask_type, document_ids, None, None, flex=h.is_cuda)
-        for block in self.layers.values():
-            h = block(h, cos_sin, mask)
+        windows = {name: self.args.sliding_window(int(name)) for name in self.layers}
+        masks = {window: self._mask(seq, document_ids, h, window) for window in set(windows.values())}
+        for name, block in self.layers.items():
+            h = block(h, cos_sin, masks[windows[name]])
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+    def _mask(self, seq: int, document_ids: torch.Tensor | None, h: torch.Tensor, window: int | None) -> Mask:
+        """The mask of the blocks with this sliding window (None: none): the KV cache's, this
+        cp rank's chunk plan, the window's chunks, or the whole sequence's."""
+        if self.kv_cache is not None:
+            return self.kv_cache.mask(seq, h.device, window)
+        if (cp := self.context_parallel) is not None:
+            starts = cp.chunk_starts(seq)
+            return plan_chunks(self.args.attn_mask_type, document_ids, starts, seq // 2, h.dtype, window, h.device)
+        if window is not None and seq > window and seq % window == 0:  # chunks of `window` queries, each
+            starts = range(0, seq, window)  # over the keys its window reaches: O(seq x window), not seq^2
+            return plan_chunks(self.args.attn_mask_type, document_ids, starts, window, h.dtype, window, h.device)
+        positions = None if window is None else torch.arange(seq, device=h.device)
+        flex = h.is_cuda and self.flex_masks
+        return build_mask(self.args.attn_mask_type, document_ids, positions, positions, flex=flex, window=window)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

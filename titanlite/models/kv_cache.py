@@ -36,15 +36,16 @@ class KVCache:
             raise ValueError(f"KVCache: {self.length} + {seq} tokens exceed its max_len {self.max_len}")
         return torch.arange(self.length, self.length + seq, device=device)
 
-    def mask(self, seq: int, device: torch.device) -> torch.Tensor | None:
-        """The causal mask of `seq` new queries over every cached key and the new ones: a
-        boolean SDPA mask, or None while the cache is empty (a prompt's first forward is
-        plain causal attention, SDPA's fast path). Never flex attention: its compiled kernel
-        would recompile for every new key length."""
-        if self.length == 0:
+    def mask(self, seq: int, device: torch.device, window: int | None = None) -> torch.Tensor | None:
+        """The causal mask of `seq` new queries over every cached key and the new ones (within
+        a sliding `window` when given: the cache keeps every key, the mask drops the old ones):
+        a boolean SDPA mask, or None while the cache is empty and no window applies (a
+        prompt's first forward is plain causal attention, SDPA's fast path). Never flex
+        attention: its compiled kernel would recompile for every new key length."""
+        if self.length == 0 and window is None:
             return None
         keys = torch.arange(self.length + seq, device=device)
-        return build_mask("causal", None, self.positions(seq, device), keys, flex=False)
+        return build_mask("causal", None, self.positions(seq, device), keys, flex=False, window=window)
 
     def advance(self, seq: int) -> None:
         """Count the `seq` tokens the last forward wrote into every layer."""

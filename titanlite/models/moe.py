@@ -50,7 +50,7 @@ from torch import nn
 
 from titanlite.models.decoder import FeedForward
 from titanlite.models.init import ShardInit, unwrapped_name
-from titanlite.models.moe_experts import GroupedExperts, local_weight
+from titanlite.models.moe_experts import ClampedSwiGLUExperts, GroupedExperts, local_weight
 from titanlite.parallel.collectives import sum_over
 from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.expert_parallel import ExpertParallel
@@ -85,6 +85,10 @@ class MoEArgs:
     # (DeepSeek-V3 keeps 4 of 8 groups: a token's experts on at most 4 nodes). 1: no groups.
     n_group: int = 1  # [n_group]
     topk_group: int = 1  # [topk_group]
+    router_bias: bool = False  # the router's linear has a bias (gpt-oss) [router.bias]
+    # gpt-oss's experts (moe_experts.ClampedSwiGLUExperts): (alpha, limit) of their clamped
+    # SwiGLU, with biases, in HF's fused layout; None: the plain SwiGLU experts [swiglu_alpha, swiglu_limit].
+    clamped_swiglu: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.n_experts:
@@ -134,10 +138,11 @@ class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+        self.gate = nn.Linear(dim, args.n_experts, bias=args.router_bias)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None) -> Routing:
-        logits = F.linear(x, local_weight(self.gate.weight)).float()
+        bias = None if self.gate.bias is None else local_weight(self.gate.bias)
+        logits = F.linear(x, local_weight(self.gate.weight), bias).float()
         scores = logits.softmax(dim=-1) if self.args.score_func == "softmax" else logits.sigmoid()
         choice = scores if expert_bias is None else scores + expert_bias
         if self.args.n_group > 1:
@@ -204,7 +209,10 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(args.n_experts, dim, args.hidden_dim)
+        if args.clamped_swiglu is None:
+            self.experts = GroupedExperts(args.n_experts, dim, args.hidden_dim)
+        else:
+            self.experts = ClampedSwiGLUExperts(args.n_experts, dim, args.hidden_dim, *args.clamped_swiglu)
         # Llama's SwiGLU MLP (w1/w2/w3), so a TP plan shards it as it shards Llama's MLP.
         shared = args.n_shared_experts * args.hidden_dim
         self.shared_experts = FeedForward(dim, shared) if shared else None
@@ -275,12 +283,12 @@ class MoE(nn.Module):
     @torch.no_grad()
     def init_weights(self, init: ShardInit, std: float) -> None:
         """Fill this rank's shard of every weight as in any other layout (models/init.py):
-        w1 of the experts std 0.02, the gate and the other projections `std` (the block's
-        depth-scaled output std, as torchtitan does); the bias and the counts zeroed."""
+        the experts' input projections std 0.02, the gate and the other projections `std` (the
+        block's depth-scaled output std, as torchtitan does); biases and counts zeroed."""
         init.trunc_normal(self.router.gate.weight, std=std)
-        init.trunc_normal(self.experts.w1, std=0.02)
-        init.trunc_normal(self.experts.w2, std=std)
-        init.trunc_normal(self.experts.w3, std=std)
+        if self.router.gate.bias is not None:
+            init.zeros(self.router.gate.bias)
+        self.experts.init_weights(init, std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init, std)
         if self.expert_bias is not None:

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titanlite.models.init import ShardInit
+
 # torch 2.13 makes the grouped matmul public; torch 2.11 (the GPU machines) has only the
 # private op, with the same signature.
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -79,6 +81,14 @@ def run_experts_loop(
     return torch.cat([F.linear(F.silu(F.linear(g, a)) * F.linear(g, c), b) for g, (a, b, c) in zip(groups, experts)])
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of interleaved [gate_0, up_0, gate_1, up_1, ...] columns: the gate
+    clamped above and the up projection on both sides at `limit`, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: rows of x sorted by expert [n, dim], counts [E] -> [n, dim]."""
 
@@ -97,3 +107,52 @@ class GroupedExperts(nn.Module):
         grouped = use_grouped_mm(x.device, x.dtype) and w1.dtype == x.dtype and _aligned(w1, w2)
         run = run_experts_grouped if grouped else run_experts_loop
         return run(w1, w2, w3, x, counts)
+
+    def init_weights(self, init: ShardInit, std: float) -> None:
+        """w1 std 0.02, w2 and w3 `std` (models/moe.MoE.init_weights)."""
+        init.trunc_normal(self.w1, std=0.02)
+        init.trunc_normal(self.w2, std=std)
+        init.trunc_normal(self.w3, std=std)
+
+
+class ClampedSwiGLUExperts(nn.Module):
+    """gpt-oss's E experts in Hugging Face's layout, so its files map by name alone, per rank:
+    `gate_up_proj [E, dim, 2 * hidden]` (input-major, gate and up columns interleaved),
+    `gate_up_proj_bias [E, 2 * hidden]`, `down_proj [E, hidden, dim]`, `down_proj_bias [E, dim]`;
+    the clamped SwiGLU between (`clamped_swiglu`). Rows sorted by expert [n, dim], counts [E] ->
+    [n, dim], as `GroupedExperts`; the grouped matmul where it is native, else a loop."""
+
+    # The hidden dim of each weight (expert tensor parallelism): a contiguous block of the
+    # interleaved columns holds whole (gate, up) pairs. The output bias has none: not split.
+    tensor_parallel_dims = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.down_proj_bias = nn.Parameter(torch.empty(n_experts, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        up, up_bias, down, down_bias = (
+            local_weight(p) for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias)
+        )
+        if use_grouped_mm(x.device, x.dtype) and up.dtype == x.dtype and _aligned(up, down):
+            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            rows_bias = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts, output_size=len(x))
+            hidden = _grouped_mm(x, up, offs=offsets) + up_bias[rows_bias]
+            hidden = clamped_swiglu(hidden, self.alpha, self.limit)
+            return _grouped_mm(hidden, down, offs=offsets) + down_bias[rows_bias]
+        groups = x.split(counts.tolist())
+        experts = zip(up.unbind(0), up_bias.unbind(0), down.unbind(0), down_bias.unbind(0))
+        return torch.cat(
+            [clamped_swiglu(g @ a + ab, self.alpha, self.limit) @ d + db for g, (a, ab, d, db) in zip(groups, experts)]
+        )
+
+    def init_weights(self, init: ShardInit, std: float) -> None:
+        """The fused input projection std 0.02, the output projection `std`, biases zero."""
+        init.trunc_normal(self.gate_up_proj, std=0.02)
+        init.trunc_normal(self.down_proj, std=std)
+        init.zeros(self.gate_up_proj_bias)
+        init.zeros(self.down_proj_bias)

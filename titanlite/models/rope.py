@@ -28,6 +28,8 @@ class YaRN:
     mscale: float = 1.0
     # 0: no softmax-scale correction (DeepSeek-V3 sets 1.0, as mscale).
     mscale_all_dim: float = 0.0
+    # The ramp's ends rounded outwards to whole pairs (HF's default); gpt-oss sets false.
+    truncate: bool = True
 
     @property
     def attention_factor(self) -> float:
@@ -93,13 +95,15 @@ def _llama31(freqs: torch.Tensor, scaling: Llama31Scaling) -> torch.Tensor:
 def _yarn(freqs: torch.Tensor, dim: int, theta: float, yarn: YaRN) -> torch.Tensor:
     """YaRN: pairs that turn fewer than `beta_slow` times over the original context are divided
     by `factor`, those that turn more than `beta_fast` times are kept, a linear ramp between
-    (the ramp's ends rounded outwards, as HF's default `truncate`)."""
+    (the ramp's ends rounded outwards unless `truncate` is false, as HF's)."""
 
     def pair_index(rotations: float) -> float:  # the pair that turns `rotations` times over the context
         return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(pair_index(yarn.beta_fast)), 0)
-    high = min(math.ceil(pair_index(yarn.beta_slow)), dim - 1)
+    low, high = pair_index(yarn.beta_fast), pair_index(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # HF's guard against a zero-width ramp
     interpolated = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

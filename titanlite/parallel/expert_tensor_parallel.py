@@ -30,6 +30,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from titanlite.errors import TitanliteError
+
 
 @runtime_checkable
 class TensorParallelExperts(Protocol):
@@ -70,8 +72,16 @@ class _OutOfTensorParallel(torch.autograd.Function):
 
 def tp_placement(experts: nn.Module, name: str, split: bool) -> Shard | Replicate:
     """How parameter `name` of `experts` lies over tp: Shard(its hidden dim) when split, else
-    Replicate (each tp rank computes the whole expert)."""
-    return Shard(experts.tensor_parallel_dims[name]) if split else Replicate()
+    Replicate (each tp rank computes the whole expert). A parameter without a hidden dim cannot
+    be split (gpt-oss's output bias: each tp rank's partial output would add it again)."""
+    if not split:
+        return Replicate()
+    if name not in experts.tensor_parallel_dims:
+        raise TitanliteError(
+            f"parallelism.expert_tensor_parallel_degree: {type(experts).__name__}'s {name} has no tensor-parallel "
+            "split (set it to 1: the experts whole on each tp rank)"
+        )
+    return Shard(experts.tensor_parallel_dims[name])
 
 
 def exchange_over_tp(experts: nn.Module, tp_mesh: DeviceMesh) -> None:
