@@ -124,6 +124,12 @@ class DecoderArgs(Protocol):
     def n_moe_layers(self) -> int:
         return sum(self.moe_layer(i) for i in range(self.n_layers))
 
+    @property
+    def mtp_depths(self) -> int:
+        """Multi-token prediction modules after the blocks (DeepSeek-V3's MTP): module k also
+        predicts the token k + 1 places ahead of the next one; 0: none."""
+        return 0
+
 
 DECODER_ARGS_MEMBERS = sorted({*DecoderArgs.__annotations__, *(n for n in vars(DecoderArgs) if not n.startswith("_"))})
 

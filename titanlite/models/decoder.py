@@ -198,16 +198,24 @@ class Decoder(nn.Module):
         stage holds None for the modules of other stages (parallel/pipeline.py)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = tokens.shape[1] if self.tok_embeddings is not None else h.shape[1] * self.sequence_shards
-        if self.kv_cache is not None:  # generation: these tokens follow the cached ones
-            cos_sin, mask = self.rope_cache[self.kv_cache.positions(seq, h.device)], self.kv_cache.mask(seq, h.device)
-        elif (cp := self.context_parallel) is not None:  # this rank's two chunks, attended per chunk
-            cos_sin = self.rope_cache[cp.positions(seq, h.device)]
-            mask = plan_chunks(self.args.attn_mask_type, document_ids, cp.chunk_starts(seq), seq // 2, h.dtype)
-        else:
-            cos_sin = self.rope_cache[:seq]
-            mask = build_mask(self.args.attn_mask_type, document_ids, None, None, flex=h.is_cuda)
+        cos_sin, mask = self.attention_inputs(seq, h, document_ids)
         for block in self.layers.values():
             h = block(h, cos_sin, mask)
+        return self.head(h)
+
+    def attention_inputs(
+        self, seq: int, h: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Mask]:
+        """The RoPE rows and the mask of this forward's `seq` positions (h: their activations)."""
+        if self.kv_cache is not None:  # generation: these tokens follow the cached ones
+            return self.rope_cache[self.kv_cache.positions(seq, h.device)], self.kv_cache.mask(seq, h.device)
+        if (cp := self.context_parallel) is not None:  # this rank's two chunks, attended per chunk
+            mask = plan_chunks(self.args.attn_mask_type, document_ids, cp.chunk_starts(seq), seq // 2, h.dtype)
+            return self.rope_cache[cp.positions(seq, h.device)], mask
+        return self.rope_cache[:seq], build_mask(self.args.attn_mask_type, document_ids, None, None, flex=h.is_cuda)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the output head, where this stage has them."""
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

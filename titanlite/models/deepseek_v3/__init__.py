@@ -16,7 +16,8 @@
   experts in 2 groups, 1 kept, top-2), a shared expert, the expert bias (a faster step than
   the published 1e-3, so that tests see it move).
 
-Multi-token prediction (DeepSeek-V3's MTP module, `num_nextn_predict_layers`) is not built.
+- `debugmodel_mtp`: the debug model with one multi-token prediction module
+  (`num_nextn_predict_layers` 1, an MoE block as the published layer 61 is; model.py).
 """
 
 import dataclasses
@@ -59,6 +60,7 @@ _debug = DeepSeekV3Args(
 deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
     "debugmodel": _debug,
     "debugmodel_q_lora": dataclasses.replace(_debug, q_lora_rank=96),
+    "debugmodel_mtp": dataclasses.replace(_debug, num_nextn_predict_layers=1),
     "16B": _published(
         dim=2048,
         n_layers=27,
