@@ -192,6 +192,9 @@ class HFAdapter(Protocol):
     def ignored_hf_tensor(self, name: str, args: DecoderArgs) -> bool:
         """A tensor HF files may hold that is no weight of this model."""
 
+    def copies(self, key: str, args: DecoderArgs) -> list[str]:
+        """HF names that hold our `key`'s tensor once more (written on save, ignored on load)."""
+
     def interleaved_to_half(self, weight: torch.Tensor, n_heads: int) -> torch.Tensor:
         """Rows of a q/k projection, interleaved RoPE pairs -> HF's rotate-half order."""
 

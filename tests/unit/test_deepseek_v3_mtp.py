@@ -1,20 +1,28 @@
-"""DeepSeek-V3's multi-token prediction (models/deepseek_v3/model.py, step/mtp.py): the objective
-against a plain reference written here in float64 (the main blocks, then each depth's modules
-applied by hand to the window shifted by that depth, cut where the window ends, F.cross_entropy),
-and the main loss and gradients at weight 0 equal to the model without MTP, bit for bit."""
+"""DeepSeek-V3's multi-token prediction (models/deepseek_v3/model.py, step/mtp.py,
+hf_adapter.py): the objective against a plain reference written here in float64 (the main
+blocks, then each depth's modules applied by hand to the window shifted by that depth, cut where
+the window ends, F.cross_entropy); the main loss and gradients at weight 0 equal to the model
+without MTP, bit for bit; a Hugging Face folder with DeepSeek's MTP layer loaded whole and
+written back byte-equal."""
 
 from __future__ import annotations
 
 import dataclasses
 import zlib
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.hf_deepseek_v3 import SMALL_FILES, TINY, hf_logits, randomize, save_source
+from titanlite.checkpoint import hf_io
 from titanlite.data.loader import IGNORE
 from titanlite.models.attention import build_mask
-from titanlite.models.deepseek_v3 import deepseek_v3_flavors
-from titanlite.models.deepseek_v3.model import DeepSeekV3
+from titanlite.models.deepseek_v3 import deepseek_v3_flavors, deepseek_v3_hf as hf_adapter
+from titanlite.models.deepseek_v3.model import DeepSeekV3, DeepSeekV3Args
 from titanlite.step.loss import cross_entropy
 from titanlite.step.mtp import MultiTokenPrediction, objective
 
@@ -98,3 +106,66 @@ def test_at_weight_zero_the_main_loss_and_every_gradient_equal_the_model_without
     grads = dict(with_mtp.named_parameters())
     for name, param in plain.named_parameters():
         assert torch.equal(param.grad, grads[name].grad), name
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {name: t for path in sorted(folder.glob("*.safetensors")) for name, t in load_file(path).items()}
+
+
+def with_mtp_layer(folder: Path, args: DeepSeekV3Args) -> dict[str, torch.Tensor]:
+    """transformers' folder (it builds no MTP layer) given DeepSeek's layer n_layers as the
+    published files hold it: an MTP block's tensors, drawn, in a file of their own, with copies
+    of the embedding and the head; config.json's num_nextn_predict_layers 1. Returns every tensor."""
+    from safetensors.torch import save_file
+
+    ours = DeepSeekV3(args)
+    drawn = dict(ours.named_parameters()) | {k: b for k, b in ours.named_buffers() if k.endswith("expert_bias")}
+    randomize(drawn, seed=9)
+    source, prefix = tensors(folder), f"model.layers.{args.n_layers}."
+    layer = {k: v for k, v in hf_adapter.to_hf(ours.state_dict(), args).items() if k.startswith(prefix)}
+    layer |= {prefix + "embed_tokens.weight": source["model.embed_tokens.weight"]}
+    layer |= {prefix + "shared_head.head.weight": source["lm_head.weight"]}
+    save_file({k: v.contiguous() for k, v in layer.items()}, folder / "model-mtp.safetensors")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(layer, "model-mtp.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return source | layer
+
+
+def test_an_hf_folder_loads_its_mtp_layer_whole_and_saves_it_back_byte_equal(tmp_path):
+    """Every tensor of the folder is read (the copies of the embedding and the head are the main
+    ones: to_hf of what was read gives every tensor back, bit for bit), the main logits are
+    transformers', and the folder written back holds the same tensors, byte-equal, which
+    transformers loads (dropping the MTP layer, as it does DeepSeek's)."""
+    pytest.importorskip("transformers")
+    args = dataclasses.replace(TINY["q_lora"], num_nextn_predict_layers=1)
+    reference = save_source(TINY["q_lora"], tmp_path)
+    folder = tmp_path / "hf"
+    source = with_mtp_layer(folder, args)
+    config = json.loads((folder / "config.json").read_text())
+    assert hf_adapter.args_from_hf_config(config) == args and hf_adapter.check_hf_config(config, args) == []
+    state = hf_io.read_hf_model(folder, hf_adapter, args, DeepSeekV3)
+    assert state.keys() == DeepSeekV3(args).state_dict().keys() - {"rope_cache"}
+    back = hf_adapter.to_hf(state, args)
+    assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
+    ours = DeepSeekV3(args)
+    ours.init_weights(seed=5)
+    ours.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(reference["tokens"]), reference["logits"], rtol=1e-4, atol=1e-4)
+
+    hf_io.save_hf_weights(state, tmp_path / "back", hf_adapter, args, max_file_bytes=SMALL_FILES)
+    written = tensors(tmp_path / "back")
+    assert written.keys() == source.keys()
+    assert all(
+        written[k].dtype == v.dtype and written[k].view(torch.uint8).equal(v.view(torch.uint8))
+        for k, v in source.items()
+    )
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    torch.testing.assert_close(
+        hf_logits(tmp_path / "back", reference["tokens"]), reference["logits"], rtol=1e-5, atol=1e-5
+    )
