@@ -4,7 +4,7 @@ attention under an explicit mask) in float64, both query paths, causal and block
 chunked (context-parallel) attention with a value head dim unlike the key's; KV-cache decoding
 against a full forward, of the attention and of the whole model; the model's blocks, parameter
 names and shapes (the Hugging Face adapter's contract), its FLOPs per token, its TP checks, and
-the refusal of multi-token prediction.
+the refusal of torchtitan's multi-token prediction key (the depth is the flavor's: test_deepseek_v3_mtp.py).
 
 RoPE rotates in float32 (models/rope.py's apply_rope, the decoder's for every family), so float64
 results agree to about 1e-7 relative, not to float64's precision."""
@@ -314,10 +314,10 @@ def test_tp_problems_name_each_size_that_does_not_split():
     ]
 
 
-def test_multi_token_prediction_is_refused_in_one_line():
+def test_torchtitans_multi_token_prediction_key_is_refused_in_one_line():
     argv = ["--config", "debug_model", "--model.name", "deepseek_v3", "--model.num_nextn_predict_layers"]
     with pytest.raises(
-        TitanliteError, match=r"^model.num_nextn_predict_layers: not supported \(titanlite has no multi"
+        TitanliteError, match=r"^model.num_nextn_predict_layers: not supported \(DeepSeek-V3's multi-token prediction"
     ):
         load_config([*argv, "1"])
     assert load_config([*argv, "0"]).model.name == "deepseek_v3"
