@@ -122,7 +122,8 @@ class DecoderArgs(Protocol):
 
     @property
     def n_moe_layers(self) -> int:
-        return sum(self.moe_layer(i) for i in range(self.n_layers))
+        """The MoE blocks the model builds, its MTP blocks' (`mtp_depths`) among them."""
+        return sum(self.moe_layer(i) for i in range(self.n_layers + self.mtp_depths))
 
     @property
     def mtp_depths(self) -> int:

@@ -236,7 +236,7 @@ class MoEHFAdapterBase(HFAdapterBase):
 
     def compared(self, expected: dict[str, Any], got: dict[str, Any], args: DecoderArgs) -> dict[str, Any]:
         """The dense width is not compared when no block is dense (Qwen3-MoE configs carry one no block uses)."""
-        if args.moe is not None and args.n_moe_layers == args.n_layers:
+        if args.moe is not None and args.n_moe_layers == args.n_layers + args.mtp_depths:
             del expected["intermediate_size"]
         return expected
 

@@ -114,7 +114,7 @@ def tp_problems(args: DeepSeekV3Args, tp_degree: int) -> list[str]:
     dense SwiGLU width where a block is dense, the shared experts' width, the vocabulary.
     Routed experts are not split (expert parallelism splits them)."""
     sizes = {"n_heads": args.n_heads, "vocab_size": args.vocab_size}
-    if args.n_moe_layers < args.n_layers:
+    if args.n_moe_layers < args.n_layers + args.mtp_depths:  # a dense block
         sizes["ffn hidden size"] = args.hidden_dim
     if args.moe is not None and args.moe.n_shared_experts:
         sizes["shared experts' hidden size"] = args.moe.n_shared_experts * args.moe.hidden_dim
