@@ -67,6 +67,7 @@ HF_LORA = [
     "q_proj,o_proj",
 ]
 DSV3 = ["--model.name", "deepseek_v3"]
+DSV3_MTP = [*DSV3, "--model.flavor", "debugmodel_mtp"]  # one multi-token prediction module
 DSV3_Q_LORA = [*DSV3, "--model.flavor", "debugmodel_q_lora"]
 SP = ["--parallelism.sequence_parallel", "on"]
 # `--model.name hf`: a tiny transformers model of the type named (tests/helpers/hf_models.py).
@@ -134,6 +135,8 @@ REFERENCES = {
     "float8_rowwise": [*batch(4), "--training.global_batch_size", "8", *FLOAT8_ROWWISE],
     "deepseek_v3": DSV3,
     "deepseek_v3_q_lora_block_causal": [*DSV3_Q_LORA, *BLOCK],
+    "deepseek_v3_mtp": DSV3_MTP,
+    "deepseek_v3_mtp_weight_0": [*DSV3_MTP, "--training.mtp_loss_weight", "0"],
     "tied": TIED,
     "lora": LORA,
     "qwen3_moe_lora": [*QWEN3_MOE, *LORA],
@@ -298,6 +301,11 @@ LAYOUTS = {
         [*batch(8), *CP, *DSV3_Q_LORA, *BLOCK],
         "deepseek_v3_q_lora_block_causal",
     ),
+    # multi-token prediction: its shifted labels cross cp chunks, its blocks sit on the last stage
+    **{
+        f"deepseek_v3_mtp_{name}": (2, [*batch(n), *flags, *DSV3_MTP], "deepseek_v3_mtp")
+        for name, n, flags in (("fsdp2", 4, []), ("tp2", 8, TP), ("pp2", 8, PP), ("cp2", 8, CP), ("ep2", 4, EP))
+    },
     "deepseek_v3_ep2_tp2": (4, [*batch(4), *EP, *TP, *DSV3], "deepseek_v3"),
     "deepseek_v3_ep2_pp2": (4, [*batch(4), *EP, *PP, *DSV3], "deepseek_v3"),
     # Any transformers causal LM (`--model.name hf`), run by its own forward: FSDP, and TP from
