@@ -265,11 +265,13 @@ def test_dense_blocks_then_moe_blocks_with_hugging_faces_names_and_shapes():
         assert model.rope_cache.shape == (args.max_seq_len, args.qk_rope_head_dim // 2)
 
 
-def test_generation_with_the_kv_cache_equals_the_full_forward():
+@pytest.mark.parametrize("mtp_depths", [0, 1])
+def test_generation_with_the_kv_cache_equals_the_full_forward(mtp_depths):
     """The whole model (MLA, dense and MoE blocks, YaRN table) decoding token by token after a
-    prompt gives the logits of one forward over the whole sequence."""
+    prompt gives the logits of one forward over the whole sequence; a multi-token prediction
+    block (trained, not used to decode) changes nothing."""
     torch.manual_seed(0)
-    model = DeepSeekV3(MODEL_ARGS)
+    model = DeepSeekV3(dataclasses.replace(MODEL_ARGS, num_nextn_predict_layers=mtp_depths))
     model.init_weights(seed=3)
     model.eval()
     tokens = torch.randint(0, MODEL_ARGS.vocab_size, (2, SEQ))

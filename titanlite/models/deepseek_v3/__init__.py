@@ -106,8 +106,9 @@ deepseek_v3_torchtitan_flavors: dict[str, DeepSeekV3Args] = {
 def flops_per_token(args: DeepSeekV3Args, n_params: int, seq_len: int) -> float:
     """6 per active weight, plus MLA's score and value matmuls: 6 * layers * heads *
     (qk_head_dim + v_head_dim) * seq_len (forward and backward; PaLM's accounting, with the
-    key width and the value width each counted for its own matmul, as torchtitan counts MLA)."""
-    attention = 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    key width and the value width each counted for its own matmul, as torchtitan counts MLA),
+    the multi-token prediction blocks' attention among the layers'."""
+    attention = 6 * (args.n_layers + args.mtp_depths) * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
     return 6 * active_parameters(args, n_params) + attention
 
 
