@@ -194,6 +194,7 @@ class Pipelined(Runner):
             self.compute_context(),
             self.loss.passing(self.schedule, scale, step, tokens) as loss_arguments,
             uncounted_metadata_forwards(self.experts, self.parts, self.n_microbatches),
+            self.mtp.returned_only(losses) if self.mtp is not None else contextlib.nullcontext(),
         ):
             run(*args, **kwargs, **loss_arguments, **_model_kwargs(documents))
         if not losses:

@@ -20,6 +20,9 @@ counts masked labels), so every layout divides by what one process would.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -69,6 +72,14 @@ class MultiTokenPrediction(StepParticipant):
         mtp = torch.stack(depths).mean()
         self.records.append(torch.stack([main, mtp]).detach() * scale)
         return main + self.weight * mtp
+
+    @contextlib.contextmanager
+    def returned_only(self, losses: list[torch.Tensor]) -> Iterator[None]:
+        """Around one pipeline schedule call: keep the records of the `losses` it returns. torch
+        2.13's stages infer their shapes on the first call by running the loss once more, first."""
+        start = len(self.records)
+        yield
+        del self.records[start : len(self.records) - len(losses)]
 
     def before_step(self, step: int, redo: bool = False) -> None:
         self.records.clear()  # a validation forward's, or a redone step's
