@@ -16,6 +16,9 @@ arguments of each schedule call (`StepLoss`), not state set on the runner before
 labels (chat data, `labels`), each of those losses is its trained tokens' sum over the step's
 count (`step/loss.LabelCount`) instead of its mean, weighted as before.
 
+A model with multi-token prediction blocks (`mtp`, step/mtp.py) reads each window with its
+shifted copies and trains its objective; the loss reported is that objective.
+
 A model with mixture-of-experts layers (`experts`) trains their aux loss in the same
 forwards: each layer adds its gradient to the backward of its own output, weighted as that
 forward's loss is (`step/experts.aux_loss_gradients`), so a pipeline schedule, whose loss
@@ -115,11 +118,11 @@ class Unpipelined(Runner):
 
 class StepLoss:
     """What a pipeline schedule computes on the last stage for each of its microbatches:
-    cross-entropy (over `tokens` when the labels are masked) times the call's scale, with the NaN
-    fault on the loss rank. The scale, the tokens and the step come with each schedule call
-    (`passing`) as the schedule's `loss_kwargs`."""
+    cross-entropy (over `tokens` when the labels are masked), or with `mtp` its objective
+    (step/mtp.py), times the call's scale, with the NaN fault on the loss rank. The scale, the
+    tokens and the step come with each schedule call (`passing`) as the schedule's `loss_kwargs`."""
 
-    def __init__(self, nan_fault_here: bool, mtp: MultiTokenPrediction | None):
+    def __init__(self, nan_fault_here: bool, mtp: MultiTokenPrediction | None = None):
         self.nan_fault_here, self.mtp = nan_fault_here, mtp
         self._held: dict[str, float | int] | None = None
 
