@@ -82,7 +82,7 @@ class MultiTokenPrediction(StepParticipant):
         del self.records[start : len(self.records) - len(losses)]
 
     def before_step(self, step: int, redo: bool = False) -> None:
-        self.records.clear()  # a validation forward's, or a redone step's
+        self.records.clear()  # the last step's, or those of a step about to be redone
 
     def log_fields(self) -> list[LineField]:
         parts = torch.stack(self.records).sum(0) if self.records else torch.zeros(2, device=self.device)
