@@ -137,6 +137,7 @@ REFERENCES = {
     "deepseek_v3_q_lora_block_causal": [*DSV3_Q_LORA, *BLOCK],
     "deepseek_v3_mtp": DSV3_MTP,
     "deepseek_v3_mtp_weight_0": [*DSV3_MTP, "--training.mtp_loss_weight", "0"],
+    "deepseek_v3_mtp_block_causal": [*DSV3_MTP, *BLOCK],
     "tied": TIED,
     "lora": LORA,
     "qwen3_moe_lora": [*QWEN3_MOE, *LORA],
@@ -306,6 +307,8 @@ LAYOUTS = {
         f"deepseek_v3_mtp_{name}": (2, [*batch(n), *flags, *DSV3_MTP], "deepseek_v3_mtp")
         for name, n, flags in (("fsdp2", 4, []), ("tp2", 8, TP), ("pp2", 8, PP), ("cp2", 8, CP), ("ep2", 4, EP))
     },
+    # with documents: a depth's positions whose input lies in the next document are not trained
+    "deepseek_v3_mtp_cp2_block_causal": (2, [*batch(8), *CP, *BLOCK, *DSV3_MTP], "deepseek_v3_mtp_block_causal"),
     "deepseek_v3_ep2_tp2": (4, [*batch(4), *EP, *TP, *DSV3], "deepseek_v3"),
     "deepseek_v3_ep2_pp2": (4, [*batch(4), *EP, *PP, *DSV3], "deepseek_v3"),
     # Any transformers causal LM (`--model.name hf`), run by its own forward: FSDP, and TP from

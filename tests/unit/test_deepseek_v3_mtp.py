@@ -169,3 +169,12 @@ def test_an_hf_folder_loads_its_mtp_layer_whole_and_saves_it_back_byte_equal(tmp
     torch.testing.assert_close(
         hf_logits(tmp_path / "back", reference["tokens"]), reference["logits"], rtol=1e-5, atol=1e-5
     )
+
+
+def test_depth_k_leaves_untrained_the_positions_whose_input_lies_in_the_next_document():
+    mtp = MultiTokenPrediction(2, WEIGHT, group=None, pp_group=None, device=CPU)
+    labels = torch.arange(1, 9)[None]  # the window's tokens 1..8 after inputs 0..7
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
+    streams = mtp.within_documents(mtp.streams(labels, IGNORE), documents)
+    x = IGNORE
+    assert streams[0].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8], [2, 3, x, 5, 6, 7, x, x], [3, x, x, 6, 7, x, x, x]]

@@ -74,6 +74,7 @@ class Runner:
         inputs, labels, *documents = (t.to(self.device, non_blocking=True) for t in batch)
         if self.mtp is not None and streams:
             inputs, labels = self.mtp.streams(inputs, 0), self.mtp.streams(labels, IGNORE)
+            labels = self.mtp.within_documents(labels, documents[0]) if documents else labels
         if self.context_parallel is not None:
             inputs, labels = self.context_parallel.shard(inputs, dim=-1), self.context_parallel.shard(labels, dim=-1)
         return inputs, labels, (documents[0] if documents else None)

@@ -6,16 +6,19 @@ window with its D copies shifted left by 1..D, [batch, 1 + D, seq] (`streams`; i
 window's end are 0), and returns the main logits then each depth's, [batch, (1 + D) x seq,
 vocab]. The labels get the same streams, IGNORE past the end: depth k at position i predicts
 token i + k + 1, and the last k positions of a window are not trained at depth k (nothing in
-the window follows them). No loader changes: the streams are cut from the (inputs, labels)
-windows on the device, before context parallelism splits the sequence, so a cp rank's shifted
-labels are those of the next chunk whichever rank holds it, and the first pipeline stage
-embeds every stream.
+the window follows them); with document ids (block-causal attention) neither are the positions
+whose depth-k input lies in the next document (torchtitan's rule). No loader changes: the
+streams are cut from the (inputs, labels) windows on the device, before context parallelism
+splits the sequence, so a cp rank's shifted labels are those of the next chunk whichever rank
+holds it, and the first pipeline stage embeds every stream.
 
 The objective is main + `training.mtp_loss_weight` x the mean over depths of each depth's
 cross-entropy. The main loss is computed as without MTP (the same call, the same logits), so at
 weight 0 it is the same bit for bit. Depth k's loss is the sum over its trained positions
 divided by their count over the step's ranks and losses (over dp x cp, as `step/loss.LabelCount`
-counts masked labels), so every layout divides by what one process would.
+counts masked labels), so every layout divides by what one process would. The step line's
+`loss` is the objective (what is trained, as torchtitan logs it); `main_loss` and `mtp_loss`
+(the mean over depths) are its parts.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from titanlite.data.loader import IGNORE
 from titanlite.observe.metrics import LineField
 from titanlite.parallel.collectives import mean_over, sum_over
 from titanlite.step.loss import cross_entropy
@@ -57,6 +61,11 @@ class MultiTokenPrediction(StepParticipant):
         tail = window.new_full((window.shape[0], self.depths), fill)
         padded = torch.cat([window, tail], dim=1)
         return torch.stack([padded[:, k : k + window.shape[1]] for k in range(1 + self.depths)], dim=1)
+
+    def within_documents(self, labels: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+        """Label streams with depth k's labels IGNORE where its input, k tokens on, lies in another
+        document than the position (documents [batch, seq]: the inputs' document numbers)."""
+        return labels.masked_fill(self.streams(documents, -1) != documents[:, None], IGNORE)
 
     def divisors(self, main: torch.Tensor | None, labels: list[torch.Tensor], losses: int) -> Divisors:
         """The main loss's divisor and each depth's: its trained labels over the step's ranks, per loss."""
