@@ -202,13 +202,16 @@ def _plan_pipeline(plan: RunPlan, model: torch.nn.Module) -> PipelineLayout:
             f"parallelism.pipeline_parallel_degree: model {plan.spec.name} {plan.model_label} shares one tensor "
             f"between {shared[0]}, which sit on the first and the last stage; pipeline an untied model"
         )
-    costs = None
+    costs, args = None, plan.model_args
+    n_blocks = args.n_layers  # multi-token prediction's blocks run after the output: on the last stage
     if plan.cfg.parallelism.pipeline_parallel_balance == "flops":
-        flops, args = plan.spec.flops_per_token, plan.model_args
+        flops = plan.spec.flops_per_token
         attention = (flops(args, 0, plan.cfg.training.seq_len) - flops(args, 0, 0)) / len(model.layers)
         routed = {layer.experts: layer.args.top_k / layer.args.n_experts for layer in moe.moe_layers(model).values()}
         costs = part_flops(model, attention, routed)
-    return plan_layout(plan.cfg.parallelism, len(model.layers), plan.cfg.training.local_batch_size, costs)
+        costs = [*costs[: n_blocks + 1], sum(costs[n_blocks + 1 :])]
+    batch = plan.cfg.training.local_batch_size
+    return plan_layout(plan.cfg.parallelism, n_blocks, batch, costs, tail_blocks=args.mtp_depths)
 
 
 def parallelize(model: torch.nn.Module, plan: RunPlan, meshes: Meshes) -> None:

@@ -127,7 +127,14 @@ class DecoderArgs(Protocol):
 
     @property
     def n_moe_layers(self) -> int:
-        return sum(self.moe_layer(i) for i in range(self.n_layers))
+        """The MoE blocks the model builds, its MTP blocks' (`mtp_depths`) among them."""
+        return sum(self.moe_layer(i) for i in range(self.n_layers + self.mtp_depths))
+
+    @property
+    def mtp_depths(self) -> int:
+        """Multi-token prediction modules after the blocks (DeepSeek-V3's MTP): module k also
+        predicts the token k + 1 places ahead of the next one; 0: none."""
+        return 0
 
 
 DECODER_ARGS_MEMBERS = sorted({*DecoderArgs.__annotations__, *(n for n in vars(DecoderArgs) if not n.startswith("_"))})
@@ -190,6 +197,9 @@ class HFAdapter(Protocol):
 
     def ignored_hf_tensor(self, name: str, args: DecoderArgs) -> bool:
         """A tensor HF files may hold that is no weight of this model."""
+
+    def copies(self, key: str, args: DecoderArgs) -> list[str]:
+        """HF names that hold our `key`'s tensor once more (written on save, ignored on load)."""
 
     def interleaved_to_half(self, weight: torch.Tensor, n_heads: int) -> torch.Tensor:
         """Rows of a q/k projection, interleaved RoPE pairs -> HF's rotate-half order."""

@@ -41,6 +41,7 @@ from titanlite.step.builder import StepBuilder
 from titanlite.step.experts import ExpertLayers
 from titanlite.step.forward_backward import Pipelined, Unpipelined
 from titanlite.step.optim import build_lr_scheduler, build_optimizer, trained_parameters
+from titanlite.step.mtp import MultiTokenPrediction
 from titanlite.step.participants import Float8Scales, Participants, StepParticipant
 from titanlite.step.precision import resolve_compute_dtype
 from titanlite.step.validate import Validator
@@ -106,6 +107,7 @@ class RunParts:
     model_parts: list[nn.Module]  # what runs forward: the model, or this rank's pipeline stages
     model: nn.Module  # what the optimizer, clipping and checkpoints read
     size: ModelSize
+    mtp: MultiTokenPrediction | None  # the model's multi-token prediction objective, a participant
     forward_backward: Unpipelined | Pipelined
     params: list[torch.Tensor]
     optimizer: torch.optim.Optimizer
@@ -148,7 +150,8 @@ def build_run(plan: RunPlan, participants: Sequence[StepParticipant] = ()) -> Ru
     _say_start(run)
     float8 = Float8Scales(run.model_parts) if run.plan.precomputes_float8_scales else StepParticipant()
     validator = run.validator or StepParticipant()  # a no-op without validation, as float8's
-    members = [run.steps.expert_balance(run.model, experts), group, float8, validator, run.checkpoint]
+    members = [run.steps.expert_balance(run.model, experts), run.mtp or StepParticipant(), group, float8, validator]
+    members.append(run.checkpoint)
     run.participants = Participants([*members, ScheduledGC(cfg.training.gc_freq), *participants])
     return run
 
@@ -181,7 +184,10 @@ def _build_training(run: RunParts) -> tuple[TokenWindowLoader | None, ExpertLaye
     run.data, validation_data = _loaders(plan, run.steps)
     built = build_model(plan, run.device, meshes, run.dist.local_world_size)
     run.model_parts, run.model, run.size = built.parts, built.model, built.size
-    run.forward_backward = run.steps.forward_backward(run.model, run.model_parts, built.experts, run.data.stream.masked)
+    run.mtp = run.steps.multi_token(plan.model_args.mtp_depths, cfg.training.mtp_loss_weight)
+    run.forward_backward = run.steps.forward_backward(
+        run.model, run.model_parts, built.experts, run.data.stream.masked, run.mtp
+    )
     named_params = trained_parameters(run.model)
     run.params = [p for _, p in named_params]
     run.optimizer = build_optimizer(named_params, cfg.optimizer, no_decay=plan.spec.no_decay)

@@ -67,6 +67,7 @@ HF_LORA = [
     "q_proj,o_proj",
 ]
 DSV3 = ["--model.name", "deepseek_v3"]
+DSV3_MTP = [*DSV3, "--model.flavor", "debugmodel_mtp"]  # one multi-token prediction module
 DSV3_Q_LORA = [*DSV3, "--model.flavor", "debugmodel_q_lora"]
 SP = ["--parallelism.sequence_parallel", "on"]
 GPT_OSS = ["--model.name", "gpt_oss"]
@@ -139,6 +140,9 @@ REFERENCES = {
     "gpt_oss": GPT_OSS,
     "gpt_oss_window8": GPT_OSS_WINDOW8,
     "gpt_oss_window8_block_causal": [*GPT_OSS_WINDOW8, *BLOCK],
+    "deepseek_v3_mtp": DSV3_MTP,
+    "deepseek_v3_mtp_weight_0": [*DSV3_MTP, "--training.mtp_loss_weight", "0"],
+    "deepseek_v3_mtp_block_causal": [*DSV3_MTP, *BLOCK],
     "tied": TIED,
     "lora": LORA,
     "qwen3_moe_lora": [*QWEN3_MOE, *LORA],
@@ -315,6 +319,13 @@ LAYOUTS = {
     "gpt_oss_window8_cp2_block_causal": (2, [*batch(8), *CP, *GPT_OSS_WINDOW8, *BLOCK], "gpt_oss_window8_block_causal"),
     "gpt_oss_ep2": (2, [*batch(4), *EP, *GPT_OSS], "gpt_oss"),
     "gpt_oss_ep2_tp2": (4, [*batch(4), *EP, *TP, *GPT_OSS], "gpt_oss"),
+    # multi-token prediction: its shifted labels cross cp chunks, its blocks sit on the last stage
+    **{
+        f"deepseek_v3_mtp_{name}": (2, [*batch(n), *flags, *DSV3_MTP], "deepseek_v3_mtp")
+        for name, n, flags in (("fsdp2", 4, []), ("tp2", 8, TP), ("pp2", 8, PP), ("cp2", 8, CP), ("ep2", 4, EP))
+    },
+    # with documents: a depth's positions whose input lies in the next document are not trained
+    "deepseek_v3_mtp_cp2_block_causal": (2, [*batch(8), *CP, *BLOCK, *DSV3_MTP], "deepseek_v3_mtp_block_causal"),
     "deepseek_v3_ep2_tp2": (4, [*batch(4), *EP, *TP, *DSV3], "deepseek_v3"),
     "deepseek_v3_ep2_pp2": (4, [*batch(4), *EP, *PP, *DSV3], "deepseek_v3"),
     # Any transformers causal LM (`--model.name hf`), run by its own forward: FSDP, and TP from

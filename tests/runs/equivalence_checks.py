@@ -77,6 +77,11 @@ def check_layout(layout: str, sessions: SessionCases) -> None:
     reference = sessions[f"reference_{reference_name}"]
     assert reference["history"][-1]["loss"] < reference["history"][0]["loss"]
     assert_same_curve(sessions[layout]["history"], reference["history"], layout)
+    if "mtp_loss" in reference["history"][0]:  # multi-token prediction's parts of the loss
+        for key in ("main_loss", "mtp_loss"):
+            assert [h[key] for h in sessions[layout]["history"]] == pytest.approx(
+                [h[key] for h in reference["history"]], rel=1e-5
+            ), key
     if "moe_load_mean" in reference["history"][0]:  # the same routing: the same expert load, every layer (all stages)
         # Muon's Newton-Schulz runs in bfloat16 (as torch's): the 1e-7 differences of sharded gradient
         # sums can round a matrix entry to the next bfloat16, enough to send a near-tie token to its

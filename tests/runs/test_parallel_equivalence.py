@@ -3,7 +3,8 @@ says what and how; the 4-process layouts and the FSDP options are in
 test_parallel_equivalence_4ranks.py, 8 and 16 processes in test_parallel_equivalence_8_16ranks.py),
 and what the 2-process runs show besides: float8 against float32 and its all-gather, Muon's
 shares, one MoE layer split over ep ranks, the split by FLOPs, replicate-only dp; and what the
-references show: param_groups from a TOML file, the two masks, the logged lr.
+references show: param_groups from a TOML file, the two masks, the logged lr, multi-token
+prediction at weight 0 training as the model without it.
 """
 
 from __future__ import annotations
@@ -216,3 +217,12 @@ def test_a_step_saved_over_its_folder_waits_for_rank_0_to_move_the_old_one(sessi
     retired = checks["ranks"][0]["retired"]
     assert all(rank["made"] > retired for rank in checks["ranks"]), checks
     assert checks["committed"]
+
+
+def test_multi_token_prediction_at_weight_0_trains_as_the_model_without_it_bit_for_bit(sessions):
+    """DeepSeek-V3 with one MTP module and training.mtp_loss_weight 0: every step's loss and grad
+    norm are the debug model's without it, bit for bit (the MTP blocks get zero gradients); the
+    MTP loss is logged beside them."""
+    plain, mtp = sessions["reference_deepseek_v3"]["history"], sessions["reference_deepseek_v3_mtp_weight_0"]["history"]
+    assert [(h["loss"], h["grad_norm"]) for h in mtp] == [(h["loss"], h["grad_norm"]) for h in plain]
+    assert [h["main_loss"] for h in mtp] == [h["loss"] for h in plain] and all(h["mtp_loss"] > 0 for h in mtp)

@@ -4,7 +4,7 @@ attention under an explicit mask) in float64, both query paths, causal and block
 chunked (context-parallel) attention with a value head dim unlike the key's; KV-cache decoding
 against a full forward, of the attention and of the whole model; the model's blocks, parameter
 names and shapes (the Hugging Face adapter's contract), its FLOPs per token, its TP checks, and
-the refusal of multi-token prediction.
+the refusal of torchtitan's multi-token prediction key (the depth is the flavor's: test_deepseek_v3_mtp.py).
 
 RoPE rotates in float32 (models/rope.py's apply_rope, the decoder's for every family), so float64
 results agree to about 1e-7 relative, not to float64's precision."""
@@ -265,11 +265,13 @@ def test_dense_blocks_then_moe_blocks_with_hugging_faces_names_and_shapes():
         assert model.rope_cache.shape == (args.max_seq_len, args.qk_rope_head_dim // 2)
 
 
-def test_generation_with_the_kv_cache_equals_the_full_forward():
+@pytest.mark.parametrize("mtp_depths", [0, 1])
+def test_generation_with_the_kv_cache_equals_the_full_forward(mtp_depths):
     """The whole model (MLA, dense and MoE blocks, YaRN table) decoding token by token after a
-    prompt gives the logits of one forward over the whole sequence."""
+    prompt gives the logits of one forward over the whole sequence; a multi-token prediction
+    block (trained, not used to decode) changes nothing."""
     torch.manual_seed(0)
-    model = DeepSeekV3(MODEL_ARGS)
+    model = DeepSeekV3(dataclasses.replace(MODEL_ARGS, num_nextn_predict_layers=mtp_depths))
     model.init_weights(seed=3)
     model.eval()
     tokens = torch.randint(0, MODEL_ARGS.vocab_size, (2, SEQ))
@@ -314,10 +316,10 @@ def test_tp_problems_name_each_size_that_does_not_split():
     ]
 
 
-def test_multi_token_prediction_is_refused_in_one_line():
+def test_torchtitans_multi_token_prediction_key_is_refused_in_one_line():
     argv = ["--config", "debug_model", "--model.name", "deepseek_v3", "--model.num_nextn_predict_layers"]
     with pytest.raises(
-        TitanliteError, match=r"^model.num_nextn_predict_layers: not supported \(titanlite has no multi"
+        TitanliteError, match=r"^model.num_nextn_predict_layers: not supported \(DeepSeek-V3's multi-token prediction"
     ):
         load_config([*argv, "1"])
     assert load_config([*argv, "0"]).model.name == "deepseek_v3"

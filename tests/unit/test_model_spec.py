@@ -178,7 +178,8 @@ def test_the_args_tell_the_planner_what_the_model_builds(name):
         args = spec.args_for(flavor, VOCAB)
         with torch.device("meta"):
             model = spec.model_class(args)
-        moe_blocks = [f"layers.{i}.feed_forward" for i in range(args.n_layers) if args.moe_layer(i)]
+        blocks = range(args.n_layers + args.mtp_depths)  # multi-token prediction blocks after the others
+        moe_blocks = [f"layers.{i}.feed_forward" for i in blocks if args.moe_layer(i)]
         assert list(moe_layers(model)) == moe_blocks and len(moe_blocks) == args.n_moe_layers
         attention = model.layers["0"].attention if hasattr(model.layers["0"], "attention") else None
         if attention is not None and hasattr(attention, "wk"):  # GQA's projections (GPT-2 fuses them)

@@ -50,6 +50,13 @@ def test_the_automatic_split_counts_the_embedding_and_the_output_as_a_block_each
     assert blocks(plan_layout(parallelism(first=2, last=0), 6, 8)) == [[0, 1], [2, 3, 4, 5]]
 
 
+def test_tail_blocks_sit_on_the_last_stage_whatever_the_split():
+    """Multi-token prediction's blocks run after the output: the last stage holds them, also
+    when the split of the other blocks leaves it none (a V schedule's four stages of 4 blocks)."""
+    assert blocks(plan_layout(parallelism(), 6, 8, tail_blocks=2)) == [[0, 1, 2], [3, 4, 5, 6, 7]]
+    assert blocks(plan_layout(parallelism(schedule="ZBVZeroBubble"), 4, 8, tail_blocks=1))[-1][-1] == 4
+
+
 def test_the_split_by_flops_makes_the_slowest_stage_the_cheapest_possible():
     """Against every split of a few blocks (a middle stage holds a block; the first and last
     may hold none): the largest stage cost is the smallest any split reaches."""

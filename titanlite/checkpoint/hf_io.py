@@ -303,6 +303,8 @@ def save_hf_weights(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     values, stacked, heads = _by_hf_name(state_dict, adapter, args)
+    # A copy is a tensor of its own: safetensors refuses two names over one storage.
+    values |= {copy: state_dict[key].clone() for key in state_dict for copy in adapter.copies(key, args)}
     values = cast_floating(values, dtype)
     if heads:  # the same on every rank (the same args): all of them take part, or none
         values = to_hf_rows(values, heads, args.head_dim, adapter, group)

@@ -138,6 +138,12 @@ class Training:
         gt=0,
         le=MAX_STEPS,
     )
+    mtp_loss_weight: float = _opt(
+        0.3,
+        "with a model's multi-token prediction modules (DeepSeek-V3's num_nextn_predict_layers): the loss is the "
+        "main loss plus this times the mean of the depths' losses (DeepSeek-V3 trained with 0.3, then 0.1)",
+        ge=0,
+    )
     seed: int = _opt(42, "random seed for weight init and data order", ge=0)
     deterministic: bool = _opt(False, "use deterministic kernels (slower; for bitwise-reproducible runs)")
     mixed_precision_param: str = _opt(

@@ -28,7 +28,8 @@ options titanlite does not have.
   flavors stay for titanlite's files. A family titanlite does not have (llama4, flux, ...) is refused by name before
   any key of its file is read: those keys would otherwise be the first error, and a misleading one.
   A torchtitan file of gpt_oss (a family titanlite has, without torchtitan's flavors) is refused.
-- `model.num_nextn_predict_layers` (DeepSeek-V3's multi-token prediction) is refused unless 0.
+- `model.num_nextn_predict_layers` (DeepSeek-V3's multi-token prediction) is refused unless 0: its
+  depth is the flavor's (`debugmodel_mtp`) or config.json's.
 
 Notices are collected (`TorchtitanKeys.notices`); the command lines print them once, rank 0.
 """
@@ -58,7 +59,10 @@ OFF_ONLY = {
     ),
     ("parallelism", "enable_async_tensor_parallel"): (False, "titanlite has no async tensor parallelism"),
     # DeepSeek-V3's config name for its multi-token prediction modules.
-    ("model", "num_nextn_predict_layers"): (0, "titanlite has no multi-token prediction (DeepSeek-V3's MTP)"),
+    ("model", "num_nextn_predict_layers"): (
+        0,
+        "DeepSeek-V3's multi-token prediction depth is its flavor's (e.g. debugmodel_mtp) or its config.json's",
+    ),
 }
 NO_EFFECT = {
     ("metrics", "disable_color_printing"): "titanlite prints no colors",

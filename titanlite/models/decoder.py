@@ -207,6 +207,16 @@ class Decoder(nn.Module):
         stage holds None for the modules of other stages (parallel/pipeline.py)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = tokens.shape[1] if self.tok_embeddings is not None else h.shape[1] * self.sequence_shards
+        cos_sin, masks = self.attention_inputs(seq, h, document_ids)
+        for name, block in self.layers.items():
+            h = block(h, cos_sin, masks[name])
+        return self.head(h)
+
+    def attention_inputs(
+        self, seq: int, h: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, Mask]]:
+        """The RoPE rows of this forward's `seq` positions (h: their activations) and each block's
+        mask, by block name (one mask per distinct sliding window)."""
         if self.kv_cache is not None:  # generation: these tokens follow the cached ones
             cos_sin = self.rope_cache[self.kv_cache.positions(seq, h.device)]
         elif self.context_parallel is not None:  # this rank's two chunks, attended per chunk
@@ -215,8 +225,10 @@ class Decoder(nn.Module):
             cos_sin = self.rope_cache[:seq]
         windows = {name: self.args.sliding_window(int(name)) for name in self.layers}
         masks = {window: self._mask(seq, document_ids, h, window) for window in set(windows.values())}
-        for name, block in self.layers.items():
-            h = block(h, cos_sin, masks[windows[name]])
+        return cos_sin, {name: masks[window] for name, window in windows.items()}
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the output head, where this stage has them."""
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -106,6 +106,9 @@ class HFAdapterBase(HFAdapter):
         """A tied model's duplicate head."""
         return name == "lm_head.weight" and args.tie_word_embeddings
 
+    def copies(self, key: str, args: DecoderArgs) -> list[str]:
+        return []
+
     def hf_export_problems(self, args: DecoderArgs) -> list[str]:
         return []
 
@@ -134,6 +137,7 @@ class HFAdapterBase(HFAdapter):
                 out[self.hf_name(key)] = self.interleaved_to_half(value, heads)
             else:
                 out[self.hf_name(key)] = value
+            out.update(dict.fromkeys(self.copies(key, args), value))
         return out
 
     def from_hf(self, state_dict: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
@@ -232,7 +236,7 @@ class MoEHFAdapterBase(HFAdapterBase):
 
     def compared(self, expected: dict[str, Any], got: dict[str, Any], args: DecoderArgs) -> dict[str, Any]:
         """The dense width is not compared when no block is dense (Qwen3-MoE configs carry one no block uses)."""
-        if args.moe is not None and args.n_moe_layers == args.n_layers:
+        if args.moe is not None and args.n_moe_layers == args.n_layers + args.mtp_depths:
             del expected["intermediate_size"]
         return expected
 

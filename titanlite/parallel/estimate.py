@@ -161,7 +161,7 @@ def estimate_activations(
     attention, feed_forward = attention_per_token(args, shape), feed_forward_per_token(args, t, p, shape.etp)
     block = n * (2 * d / r * p + 2 * d * p + attention + feed_forward)
     vocab = args.vocab_size / t if shape.loss_parallel else args.vocab_size
-    n_blocks = args.n_layers if n_blocks is None else n_blocks
+    n_blocks = args.n_layers + args.mtp_depths if n_blocks is None else n_blocks
     n_ckpt = checkpointed_blocks(n_blocks, shape.ac_mode, shape.ac_option)
     recompute = block if n_ckpt else 0.0
     if shape.ac_mode == "selective" and shape.ac_option == "op":
@@ -202,7 +202,8 @@ def feed_forward_per_token(args: DecoderArgs, t: int, p: int, etp: int = 1) -> f
     if moe is None or not n_moe:
         return dense
     sparse = 2 * moe.n_experts * 4 + moe.top_k * (2 * args.dim * p + 4 * moe.hidden_dim / etp * p + 4 * args.dim)
-    return (n_moe * sparse + (args.n_layers - n_moe) * dense) / args.n_layers
+    n_blocks = args.n_layers + args.mtp_depths  # multi-token prediction blocks are blocks too
+    return (n_moe * sparse + (n_blocks - n_moe) * dense) / n_blocks
 
 
 def in_flight_microbatches(schedule: str, degree: int, n_microbatches: int, stages_per_rank: int, pp_rank: int) -> int:

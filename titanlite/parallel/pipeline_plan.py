@@ -98,19 +98,26 @@ class PipelineLayout:
 
 
 def plan_layout(
-    parallelism, n_layers: int, local_batch_size: int, part_costs: Sequence[float] | None = None
+    parallelism,
+    n_layers: int,
+    local_batch_size: int,
+    part_costs: Sequence[float] | None = None,
+    tail_blocks: int = 0,
 ) -> PipelineLayout:
     """Stages and microbatches from `parallelism.pipeline_parallel_*`; a TitanliteError naming
     the key for any combination the schedule cannot run. `part_costs` (`part_flops`: the
-    embedding, each block, the output) is what `pipeline_parallel_balance = "flops"` splits."""
+    embedding, each block, the output) is what `pipeline_parallel_balance = "flops"` splits.
+    `tail_blocks`: blocks numbered after the `n_layers` that run after the output and so sit on
+    the last stage with it (multi-token prediction's), their cost the output's."""
     degree, schedule = parallelism.pipeline_parallel_degree, parallelism.pipeline_parallel_schedule
     runs, stage_cost = _runs(parallelism, n_layers, part_costs)
     n_stages = len(runs)
     _check_stages_per_rank(schedule, n_stages, degree)
-    blocks = [str(i) for i in range(n_layers)]
+    blocks = [str(i) for i in range(n_layers + tail_blocks)]
+    runs = [*runs[:-1], (runs[-1][0], runs[-1][1] + tail_blocks)]
+    costs = [stage_cost(i, a, min(b, n_layers)) if stage_cost else None for i, (a, b) in enumerate(runs)]
     stages = tuple(
-        StageSpec(i, tuple(blocks[a:b]), i == 0, i == n_stages - 1, stage_cost(i, a, b) if stage_cost else None)
-        for i, (a, b) in enumerate(runs)
+        StageSpec(i, tuple(blocks[a:b]), i == 0, i == n_stages - 1, costs[i]) for i, (a, b) in enumerate(runs)
     )
     return PipelineLayout(schedule, degree, stages, _microbatches(parallelism, local_batch_size, n_stages, degree))
 

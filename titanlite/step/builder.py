@@ -17,7 +17,9 @@ What it owns:
   pipeline's `StepLoss`, to which each schedule call passes its scale; over masked labels
   (chat data), the count of the step's trained tokens over the loss group (`LabelCount`);
 - mixture-of-experts layers (`experts`, from the built model): their aux loss trained in each
-  forward, and `ExpertBalance` after each optimizer step, over the dp x cp ranks.
+  forward, and `ExpertBalance` after each optimizer step, over the dp x cp ranks;
+- multi-token prediction (`multi_token`): its objective, and its losses logged over the
+  pipeline and dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from titanlite.parallel.pipeline_plan import PipelineLayout
 from titanlite.step.experts import ExpertBalance, ExpertLayers
 from titanlite.step.forward_backward import Pipelined, Unpipelined
 from titanlite.step.loss import LabelCount
+from titanlite.step.mtp import MultiTokenPrediction
 from titanlite.step.participants import StepParticipant
 from titanlite.step.precision import autocast_dtype
 
@@ -90,17 +93,30 @@ class StepBuilder:
         return contextlib.nullcontext()
 
     def forward_backward(
-        self, model: nn.Module, parts: list[nn.Module], experts: ExpertLayers | None = None, masked: bool = False
+        self,
+        model: nn.Module,
+        parts: list[nn.Module],
+        experts: ExpertLayers | None = None,
+        masked: bool = False,
+        mtp: MultiTokenPrediction | None = None,
     ) -> Unpipelined | Pipelined:
         """The step's forward and backward: on the whole `model`, or through the pipeline
         schedule over this rank's stage `parts`; with `experts`, training their aux loss; with
-        `masked` labels (chat data), each loss over the step's trained tokens of the loss group."""
+        `masked` labels (chat data), each loss over the step's trained tokens of the loss group;
+        with `mtp` (`multi_token`), the multi-token prediction objective."""
         labels = LabelCount(self.loss_group) if masked else None
         fault = self.rank == self.loss_rank
-        shared = (self.compute_context, self.device, fault, self.meshes.context_parallel, experts, labels)
+        shared = (self.compute_context, self.device, fault, self.meshes.context_parallel, experts, labels, mtp)
         if self.pipeline is None:
             return Unpipelined(*shared, model)
         return Pipelined(*shared, self.pipeline, parts, self.meshes.pp)
+
+    def multi_token(self, depths: int, weight: float) -> MultiTokenPrediction | None:
+        """The objective of a model with `depths` multi-token prediction modules (None without),
+        its parts logged over the pipeline and loss groups."""
+        if depths == 0:
+            return None
+        return MultiTokenPrediction(depths, weight, group=self.loss_group, pp_group=self.pp_group, device=self.device)
 
     def expert_balance(self, model: nn.Module, experts: ExpertLayers | None) -> StepParticipant:
         """The step participant that updates the biases of `model`'s MoE layers and reports their

@@ -16,6 +16,9 @@ arguments of each schedule call (`StepLoss`), not state set on the runner before
 labels (chat data, `labels`), each of those losses is its trained tokens' sum over the step's
 count (`step/loss.LabelCount`) instead of its mean, weighted as before.
 
+A model with multi-token prediction blocks (`mtp`, step/mtp.py) reads each window with its
+shifted copies and trains its objective; the loss reported is that objective.
+
 A model with mixture-of-experts layers (`experts`) trains their aux loss in the same
 forwards: each layer adds its gradient to the backward of its own output, weighted as that
 forward's loss is (`step/experts.aux_loss_gradients`), so a pipeline schedule, whose loss
@@ -35,12 +38,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanlite.data.loader import IGNORE
 from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.fsdp import set_gradient_sync
 from titanlite.parallel.pipeline import build_schedule
 from titanlite.parallel.pipeline_plan import PipelineLayout
 from titanlite.step.experts import ExpertLayers, aux_loss_gradients, uncounted_metadata_forwards
 from titanlite.step.loss import LabelCount, cross_entropy
+from titanlite.step.mtp import Divisors, MultiTokenPrediction, objective
 from titanlite.step.nonfinite import inject_nan
 
 Microbatch = tuple[torch.Tensor, ...]
@@ -61,18 +66,26 @@ class Runner:
     context_parallel: ContextParallel | None
     experts: ExpertLayers | None
     label_count: LabelCount | None  # the labels are masked (chat data)
+    mtp: MultiTokenPrediction | None  # the model has multi-token prediction modules (step/mtp.py)
 
-    def on_device(self, batch: Microbatch) -> tuple:
-        """(inputs, labels, document ids or None) on the device, cut to this cp rank's tokens."""
+    def on_device(self, batch: Microbatch, streams: bool = True) -> tuple:
+        """(inputs, labels, document ids or None) on the device, with the MTP streams when the
+        model trains them (`streams`), cut to this cp rank's tokens."""
         inputs, labels, *documents = (t.to(self.device, non_blocking=True) for t in batch)
+        if self.mtp is not None and streams:
+            inputs, labels = self.mtp.streams(inputs, 0), self.mtp.streams(labels, IGNORE)
+            labels = self.mtp.within_documents(labels, documents[0]) if documents else labels
         if self.context_parallel is not None:
-            inputs, labels = self.context_parallel.shard(inputs), self.context_parallel.shard(labels)
+            inputs, labels = self.context_parallel.shard(inputs, dim=-1), self.context_parallel.shard(labels, dim=-1)
         return inputs, labels, (documents[0] if documents else None)
 
-    def tokens(self, batches: list[tuple], losses: int) -> torch.Tensor | None:
+    def tokens(self, batches: list[tuple], losses: int) -> torch.Tensor | Divisors | None:
         """What each of this rank's `losses` losses of the step divides by: None (its mean) unless
-        the labels are masked."""
-        return None if self.label_count is None else self.label_count([labels for _, labels, _ in batches], losses)
+        the labels are masked; with MTP streams, each depth's divisor too."""
+        labels = [labels for _, labels, _ in batches]
+        main = [label[:, 0] if label.ndim == 3 else label for label in labels]
+        tokens = None if self.label_count is None else self.label_count(main, losses)
+        return tokens if labels[0].ndim == 2 else self.mtp.divisors(tokens, labels, losses)
 
 
 @dataclass
@@ -90,7 +103,7 @@ class Unpipelined(Runner):
                 set_gradient_sync(self.model, index == len(microbatches) - 1)
                 with self.compute_context():
                     logits = self.model(inputs, **_model_kwargs(documents))
-                    loss = cross_entropy(logits, labels, tokens) / len(microbatches)
+                    loss = objective(self.mtp, logits, labels, tokens, 1.0 / len(microbatches)) / len(microbatches)
                     loss = inject_nan(step, loss, self.nan_fault_here)
                     loss.backward()
                 loss_sum += loss.detach()
@@ -98,7 +111,7 @@ class Unpipelined(Runner):
 
     def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of one batch, no gradient (the caller sets eval mode)."""
-        inputs, labels, documents = self.on_device(batch)
+        inputs, labels, documents = self.on_device(batch, streams=False)
         tokens = self.tokens([(inputs, labels, documents)], 1)
         with torch.no_grad(), self.compute_context():
             return cross_entropy(self.model(inputs, **_model_kwargs(documents)), labels, tokens)
@@ -106,17 +119,18 @@ class Unpipelined(Runner):
 
 class StepLoss:
     """What a pipeline schedule computes on the last stage for each of its microbatches:
-    cross-entropy (over `tokens` when the labels are masked) times the call's scale, with the NaN
-    fault on the loss rank. The scale, the tokens and the step come with each schedule call
-    (`passing`) as the schedule's `loss_kwargs`."""
+    cross-entropy (over `tokens` when the labels are masked), or with `mtp` its objective
+    (step/mtp.py), times the call's scale, with the NaN fault on the loss rank. The scale, the
+    tokens and the step come with each schedule call (`passing`) as the schedule's `loss_kwargs`."""
 
-    def __init__(self, nan_fault_here: bool):
-        self.nan_fault_here = nan_fault_here
+    def __init__(self, nan_fault_here: bool, mtp: MultiTokenPrediction | None = None):
+        self.nan_fault_here, self.mtp = nan_fault_here, mtp
         self._held: dict[str, float | int] | None = None
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, **loss_kwargs: float | int) -> torch.Tensor:
         arguments = loss_kwargs or self._held
-        loss = cross_entropy(logits, labels, arguments["tokens"]) * arguments["scale"]
+        scale = arguments["scale"]
+        loss = objective(self.mtp, logits, labels, arguments["tokens"], scale) * scale
         return inject_nan(arguments["step"], loss, self.nan_fault_here)
 
     @contextlib.contextmanager
@@ -148,7 +162,7 @@ class Pipelined(Runner):
         pp_rank = self.pp_mesh.get_local_rank()
         held = self.layout.stage_indices(pp_rank)
         self.has_first, self.has_last = 0 in held, len(self.layout.stages) - 1 in held
-        self.n_microbatches, self.loss = self.layout.n_microbatches, StepLoss(self.nan_fault_here)
+        self.n_microbatches, self.loss = self.layout.n_microbatches, StepLoss(self.nan_fault_here, self.mtp)
         self.schedule = build_schedule(
             self.layout, self.parts, pp_rank, self.pp_mesh.get_group(), self.device, self.loss
         )
@@ -168,7 +182,7 @@ class Pipelined(Runner):
         return loss_sum
 
     def evaluate(self, *batch: torch.Tensor) -> torch.Tensor:
-        batch = self.on_device(batch)
+        batch = self.on_device(batch, streams=False)
         tokens = self.tokens([batch], self.n_microbatches)
         with torch.no_grad():
             return self._run(self.schedule.eval, batch, 1.0 / self.n_microbatches, 0, tokens)
@@ -184,6 +198,7 @@ class Pipelined(Runner):
             self.compute_context(),
             self.loss.passing(self.schedule, scale, step, tokens) as loss_arguments,
             uncounted_metadata_forwards(self.experts, self.parts, self.n_microbatches),
+            self.mtp.returned_only(losses) if self.mtp is not None else contextlib.nullcontext(),
         ):
             run(*args, **kwargs, **loss_arguments, **_model_kwargs(documents))
         if not losses:

@@ -1,4 +1,4 @@
-"""Cross-entropy over whole or vocab-sharded logits, in float32, in a few passes.
+"""Cross-entropy over whole or vocab-sharded logits, in float32 (float64 logits in float64), in a few passes.
 
 `F.cross_entropy` writes log_softmax(logits) ([tokens, vocab]), and its backward zero-fills a
 gradient of the same size, scatters into it and reads both again; under DTensor's
@@ -31,7 +31,7 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None, tokens=None):
-        logits32 = logits.float()
+        logits32 = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32, or float64 kept
         maxes = logits32.amax(dim=-1)
         if group is not None:
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)

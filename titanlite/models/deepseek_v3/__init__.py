@@ -16,7 +16,8 @@
   experts in 2 groups, 1 kept, top-2), a shared expert, the expert bias (a faster step than
   the published 1e-3, so that tests see it move).
 
-Multi-token prediction (DeepSeek-V3's MTP module, `num_nextn_predict_layers`) is not built.
+- `debugmodel_mtp`: the debug model with one multi-token prediction module
+  (`num_nextn_predict_layers` 1, an MoE block as the published layer 61 is; model.py).
 """
 
 import dataclasses
@@ -59,6 +60,7 @@ _debug = DeepSeekV3Args(
 deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
     "debugmodel": _debug,
     "debugmodel_q_lora": dataclasses.replace(_debug, q_lora_rank=96),
+    "debugmodel_mtp": dataclasses.replace(_debug, num_nextn_predict_layers=1),
     "16B": _published(
         dim=2048,
         n_layers=27,
@@ -104,8 +106,9 @@ deepseek_v3_torchtitan_flavors: dict[str, DeepSeekV3Args] = {
 def flops_per_token(args: DeepSeekV3Args, n_params: int, seq_len: int) -> float:
     """6 per active weight, plus MLA's score and value matmuls: 6 * layers * heads *
     (qk_head_dim + v_head_dim) * seq_len (forward and backward; PaLM's accounting, with the
-    key width and the value width each counted for its own matmul, as torchtitan counts MLA)."""
-    attention = 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    key width and the value width each counted for its own matmul, as torchtitan counts MLA),
+    the multi-token prediction blocks' attention among the layers'."""
+    attention = 6 * (args.n_layers + args.mtp_depths) * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
     return 6 * active_parameters(args, n_params) + attention
 
 

@@ -14,10 +14,14 @@ down_proj for w2), which transformers 5 writes and fuses on load (models/hf_name
 added to the scores for the choice only: the same rule as ours), the shared experts
 `mlp.shared_experts.*`, dense blocks `mlp.gate_proj/up_proj/down_proj`.
 
-Multi-token prediction is not trained here: the MTP modules that DeepSeek's published files
-hold as layers past `num_hidden_layers` (`model.layers.61.*` in the 671B) are skipped on load
-(`ignored_hf_tensor`; transformers skips them too), and an exported config has
-`num_nextn_predict_layers` 0. Files in DeepSeek's fp8 format (`quantization_config`, with
+Multi-token prediction: DeepSeek's files hold the MTP modules as layers past `num_hidden_layers`
+(`model.layers.61.*` in the 671B), which are our MTP blocks' numbers too (model.py): the block's
+own names, `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` (our block's `norm`), and copies of
+the shared embedding and head (`embed_tokens`, `shared_head.head`), written again on save
+(`copies`) and skipped on load. transformers drops those layers on load
+(`_keys_to_ignore_on_load_unexpected`), so this adapter owns them; a model with fewer MTP
+modules than a file (a flavor's `num_nextn_predict_layers`, which a config.json with a base
+flavor does not change) skips the rest. Files in DeepSeek's fp8 format (`quantization_config`, with
 `weight_scale_inv` tensors) are refused: dequantize them to bf16 first. `deepseek_v3_hf` is
 the model's `hf_adapter` (ModelSpec); this module is the one place that knows DeepSeek-V3's config.json keys.
 """
@@ -38,6 +42,7 @@ from titanlite.models.rope import YaRN
 _ATTENTION = "model.layers.{i}.self_attn"
 _MLP = "model.layers.{i}.mlp"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_COPIES = (".embed_tokens.weight", ".shared_head.head.weight")  # an MTP layer's shared embedding and head
 
 
 class DeepSeekV3HFAdapter(MoEHFAdapterBase):
@@ -57,15 +62,26 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
         "layers.{i}.attention.wkv_b.weight": f"{_ATTENTION}.kv_b_proj.weight",
         "layers.{i}.attention.wo.weight": f"{_ATTENTION}.o_proj.weight",
         "layers.{i}.feed_forward.expert_bias": f"{_MLP}.gate.e_score_correction_bias",
+        **{
+            f"layers.{{i}}.{name}.weight": f"model.layers.{{i}}.{name}.weight" for name in ("enorm", "hnorm", "eh_proj")
+        },
+        "layers.{i}.norm.weight": "model.layers.{i}.shared_head.norm.weight",
         **swiglu_names("layers.{i}.feed_forward.shared_experts", f"{_MLP}.shared_experts"),
     }
 
     def ignored_hf_tensor(self, name: str, args: DeepSeekV3Args) -> bool:
-        """A tied model's duplicate head, and the multi-token prediction modules stored as layers
-        past num_hidden_layers (check_hf_config has matched num_hidden_layers, so a layer past it
-        is one of those)."""
-        layer = _LAYER.match(name)
-        return super().ignored_hf_tensor(name, args) or (layer is not None and int(layer.group(1)) >= args.n_layers)
+        """A tied model's duplicate head, the MTP layers' copies of the embedding and the head,
+        and MTP layers past this model's (check_hf_config has matched num_hidden_layers, so a
+        layer past it is one of those)."""
+        index = int(layer.group(1)) if (layer := _LAYER.match(name)) else -1
+        mtp_copy = index >= args.n_layers and name.endswith(_COPIES)
+        return super().ignored_hf_tensor(name, args) or mtp_copy or index >= args.n_layers + args.mtp_depths
+
+    def copies(self, key: str, args: DeepSeekV3Args) -> list[str]:
+        """The embedding and the head, once more in each MTP layer (DeepSeek's layout)."""
+        if (copy := {"tok_embeddings.weight": _COPIES[0], "output.weight": _COPIES[1]}.get(key)) is None:
+            return []
+        return [f"model.layers.{i}{copy}" for i in range(args.n_layers, args.n_layers + args.mtp_depths)]
 
     def hf_export_problems(self, args: DeepSeekV3Args) -> list[str]:
         """What of this flavor DeepseekV3ForCausalLM cannot hold (its MoE blocks: sigmoid scores,
@@ -99,7 +115,7 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
             | (yarn or {}),
             "rope_interleave": True,
             "first_k_dense_replace": args.n_dense_layers if args.moe is not None else args.n_layers,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": args.num_nextn_predict_layers,
         }
         if args.moe is not None:
             config.update({hf: getattr(args.moe, field) for field, hf in _MOE_FIELDS.items()})
@@ -110,8 +126,9 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
 
     def described(self, config: dict[str, Any]) -> dict[str, Any]:
         """Shapes, the latent ranks, norm eps, RoPE and YaRN (read from either place), the experts
-        (None when every block is dense), their routing and which blocks have them, tied or biased
-        weights, fp8 files; defaults filled in. The MTP layers (not trained) are not among them."""
+                (None when every block is dense), their routing and which blocks have them, tied or biased
+                weights, fp8 files; defaults filled in. The MTP depth is not among them: a model may load
+        fewer MTP layers than a file has (`ignored_hf_tensor`)."""
         theta, yarn = rope_settings(config)
         heads, layers = config.get("num_attention_heads"), config.get("num_hidden_layers")
         described = {
@@ -163,6 +180,8 @@ class DeepSeekV3HFAdapter(MoEHFAdapterBase):
             moe=None if described["first_k_dense_replace"] is None else _moe_from_hf_config(described, base),
             n_dense_layers=min(_value(config, "first_k_dense_replace"), config["num_hidden_layers"]),
         )
+        if base is None:  # a base flavor keeps its MTP depth: the file's other MTP layers are skipped
+            values["num_nextn_predict_layers"] = config.get("num_nextn_predict_layers", 0)
         return dataclasses.replace(base, **values) if base is not None else DeepSeekV3Args(**values)
 
 

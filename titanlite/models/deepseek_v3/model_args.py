@@ -35,12 +35,19 @@ class DeepSeekV3Args(DecoderArgs):
     tie_word_embeddings: bool = False  # [tie_word_embeddings]
     attn_mask_type: str = "causal"  # models/attention.py
     depth_init: bool = True  # depth-scaled init of the output projections, as Llama's
+    num_nextn_predict_layers: int = 0  # multi-token prediction modules, numbered on from n_layers [same name]
 
     def __post_init__(self) -> None:
         if self.q_lora_rank < 0 or min(self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim) <= 0:
             raise ValueError(f"DeepSeekV3Args: ranks and head dims must be positive: {self}")
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(f"DeepSeekV3Args.num_nextn_predict_layers must be >= 0: {self}")
         if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
             raise ValueError(f"DeepSeekV3Args.qk_rope_head_dim must be even and positive, got {self.qk_rope_head_dim}")
+
+    @property
+    def mtp_depths(self) -> int:
+        return self.num_nextn_predict_layers
 
     @property
     def qk_head_dim(self) -> int:

@@ -86,13 +86,22 @@ def moe_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
+def mtp_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """A multi-token prediction block's own modules (model.MTPBlock; `apply_tp` keeps them only
+    there): its norms on the residual layout, eh_proj by columns, its output back on that layout."""
+    layout = tp.activations_layout(sequence_parallel)
+    norms = {name: tp.norm(sequence_parallel) for name in ("enorm", "hnorm", "norm")}
+    return {**norms, "eh_proj": tp.ColwiseParallel(input_layouts=layout, output_layouts=layout)}
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
     """The shared decoder's edges (embedding, final norm, head; tied and pipeline-stage cases
-    included), then every block: its norms, MLA, and the dense SwiGLU or the MoE layer."""
+    included), then every block: its norms, MLA, and the dense SwiGLU or the MoE layer; an MTP
+    block's own modules too."""
     sp = sequence_parallel
     decoder_tp.apply_edges(model, tp_mesh, loss_parallel, sp)
     for block in model.layers.values():
-        plan = {**decoder_tp.norms_plan(sp), **attention_plan(sp)}
+        plan = {**decoder_tp.norms_plan(sp), **attention_plan(sp), **mtp_plan(sp)}
         if isinstance(block.feed_forward, MoE):
             plan.update(moe_plan(sp))
         else:
@@ -105,7 +114,7 @@ def tp_problems(args: DeepSeekV3Args, tp_degree: int) -> list[str]:
     dense SwiGLU width where a block is dense, the shared experts' width, the vocabulary.
     Routed experts are not split (expert parallelism splits them)."""
     sizes = {"n_heads": args.n_heads, "vocab_size": args.vocab_size}
-    if args.n_moe_layers < args.n_layers:
+    if args.n_moe_layers < args.n_layers + args.mtp_depths:  # a dense block
         sizes["ffn hidden size"] = args.hidden_dim
     if args.moe is not None and args.moe.n_shared_experts:
         sizes["shared experts' hidden size"] = args.moe.n_shared_experts * args.moe.hidden_dim
