@@ -25,6 +25,7 @@ from titanlite.data.tokenizers import Tokenizer, tokenizer_file
 from titanlite.errors import TitanliteError
 from titanlite.models import get_model_spec, moe
 from titanlite.models.init import init_adapters
+from titanlite.parallel.expert_tensor_parallel import refuse_unsplittable
 from titanlite.parallel.lora import convert as lora_adapters
 from titanlite.model_spec import HF_CONFIG_FILE, read_hf_config, Capability, DecoderArgs, ModelSpec
 from titanlite.parallel import parallelize as parallel
@@ -119,8 +120,10 @@ def plan_run(cfg: JobConfig, world_size: int, vocab_size: int | None = None) -> 
     model = _whole_model_on_meta(spec, args, cfg)
     check_matched(cfg.optimizer.param_groups, [name for name, _ in model.named_parameters()])
     if dims.ep_enabled or dims.etp_enabled:
-        n_experts = [layer.args.n_experts for layer in moe.moe_layers(model).values()]
-        dims.check_experts(n_experts, f"model {spec.name} flavor {cfg.model.flavor}")
+        layers = moe.moe_layers(model).values()
+        dims.check_experts([layer.args.n_experts for layer in layers], f"model {spec.name} flavor {cfg.model.flavor}")
+        for layer in layers if dims.etp_enabled else []:
+            refuse_unsplittable(layer.experts)
     reshard = cfg.parallelism.fsdp_reshard_after_forward
     if reshard.isdigit() and (not dims.fsdp_enabled or (dims.dp_shard * dims.cp) % int(reshard)):
         raise TitanliteError(

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate
 
 from titanlite.models.attention import attend, build_mask
 from titanlite.models.chunked_attention import plan_chunks
@@ -146,15 +147,18 @@ def test_the_grouped_matmul_path_equals_the_loop(monkeypatch):
 
 
 def test_expert_tensor_parallelism_refuses_the_output_bias_in_one_line():
-    """Split over tp, each rank's partial output would add the output bias again: refused."""
+    """Split over tp, each rank's partial output would add the output bias again: refused when
+    the run is planned, and by `parallelize` for a library user's own model."""
+    from titanlite.build import plan_run
+    from titanlite.config.load import load_config
     from titanlite.errors import TitanliteError
     from titanlite.parallel.expert_tensor_parallel import tp_placement
 
     experts = ClampedSwiGLUExperts(2, 8, 8, alpha=1.702, limit=7.0)
-    assert [tp_placement(experts, name, True).dim for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj")] == [
-        2,
-        1,
-        1,
-    ]
-    with pytest.raises(TitanliteError, match="^parallelism.expert_tensor_parallel_degree: ClampedSwiGLUExperts's"):
-        tp_placement(experts, "down_proj_bias", True)
+    refusal = "^parallelism.expert_tensor_parallel_degree: ClampedSwiGLUExperts's down_proj_bias has no"
+    assert isinstance(tp_placement(experts, "down_proj_bias", False), Replicate)
+    with pytest.raises(TitanliteError, match=refusal):
+        tp_placement(experts, "gate_up_proj", True)
+    etp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
+    with pytest.raises(TitanliteError, match=refusal):
+        plan_run(load_config(["--config", "debug_model", "--model.name", "gpt_oss", *etp]), 2, vocab_size=4096)

@@ -70,17 +70,23 @@ class _OutOfTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+def refuse_unsplittable(experts: nn.Module) -> None:
+    """One line for a parameter of `experts` without a hidden dim to split over tp (gpt-oss's
+    output bias: each tp rank's partial output would add it again). The planner calls it too."""
+    for name, _ in experts.named_parameters(recurse=False):
+        if name not in experts.tensor_parallel_dims:
+            raise TitanliteError(
+                f"parallelism.expert_tensor_parallel_degree: {type(experts).__name__}'s {name} has no "
+                "tensor-parallel split (set it to 1: the experts whole on each tp rank)"
+            )
+
+
 def tp_placement(experts: nn.Module, name: str, split: bool) -> Shard | Replicate:
     """How parameter `name` of `experts` lies over tp: Shard(its hidden dim) when split, else
-    Replicate (each tp rank computes the whole expert). A parameter without a hidden dim cannot
-    be split (gpt-oss's output bias: each tp rank's partial output would add it again)."""
+    Replicate (each tp rank computes the whole expert)."""
     if not split:
         return Replicate()
-    if name not in experts.tensor_parallel_dims:
-        raise TitanliteError(
-            f"parallelism.expert_tensor_parallel_degree: {type(experts).__name__}'s {name} has no tensor-parallel "
-            "split (set it to 1: the experts whole on each tp rank)"
-        )
+    refuse_unsplittable(experts)
     return Shard(experts.tensor_parallel_dims[name])
 
 
