@@ -132,10 +132,12 @@ def _sdpa(
     the key's and the output sliced back: torch's CPU flash kernel needs one head dim for q, k
     and v, and without it SDPA takes its math path (scores materialized, the causal half
     computed and masked, separate softmax and matmul backward). The padded columns come out
-    zero and get no gradient, so the result is the same attention to rounding; issue 50
-    measured the fused kernel faster at DeepSeek-V3's debug shape even with the wider values
-    (docs/performance.md). On CUDA nothing is padded: flash refuses unequal dims there too,
-    but cuDNN (sm90+, 192/128 forward and backward) and the memory-efficient kernel take them.
+    zero and get no gradient, so the result is the same attention to rounding. At DeepSeek-V3's
+    debug shape the fused kernel, wider values and all, ran a little faster than the math path
+    on a quiet host, kept no [seq, seq] scores for backward (peak RSS 1.64 -> 1.47 GiB) and held
+    up far better on shared cores (docs/performance.md, issue 50). On CUDA nothing is padded:
+    flash refuses unequal dims there too, but cuDNN (sm90+, 192/128 forward and backward) and
+    the memory-efficient kernel take them.
     """
     narrower = q.device.type == "cpu" and v.shape[-1] < q.shape[-1]
     if narrower:
