@@ -18,8 +18,9 @@ gradient accumulation of the leaves and backward ops of forward ops outside any 
 wall time per step is printed beside them. Nothing is asserted.
 
 Why: issue 50 asks where a DeepSeek-V3 step's time goes against Llama's and Qwen3-MoE's,
-before anything is made faster. A multi-process layout (FSDP 2, ep 2) and torchtitan's same
-step are not measured here yet.
+before anything is made faster. FSDP 2 against ep 2 by the same parts (plus the all-to-all and
+FSDP's collectives) is bench/moe_ep.py's; torchtitan's whole step beside titanlite's, per
+layout, is bench/torchtitan_baseline.py's. torchtitan's step is not split by part here.
 """
 
 from __future__ import annotations

@@ -138,8 +138,9 @@ class Result:
     ops: list[dict] | None = None  # each rank's profiled step by op group (--profile)
 
 
-def run_worker(out_path: str, profile: bool, trainer_args: list[str]) -> None:
-    """One rank of one run: train, time the ceiling, with `profile` profile one more step
+def run_worker(out_path: str, mode: str, trainer_args: list[str]) -> None:
+    """One rank of one run: train, time the ceiling (not in `mode` "bare", which
+    bench/torchtitan_baseline.py uses), in `mode` "profile" profile one more step
     (bench/op_groups.py); then rank 0 writes every rank's logged history."""
     import torch.distributed as dist
 
@@ -152,8 +153,8 @@ def run_worker(out_path: str, profile: bool, trainer_args: list[str]) -> None:
     bind_from_env()  # as the trainer's command line does, before any thread of ours starts
     trainer = Trainer(plan_run(load_config(trainer_args), world_from_env()[1]))
     history = trainer.train()
-    ceiling_here = rank_ceiling(trainer)
-    ops = profile_step(trainer) if profile else None
+    ceiling_here = rank_ceiling(trainer) if mode != "bare" else None
+    ops = profile_step(trainer) if mode == "profile" else None
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (history, ceiling_here, ops))
     if dist.get_rank() == 0:
@@ -437,7 +438,7 @@ def print_op_groups(results: dict[str, list[Result]]) -> None:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        run_worker(sys.argv[2], sys.argv[3] == "profile", sys.argv[4:])
+        run_worker(sys.argv[2], sys.argv[3], sys.argv[4:])
         return
     args = parse_args()
     gpus = torch.cuda.device_count()

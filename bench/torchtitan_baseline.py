@@ -1,17 +1,26 @@
-"""torchtitan 0.2.2's own trainer in bench/throughput.py's layouts and settings: global tokens/s to compare.
+"""torchtitan 0.2.2's own trainer beside titanlite's, layout by layout, in one run: global tokens/s,
+their ratio and peak RSS per rank.
 
-    /work/tt-venv/bin/python bench/torchtitan_baseline.py [--layouts one,fsdp2,tp2,fsdp2_tp2,pp2,pp2_gpipe]
-        [--steps 20] [--warmup-steps 10] [--seq-len 512] [--local-batch-size 8] [--data synthetic|counting]
-        [--no-cpu-bind] [--keep-logs DIR] [-- extra torchtitan flags]
+    /work/tt-venv/bin/python bench/torchtitan_baseline.py [--model llama3|deepseek_v3]
+        [--layouts one,fsdp2,tp2,fsdp2_tp2,pp2,pp2_gpipe,ep2] [--frameworks torchtitan,titanlite]
+        [--steps 20] [--warmup-steps 10] [--seq-len N] [--local-batch-size N] [--data synthetic|counting]
+        [--no-cpu-bind] [--keep-logs DIR] [--titanlite-python .venv/bin/python] [-- extra torchtitan flags]
 
-To compare, on a quiet host, one after the other (each prints a markdown table):
-
-    .venv/bin/python bench/throughput.py --settings fp32 --layouts one,fsdp2,tp2,fsdp2_tp2,pp2,pp2_gpipe
-    /work/tt-venv/bin/python bench/torchtitan_baseline.py
+For each layout torchtitan runs, then titanlite's trainer on the same shape and settings
+(bench/throughput.py's worker under titanlite's own venv, `--titanlite-python`, without its
+ceiling timing), one job at a time, so host drift within the run touches both alike; the
+table prints both figures and titanlite / torchtitan. `--model deepseek_v3` is torchtitan's
+deepseek_v3 `debugmodel` (MLA, 8 experts top-3 + 2 shared) against titanlite's
+`torchtitan:debugmodel` flavor, the same shape (see the shim, patch 4), by default at local
+batch 4 x 256 (issue 50's comparison); its `ep2` layout is titanlite's expert parallelism
+over FSDP 2's ranks (torchtitan's EP needs its triton permutation kernel), printed beside
+torchtitan's FSDP 2. `--model llama3` (the default) is titanlite's Llama debugmodel in
+both, at local batch 8 x 512.
 
 Why: issue 31 item 4 asks how titanlite's throughput compares with torchtitan's under the
-same settings. This runs torchtitan's Trainer (its llama3 Transformer, parallelize_llama's
-FSDP2 / TP / loss-parallel plans, pipeline_llm with torch's 1F1B and GPipe schedules, its
+same settings, issue 50 the same for DeepSeek-V3's debug shape. This runs torchtitan's
+Trainer (its llama3 Transformer or deepseek_v3 model, parallelize_llama's or
+parallelize_deepseekv3's FSDP2 / TP / loss-parallel plans, pipeline_llm with torch's 1F1B and GPipe schedules, its
 cross-entropy loss, AdamW container, LR schedule, gradient clipping and train step, all
 unmodified) through bench/torchtitan_shim.py, which only makes torchtitan 0.2.2 start on a
 CPU-only host with torch 2.13 (its docstring lists each run-time patch and why), and
@@ -37,7 +46,9 @@ data are uniform random token ids of that shape (torchtitan's c4_test files are 
 wheel; see the shim), so neither framework spends time tokenizing; on such data the loss
 can only fall from ~8.8 towards ln 4096 = 8.32, slowly. `--data counting` (each row counts
 up from a random id: the same shapes, a learnable next token) shows the loss falling
-within a few steps, a check that the layouts train. Process conditions as
+within a few steps, a check that the layouts train. titanlite's side trains its built-in corpus
+(debug_model.toml's dataset) from the same seed: with MoE the routing, so each expert's row
+count, follows the data, the same number of rows in all. Process conditions as
 titanlite's launcher sets for CPU workers (titanlite/launch/__init__.py): OMP_NUM_THREADS = usable
 cores / processes (at least 1), OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000, one inter-op
 thread, and, unless `--no-cpu-bind`, each local rank bound to its own block of cores by
@@ -64,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import math
 import os
 import re
@@ -76,8 +88,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SHIM = REPO / "bench" / "torchtitan_shim.py"
-FLAVOR = "titanlite_debugmodel"
+FLAVOR = "titanlite_debugmodel"  # the shim's flavor of each torchtitan family (patch 4)
 TITANLITE_VOCAB = 4096  # titanlite's bundled tokenizer (assets/tokenizer/titanlite.model)
+TITANLITE_PYTHON = REPO / ".venv" / "bin" / "python"
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model as both frameworks name it, and the comparison's default local shape."""
+
+    torchtitan: str  # torchtitan's model name (its flavor: FLAVOR)
+    family: str  # titanlite's
+    flavor: str  # titanlite's flavor of the same shape
+    seq_len: int
+    local_batch_size: int
+
+
+MODELS = {
+    "llama3": Model("llama3", "llama3", "debugmodel", 512, 8),
+    "deepseek_v3": Model("deepseek_v3", "deepseek_v3", "torchtitan:debugmodel", 256, 4),
+}
 
 # name: (label, processes, torchtitan flags); data parallelism (dp_shard = -1) fills what TP / PP leave.
 LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
@@ -95,8 +125,14 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
         2,
         ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "GPipe"],
     ),
+    # titanlite's expert parallelism over FSDP 2's ranks, beside torchtitan's FSDP 2 (module docstring).
+    "ep2": ("EP 2 (torchtitan: FSDP 2)", 2, ["--parallelism.expert_parallel_degree", "2"]),
 }
-DEFAULT_LAYOUTS = tuple(LAYOUTS)
+TITANLITE_ONLY = {"ep2": "fsdp2"}  # layout -> the torchtitan layout it is printed beside
+DEFAULT_LAYOUTS = {
+    "llama3": ("one", "fsdp2", "tp2", "fsdp2_tp2", "pp2", "pp2_gpipe"),
+    "deepseek_v3": ("one", "fsdp2", "ep2"),
+}
 
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:.*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
 SIZE_LINE = re.compile(r"size:\s*([\d,]+) total parameters")
@@ -116,20 +152,19 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def titanlite_n_params() -> int | None:
-    """Parameters of titanlite's own debugmodel at its tokenizer's vocabulary (None if it will not import here)."""
+def titanlite_n_params(model: Model) -> int | None:
+    """Parameters of titanlite's own model of that shape at its tokenizer's vocabulary (None if it will not
+    import here)."""
     try:
-        import dataclasses
-
         import torch
 
         sys.path.insert(0, str(REPO))
-        from titanlite.models.llama import llama3_flavors
-        from titanlite.models.llama.model import Llama
+        from titanlite.models import get_model_spec
 
+        spec = get_model_spec(model.family)
         with torch.device("meta"):
-            model = Llama(dataclasses.replace(llama3_flavors["debugmodel"], vocab_size=TITANLITE_VOCAB))
-        return sum(p.numel() for p in model.parameters())
+            built = spec.model_class(spec.args_for(model.flavor, TITANLITE_VOCAB))
+        return sum(p.numel() for p in built.parameters())
     except Exception as error:  # noqa: BLE001 - a missing count is reported, not fatal
         print(f"titanlite's parameter count unavailable here: {error!r}", file=sys.stderr)
         return None
@@ -138,7 +173,7 @@ def titanlite_n_params() -> int | None:
 def torchtitan_flags(args: argparse.Namespace, dump: Path) -> list[str]:
     return [
         "--model.name",
-        "llama3",
+        MODELS[args.model].torchtitan,
         "--model.flavor",
         FLAVOR,
         "--training.steps",
@@ -223,8 +258,8 @@ def parse_rank_logs(
 def launch(args: argparse.Namespace, name: str, folder: Path) -> Run:
     label, nproc, flags = LAYOUTS[name]
     threads = max(1, usable_cores() // nproc)
-    print(f"running {label} ({nproc} process(es) x {threads} thread(s)) ...", file=sys.stderr, flush=True)
-    dump, logs = folder / name / "dump", folder / name / "logs"
+    print(f"torchtitan {label} ({nproc} process(es) x {threads} thread(s)) ...", file=sys.stderr, flush=True)
+    dump, logs = folder / name / "torchtitan" / "dump", folder / name / "torchtitan" / "logs"
     logs.mkdir(parents=True)
     cmd = [
         sys.executable,
@@ -263,6 +298,45 @@ def launch(args: argparse.Namespace, name: str, folder: Path) -> Run:
     return Run(nproc, threads, n_params, placement, ranks)
 
 
+def titanlite_args(args: argparse.Namespace, dump: Path) -> list[str]:
+    """titanlite's trainer overrides for the same settings as `torchtitan_flags` (debug_model.toml's
+    optimizer, LR warm-up, max_norm, seed and no activation checkpointing are torchtitan's flags there)."""
+    model = MODELS[args.model]
+    return [
+        *("--config", "debug_model", "--model.name", model.family, "--model.flavor", model.flavor),
+        *("--training.steps", str(args.steps), "--training.seq_len", str(args.seq_len)),
+        *("--training.local_batch_size", str(args.local_batch_size), "--training.mixed_precision_param", "float32"),
+        *("--compile.enable", "false", "--parallelism.pipeline_parallel_microbatch_size", "1"),
+        *("--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"),
+        *("--checkpoint.enable_checkpoint", "false", "--job.dump_folder", str(dump)),
+    ]
+
+
+def launch_titanlite(args: argparse.Namespace, name: str, folder: Path) -> Run:
+    """titanlite's trainer in the layout, through bench/throughput.py's worker (its "bare" mode:
+    no ceiling timing) under `titanlite.launch --cpu-bind`, with titanlite's own venv."""
+    label, nproc, flags = LAYOUTS[name]
+    threads = max(1, usable_cores() // nproc)
+    print(f"titanlite {label} ({nproc} process(es) x {threads} thread(s)) ...", file=sys.stderr, flush=True)
+    dump = folder / name / "titanlite"
+    dump.mkdir(parents=True)
+    cmd = [
+        *(args.titanlite_python, "-m", "titanlite.launch", "--standalone", f"--nproc-per-node={nproc}"),
+        *(["--cpu-bind"] if args.cpu_bind else []),
+        *(str(REPO / "bench" / "throughput.py"), "--worker", str(dump / "out.json"), "bare"),
+        *titanlite_args(args, dump),
+        *flags,
+    ]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"titanlite {label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    summary = json.loads((dump / "out.json").read_text())
+    ranks = [[(h["step"], h["loss"], h["memory_gib"], h["tps"]) for h in history] for history in summary["ranks"]]
+    return Run(nproc, threads, summary["n_params"], [], ranks)
+
+
 def global_tokens_per_s(run: Run, warmup_steps: int) -> float:
     """Sum over ranks of each rank's harmonic-mean `tps` after warm-up (module docstring)."""
     total = 0.0
@@ -284,13 +358,16 @@ def losses(run: Run) -> list[float]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=tuple(MODELS), default="llama3")
     parser.add_argument("--steps", type=int, default=20, help="training steps per run")
     parser.add_argument("--warmup-steps", type=int, default=10, help="first steps left out of the averages")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--local-batch-size", type=int, default=8, help="sequences per data-parallel rank per step")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the model's (512 Llama, 256 DeepSeek-V3)")
     parser.add_argument(
-        "--layouts", default=",".join(DEFAULT_LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}"
+        "--local-batch-size", type=int, default=None, help="sequences per data-parallel rank (default: 8 Llama, 4 DSv3)"
     )
+    parser.add_argument("--layouts", default=None, help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    parser.add_argument("--frameworks", default="torchtitan,titanlite", help="comma-separated: torchtitan, titanlite")
+    parser.add_argument("--titanlite-python", default=str(TITANLITE_PYTHON), help="the python of titanlite's venv")
     parser.add_argument(
         "--no-cpu-bind",
         dest="cpu_bind",
@@ -302,84 +379,109 @@ def parse_args() -> argparse.Namespace:
         "--data",
         choices=("synthetic", "counting"),
         default="synthetic",
-        help="synthetic: uniform random token ids (the comparison's); counting: each row counts up from a random "
-        "id, the same shapes with a learnable next token (a check that the loss falls)",
+        help="torchtitan's data: synthetic: uniform random token ids (the comparison's); counting: each row counts "
+        "up from a random id, the same shapes with a learnable next token (a check that the loss falls)",
     )
     parser.add_argument(
-        "--keep-logs",
-        metavar="DIR",
-        help="keep each run's per-rank torchtitan logs under DIR/<layout>/ (default: a temporary folder)",
+        "--keep-logs", metavar="DIR", help="keep each run's logs under DIR/<layout>/ (default: a temporary folder)"
     )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it counts as hung")
     parser.add_argument("overrides", nargs="*", help="extra torchtitan flags, after --")
-    args = parser.parse_args()
-    args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    return checked(parser, parser.parse_args())
+
+
+def checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The model's defaults filled in; layouts and frameworks split and checked."""
+    model = MODELS[args.model]
+    args.seq_len = args.seq_len or model.seq_len
+    args.local_batch_size = args.local_batch_size or model.local_batch_size
+    layouts = args.layouts or ",".join(DEFAULT_LAYOUTS[args.model])
+    args.layouts = [name.strip() for name in layouts.split(",") if name.strip()]
     unknown = [name for name in args.layouts if name not in LAYOUTS]
     if unknown:
         parser.error(f"--layouts: unknown {', '.join(unknown)} (choose from {', '.join(LAYOUTS)})")
+    args.frameworks = [name.strip() for name in args.frameworks.split(",") if name.strip()]
+    if not args.frameworks or set(args.frameworks) - {"torchtitan", "titanlite"}:
+        parser.error("--frameworks: choose from torchtitan, titanlite")
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    expected = titanlite_n_params()
-    runs: dict[str, Run] = {}
-    with tempfile.TemporaryDirectory() as temporary:
-        folder = Path(args.keep_logs or temporary)
-        for name in args.layouts:
-            runs[name] = launch(args, name, folder)
+def run_all(args: argparse.Namespace, folder: Path) -> dict[tuple[str, str], Run]:
+    """(framework, layout) -> run: each layout's torchtitan run, then titanlite's, one at a time. A
+    titanlite-only layout's torchtitan peer runs first if it is not in the list."""
+    runs: dict[tuple[str, str], Run] = {}
+    for name in args.layouts:
+        peer = TITANLITE_ONLY.get(name, name)
+        if "torchtitan" in args.frameworks and ("torchtitan", peer) not in runs:
+            runs["torchtitan", peer] = launch(args, peer, folder)
+        if "titanlite" in args.frameworks:
+            runs["titanlite", name] = launch_titanlite(args, name, folder)
+    return runs
+
+
+def describe(run: Run | None, warmup_steps: int) -> tuple[str, str, str]:
+    """(tokens/s, loss first -> last, peak RSS) of a run as table cells ("-" when not run)."""
+    if run is None:
+        return "-", "-", "-"
+    values = losses(run)
+    if not all(math.isfinite(v) for v in values):
+        print(f"warning: a run logged a non-finite loss: {values}", file=sys.stderr)
+    memory = max(mem for steps in run.steps for _, _, mem, _ in steps)
+    return f"{global_tokens_per_s(run, warmup_steps):,.0f}", f"{values[0]:.3f} -> {values[-1]:.3f}", f"{memory:.2f}"
+
+
+def print_header(args: argparse.Namespace, runs: dict[tuple[str, str], Run]) -> None:
     from importlib.metadata import version  # of the venv's packages, for the header only
 
-    counts = {run.n_params for run in runs.values()}
-    check = (
-        "equal"
-        if expected is not None and counts == {expected}
-        else "DIFFERENT"
-        if expected is not None
-        else "not checked"
-    )
+    model = MODELS[args.model]
+    expected = titanlite_n_params(model)
+    counts = {f: sorted({r.n_params for (g, _), r in runs.items() if g == f}) for f in ("torchtitan", "titanlite")}
     print(
-        f"torchtitan {version('torchtitan')} llama3 flavor {FLAVOR}: {', '.join(f'{c:,}' for c in sorted(counts))} "
-        "parameters "
-        f"(titanlite debugmodel: {f'{expected:,}' if expected else '?'}; {check}); torch {version('torch')}, gloo, "
-        "float32, eager"
+        f"torchtitan {version('torchtitan')} {model.torchtitan} flavor {FLAVOR}: parameters "
+        f"{', '.join(f'{c:,}' for c in counts['torchtitan']) or '-'}; titanlite {model.family} {model.flavor}: "
+        f"{', '.join(f'{c:,}' for c in counts['titanlite']) or '-'} (at vocab {TITANLITE_VOCAB}: "
+        f"{f'{expected:,}' if expected else '?'}); torch {version('torch')}, gloo, float32, eager, no AC"
     )
     print(
         f"seq_len {args.seq_len}, local batch {args.local_batch_size} per data-parallel rank, {args.steps} steps "
         f"(first {args.warmup_steps} left out); CPU, {usable_cores()} cores{'' if args.cpu_bind else ', unbound'}"
     )
-    print()
+
+
+def print_table(args: argparse.Namespace, runs: dict[tuple[str, str], Run]) -> None:
     print(
-        "| layout | processes x threads | cores per rank | global tokens/s | loss step 1 -> last | peak RSS per rank |"
+        "\n| layout | processes x threads | torchtitan tokens/s | titanlite tokens/s | titanlite / torchtitan "
+        "| peak RSS per rank GiB tt / tl | loss first -> last tt / tl |"
     )
-    print("|---|---|---|---:|---|---:|")
-    for name, run in runs.items():
-        values = losses(run)
-        if not all(math.isfinite(v) for v in values):
-            print(f"warning: {LAYOUTS[name][0]} logged a non-finite loss: {values}", file=sys.stderr)
-        memory = max(mem for steps in run.steps for _, _, mem, _ in steps)
-        cores = " / ".join(c for c, _, _ in run.placement)
-        if any((threads, interop) != (run.threads, 1) for _, threads, interop in run.placement):
-            print(
-                f"warning: {LAYOUTS[name][0]}: ranks' (threads, inter-op threads) {run.placement}, expected "
-                f"({run.threads}, 1)",
-                file=sys.stderr,
-            )
-        print(
-            f"| {LAYOUTS[name][0]} | {run.processes} x {run.threads} | {cores} | "
-            f"{global_tokens_per_s(run, args.warmup_steps):,.0f} | "
-            f"{values[0]:.4f} -> {values[-1]:.4f} | {memory:.2f} GiB |"
+    print("|---|---|---:|---:|---:|---|---|")
+    for name in args.layouts:
+        tt, tl = runs.get(("torchtitan", TITANLITE_ONLY.get(name, name))), runs.get(("titanlite", name))
+        for run in (tt, tl):
+            if run is not None and any((t, i) != (run.threads, 1) for _, t, i in run.placement):
+                print(
+                    f"warning: {name}: ranks' (threads, inter-op) {run.placement}, expected {run.threads}",
+                    file=sys.stderr,
+                )
+        (tt_tps, tt_loss, tt_mem), (tl_tps, tl_loss, tl_mem) = (
+            describe(tt, args.warmup_steps),
+            describe(tl, args.warmup_steps),
         )
-    if "fsdp2" in runs:
-        base = global_tokens_per_s(runs["fsdp2"], args.warmup_steps)
-        print()
+        ratio = "-"
+        if tt is not None and tl is not None:
+            ratio = f"**{global_tokens_per_s(tl, args.warmup_steps) / global_tokens_per_s(tt, args.warmup_steps):.2f}**"
+        nproc = LAYOUTS[name][1]
         print(
-            "; ".join(
-                f"{LAYOUTS[n][0]} / FSDP 2 = {global_tokens_per_s(r, args.warmup_steps) / base:.2f}"
-                for n, r in runs.items()
-                if n != "fsdp2"
-            )
+            f"| {LAYOUTS[name][0]} | {nproc} x {max(1, usable_cores() // nproc)} | {tt_tps} | {tl_tps} | {ratio} "
+            f"| {tt_mem} / {tl_mem} | {tt_loss} / {tl_loss} |"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    with tempfile.TemporaryDirectory() as temporary:
+        runs = run_all(args, Path(args.keep_logs or temporary))
+    print_header(args, runs)
+    print_table(args, runs)
 
 
 if __name__ == "__main__":

@@ -34,12 +34,19 @@ run as released. The patches, each before the module that needs it is imported:
    bundled tokenizer, rope_theta 500000; multiple_of 256 and no ffn_dim_multiplier, the
    defaults of both, so the SwiGLU width is 768 in both): 6,819,072 parameters, as titanlite's.
    (torchtitan's llama3 applies Llama 3.1 RoPE frequency scaling where titanlite's debug
-   model has none: other rotation frequencies, the same computation.)
+   model has none: other rotation frequencies, the same computation.) And the same name in
+   `deepseekv3_args`: torchtitan's own deepseek_v3 `debugmodel` (6 layers, dim 256, 16 MLA
+   heads of 128 + 64 rotary, values 128, kv_lora_rank 512, 8 experts top-3 of width 256 +
+   2 shared, softmax scores, the expert bias) with vocab 4096 instead of its 2048, so that
+   titanlite's `torchtitan:debugmodel` trains the same shape from its bundled tokenizer:
+   34,062,592 parameters in both (33,014,016 at torchtitan's vocab 2048). On CPU torchtitan
+   runs the experts as its for loop (its `update_from_config` turns grouped_mm off below
+   SM90), and attention through SDPA with its backend list (cuDNN, flash, math).
 5. Data (`TT_BASELINE_DATA` synthetic, the default, or counting; any other value keeps
    torchtitan's own loader): torchtitan's `c4_test` files are not in the wheel (and the
-   repository snapshot here lacks them), so the llama3 train spec is registered again
-   with a data loader of token ids of the run's shape and no tokenizer (llama3 with SDPA
-   attention uses it for nothing). synthetic: uniform random ids; counting: each row
+   repository snapshot here lacks them), so the llama3 and deepseek_v3 train specs are
+   registered again with a data loader of token ids of the run's shape and no tokenizer
+   (with SDPA attention neither uses it). synthetic: uniform random ids; counting: each row
    counts up from a random id (a learnable next token, to see the loss fall). Each
    data-parallel rank has its own stream; inputs and labels are one window shifted by one
    token, as torchtitan's text dataset makes them. Shapes decide the cost; titanlite's
@@ -52,7 +59,15 @@ run as released. The patches, each before the module that needs it is imported:
    `set_force_sum_reduction_for_comms(True)` on the same modules: a plain SUM, then a
    division by the factor, which torch skips for 1.0, so the gradients are the same sums
    PREMUL_SUM(1.0) gives, at no extra cost (titanlite does the same for its expert
-   modules on gloo).
+   modules on gloo). llama4's apply_fsdp (which deepseek_v3 uses) imported the function by
+   name, so its module's reference is replaced too.
+7. MoE token counts: torchtitan's router and reorderer count tokens per expert with
+   `torch.histc` over the int64 expert ids (bins = experts, range [0, experts]), which CUDA
+   implements for integers and the CPU does not ("histogram_cpu" not implemented for 'Long').
+   `torch.histc` on an integer CPU tensor over exactly that range is answered with
+   `torch.bincount(ids, minlength=bins)`: the same counts in the same int64 dtype CUDA's histc
+   returns for int64 input (torchtitan's expert loop reads them with `.tolist()` as split
+   sizes); any other call goes to torch's own histc.
 """
 
 from __future__ import annotations
@@ -183,6 +198,7 @@ def register_flavor_and_data() -> None:
     """Patches 4 and 5."""
     import dataclasses
 
+    import torchtitan.models.deepseek_v3 as deepseek_v3
     import torchtitan.models.llama3 as llama3
     import torchtitan.protocols.train_spec as train_spec_module
     from torchtitan.models.llama3 import TransformerModelArgs
@@ -190,21 +206,32 @@ def register_flavor_and_data() -> None:
     llama3.llama3_args[FLAVOR] = TransformerModelArgs(
         dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=4096, rope_theta=500000
     )
+    deepseek_v3.deepseekv3_args[FLAVOR] = dataclasses.replace(
+        deepseek_v3.deepseekv3_args["debugmodel"], vocab_size=4096
+    )
     if os.environ.get(DATA_ENV, "synthetic") not in ("synthetic", "counting"):
         return
 
-    def build_synthetic(dp_world_size, dp_rank, tokenizer, job_config, **kwargs):
-        training = job_config.training
-        vocab = llama3.llama3_args[job_config.model.flavor].vocab_size
-        return SyntheticTokens(dp_rank, training.local_batch_size, training.seq_len, vocab, job_config.debug.seed or 0)
+    for name, family in (("llama3", llama3), ("deepseek_v3", deepseek_v3)):
+        flavors = family.get_train_spec().model_args
 
-    spec = dataclasses.replace(llama3.get_train_spec(), build_dataloader_fn=build_synthetic, build_tokenizer_fn=None)
-    train_spec_module.register_train_spec("llama3", spec)  # user specs take priority over torchtitan's own
+        def build_synthetic(dp_world_size, dp_rank, tokenizer, job_config, flavors=flavors, **kwargs):
+            training = job_config.training
+            vocab = flavors[job_config.model.flavor].vocab_size
+            return SyntheticTokens(
+                dp_rank, training.local_batch_size, training.seq_len, vocab, job_config.debug.seed or 0
+            )
+
+        spec = dataclasses.replace(
+            family.get_train_spec(), build_dataloader_fn=build_synthetic, build_tokenizer_fn=None
+        )
+        train_spec_module.register_train_spec(name, spec)  # user specs take priority over torchtitan's own
 
 
 def fsdp_sum_on_gloo() -> None:
     """Patch 6: FSDP2 reduce-scatters with SUM where torchtitan's factor 1.0 asks for PREMUL_SUM."""
     import torchtitan.models.llama3.infra.parallelize as llama3_parallelize
+    import torchtitan.models.llama4.infra.parallelize as llama4_parallelize
     from torch.distributed.fsdp import FSDPModule
 
     original = llama3_parallelize.disable_fsdp_gradient_division
@@ -216,6 +243,20 @@ def fsdp_sum_on_gloo() -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
     llama3_parallelize.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+    llama4_parallelize.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+
+
+def integer_histc_on_cpu() -> None:
+    """Patch 7: torch.histc over integer expert ids on the CPU, as bincount."""
+    histc = torch.histc
+
+    def counting_histc(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 - torch's own names
+        exact = not input.is_floating_point() and input.device.type == "cpu" and min == 0 and max == bins
+        if exact and out is None:
+            return torch.bincount(input.flatten(), minlength=bins)
+        return histc(input, bins=bins, min=min, max=max, out=out) if out is not None else histc(input, bins, min, max)
+
+    torch.histc = counting_histc
 
 
 def main() -> None:
@@ -230,6 +271,7 @@ def main() -> None:
     import_torchtitan_on_cpu()
     register_flavor_and_data()
     fsdp_sum_on_gloo()
+    integer_histc_on_cpu()
     from torchtitan.train import Trainer, main as torchtitan_main
 
     torchtitan_main(Trainer)

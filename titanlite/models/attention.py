@@ -115,14 +115,38 @@ def attend(
         mask = whole_plan(mask, q.shape[2], k.shape[2], q.dtype)
     if isinstance(mask, ChunkPlan):
         return chunked_attention(q, k, v, mask, scale, sinks)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped, scale=scale)
     if isinstance(mask, BlockMask):
         # Compiled flex_attention on CUDA (torchtitan's use; eager flex is a slow reference);
         # eager elsewhere, which unit tests use to check the kernel against SDPA.
         flex = _compiled(flex_attention) if q.is_cuda else flex_attention
         return flex(q, k, v, block_mask=mask, enable_gqa=grouped, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped, scale=scale)
+    return _sdpa(q, k, v, mask, grouped, scale)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, grouped: bool, scale: float | None
+) -> torch.Tensor:
+    """SDPA, causal when `mask` is None, else under the boolean mask.
+
+    On CPU a value head dim narrower than the key's (MLA: 128 against 192) is zero-padded to
+    the key's and the output sliced back: torch's CPU flash kernel needs one head dim for q, k
+    and v, and without it SDPA takes its math path (scores materialized, the causal half
+    computed and masked, separate softmax and matmul backward). The padded columns come out
+    zero and get no gradient, so the result is the same attention to rounding. At DeepSeek-V3's
+    debug shape the fused kernel, wider values and all, ran a little faster than the math path
+    on a quiet host, kept no [seq, seq] scores for backward (peak RSS 1.64 -> 1.47 GiB) and held
+    up far better on shared cores (docs/performance.md, issue 50). On CUDA nothing is padded:
+    flash refuses unequal dims there too, but cuDNN (sm90+, 192/128 forward and backward) and
+    the memory-efficient kernel take them.
+    """
+    narrower = q.device.type == "cpu" and v.shape[-1] < q.shape[-1]
+    if narrower:
+        width = v.shape[-1]
+        v = F.pad(v, (0, q.shape[-1] - width))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped, scale=scale
+    )
+    return out[..., :width] if narrower else out
 
 
 @functools.cache
