@@ -284,14 +284,20 @@ def launch(args: argparse.Namespace, name: str, folder: Path) -> Run:
         text=True,
         timeout=args.timeout,
     )
-    if proc.returncode != 0:
+    try:
+        n_params, placement, ranks = parse_rank_logs(logs, nproc)
+    except SystemExit:
+        n_params, placement, ranks = 0, [], []
+    complete = len(ranks) == nproc and all(len(steps) == args.steps for steps in ranks)
+    if proc.returncode != 0 and not complete:
         tails = "".join(
             f"\n--- {f}\n{Path(f).read_text()[-3000:]}"
             for f in sorted(glob.glob(str(logs / "**" / "*.log"), recursive=True))
         )
         raise SystemExit(f"{label} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}{tails}")
-    n_params, placement, ranks = parse_rank_logs(logs, nproc)
-    if any(len(steps) != args.steps for steps in ranks):
+    if proc.returncode != 0:  # e.g. gloo's teardown aborting a rank after its last step: the figures stand
+        print(f"torchtitan {label}: exit {proc.returncode} after every rank logged every step", file=sys.stderr)
+    if not complete:
         raise SystemExit(
             f"{label}: expected {args.steps} logged steps per rank, got {[len(s) for s in ranks]} (logs in {logs})"
         )

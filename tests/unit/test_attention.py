@@ -52,6 +52,23 @@ def test_flex_attention_computes_what_sdpa_computes(mask_type):
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seq", [100, 256, 300])  # one block, two, and a partial last block
+def test_causal_attention_with_narrower_values_by_query_blocks(seq):
+    """MLA's shape on CPU (values narrower than keys, so no fused kernel): attention runs by
+    blocks of queries over the keys up to each block's end; output and gradients equal a
+    plain softmax over the causal rule in float64, and the keys after a block never matter."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 3, seq, 12, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, seq, 8, dtype=torch.float64, requires_grad=True)
+    out = attend(q, k, v, None, grouped=False, scale=0.3)
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), -torch.inf)
+    expected = scores.softmax(-1) @ v
+    grad = torch.randn_like(out)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def model(name: str, mask_type: str, seed: int = 3):
     spec = get_model_spec(name, "debugmodel")
     net = spec.model_class(dataclasses.replace(spec.args_for("debugmodel", 256), attn_mask_type=mask_type))

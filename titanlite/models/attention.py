@@ -128,25 +128,38 @@ def _sdpa(
 ) -> torch.Tensor:
     """SDPA, causal when `mask` is None, else under the boolean mask.
 
-    On CPU a value head dim narrower than the key's (MLA: 128 against 192) is zero-padded to
-    the key's and the output sliced back: torch's CPU flash kernel needs one head dim for q, k
-    and v, and without it SDPA takes its math path (scores materialized, the causal half
-    computed and masked, separate softmax and matmul backward). The padded columns come out
-    zero and get no gradient, so the result is the same attention to rounding. At DeepSeek-V3's
-    debug shape the fused kernel, wider values and all, ran a little faster than the math path
-    on a quiet host, kept no [seq, seq] scores for backward (peak RSS 1.64 -> 1.47 GiB) and held
-    up far better on shared cores (docs/performance.md, issue 50). On CUDA nothing is padded:
-    flash refuses unequal dims there too, but cuDNN (sm90+, 192/128 forward and backward) and
-    the memory-efficient kernel take them.
+    On CPU, a value head dim unlike the key's (MLA: 128 against 192) rules out torch's fused
+    CPU kernel, which wants one head dim for q, k and v; SDPA's math path then scores every
+    query against every key, the causal half masked away. Causal attention there runs instead
+    as `_causal_by_query_blocks`. On CUDA nothing changes: flash refuses unequal dims too, but
+    cuDNN (sm90+, 192/128 forward and backward) and the memory-efficient kernel take them.
     """
-    narrower = q.device.type == "cpu" and v.shape[-1] < q.shape[-1]
-    if narrower:
-        width = v.shape[-1]
-        v = F.pad(v, (0, q.shape[-1] - width))
-    out = F.scaled_dot_product_attention(
+    if mask is None and q.device.type == "cpu" and v.shape[-1] != q.shape[-1] and not grouped:
+        return _causal_by_query_blocks(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
+    return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped, scale=scale
     )
-    return out[..., :width] if narrower else out
+
+
+CAUSAL_QUERY_BLOCK = 128
+
+
+def _causal_by_query_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention as matmuls, `CAUSAL_QUERY_BLOCK` queries at a time over the keys up to
+    the block's last query: keys after it are never scored, so a sequence of n blocks costs
+    (n + 1) / 2n of the full score and value products that SDPA's math path computes, and
+    only the diagonal block is masked. MLA's training step at DeepSeek-V3's debug shape on
+    CPU: see docs/performance.md (issue 50)."""
+    blocks = []
+    for start in range(0, q.shape[-2], CAUSAL_QUERY_BLOCK):
+        stop = min(start + CAUSAL_QUERY_BLOCK, q.shape[-2])
+        scores = torch.matmul(q[..., start:stop, :], k[..., :stop, :].transpose(-1, -2)).mul_(scale)
+        hidden = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).triu_(start + 1)
+        probs = scores.masked_fill_(hidden, float("-inf")).softmax(
+            -1, dtype=torch.promote_types(q.dtype, torch.float32)
+        )
+        blocks.append(torch.matmul(probs.to(v.dtype), v[..., :stop, :]))
+    return torch.cat(blocks, dim=-2)
 
 
 @functools.cache
