@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.hf_models import SMALL_FILES, folder_logits, save_with_reference
+
 from titanlite.models.deepseek_v3 import deepseek_v3_hf as hf_adapter
 from titanlite.models.deepseek_v3.model import DeepSeekV3Args
 from titanlite.models.moe import MoEArgs
@@ -56,7 +58,6 @@ TINY = {
     ),
     "plain_q": DeepSeekV3Args(**_SHAPE, q_lora_rank=0),
 }
-SMALL_FILES = 8 * 1024  # bytes a file: the tiny models spread over several
 
 
 @torch.no_grad()
@@ -92,23 +93,12 @@ def transformers_model(args: DeepSeekV3Args, seed: int = 0, std: float = 0.1, dt
 def save_source(
     args: DeepSeekV3Args, folder: Path, seed: int = 0, max_shard_size: int = SMALL_FILES, dtype=torch.float32
 ) -> dict[str, torch.Tensor]:
-    """transformers' tiny model saved in `folder/hf` as a user saves it, and its logits on
-    fixed tokens in `folder/reference.pt` ({"tokens", "logits"}, also returned)."""
-    model = transformers_model(args, seed, dtype=dtype)
-    model.save_pretrained(folder / "hf", max_shard_size=max_shard_size)
-    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed + 1))
-    with torch.no_grad():
-        reference = {"tokens": tokens, "logits": model(tokens).logits}
-    torch.save(reference, folder / "reference.pt")
-    return reference
+    """transformers' tiny model and its reference logits in `folder` (hf_models.save_with_reference)."""
+    return save_with_reference(
+        transformers_model(args, seed, dtype=dtype), args.vocab_size, folder, seed, max_shard_size
+    )
 
 
 def hf_logits(folder: Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """transformers' logits for a saved folder."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        return model(tokens).logits
+    return folder_logits(folder, tokens, dtype, attn_implementation="eager", experts_implementation="eager")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.hf_models import SMALL_FILES, folder_logits, save_with_reference
+
 from titanlite.models.gpt_oss import gpt_oss_hf as hf_adapter
 from titanlite.models.gpt_oss.model import FULL, SLIDING, GptOssArgs, gpt_oss_moe
 from titanlite.models.rope import YaRN
@@ -32,7 +34,6 @@ TINY = GptOssArgs(
     rope_scaling=YaRN(factor=4.0, original_max_position_embeddings=16, truncate=False),
     max_seq_len=64,
 )
-SMALL_FILES = 8 * 1024  # bytes a file: the tiny model spreads over several
 # transformers' plain loop over the experts: its grouped_mm takes no float64
 EAGER = {"attn_implementation": "eager", "experts_implementation": "eager"}
 
@@ -67,21 +68,10 @@ def transformers_model(args: GptOssArgs, seed: int = 0, std: float = 0.1, dtype:
 
 
 def save_source(args: GptOssArgs, folder: Path, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """transformers' tiny model saved in `folder/hf` as a user saves it, and its logits on
-    fixed tokens in `folder/reference.pt` ({"tokens", "logits"}, also returned)."""
-    model = transformers_model(args, seed, dtype=dtype)
-    model.save_pretrained(folder / "hf", max_shard_size=SMALL_FILES)
-    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed + 1))
-    with torch.no_grad():
-        reference = {"tokens": tokens, "logits": model(tokens).logits}
-    torch.save(reference, folder / "reference.pt")
-    return reference
+    """transformers' tiny model and its reference logits in `folder` (hf_models.save_with_reference)."""
+    return save_with_reference(transformers_model(args, seed, dtype=dtype), args.vocab_size, folder, seed, SMALL_FILES)
 
 
 def hf_logits(folder: Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """transformers' logits for a saved folder."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **EAGER)
-    with torch.no_grad():
-        return model.eval()(tokens).logits
+    return folder_logits(folder, tokens, dtype, **EAGER)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
+
 from tests.helpers.distributed import REPO
 
 SHAPE = dict(
@@ -21,6 +23,7 @@ SHAPE = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+SMALL_FILES = 8 * 1024  # bytes a file: the tiny models spread over several
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 # model_type -> (config class name, its arguments beside SHAPE)
 CONFIGS = {
@@ -70,3 +73,25 @@ def with_hf_folders(argv: list[str], root: Path) -> list[str]:
         return str(chat_files(root)[arg[5:]]) if arg.startswith("chat:") else arg
 
     return [replaced(arg) for arg in argv]
+
+
+def save_with_reference(model: torch.nn.Module, vocab_size: int, folder: Path, seed: int, max_shard_size: int) -> dict:
+    """A transformers `model` saved in `folder/hf` as a user saves it, and its logits on fixed
+    tokens in `folder/reference.pt` ({"tokens", "logits"}, also returned): the source folder of
+    the family tests (hf_qwen3, hf_deepseek_v3, hf_gpt_oss)."""
+    model.save_pretrained(folder / "hf", max_shard_size=max_shard_size)
+    tokens = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        reference = {"tokens": tokens, "logits": model(tokens).logits}
+    torch.save(reference, folder / "reference.pt")
+    return reference
+
+
+def folder_logits(folder: Path, tokens: torch.Tensor, dtype: torch.dtype = torch.float32, **load) -> torch.Tensor:
+    """transformers' logits for a saved folder, whichever class its config names (`load`:
+    from_pretrained's implementation choices)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **load).eval()
+    with torch.no_grad():
+        return model(tokens).logits

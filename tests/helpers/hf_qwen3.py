@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.hf_models import SMALL_FILES, folder_logits, save_with_reference
+
 from titanlite.models.qwen3 import Qwen3Args, qwen3_hf as hf_adapter, qwen3_moe
 
 # Two blocks dense; three MoE blocks of 3 experts (top 2), the middle one dense
@@ -32,7 +34,6 @@ TINY = {
         mlp_only_layers=(1,),
     ),
 }
-SMALL_FILES = 8 * 1024  # bytes a file: the tiny models spread over several
 
 
 def transformers_model(args: Qwen3Args, seed: int = 0, std: float = 0.1):
@@ -55,23 +56,10 @@ def transformers_model(args: Qwen3Args, seed: int = 0, std: float = 0.1):
 def save_source(
     args: Qwen3Args, folder: Path, seed: int = 0, max_shard_size: int = SMALL_FILES
 ) -> dict[str, torch.Tensor]:
-    """transformers' tiny model saved in `folder/hf` as a user saves it, and its logits on
-    fixed tokens in `folder/reference.pt` ({"tokens", "logits"}, also returned)."""
-    model = transformers_model(args, seed)
-    model.save_pretrained(folder / "hf", max_shard_size=max_shard_size)
-    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed + 1))
-    with torch.no_grad():
-        reference = {"tokens": tokens, "logits": model(tokens).logits}
-    torch.save(reference, folder / "reference.pt")
-    return reference
+    """transformers' tiny model and its reference logits in `folder` (hf_models.save_with_reference)."""
+    return save_with_reference(transformers_model(args, seed), args.vocab_size, folder, seed, max_shard_size)
 
 
 def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     """transformers' logits for a saved folder, whichever Qwen3 class its config names."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        return model(tokens).logits
+    return folder_logits(folder, tokens, attn_implementation="eager")
