@@ -134,7 +134,8 @@ def _sdpa(
     as `_causal_by_query_blocks`. On CUDA nothing changes: flash refuses unequal dims too, but
     cuDNN (sm90+, 192/128 forward and backward) and the memory-efficient kernel take them.
     """
-    if mask is None and q.device.type == "cpu" and v.shape[-1] != q.shape[-1] and not grouped:
+    whole_causal_on_cpu = mask is None and q.device.type == "cpu" and q.shape[-2] == k.shape[-2] and not grouped
+    if whole_causal_on_cpu and v.shape[-1] != q.shape[-1]:
         return _causal_by_query_blocks(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped, scale=scale
@@ -145,21 +146,24 @@ CAUSAL_QUERY_BLOCK = 128
 
 
 def _causal_by_query_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention as matmuls, `CAUSAL_QUERY_BLOCK` queries at a time over the keys up to
-    the block's last query: keys after it are never scored, so a sequence of n blocks costs
-    (n + 1) / 2n of the full score and value products that SDPA's math path computes, and
-    only the diagonal block is masked. MLA's training step at DeepSeek-V3's debug shape on
-    CPU: see docs/performance.md (issue 50)."""
+    """Causal attention as batched matmuls, `CAUSAL_QUERY_BLOCK` queries at a time over the keys
+    up to the block's last query: keys after it are never scored, so a sequence of n blocks
+    costs (n + 1) / 2n of the full score and value products that SDPA's math path computes.
+    Each block's scores come from one `baddbmm` that adds the causal rule (0 or -inf, the
+    diagonal block's) and the scale in the product itself. The output is laid out as [batch,
+    queries, heads, v head_dim] memory, so merging the heads afterwards is a view. MLA's
+    training step at DeepSeek-V3's debug shape on CPU: docs/performance.md (issue 50)."""
+    batch, heads, seq, _ = q.shape
+    q, k, v = (t.reshape(batch * heads, seq, t.shape[-1]) for t in (q, k, v))
     blocks = []
-    for start in range(0, q.shape[-2], CAUSAL_QUERY_BLOCK):
-        stop = min(start + CAUSAL_QUERY_BLOCK, q.shape[-2])
-        scores = torch.matmul(q[..., start:stop, :], k[..., :stop, :].transpose(-1, -2)).mul_(scale)
+    for start in range(0, seq, CAUSAL_QUERY_BLOCK):
+        stop = min(start + CAUSAL_QUERY_BLOCK, seq)
         hidden = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).triu_(start + 1)
-        probs = scores.masked_fill_(hidden, float("-inf")).softmax(
-            -1, dtype=torch.promote_types(q.dtype, torch.float32)
-        )
-        blocks.append(torch.matmul(probs.to(v.dtype), v[..., :stop, :]))
-    return torch.cat(blocks, dim=-2)
+        rule = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+        scores = torch.baddbmm(rule, q[:, start:stop], k[:, :stop].transpose(1, 2), alpha=scale)
+        probs = scores.softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(v.dtype)
+        blocks.append(torch.bmm(probs, v[:, :stop]).view(batch, heads, stop - start, -1).transpose(1, 2))
+    return torch.cat(blocks, dim=1).transpose(1, 2)
 
 
 @functools.cache
