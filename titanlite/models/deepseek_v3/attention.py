@@ -77,7 +77,8 @@ class MLA(nn.Module):
         batch, seq, _ = x.shape
         q = self.query(x).view(batch, seq, -1, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_pe, cos_sin)], dim=-1)
+        # [batch, heads, seq, qk_head_dim]: made in the layout attention reads (no copy on CPU), as are the keys
+        q = torch.cat([q_nope.transpose(1, 2), apply_rope(q_pe, cos_sin).transpose(1, 2)], dim=-1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), cos_sin).squeeze(2)  # rotated at this rank's positions
         latent = torch.cat([self.kv_norm(latent), k_pe], dim=-1)
@@ -86,7 +87,7 @@ class MLA(nn.Module):
         k, v = self.keys_and_values(latent)
         if self.kv_cache is not None:  # generation: every earlier token's keys and values too
             k, v = self.kv_cache.extend(k, v)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, False, self.softmax_scale)
+        out = attend(q, k.transpose(1, 2), v.transpose(1, 2), mask, False, self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,8 @@ class MLA(nn.Module):
         compressed, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.wkv_b(compressed).view(batch, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        return torch.cat([k_nope, self.rope_key(k_pe, k_nope.shape[2])], dim=-1), v
+        keys = torch.cat([k_nope.transpose(1, 2), self.rope_key(k_pe, k_nope.shape[2]).transpose(1, 2)], dim=-1)
+        return keys.transpose(1, 2), v  # [batch, seq, heads, qk_head_dim] of [batch, heads, seq, ...] memory
 
     def init_weights(self, init: ShardInit, out_std: float) -> None:
         """Projections std 0.02, the output projection the block's depth-scaled std, norms 1
