@@ -9,7 +9,10 @@
 #   4. the same 1B model with TP on every GPU;
 #   5. the 1B model in float8 (model.converters = ["float8"], torchao: torch._scaled_mm on SM >= 8.9,
 #      emulation below) on one GPU, tensorwise then rowwise; with FSDP on every GPU, gathering float8
-#      with precomputed scales. Skipped, with a line, where torchao is not installed.
+#      with precomputed scales. Skipped, with a line, where torchao is not installed;
+#   6. DeepSeek-V3 at torchtitan's debug shape (MLA: key head dim 192, value 128, which SDPA must
+#      take without padding; 8 routed experts top-3 through torch's grouped matmul in bf16, groups
+#      of any length) on one GPU; with expert parallelism 2 over FSDP's ranks on every GPU.
 # Each run's own log lines are printed (rank 0): the start-up lines (dtype, model, mesh, peak)
 # and its step lines with tps, mfu and peak memory (mem); the last step's line is the figure.
 # Never a test dependency. Put its output in docs/performance.md.
@@ -78,5 +81,10 @@ if [ "$DRY_RUN" = 1 ] || "$PYTHON" -c "import torchao.float8" 2>/dev/null; then
     fi
 else
     echo "=== float8 runs skipped: torchao is not installed (pip install \"titanlite[float8]\")"
+fi
+DSV3=(--model.name deepseek_v3 --model.flavor torchtitan:debugmodel --training.seq_len "$SEQ_LEN" --training.local_batch_size 4)
+run deepseek_v3_1gpu 1 "${DSV3[@]}"
+if [ "$NGPU" -gt 1 ]; then
+    run deepseek_v3_ep2 "$NGPU" "${DSV3[@]}" --parallelism.expert_parallel_degree 2
 fi
 echo "dump folders: $OUT"
