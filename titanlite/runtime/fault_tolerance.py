@@ -87,9 +87,7 @@ def prepare_replica_group(cfg: JobConfig) -> str:
 def data_share(ft: FaultTolerance, dp_rank: int, dp_degree: int) -> tuple[int, int]:
     """(dp rank, dp degree) of this rank's share of every global batch: the group's own dp
     ranks within all groups' (without fault tolerance: unchanged)."""
-    if not ft.enable:
-        return dp_rank, dp_degree
-    return ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree
+    return (ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree) if ft.enable else (dp_rank, dp_degree)
 
 
 def _like_param(value: Any, param: torch.Tensor) -> Any:
