@@ -182,10 +182,9 @@ class HFWritePlanner(DefaultSavePlanner):
         items = [item for item in plan.items if item.index.fqn not in self.stacked]
         for fqn, names in self.stacked.items():
             obj = self.state_dict[fqn]
+            properties = TensorProperties.create_from_tensor(local_tensor(obj))
             for chunk in local_chunks(obj):
-                written = stacked_writes(
-                    names, chunk, obj.shape, TensorProperties.create_from_tensor(local_tensor(obj))
-                )
+                written = stacked_writes(names, chunk, obj.shape, properties)
                 items += written
                 self.slots.update({item.index.fqn: (fqn, slot) for slot, item in enumerate(written)})
         self.plan = dataclasses.replace(plan, items=items)

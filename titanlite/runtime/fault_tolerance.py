@@ -263,9 +263,7 @@ class ReplicaGroup(StepParticipant):
             counts = self.experts.token_counts(self.model)
             self.manager.allreduce(counts, reduce_op=ReduceOp.SUM).wait()
             self.experts.discount_tokens(self.model, self.experts.token_counts(self.model) - counts)
-        grads = [
-            local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p.detach())) for p in params
-        ]
+        grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in params]
         whole_loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().reshape(1).clone()
         _average(self.manager, [*grads, whole_loss])  # loss parallel: the whole loss
         return whole_loss[0].to(loss.dtype)
