@@ -267,9 +267,8 @@ def measured_lines(r: Report, model: torch.nn.Module) -> list[str]:
     peak = peak_rss_bytes()
     grown, estimate = peak - before, r.state.params + r.state.buffers
     return [
-        f"materialized rank {r.args.rank}: allocated and initialized in {seconds:.1f} s "
-        f"({cpu_seconds:.1f} s of CPU); peak resident memory "
-        f"{gib(peak)}, {gib(grown)} above the {gib(before)} before, against {gib(estimate)} "
+        f"materialized rank {r.args.rank}: allocated and initialized in {seconds:.1f} s ({cpu_seconds:.1f} s of CPU); "
+        f"peak resident memory {gib(peak)}, {gib(grown)} above the {gib(before)} before, against {gib(estimate)} "
         f"estimated for parameters and buffers (ratio {grown / estimate:.2f})"
     ]
 

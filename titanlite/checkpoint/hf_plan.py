@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from titanlite.errors import TitanliteError
 from titanlite.model_spec import HFAdapter
 from titanlite.parallel.collectives import any_rank
+from titanlite.parallel.placement import local_tensor, shard_like
 
 
 def local_chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
@@ -49,10 +50,6 @@ def local_chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
             return []  # a rank outside the tensor's mesh holds none of it
         return obj.__create_chunk_list__()
     return [ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())]
-
-
-def _local(obj: torch.Tensor) -> torch.Tensor:
-    return obj.to_local() if isinstance(obj, DTensor) else obj
 
 
 def rotary_row_reads(fqn: str, chunk: ChunkStorageMetadata, head_dim: int) -> list[ReadItem]:
@@ -185,8 +182,9 @@ class HFWritePlanner(DefaultSavePlanner):
         items = [item for item in plan.items if item.index.fqn not in self.stacked]
         for fqn, names in self.stacked.items():
             obj = self.state_dict[fqn]
+            properties = TensorProperties.create_from_tensor(local_tensor(obj))
             for chunk in local_chunks(obj):
-                written = stacked_writes(names, chunk, obj.shape, TensorProperties.create_from_tensor(_local(obj)))
+                written = stacked_writes(names, chunk, obj.shape, properties)
                 items += written
                 self.slots.update({item.index.fqn: (fqn, slot) for slot, item in enumerate(written)})
         self.plan = dataclasses.replace(plan, items=items)
@@ -196,7 +194,7 @@ class HFWritePlanner(DefaultSavePlanner):
         if write_item.index.fqn not in self.slots:
             return super().resolve_data(write_item)
         fqn, slot = self.slots[write_item.index.fqn]
-        return _local(self.state_dict[fqn])[slot]
+        return local_tensor(self.state_dict[fqn])[slot]
 
 
 def to_hf_rows(
@@ -222,9 +220,7 @@ def to_hf_rows(
             permuted = (
                 adapter.interleaved_to_half(local, local.shape[0] // head_dim) if local.numel() else local.clone()
             )
-            out[key] = DTensor.from_local(
-                permuted, value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
-            )
+            out[key] = shard_like(permuted, value)
         else:
             full = adapter.interleaved_to_half(value.full_tensor(), count)
             out[key] = DTensor.from_local(

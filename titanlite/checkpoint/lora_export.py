@@ -26,6 +26,7 @@ from titanlite.checkpoint.export import cast_floating
 from titanlite.checkpoint.hf_plan import local_chunks
 from titanlite.model_spec import DecoderArgs, HFAdapter
 from titanlite.parallel.lora import is_adapter
+from titanlite.parallel.placement import local_tensor, shard_like
 
 PEFT_CONFIG_FILE = "adapter_config.json"
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -48,18 +49,14 @@ def merged_state(state: dict[str, Any], scale: float) -> dict[str, Any]:
     merged = {key: value for key, value in state.items() if not is_adapter(key)}
     for base in _bases(state):
         weight, a, b = state[f"{base}.weight"], _whole(state[f"{base}.lora_a"]), _whole(state[f"{base}.lora_b"])
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        local = local_tensor(weight)
         chunks = local_chunks(weight)
         if not chunks or local.numel() == 0:
             continue
         (rows, cols), (n_rows, n_cols) = chunks[0].offsets, chunks[0].sizes
         delta = b[rows : rows + n_rows] @ a[:, cols : cols + n_cols]
         new = local + scale * delta.to(local.dtype)
-        merged[f"{base}.weight"] = (
-            DTensor.from_local(new, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride())
-            if isinstance(weight, DTensor)
-            else new
-        )
+        merged[f"{base}.weight"] = shard_like(new, weight) if isinstance(weight, DTensor) else new
     return merged
 
 

@@ -32,9 +32,8 @@ class Parallelism:
     )
     fsdp_reshard_after_forward: str = _opt(
         "default",
-        "free gathered parameters after forward: default (all but the "
-        "root), always, never (more memory, less communication), or a number k: "
-        "keep them sharded over groups of k ranks (e.g. a node), k dividing the FSDP "
+        "free gathered parameters after forward: default (all but the root), always, never (more memory, less "
+        "communication), or a number k: keep them sharded over groups of k ranks (e.g. a node), k dividing the FSDP "
         "shards",
     )
     fsdp_prefetch_depth: int = _opt(
@@ -51,9 +50,8 @@ class Parallelism:
     )
     expert_parallel_degree: int = _opt(
         1,
-        "ways an MoE model's routed experts are split, over ranks borrowed from "
-        "data_parallel_shard_degree x context_parallel_degree (tokens exchanged by "
-        "all-to-all); it must divide both and the experts per layer",
+        "ways an MoE model's routed experts are split, over ranks borrowed from data_parallel_shard_degree x "
+        "context_parallel_degree (tokens exchanged by all-to-all); it must divide both and the experts per layer",
         ge=1,
     )
     expert_tensor_parallel_degree: int = _opt(
@@ -70,9 +68,8 @@ class Parallelism:
     )
     pipeline_parallel_schedule: str = _opt(
         "1F1B",
-        "pipeline schedule (torch's pipelining): one stage per rank (1F1B, "
-        "GPipe), several (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble), or two "
-        "in a V (ZBVZeroBubble, DualPipeV)",
+        "pipeline schedule (torch's pipelining): one stage per rank (1F1B, GPipe), several (Interleaved1F1B, "
+        "LoopedBFS, InterleavedZeroBubble), or two in a V (ZBVZeroBubble, DualPipeV)",
         choices=(
             "1F1B",
             "GPipe",
@@ -88,24 +85,21 @@ class Parallelism:
     )
     pipeline_parallel_layers_per_stage: int | None = _opt(
         None,
-        "transformer blocks per stage (the embedding and the "
-        "output count as the *_less_layers below); none = 1 stage per "
-        "rank, or 2 for multi-stage schedules",
+        "transformer blocks per stage (the embedding and the output count as the *_less_layers below); none = 1 stage "
+        "per rank, or 2 for multi-stage schedules",
         gt=0,
         special=None,
     )
     pipeline_parallel_split_points: list[str] = _opt(
         [],
-        "explicit stage boundaries, each the first block of a stage "
-        "after the first: e.g. layers.3,layers.6 (3 stages); empty = "
-        "balanced automatically",
+        "explicit stage boundaries, each the first block of a stage after the first: e.g. layers.3,layers.6 (3 "
+        "stages); empty = balanced automatically",
     )
     pipeline_parallel_balance: str = _opt(
         "layers",
-        "automatic split: 'layers' counts blocks, the embedding and the "
-        "output as the *_less_layers below (torchtitan's rule); 'flops' weighs every "
-        "block, the embedding and the output head by its training FLOPs per token "
-        "and picks the split whose slowest stage is the cheapest",
+        "automatic split: 'layers' counts blocks, the embedding and the output as the *_less_layers below "
+        "(torchtitan's rule); 'flops' weighs every block, the embedding and the output head by its training FLOPs per "
+        "token and picks the split whose slowest stage is the cheapest",
         choices=("layers", "flops"),
     )
     pipeline_parallel_first_stage_less_layers: int = _opt(
@@ -127,9 +121,8 @@ class ActivationCheckpoint:
     )
     selective_ac_option: str = _opt(
         "2",
-        "with mode selective: a whole number k, recompute every k-th block; or op, "
-        "recompute each block's cheap ops and keep its matmul outputs (every other one) and "
-        "attention (torchtitan's per-op policy)",
+        "with mode selective: a whole number k, recompute every k-th block; or op, recompute each block's cheap ops "
+        "and keep its matmul outputs (every other one) and attention (torchtitan's per-op policy)",
     )
 
 

@@ -56,9 +56,8 @@ class Model:
     )
     hf_assets_path: str = _opt(
         "",
-        "torchtitan's key: a folder holding the tokenizer files (tokenizer.json, "
-        "tokenizer.model or original/tokenizer.model); when set, the tokenizer is read from there "
-        "instead of model.tokenizer_path",
+        "torchtitan's key: a folder holding the tokenizer files (tokenizer.json, tokenizer.model or "
+        "original/tokenizer.model); when set, the tokenizer is read from there instead of model.tokenizer_path",
     )
     attn_mask_type: str = _opt(
         "causal",
@@ -165,9 +164,8 @@ class Training:
     )
     gc_freq: int = _opt(
         50,
-        "run Python's garbage collector every this many steps, on every rank at the same step "
-        "(automatic collection off while training), so no rank stalls the others alone; 0 = "
-        "Python's automatic collection",
+        "run Python's garbage collector every this many steps, on every rank at the same step (automatic collection "
+        "off while training), so no rank stalls the others alone; 0 = Python's automatic collection",
         ge=0,
     )
 
@@ -194,9 +192,8 @@ class Validation:
     dataset_path: str = _opt("", "with validation.dataset: as training.dataset_path")
     holdout_fraction: float = _opt(
         0.01,
-        "with validation.dataset empty: the share of each training dataset's windows "
-        "(its last ones) kept out of training for validation, even with validation off, so "
-        "turning validation on never changes the training data",
+        "with validation.dataset empty: the share of each training dataset's windows (its last ones) kept out of "
+        "training for validation, even with validation off, so turning validation on never changes the training data",
         ge=0,
         lt=1,
     )

@@ -111,30 +111,29 @@ class TorchtitanKeys:
 
     def __call__(self, section: str, key: str | None, value: Any, where: str) -> tuple[str, str, Any] | None:
         """The (section, key, value) to set, or None when this key is handled here."""
+        pair = (section, key)
         # A key (key None: a section) only torchtitan's files name makes the file torchtitan's.
-        theirs = key is None or any((section, key) in table for table in (ALIASES, OFF_ONLY, NO_EFFECT))
+        theirs = key is None or any(pair in table for table in (ALIASES, OFF_ONLY, NO_EFFECT))
         if where != _COMMAND_LINE and (theirs or (key == "dataset" and value in DOWNLOADED_DATASETS)):
             self._file = where
-        if (section, key) == ("optimizer", "param_groups"):
+        if pair == ("optimizer", "param_groups"):
             self._groups_given = True
         if key is None:  # a whole section titanlite does not have: torchtitan's [quantize] is the one it knows
             return self._section(section, value, where) if section == "quantize" else None
-        if (section, key) in ALIASES:
-            return section, ALIASES[(section, key)], value
-        if (section, key) == ("activation_checkpoint", "selective_ac_option") and type(value) is int:
+        if pair in ALIASES:
+            return section, ALIASES[pair], value
+        if pair == ("activation_checkpoint", "selective_ac_option") and type(value) is int:
             return section, key, str(value)  # the number form of the string option ('2' in torchtitan's files)
-        if (section, key) in OFF_ONLY:
-            off, instead = OFF_ONLY[(section, key)]
+        if pair in OFF_ONLY:
+            off, instead = OFF_ONLY[pair]
             if not _is_off(value, off):
                 raise TitanliteError(
                     f"{section}.{key}: not supported ({instead}); set it to {str(off).lower()} or leave it out"
                 )
             self.notices.append(f"{section}.{key} = {str(off).lower()} {where}: torchtitan's option, off; {instead}")
             return None
-        if (section, key) in NO_EFFECT:
-            self.notices.append(
-                f"{section}.{key} {where}: torchtitan's option, no effect here: {NO_EFFECT[(section, key)]}"
-            )
+        if pair in NO_EFFECT:
+            self.notices.append(f"{section}.{key} {where}: torchtitan's option, no effect here: {NO_EFFECT[pair]}")
             return None
         if key == "dataset" and section in ("training", "validation") and value in DOWNLOADED_DATASETS:
             if section == "training" and where == _COMMAND_LINE:

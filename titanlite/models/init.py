@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.parallel.lora import LoRALinear
-from titanlite.parallel.placement import shard_indices
+from titanlite.parallel.placement import local_tensor, shard_indices
 
 CHUNK_ELEMENTS = 1 << 16
 """Values generated at once: the scratch is a few int64 tensors of this size, small enough
@@ -73,15 +73,15 @@ class ShardInit:
 
     @torch.no_grad()
     def ones(self, param: torch.Tensor) -> None:
-        _local(param).fill_(1.0)
+        local_tensor(param).fill_(1.0)
 
     @torch.no_grad()
     def zeros(self, param: torch.Tensor) -> None:
-        _local(param).zero_()
+        local_tensor(param).zero_()
 
     @torch.no_grad()
     def _fill(self, param: torch.Tensor, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        local = _local(param)
+        local = local_tensor(param)
         if local.numel() == 0:
             return
         keys = parameter_keys(self.seed, self.names[id(param)])
@@ -154,10 +154,6 @@ def _outer_sum(offsets: list[torch.Tensor]) -> torch.Tensor:
     for offset in offsets[1:]:
         flat = flat.unsqueeze(-1) + offset
     return flat
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 @torch.no_grad()

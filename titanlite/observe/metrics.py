@@ -81,13 +81,7 @@ class MetricsLogger:
         self.tokens += count
 
     def log(
-        self,
-        step: int,
-        loss: float,
-        grad_norm: float,
-        lr: float,
-        tokens_seen: int,
-        fields: Sequence[LineField] = (),
+        self, step: int, loss: float, grad_norm: float, lr: float, tokens_seen: int, fields: Sequence[LineField] = ()
     ) -> dict[str, float]:
         """Emit one line and the scalars for the window since the last call; returns them.
         `tokens_seen` counts every rank's tokens since the run's first step (resumes included).

@@ -212,9 +212,7 @@ def _describe(torch_frame: FrameType | None, our_frame: FrameType | None) -> str
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
     """The group's description: "default_pg", "mesh_tp", "mesh_dp", "checkpoint", ..."""
-    if group is None:
-        return "default_pg"
-    return getattr(group, "group_desc", None) or getattr(group, "group_name", "?")
+    return "default_pg" if group is None else getattr(group, "group_desc", None) or getattr(group, "group_name", "?")
 
 
 def shutdown() -> None:

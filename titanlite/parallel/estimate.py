@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanlite.config.dtypes import torch_dtype
+from titanlite.parallel.placement import local_tensor
 
 if TYPE_CHECKING:  # parallel/ imports no model code: the args' type only
     from titanlite.model_spec import DecoderArgs
@@ -63,10 +64,6 @@ class StateBytes:
     grads: int
     optimizer: int  # AdamW exp_avg and exp_avg_sq, like the parameters
     buffers: int
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def state_bytes(model: nn.Module) -> StateBytes:

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
+from titanlite.parallel.placement import shard_like
 
 FLOAT8_MATMUL_CAPABILITY = (8, 9)  # Ada / Hopper and later: torch._scaled_mm
 AUTO_FILTER = "auto_filter_small_kn"  # torchtitan's flag in filter_fqns
@@ -139,10 +140,7 @@ def refuse_float8_only_units(model: nn.Module, units: list[nn.Module], settings:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, DTensor) and type(value._local_tensor).__name__ == _GATHERED_WEIGHT:
-        local = value._local_tensor._tensor
-        return DTensor.from_local(
-            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-        )
+        return shard_like(value._local_tensor._tensor, value)
     return value._tensor if type(value).__name__ == _GATHERED_WEIGHT else value
 
 

@@ -64,10 +64,9 @@ def check_training_state_fits(
         where = each_gets if processes_per_host > 1 else "this host has"
     if needed > available:
         raise TitanliteError(
-            f"parallelism: {n_params / 1e9:,.2f}B parameters sharded {shards} ways need at least "
-            f"{needed / GIB:,.1f} GiB per rank for fp32 weights, gradients and AdamW state, but {where} "
-            f"{available / GIB:,.1f} GiB; use more ranks (data_parallel_shard_degree, tensor_parallel_degree) "
-            f"or training.enable_cpu_offload"
+            f"parallelism: {n_params / 1e9:,.2f}B parameters sharded {shards} ways need at least {needed / GIB:,.1f} "
+            f"GiB per rank for fp32 weights, gradients and AdamW state, but {where} {available / GIB:,.1f} GiB; use "
+            "more ranks (data_parallel_shard_degree, tensor_parallel_degree) or training.enable_cpu_offload"
         )
 
 

@@ -38,9 +38,7 @@ TPPlan = Union[None, Callable[[nn.Module, DeviceMesh], None], dict[str, Parallel
 def as_meshes(mesh: Meshes | DeviceMesh | None) -> Meshes:
     """`build_mesh`'s result as it is; a bare DeviceMesh is the FSDP mesh (2D: HSDP); None is
     one process (AC and compile only)."""
-    if mesh is None or isinstance(mesh, DeviceMesh):
-        return Meshes(world=mesh, dp=mesh, fsdp=mesh, tp=None)
-    return mesh
+    return Meshes(world=mesh, dp=mesh, fsdp=mesh, tp=None) if mesh is None or isinstance(mesh, DeviceMesh) else mesh
 
 
 def parallelize(

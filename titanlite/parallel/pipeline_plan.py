@@ -98,11 +98,7 @@ class PipelineLayout:
 
 
 def plan_layout(
-    parallelism,
-    n_layers: int,
-    local_batch_size: int,
-    part_costs: Sequence[float] | None = None,
-    tail_blocks: int = 0,
+    parallelism, n_layers: int, local_batch_size: int, part_costs: Sequence[float] | None = None, tail_blocks: int = 0
 ) -> PipelineLayout:
     """Stages and microbatches from `parallelism.pipeline_parallel_*`; a TitanliteError naming
     the key for any combination the schedule cannot run. `part_costs` (`part_flops`: the

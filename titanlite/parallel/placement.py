@@ -1,4 +1,5 @@
-"""Which global indices a rank's shard of a DTensor holds, asked of DTensor itself.
+"""A rank's shard of a DTensor: its local tensor, a local tensor laid out as a DTensor again,
+and which global indices it holds, asked of DTensor itself.
 
 For the shard-sized initialization (`models/init.py`: generate only the values this rank
 holds), so it reads a layout exactly as the training run lays it out. (The planner's census
@@ -11,7 +12,18 @@ from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself under no_grad: writes reach the DTensor);
+    a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(shard: torch.Tensor, param: DTensor) -> DTensor:
+    """A local shard as a DTensor laid out as `param` (its mesh, placements, global shape and stride)."""
+    return DTensor.from_local(shard, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
 def shard_indices(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]) -> list[torch.Tensor]:

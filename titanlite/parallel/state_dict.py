@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from titanlite.errors import TitanliteError
+from titanlite.parallel.placement import local_tensor
 
 
 def checkpoint_module(model: nn.Module) -> nn.Module:
@@ -65,10 +65,7 @@ def local_state_dict(model: nn.Module) -> dict[str, Any]:
     parameter, the whole of anything else), under the model's names: what hfai's wrapper and
     FSDP1's LOCAL_STATE_DICT save per rank (`torch.save(state, f"model{rank}.pt")`). It loads
     back only at the layout that wrote it (`load_local_state_dict`); nothing is communicated."""
-    return {
-        name: (v.to_local() if isinstance(v, DTensor) else v).detach()
-        for name, v in checkpoint_module(model).state_dict(keep_vars=True).items()
-    }
+    return {name: local_tensor(v).detach() for name, v in checkpoint_module(model).state_dict(keep_vars=True).items()}
 
 
 def load_local_state_dict(model: nn.Module, state: dict[str, Any], strict: bool = True) -> tuple[list[str], list[str]]:

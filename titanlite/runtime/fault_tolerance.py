@@ -45,6 +45,7 @@ from titanlite.config.sections import JobConfig
 from titanlite.errors import TitanliteError
 from titanlite.logging import logger
 from titanlite.parallel.distributed import DistInfo
+from titanlite.parallel.placement import local_tensor, shard_like
 from titanlite.step.experts import ExpertLayers
 from titanlite.step.participants import LineField, StepParticipant
 
@@ -86,13 +87,7 @@ def prepare_replica_group(cfg: JobConfig) -> str:
 def data_share(ft: FaultTolerance, dp_rank: int, dp_degree: int) -> tuple[int, int]:
     """(dp rank, dp degree) of this rank's share of every global batch: the group's own dp
     ranks within all groups' (without fault tolerance: unchanged)."""
-    if not ft.enable:
-        return dp_rank, dp_degree
-    return ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return (ft.replica_id * dp_degree + dp_rank, ft.group_size * dp_degree) if ft.enable else (dp_rank, dp_degree)
 
 
 def _like_param(value: Any, param: torch.Tensor) -> Any:
@@ -101,9 +96,7 @@ def _like_param(value: Any, param: torch.Tensor) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     if isinstance(param, DTensor) and value.dim() > 0:
-        return DTensor.from_local(
-            value.clone(), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-        )
+        return shard_like(value.clone(), param)
     return value.clone()
 
 
@@ -166,10 +159,10 @@ class ReplicaGroup(StepParticipant):
     def _state(self) -> dict[str, Any]:
         optimizer = self.optimizer.state_dict()
         # new dicts of local shards: the optimizer's own state stays as it is
-        optimizer["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
+        optimizer["state"] = {i: {k: local_tensor(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
         return {
             # parameters and persistent buffers (the expert biases), as this rank's shards
-            "model": {name: _local(t.detach()) for name, t in self.model.state_dict(keep_vars=True).items()},
+            "model": {name: local_tensor(t.detach()) for name, t in self.model.state_dict(keep_vars=True).items()},
             "optimizer": optimizer,
             # per-step mode: the state before this step drew its batches (also while it is redone);
             # DiLoCo / local SGD heal at a sync, inside the optimizer step: the state as it is
@@ -179,7 +172,7 @@ class ReplicaGroup(StepParticipant):
     def _load(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             for name, t in self.model.state_dict(keep_vars=True).items():
-                _local(t.detach()).copy_(state["model"][name])
+                local_tensor(t.detach()).copy_(state["model"][name])
         optimizer = state["optimizer"]
         for index, values in optimizer["state"].items():
             values.update({key: _like_param(value, self.params[int(index)]) for key, value in values.items()})
@@ -270,7 +263,7 @@ class ReplicaGroup(StepParticipant):
             counts = self.experts.token_counts(self.model)
             self.manager.allreduce(counts, reduce_op=ReduceOp.SUM).wait()
             self.experts.discount_tokens(self.model, self.experts.token_counts(self.model) - counts)
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.detach())) for p in params]
+        grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in params]
         whole_loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().reshape(1).clone()
         _average(self.manager, [*grads, whole_loss])  # loss parallel: the whole loss
         return whole_loss[0].to(loss.dtype)
@@ -282,7 +275,7 @@ class ReplicaGroup(StepParticipant):
         alone. A failed average (a peer died) keeps this group's own until the next sync."""
         self.inner_steps += updated
         synced = not self.per_step and updated and self.inner_steps % self.ft.sync_steps == 0
-        buffers = [_local(b) for b in self.model.buffers() if b.is_floating_point()]  # not RoPE's complex table
+        buffers = [local_tensor(b) for b in self.model.buffers() if b.is_floating_point()]  # not RoPE's complex table
         if synced and buffers:
             _average(self.manager, buffers)
 

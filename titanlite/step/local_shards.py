@@ -14,10 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself under no_grad: writes reach the DTensor)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from titanlite.parallel.placement import local_tensor, shard_like
 
 
 def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -50,17 +47,14 @@ class AdamW(torch.optim.AdamW):
             for shard, param, state in swapped.values():
                 shard.grad, created = None, self.state.pop(shard, {})
                 if state or created:
-                    self.state[param] = state or {k: v if k == "step" else _like(v, param) for k, v in created.items()}
+                    self.state[param] = state or {
+                        k: v if k == "step" else shard_like(v, param) for k, v in created.items()
+                    }
 
     def _swap_in(self, param: DTensor, swapped: dict) -> torch.Tensor:
         shard = param.to_local()
-        shard.grad = None if param.grad is None else local(like_param(param.grad, param))
+        shard.grad = None if param.grad is None else local_tensor(like_param(param.grad, param))
         if state := self.state.pop(param, None):
-            self.state[shard] = {key: local(value) for key, value in state.items()}
+            self.state[shard] = {key: local_tensor(value) for key, value in state.items()}
         swapped[id(shard)] = (shard, param, state)
         return shard
-
-
-def _like(shard: torch.Tensor, param: DTensor) -> DTensor:
-    """A local shard as a DTensor laid out as `param`."""
-    return DTensor.from_local(shard, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())

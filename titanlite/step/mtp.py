@@ -107,6 +107,4 @@ def objective(
     scale: float,
 ) -> torch.Tensor:
     """A forward's loss: cross-entropy, or with label streams (MTP training) the MTP objective."""
-    if labels.ndim == 2:
-        return cross_entropy(logits, labels, tokens)
-    return mtp(logits, labels, tokens, scale)
+    return cross_entropy(logits, labels, tokens) if labels.ndim == 2 else mtp(logits, labels, tokens, scale)

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.step.local_shards import AdamW, like_param, local
+from titanlite.parallel.placement import local_tensor
+from titanlite.step.local_shards import AdamW, like_param
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's defaults
 NS_EPS = 1e-7  # the norm's floor before the iterations, torch.optim.Muon's default
@@ -93,11 +94,11 @@ class Muon(torch.optim.Optimizer):
         updates: dict[int, torch.Tensor] = {}
         for group, param in params:
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            grad = local(like_param(grad, param))
+            grad = local_tensor(like_param(grad, param))
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param)
-            buffer = local(state["momentum_buffer"])
+            buffer = local_tensor(state["momentum_buffer"])
             if param.grad is not None:
                 buffer.lerp_(grad, 1 - group["momentum"])
             updates[id(param)] = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
@@ -114,7 +115,7 @@ class Muon(torch.optim.Optimizer):
             if param.grad is None:
                 continue
             lr = group["lr"]
-            value = local(param)
+            value = local_tensor(param)
             value.mul_(1 - lr * group["weight_decay"])
             value.add_(orthogonal[id(param)], alpha=-lr * _lr_scale(group["adjust_lr_fn"], *param.shape[-2:]))
 
