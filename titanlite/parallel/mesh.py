@@ -87,7 +87,9 @@ class ParallelDims:
                 f"parallelism.expert_parallel_degree: {self.ep} does not divide {model}'s {uneven[0]} experts per layer"
             )
 
-    dp = property(lambda self: self.dp_replicate * self.dp_shard)  # the data-parallel degree
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -106,11 +108,21 @@ class ParallelDims:
         """Each routed expert's weights split over tp (parallel/expert_tensor_parallel.py)."""
         return self.etp > 1
 
-    # Whether each dim is in the mesh (degree > 1).
-    ep_enabled = property(lambda self: self.ep > 1)
-    cp_enabled = property(lambda self: self.cp > 1)
-    tp_enabled = property(lambda self: self.tp > 1)
-    pp_enabled = property(lambda self: self.pp > 1)
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     @property
     def shards(self) -> int:
