@@ -10,7 +10,8 @@ titanlite spends more than torchtitan.
                                    [--torchtitan-python /work/tt-venv/bin/python | --torchtitan-python none]
 
 One process, float32, eager, a plain loop on random tokens (forward, cross-entropy plus the
-MoE aux loss, backward, fused AdamW, the expert-bias update), as bench/moe_throughput.py.
+MoE aux loss, backward, fused AdamW, the expert-bias update), as bench/moe_throughput.py:
+`--warmup-steps`, then `--steps` timed (the unprofiled step, their median), then `--steps` profiled.
 torchtitan's side (its own llama3, qwen3 and deepseek_v3 modules of torchtitan 0.2.2, the
 same flavor at the same vocabulary; its expert-bias rule as its optimizer hook applies it)
 runs the same loop in a subprocess under torchtitan's venv (set up as bench/torchtitan_baseline.py
@@ -24,7 +25,7 @@ the weighted sum). Each backward op (autograd's `evaluate_function` event) is ch
 part whose range ran the forward op of the same autograd sequence number; the gradient
 accumulation of the leaves and backward ops of forward ops outside any part go to "rest".
 Shares are of the profiled step (the profiler's own overhead included); the unprofiled wall
-time per step is printed beside them. Nothing is asserted.
+time per step is printed beside them, and torchtitan's unprofiled step over titanlite's (speed). Nothing is asserted.
 
 Why: issue 50 asks where a DeepSeek-V3 step's time goes against Llama's and Qwen3-MoE's, and
 where titanlite spends more than torchtitan's same step. FSDP 2 against ep 2 by the same parts
@@ -201,7 +202,7 @@ def measure(framework: str, entry: str, args: argparse.Namespace) -> dict:
     generator = torch.Generator().manual_seed(0)
     batches = [
         torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=generator)
-        for _ in range(args.warmup_steps + args.steps)
+        for _ in range(args.warmup_steps + 2 * args.steps)
     ]
 
     def train_step(tokens: torch.Tensor) -> None:
@@ -214,14 +215,16 @@ def measure(framework: str, entry: str, args: argparse.Namespace) -> dict:
             optimizer.zero_grad(set_to_none=True)
             update_biases()
 
-    walls = []
-    for tokens in batches[: args.warmup_steps]:
+    timed = args.warmup_steps + args.steps
+    walls = []  # seconds of each unprofiled step after the warm-up
+    for index, tokens in enumerate(batches[:timed]):
         started = time.perf_counter()
         train_step(tokens)
-        walls.append(time.perf_counter() - started)
+        if index >= args.warmup_steps:
+            walls.append(time.perf_counter() - started)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         started = time.perf_counter()
-        for tokens in batches[args.warmup_steps :]:
+        for tokens in batches[timed:]:
             train_step(tokens)
         profiled = (time.perf_counter() - started) / args.steps
     times = breakdown(prof.events())
@@ -230,7 +233,7 @@ def measure(framework: str, entry: str, args: argparse.Namespace) -> dict:
     per_step_ms = 1e3 * args.steps
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
-        "unprofiled_ms": statistics.median(walls[1:] or walls) * 1e3,
+        "unprofiled_ms": statistics.median(walls) * 1e3,
         "profiled_ms": profiled * 1e3,
         "parts": {part: [times.get((part, phase), 0.0) / per_step_ms for phase in ("fwd", "bwd")] for part in PARTS},
         "ops": {e.key: e.self_cpu_time_total / per_step_ms for e in prof.key_averages() if e.key.startswith("aten::")},
@@ -259,8 +262,8 @@ def report(entry: str, mine: dict, theirs: dict | None, args: argparse.Namespace
         f"{mine['unprofiled_ms']:.0f} ms unprofiled, {mine['profiled_ms']:.0f} ms profiled"
         + (
             f"; torchtitan {theirs['parameters']:,} parameters, {theirs['unprofiled_ms']:.0f} / "
-            f"{theirs['profiled_ms']:.0f} ms (titanlite / torchtitan "
-            f"{mine['unprofiled_ms'] / theirs['unprofiled_ms']:.2f})"
+            f"{theirs['profiled_ms']:.0f} ms (titanlite's speed / torchtitan's, unprofiled: "
+            f"{theirs['unprofiled_ms'] / mine['unprofiled_ms']:.2f})"
             if theirs
             else ""
         )

@@ -131,12 +131,12 @@ def _sdpa(
     On CPU, a value head dim unlike the key's (MLA: 128 against 192) rules out torch's fused
     CPU kernel, which wants one head dim for q, k and v; SDPA's math path then scores every
     query against every key, the causal half masked away. Causal attention there runs instead
-    as `_causal_by_query_blocks`. On CUDA nothing changes: flash refuses unequal dims too, but
+    as `_CausalByQueryBlocks`. On CUDA nothing changes: flash refuses unequal dims too, but
     cuDNN (sm90+, 192/128 forward and backward) and the memory-efficient kernel take them.
     """
     whole_causal_on_cpu = mask is None and q.device.type == "cpu" and q.shape[-2] == k.shape[-2] and not grouped
     if whole_causal_on_cpu and v.shape[-1] != q.shape[-1]:
-        return _causal_by_query_blocks(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
+        return _CausalByQueryBlocks.apply(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped, scale=scale
     )
@@ -145,25 +145,54 @@ def _sdpa(
 CAUSAL_QUERY_BLOCK = 128
 
 
-def _causal_by_query_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_rule(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
+    """Queries start..stop over keys 0..stop: 0 where a key is at or before the query, else -inf."""
+    hidden = torch.ones(stop - start, stop, dtype=torch.bool, device=like.device).triu_(start + 1)
+    return torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
+
+
+class _CausalByQueryBlocks(torch.autograd.Function):
     """Causal attention as batched matmuls, `CAUSAL_QUERY_BLOCK` queries at a time over the keys
     up to the block's last query: keys after it are never scored, so a sequence of n blocks
-    costs (n + 1) / 2n of the full score and value products that SDPA's math path computes.
-    Each block's scores come from one `baddbmm` that adds the causal rule (0 or -inf, the
-    diagonal block's) and the scale in the product itself. The output is laid out as [batch,
-    queries, heads, v head_dim] memory, so merging the heads afterwards is a view. MLA's
-    training step at DeepSeek-V3's debug shape on CPU: docs/performance.md (issue 50)."""
-    batch, heads, seq, _ = q.shape
-    q, k, v = (t.reshape(batch * heads, seq, t.shape[-1]) for t in (q, k, v))
-    blocks = []
-    for start in range(0, seq, CAUSAL_QUERY_BLOCK):
-        stop = min(start + CAUSAL_QUERY_BLOCK, seq)
-        hidden = torch.ones(stop - start, stop, dtype=torch.bool, device=q.device).triu_(start + 1)
-        rule = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
-        scores = torch.baddbmm(rule, q[:, start:stop], k[:, :stop].transpose(1, 2), alpha=scale)
-        probs = scores.softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(v.dtype)
-        blocks.append(torch.bmm(probs, v[:, :stop]).view(batch, heads, stop - start, -1).transpose(1, 2))
-    return torch.cat(blocks, dim=1).transpose(1, 2)
+    costs (n + 1) / 2n of the score and value products that SDPA's math path computes. Each
+    block's scores come from one `baddbmm` that adds the causal rule and the scale within the
+    product. The backward is written out, as flash attention's is, from each block's saved
+    probabilities: the key and value gradients accumulate in place over the blocks, where
+    autograd would zero-fill and add a whole gradient per block slice. q, k, v [batch, heads,
+    seq, head_dim] (v's head dim its own) -> [batch, heads, seq, v head_dim], laid out as
+    [batch, seq, heads, v head_dim] memory so that merging the heads is a view. MLA's training
+    step on CPU: docs/performance.md (issue 50)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        batch, heads, seq, _ = q.shape
+        q, k, v = (t.reshape(batch * heads, seq, t.shape[-1]) for t in (q, k, v))
+        out = v.new_empty(batch, seq, heads, v.shape[-1])
+        probs = []
+        for start in range(0, seq, CAUSAL_QUERY_BLOCK):
+            stop = min(start + CAUSAL_QUERY_BLOCK, seq)
+            scores = torch.baddbmm(_causal_rule(start, stop, q), q[:, start:stop], k[:, :stop].mT, alpha=scale)
+            probs.append(scores.softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)))
+            block = torch.bmm(probs[-1].to(v.dtype), v[:, :stop])
+            out[:, start:stop] = block.view(batch, heads, stop - start, -1).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, *probs)
+        ctx.scale = scale
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, *probs = ctx.saved_tensors
+        shape = grad.shape[:2]
+        grad = grad.reshape(q.shape[0], q.shape[1], -1)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for start, p in zip(range(0, q.shape[1], CAUSAL_QUERY_BLOCK), probs):
+            stop, g = start + p.shape[1], grad[:, start : start + p.shape[1]]
+            dv[:, :stop].baddbmm_(p.to(v.dtype).mT, g)
+            d_probs = torch.bmm(g, v[:, :stop].mT).to(p.dtype)
+            d_scores = torch._softmax_backward_data(d_probs, p, -1, p.dtype).mul_(ctx.scale).to(q.dtype)
+            torch.bmm(d_scores, k[:, :stop], out=dq[:, start:stop])
+            dk[:, :stop].baddbmm_(d_scores.mT, q[:, start:stop])
+        return *(t.view(*shape, *t.shape[1:]) for t in (dq, dk, dv)), None
 
 
 @functools.cache
