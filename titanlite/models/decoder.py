@@ -25,7 +25,7 @@ from titanlite.models.attention import Mask, attend, build_mask
 from titanlite.models.chunked_attention import plan_chunks
 from titanlite.models.init import ShardInit
 from titanlite.models.kv_cache import KVCache, LayerKVCache
-from titanlite.models.moe_experts import local_weight
+from titanlite.parallel.placement import local_tensor
 from titanlite.model_spec import DecoderArgs
 from titanlite.models.rope import RopeScaling, apply_rope, rope_cos_sin
 from titanlite.parallel.context_parallel import ContextParallel
@@ -97,7 +97,7 @@ class Attention(nn.Module):
         # of a TP shard), read in place instead of copied by repeat_interleave. The transposes
         # are views; the CPU and CUDA kernels take strided heads, and the output's
         # [batch, seq, heads, head_dim] memory makes the reshape below a view too.
-        sinks = None if self.sinks is None else local_weight(self.sinks)  # this rank's heads' under TP
+        sinks = None if self.sinks is None else local_tensor(self.sinks)  # this rank's heads' under TP
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.grouped, sinks=sinks)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 

@@ -29,8 +29,8 @@ if `scale * aux_loss` had been added to the loss. The trainer does this at every
 
 Under tensor parallelism the layer runs whole on every tp rank (the TP plan hands it the
 whole sequence): its parameters are Replicate DTensors on the tp mesh, read as plain
-tensors (`local_weight`). Under context parallelism each rank routes its own tokens and the
-per-sequence token counts of the aux loss are summed over the cp ranks
+tensors (`local_tensor`; models/moe_experts.py says why). Under context parallelism each
+rank routes its own tokens and the per-sequence token counts of the aux loss are summed over the cp ranks
 (`context_parallel`, set by the model like its attention's). Under expert parallelism
 (`enable_expert_parallel`, parallel/expert_parallel.py) routing stays this rank's own, the
 same as above, and only the routed rows travel to the ranks that hold their experts and back.
@@ -50,10 +50,11 @@ from torch import nn
 
 from titanlite.models.decoder import FeedForward
 from titanlite.models.init import ShardInit, unwrapped_name
-from titanlite.models.moe_experts import ClampedSwiGLUExperts, GroupedExperts, local_weight
+from titanlite.models.moe_experts import ClampedSwiGLUExperts, GroupedExperts
 from titanlite.parallel.collectives import sum_over
 from titanlite.parallel.context_parallel import ContextParallel
 from titanlite.parallel.expert_parallel import ExpertParallel
+from titanlite.parallel.placement import local_tensor
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -141,8 +142,8 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, args.n_experts, bias=args.router_bias)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None) -> Routing:
-        bias = None if self.gate.bias is None else local_weight(self.gate.bias)
-        logits = F.linear(x, local_weight(self.gate.weight), bias).float()
+        bias = None if self.gate.bias is None else local_tensor(self.gate.bias)
+        logits = F.linear(x, local_tensor(self.gate.weight), bias).float()
         scores = logits.softmax(dim=-1) if self.args.score_func == "softmax" else logits.sigmoid()
         choice = scores if expert_bias is None else scores + expert_bias
         if self.args.n_group > 1:

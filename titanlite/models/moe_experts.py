@@ -18,6 +18,14 @@ newer), the loop elsewhere. On CPU torch 2.13's grouped matmul runs (float32, bf
 not float64) and equals the loop forward and backward to rounding (tests/unit/test_moe.py), but
 it is no faster, needs every stride a multiple of 16 bytes, and its backward fails on an
 expanded gradient (as `out.sum().backward()` gives): the loop is the CPU path.
+
+The weights are read as the plain tensors this rank computes with (`local_tensor`). Under tensor
+parallelism a mixture-of-experts layer runs whole on every rank (its parameters Replicate
+DTensors on the tp mesh, so every parameter shares one mesh for the grad norm and FSDP), on plain
+tensors: routing (top-k, counts, sorting) has no DTensor rules. `to_local` is differentiable: the
+gradient comes back as the Replicate DTensor every rank computed in full. Under expert
+parallelism the routed experts are Shard(0) DTensors over the ep ranks
+(parallel/expert_parallel.py): the local tensor is this rank's experts.
 """
 
 from __future__ import annotations
@@ -25,25 +33,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from titanlite.models.init import ShardInit
+from titanlite.parallel.placement import local_tensor
 
 # torch 2.13 makes the grouped matmul public; torch 2.11 (the GPU machines) has only the
 # private op, with the same signature.
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-
-
-def local_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A parameter as the plain tensor this rank computes with. Under tensor parallelism a
-    mixture-of-experts layer runs whole on every rank (its parameters Replicate DTensors on
-    the tp mesh, so every parameter shares one mesh for the grad norm and FSDP), on plain
-    tensors: routing (top-k, counts, sorting) has no DTensor rules. `to_local` is
-    differentiable: the gradient comes back as the Replicate DTensor every rank computed in
-    full. Under expert parallelism the routed experts are Shard(0) DTensors over the ep ranks
-    (parallel/expert_parallel.py): the local tensor is this rank's experts. A plain tensor is
-    returned as it is."""
-    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def use_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
@@ -103,7 +99,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = local_weight(self.w1), local_weight(self.w2), local_weight(self.w3)
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
         grouped = use_grouped_mm(x.device, x.dtype) and w1.dtype == x.dtype and _aligned(w1, w2)
         run = run_experts_grouped if grouped else run_experts_loop
         return run(w1, w2, w3, x, counts)
@@ -136,7 +132,7 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         up, up_bias, down, down_bias = (
-            local_weight(p) for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias)
+            local_tensor(p) for p in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias)
         )
         if use_grouped_mm(x.device, x.dtype) and up.dtype == x.dtype and _aligned(up, down):
             offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)

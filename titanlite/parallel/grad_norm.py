@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from titanlite.parallel.placement import local_tensor
+
 from titanlite.errors import TitanliteError
 
 
@@ -85,7 +87,7 @@ def total_grad_norm(
     total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
     by_replication: dict[int, list[torch.Tensor]] = {}
     for g in grads:
-        by_replication.setdefault(_replication(g), []).append(g.to_local() if isinstance(g, DTensor) else g)
+        by_replication.setdefault(_replication(g), []).append(local_tensor(g))
     for copies, locals_ in by_replication.items():
         total += _sum_of_squares(locals_) / copies
     if world and dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -104,7 +106,7 @@ def clip_gradients_(
 
 def scale_to_norm_(parameters: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
     """Scale the gradients by max_norm / norm where that is below 1 (clipping; 0 = no clipping)."""
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
     if max_norm > 0 and grads:
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
 

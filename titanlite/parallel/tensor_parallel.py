@@ -146,7 +146,7 @@ class WholeOnEachRank(ParallelStyle):
     """A module every tp rank computes in full, on plain tensors (a mixture-of-experts layer,
     whose routing has no DTensor rules): its parameters become Replicate DTensors on the tp
     mesh (so every parameter shares the mesh the grad norm and FSDP see) and the module reads
-    them as local tensors (`models/moe_experts.local_weight`); its buffers stay plain (the
+    them as local tensors (`parallel/placement.local_tensor`); its buffers stay plain (the
     same values on every rank). Its first input arrives in the residual layout and is handed
     over as the whole sequence, a plain tensor (an all-gather of sequence shards under
     sequence parallelism); its output, the whole sequence, leaves in the residual layout (this
