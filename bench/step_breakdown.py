@@ -57,8 +57,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 sys.path.insert(0, str(REPO / "bench"))  # the torchtitan shim's patches
 
-# torchtitan's debug shapes (titanlite's `torchtitan:` flavors), as issue 50 compares them,
-# and the torchtitan family and flavor of each.
+# torchtitan's debug shapes (titanlite's `torchtitan:` flavors, the same family and flavor names in
+# torchtitan), as issue 50 compares them.
 DEFAULT_MODELS = (
     "llama3:torchtitan:debugmodel",
     "qwen3:torchtitan:debugmodel_moe",

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from titanlite.models.chunked_attention import ChunkPlan, chunked_attention, whole_plan
+from titanlite.models.chunked_attention import ChunkPlan, additive, chunked_attention, whole_plan
 
 Mask = Union[torch.Tensor, BlockMask, ChunkPlan, None]
 
@@ -147,8 +147,8 @@ CAUSAL_QUERY_BLOCK = 128
 
 def _causal_rule(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
     """Queries start..stop over keys 0..stop: 0 where a key is at or before the query, else -inf."""
-    hidden = torch.ones(stop - start, stop, dtype=torch.bool, device=like.device).triu_(start + 1)
-    return torch.zeros(hidden.shape, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
+    allowed = torch.arange(start, stop, device=like.device)[:, None] >= torch.arange(stop, device=like.device)
+    return additive(allowed, like.dtype)
 
 
 class _CausalByQueryBlocks(torch.autograd.Function):

@@ -103,8 +103,12 @@ def whole_plan(mask: torch.Tensor | None, queries: int, keys: int, dtype: torch.
     kernel's causal rule, a boolean [batch or 1, 1, queries, keys] mask an additive one."""
     if mask is None:
         return ChunkPlan((QueryChunk(0, queries, (Piece(0, keys, causal=True),)),))
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return ChunkPlan((QueryChunk(0, queries, (Piece(0, keys, bias=bias),)),))
+    return ChunkPlan((QueryChunk(0, queries, (Piece(0, keys, bias=additive(mask, dtype)),)),))
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the kernels add it to the scores: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _causal_pieces(first_key: int, start: int, chunk_len: int) -> tuple[Piece, ...]:
@@ -124,8 +128,7 @@ def _masked(
     if window is not None:
         allowed = allowed & (queries[:, None] - keys[None, :] < window)
     allowed = allowed[None] if ids is None else allowed & (ids[:, start:stop, None] == ids[:, None, lo:stop])
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    return Piece(lo, stop, bias=bias[:, None])
+    return Piece(lo, stop, bias=additive(allowed, dtype)[:, None])
 
 
 class _Documents:
