@@ -61,6 +61,7 @@ def test_causal_attention_with_narrower_values_by_query_blocks(seq):
     q, k = (torch.randn(2, 3, seq, 12, dtype=torch.float64, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 3, seq, 8, dtype=torch.float64, requires_grad=True)
     out = attend(q, k, v, None, grouped=False, scale=0.3)
+    assert type(out.grad_fn).__name__ == "_CausalByQueryBlocksBackward"  # the blocks ran, not SDPA
     scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), -torch.inf)
     expected = scores.softmax(-1) @ v
     grad = torch.randn_like(out)
