@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import sys
 import traceback
@@ -122,9 +123,11 @@ def optimizer_groups(trainer: Trainer, names: dict[int, str]) -> list[dict]:
 
 
 def copy_checkpoint(source: str, step: int, cfg) -> None:
+    """Hard links, not copies: a resume only reads the saved step and writes new ones beside it,
+    and the resume module's ~30 copies would otherwise add gigabytes to the suite's disk."""
     target = Path(cfg.job.dump_folder) / cfg.checkpoint.folder / f"step-{step}"
     shutil.rmtree(target.parent, ignore_errors=True)
-    shutil.copytree(Path(source) / "checkpoint" / f"step-{step}", target)
+    shutil.copytree(Path(source) / "checkpoint" / f"step-{step}", target, copy_function=os.link)
 
 
 def run_case(case: dict) -> dict:
