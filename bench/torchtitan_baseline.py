@@ -4,12 +4,14 @@ their ratio and peak RSS per rank.
     /work/tt-venv/bin/python bench/torchtitan_baseline.py [--model llama3|deepseek_v3]
         [--layouts one,fsdp2,tp2,fsdp2_tp2,pp2,pp2_gpipe,ep2] [--frameworks torchtitan,titanlite]
         [--steps 20] [--warmup-steps 10] [--seq-len N] [--local-batch-size N] [--data synthetic|counting]
-        [--no-cpu-bind] [--keep-logs DIR] [--titanlite-python .venv/bin/python] [-- extra torchtitan flags]
+        [--rounds 1] [--no-cpu-bind] [--keep-logs DIR] [--titanlite-python .venv/bin/python] [-- extra torchtitan flags]
 
 For each layout torchtitan runs, then titanlite's trainer on the same shape and settings
 (bench/throughput.py's worker under titanlite's own venv, `--titanlite-python`, without its
 ceiling timing), one job at a time, so host drift within the run touches both alike; the
-table prints both figures and titanlite / torchtitan. `--model deepseek_v3` is torchtitan's
+table prints both figures and titanlite / torchtitan. Runs of the same code minutes apart
+differ by 5-10% on a shared 2-core host: `--rounds N` repeats the whole sequence and prints
+each framework's median and the median of the N ratios, each round's beside it. `--model deepseek_v3` is torchtitan's
 deepseek_v3 `debugmodel` (MLA, 8 experts top-3 + 2 shared) against titanlite's
 `torchtitan:debugmodel` flavor, the same shape (see the shim, patch 4), by default at local
 batch 4 x 256 (issue 50's comparison); its `ep2` layout is titanlite's expert parallelism
@@ -391,6 +393,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--keep-logs", metavar="DIR", help="keep each run's logs under DIR/<layout>/ (default: a temporary folder)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the whole sequence this many times (a noisy host's runs minutes apart differ by 5-10%%): each "
+        "framework's median tokens/s and the median of the rounds' ratios",
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it counts as hung")
     parser.add_argument("overrides", nargs="*", help="extra torchtitan flags, after --")
     return checked(parser, parser.parse_args())
@@ -412,36 +421,45 @@ def checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
     return args
 
 
-def run_all(args: argparse.Namespace, folder: Path) -> dict[tuple[str, str], Run]:
-    """(framework, layout) -> run: each layout's torchtitan run, then titanlite's, one at a time. A
-    titanlite-only layout's torchtitan peer runs first if it is not in the list."""
-    runs: dict[tuple[str, str], Run] = {}
-    for name in args.layouts:
-        peer = TITANLITE_ONLY.get(name, name)
-        if "torchtitan" in args.frameworks and ("torchtitan", peer) not in runs:
-            runs["torchtitan", peer] = launch(args, peer, folder)
-        if "titanlite" in args.frameworks:
-            runs["titanlite", name] = launch_titanlite(args, name, folder)
+def run_all(args: argparse.Namespace, folder: Path) -> dict[tuple[str, str], list[Run]]:
+    """(framework, layout) -> its run in each round: per round, each layout's torchtitan run, then
+    titanlite's, one at a time. A titanlite-only layout's torchtitan peer runs first if it is not
+    in the list."""
+    runs: dict[tuple[str, str], list[Run]] = {}
+    for index in range(args.rounds):
+        here = folder / f"round{index}" if args.rounds > 1 else folder
+        for name in args.layouts:
+            peer = TITANLITE_ONLY.get(name, name)
+            if "torchtitan" in args.frameworks and len(runs.get(("torchtitan", peer), [])) == index:
+                runs.setdefault(("torchtitan", peer), []).append(launch(args, peer, here))
+            if "titanlite" in args.frameworks:
+                runs.setdefault(("titanlite", name), []).append(launch_titanlite(args, name, here))
     return runs
 
 
-def describe(run: Run | None, warmup_steps: int) -> tuple[str, str, str]:
-    """(tokens/s, loss first -> last, peak RSS) of a run as table cells ("-" when not run)."""
-    if run is None:
+def describe(rounds: list[Run], warmup_steps: int) -> tuple[str, str, str]:
+    """(tokens/s, loss first -> last, peak RSS) of a framework's runs of a layout as table cells
+    ("-" when not run): the median tokens/s over the rounds, the first round's losses, the
+    highest peak."""
+    if not rounds:
         return "-", "-", "-"
-    values = losses(run)
-    if not all(math.isfinite(v) for v in values):
+    values = losses(rounds[0])
+    if not all(math.isfinite(v) for run in rounds for v in losses(run)):
         print(f"warning: a run logged a non-finite loss: {values}", file=sys.stderr)
-    memory = max(mem for steps in run.steps for _, _, mem, _ in steps)
-    return f"{global_tokens_per_s(run, warmup_steps):,.0f}", f"{values[0]:.3f} -> {values[-1]:.3f}", f"{memory:.2f}"
+    memory = max(mem for run in rounds for steps in run.steps for _, _, mem, _ in steps)
+    tokens = statistics.median(global_tokens_per_s(run, warmup_steps) for run in rounds)
+    return f"{tokens:,.0f}", f"{values[0]:.3f} -> {values[-1]:.3f}", f"{memory:.2f}"
 
 
-def print_header(args: argparse.Namespace, runs: dict[tuple[str, str], Run]) -> None:
+def print_header(args: argparse.Namespace, runs: dict[tuple[str, str], list[Run]]) -> None:
     from importlib.metadata import version  # of the venv's packages, for the header only
 
     model = MODELS[args.model]
     expected = titanlite_n_params(model)
-    counts = {f: sorted({r.n_params for (g, _), r in runs.items() if g == f}) for f in ("torchtitan", "titanlite")}
+    counts = {
+        f: sorted({r.n_params for (g, _), rounds in runs.items() if g == f for r in rounds})
+        for f in ("torchtitan", "titanlite")
+    }
     print(
         f"torchtitan {version('torchtitan')} {model.torchtitan} flavor {FLAVOR}: parameters "
         f"{', '.join(f'{c:,}' for c in counts['torchtitan']) or '-'}; titanlite {model.family} {model.flavor}: "
@@ -451,19 +469,20 @@ def print_header(args: argparse.Namespace, runs: dict[tuple[str, str], Run]) -> 
     print(
         f"seq_len {args.seq_len}, local batch {args.local_batch_size} per data-parallel rank, {args.steps} steps "
         f"(first {args.warmup_steps} left out); CPU, {usable_cores()} cores{'' if args.cpu_bind else ', unbound'}"
+        + (f"; {args.rounds} rounds: medians, and each round's ratio" if args.rounds > 1 else "")
     )
 
 
-def print_table(args: argparse.Namespace, runs: dict[tuple[str, str], Run]) -> None:
+def print_table(args: argparse.Namespace, runs: dict[tuple[str, str], list[Run]]) -> None:
     print(
         "\n| layout | processes x threads | torchtitan tokens/s | titanlite tokens/s | titanlite / torchtitan "
         "| peak RSS per rank GiB tt / tl | loss first -> last tt / tl |"
     )
     print("|---|---|---:|---:|---:|---|---|")
     for name in args.layouts:
-        tt, tl = runs.get(("torchtitan", TITANLITE_ONLY.get(name, name))), runs.get(("titanlite", name))
-        for run in (tt, tl):
-            if run is not None and any((t, i) != (run.threads, 1) for _, t, i in run.placement):
+        tt, tl = runs.get(("torchtitan", TITANLITE_ONLY.get(name, name)), []), runs.get(("titanlite", name), [])
+        for run in (*tt, *tl):
+            if any((t, i) != (run.threads, 1) for _, t, i in run.placement):
                 print(
                     f"warning: {name}: ranks' (threads, inter-op) {run.placement}, expected {run.threads}",
                     file=sys.stderr,
@@ -473,8 +492,16 @@ def print_table(args: argparse.Namespace, runs: dict[tuple[str, str], Run]) -> N
             describe(tl, args.warmup_steps),
         )
         ratio = "-"
-        if tt is not None and tl is not None:
-            ratio = f"**{global_tokens_per_s(tl, args.warmup_steps) / global_tokens_per_s(tt, args.warmup_steps):.2f}**"
+        if tt and tl:
+            # Each round's titanlite run over the torchtitan run just before it: host drift
+            # between rounds moves both alike, so the median of these is the steadier figure.
+            each = [
+                global_tokens_per_s(b, args.warmup_steps) / global_tokens_per_s(a, args.warmup_steps)
+                for a, b in zip(tt, tl)
+            ]
+            ratio = f"**{statistics.median(each):.2f}**" + (
+                f" ({', '.join(f'{r:.2f}' for r in each)})" if len(each) > 1 else ""
+            )
         nproc = LAYOUTS[name][1]
         print(
             f"| {LAYOUTS[name][0]} | {nproc} x {max(1, usable_cores() // nproc)} | {tt_tps} | {tl_tps} | {ratio} "
