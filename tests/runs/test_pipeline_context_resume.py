@@ -32,6 +32,8 @@ Runs of one world size are cases of one training session (tests/helpers/sessions
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.helpers.distributed import EQUIVALENCE_ARGS, timeout_scale
@@ -222,6 +224,10 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     for nproc, cases in plan:
         session = run_session(nproc, cases, root / f"world{nproc}", timeout=600)
         histories.update({case.name: session[case.name]["history"] for case in cases})
+    # The histories are all the tests read: the ~7 GB of checkpoints go now, not at the end of
+    # the suite (the logs stay).
+    for folder in root.glob("world*/*/checkpoint"):
+        shutil.rmtree(folder)
     return histories
 
 
