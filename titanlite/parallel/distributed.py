@@ -116,7 +116,8 @@ def init_distributed(init_timeout_seconds: int = 600, cpu_offload: bool = False)
         device_id = device if device.type == "cuda" else None
         backend = backend_for(device.type, cpu_offload)
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-        if "gloo" in backend:
+        if "gloo" in backend:  # once, however many times a process starts a group
+            atexit.unregister(_let_gloo_threads_finish)
             atexit.register(_let_gloo_threads_finish)
     _timeouts.seconds, _timeouts.groups = init_timeout_seconds, [dist.group.WORLD]
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
