@@ -20,9 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from titanlite.parallel.placement import local_tensor
-
 from titanlite.errors import TitanliteError
+from titanlite.parallel.placement import local_tensor
 
 
 def _replication(grad: torch.Tensor) -> int:
