@@ -443,9 +443,10 @@ def describe(rounds: list[Run], warmup_steps: int) -> tuple[str, str, str]:
     highest peak."""
     if not rounds:
         return "-", "-", "-"
+    for run in rounds:
+        if not all(math.isfinite(v) for v in losses(run)):
+            print(f"warning: a run logged a non-finite loss: {losses(run)}", file=sys.stderr)
     values = losses(rounds[0])
-    if not all(math.isfinite(v) for run in rounds for v in losses(run)):
-        print(f"warning: a run logged a non-finite loss: {values}", file=sys.stderr)
     memory = max(mem for run in rounds for steps in run.steps for _, _, mem, _ in steps)
     tokens = statistics.median(global_tokens_per_s(run, warmup_steps) for run in rounds)
     return f"{tokens:,.0f}", f"{values[0]:.3f} -> {values[-1]:.3f}", f"{memory:.2f}"
